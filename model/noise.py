@@ -1,0 +1,32 @@
+"""Initial latent noise as a pure function of (seed, shape): the same on every backend, batch and device count."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import RequestError
+
+MAX_SEED = 2**63
+
+
+def validate_seed(seed) -> int:
+    """Return `seed` as int if it is an integer in [0, 2**63), else raise RequestError naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise RequestError(f"seed must be an integer in [0, 2**63), got {seed!r}", value=seed)
+    seed = int(seed)
+    if not 0 <= seed < MAX_SEED:
+        raise RequestError(f"seed must be in [0, 2**63), got {seed}", value=seed)
+    return seed
+
+
+def initial_noise(seed: int, shape) -> np.ndarray:
+    """Standard-normal float32 noise of `shape` drawn from numpy's PCG64 seeded with `seed` alone.
+
+    For an image of height x width this is `(in_channels, height // 16, width // 16)` in the patchified layout that
+    diffusers' Flux2KleinPipeline accepts as `latents` (one batch row per image).
+    """
+    seed = validate_seed(seed)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise RequestError(f"noise shape must be non-negative, got {shape}", value=shape)
+    return np.random.Generator(np.random.PCG64(seed)).standard_normal(shape, dtype=np.float32)

@@ -1,0 +1,44 @@
+"""FLUX.2 [klein] text-to-image batch generation in JAX/Flax on Apache Beam."""
+
+from setuptools import find_packages, setup
+
+# Runtime: what a worker needs to load a diffusers-layout checkpoint and run the Beam job.
+RUNTIME_REQUIREMENTS = [
+    "apache-beam[gcp]==2.77.0",
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "transformers==5.24.0",  # tokenizer only: no torch/Flax model classes are imported at runtime
+    "tokenizers==0.23.3",
+    "numpy==2.4.6",
+    "pillow==12.3.0",
+    "safetensors==0.8.0",
+    "google-cloud-storage==3.17.1",
+]
+
+# Test-only reference stack: diffusers/transformers on PyTorch CPU give the numbers we must match and build
+# the tiny random checkpoints with their own save_pretrained (the bundled demo needs only that part: [demo]).
+# Never imported by model/, transforms/ or pipeline/ at runtime.
+DEMO_REQUIREMENTS = [
+    "torch==2.13.0",
+    "diffusers==0.42.1",
+]
+
+TEST_REQUIREMENTS = DEMO_REQUIREMENTS + [
+    "pytest==9.2.0",
+    "hypothesis==6.170.17",
+    "psutil==7.2.2",
+    "gcp-storage-emulator==2026.7.19",
+]
+
+setup(
+    name="flux2-klein-beam",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
+                                    "benchmarks", "benchmarks.*"]),
+    include_package_data=True,
+    install_requires=RUNTIME_REQUIREMENTS,
+    extras_require={"demo": DEMO_REQUIREMENTS, "test": TEST_REQUIREMENTS},
+)
