@@ -168,11 +168,14 @@ class TextEncoderConfig:
 class VAEConfig:
     """AutoencoderKLFlux2 config (vae/config.json); decoder side plus the latent batch-norm."""
 
+    in_channels: int
     out_channels: int
     latent_channels: int
-    block_out_channels: tuple[int, ...]
+    block_out_channels: tuple[int, ...]  # the decoder's (decoder_block_out_channels when the config sets it)
+    encoder_block_out_channels: tuple[int, ...]
     layers_per_block: int
     norm_num_groups: int
+    use_quant_conv: bool
     use_post_quant_conv: bool
     mid_block_add_attention: bool
     batch_norm_eps: float
@@ -194,14 +197,24 @@ class VAEConfig:
             raise ConfigError("only UpDecoderBlock2D decoder blocks are supported", path=path,
                               key="up_block_types", value=up)
         patch = _get(d, "patch_size", (int,), path, (2, 2))
-        if len(patch) != 2:
-            raise ConfigError("patch_size must have two entries", path=path, key="patch_size", value=patch)
+        if tuple(patch) != (2, 2):
+            # Flux2KleinPipeline patchifies latents 2x2 by construction, whatever the config says.
+            raise ConfigError("only a (2, 2) latent patch is supported", path=path, key="patch_size", value=patch)
+        encoder_chans = _get(d, "block_out_channels", (int,), path, (128, 256, 512, 512))
+        decoder_chans = _get(d, "decoder_block_out_channels", (int,), path, encoder_chans)
+        if len(decoder_chans) != len(encoder_chans) or not decoder_chans:
+            # The pipeline sizes latents from block_out_channels; a decoder of another depth would mis-size images.
+            raise ConfigError("decoder_block_out_channels must have as many entries as block_out_channels",
+                              path=path, key="decoder_block_out_channels", value=decoder_chans)
         cfg = cls(
+            in_channels=_get(d, "in_channels", int, path, 3),
             out_channels=_get(d, "out_channels", int, path, 3),
             latent_channels=_get(d, "latent_channels", int, path, 32),
-            block_out_channels=_get(d, "block_out_channels", (int,), path, (128, 256, 512, 512)),
+            block_out_channels=decoder_chans,
+            encoder_block_out_channels=encoder_chans,
             layers_per_block=_get(d, "layers_per_block", int, path, 2),
             norm_num_groups=_get(d, "norm_num_groups", int, path, 32),
+            use_quant_conv=_get(d, "use_quant_conv", bool, path, True),
             use_post_quant_conv=_get(d, "use_post_quant_conv", bool, path, True),
             mid_block_add_attention=_get(d, "mid_block_add_attention", bool, path, True),
             batch_norm_eps=_get(d, "batch_norm_eps", float, path, 1e-4),
@@ -210,10 +223,16 @@ class VAEConfig:
         if up is not None and len(up) != len(cfg.block_out_channels):
             raise ConfigError("up_block_types and block_out_channels differ in length", path=path,
                               key="up_block_types", value=up)
-        for c in cfg.block_out_channels:
+        for c in cfg.block_out_channels + cfg.encoder_block_out_channels:
             if c % cfg.norm_num_groups:
                 raise ConfigError("block_out_channels must be multiples of norm_num_groups", path=path,
-                                  key="block_out_channels", value=cfg.block_out_channels)
+                                  key="block_out_channels", value=cfg.encoder_block_out_channels)
+        down = d.get("down_block_types")
+        if down is not None and any(t != "DownEncoderBlock2D" for t in down):
+            raise ConfigError("only DownEncoderBlock2D encoder blocks are supported", path=path,
+                              key="down_block_types", value=down)
+        if d.get("act_fn", "silu") != "silu":
+            raise ConfigError("only the silu activation is supported", path=path, key="act_fn", value=d["act_fn"])
         _positive(cfg, path, "out_channels", "latent_channels", "layers_per_block", "norm_num_groups")
         return cfg
 

@@ -1,0 +1,185 @@
+"""Compiled programs of the generator: encode, fused denoise loop, decode to uint8; shape buckets and the mesh.
+
+All device work for one batch is three executables, compiled ahead of time per bucket (batch, height, width,
+steps, CFG) and reused: the text encoder, the whole denoising loop as one `lax.scan` (sigmas staged on device and
+indexed by the step counter), and the VAE decode with the latents donated, ending in uint8 pixels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Switches of the fast path (all on by default); `reference=True` selects the naive path for comparison."""
+
+    reference: bool = False            # Python step loop, full-depth encoder, host uint8, tokenizer per call
+    fused_loop: bool = True            # all steps in one lax.scan program
+    truncated_encoder: bool = True     # stop the text encoder at the deepest needed layer
+    device_uint8: bool = True          # pixels -> uint8 on device, only uint8 crosses to host
+    dedupe_prompts: bool = True        # encode identical prompts of a batch once
+    embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 = off)
+    aot_compile: bool = True           # compile each bucket ahead of time, concurrently
+    overlap_host: bool = True          # prepare the next batch while the device works on this one
+    attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn
+    text_encoder_attention: str = "xla"  # text encoder attention, independent of the transformer's
+    data_parallel: bool = True         # shard the batch over all local devices
+    batch_size: int | None = None      # compiled batch size; None = the number of images asked for
+    compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
+
+    @classmethod
+    def reference_mode(cls, **kw) -> "EngineOptions":
+        return cls(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
+                   dedupe_prompts=False, embed_cache_size=0, aot_compile=False, overlap_host=False,
+                   attention="dot", text_encoder_attention="dot", **kw)
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Point JAX's persistent compilation cache at `path` (local folder or gs://) so restarts skip compiling."""
+    if not path:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def make_mesh(data_parallel: bool) -> Mesh:
+    devices = jax.local_devices() if data_parallel else jax.local_devices()[:1]
+    return Mesh(np.array(devices), ("data",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Everything a compiled executable is specialised on."""
+
+    batch: int
+    grid_h: int
+    grid_w: int
+    steps: int
+    cfg: bool
+
+
+class CompiledPrograms:
+    """Builds and caches the three jitted/AOT-compiled programs for each bucket."""
+
+    def __init__(self, text_encoder, transformer, vae, *, dtype, options: EngineOptions, text_len: int,
+                 attention: str, text_attention: str, mesh: Mesh):
+        self.dtype = dtype
+        self.options = options
+        self.text_len = text_len
+        self.mesh = mesh
+        self.replicated = NamedSharding(mesh, P())
+        self.batched = NamedSharding(mesh, P("data"))
+        te_graph, te_state = nnx.split(text_encoder)
+        tr_graph, tr_state = nnx.split(transformer)
+        vae_graph, vae_state = nnx.split(vae)
+        # Parameters are placed on the devices once (replicated); every program takes them as arguments.
+        self.te_state = jax.device_put(te_state, self.replicated)
+        self.tr_state = jax.device_put(tr_state, self.replicated)
+        self.vae_state = jax.device_put(vae_state, self.replicated)
+        self.compile_count = 0
+        self._lock = threading.Lock()
+        self._compiled: dict = {}
+
+        def encode(state, ids, mask):
+            model = nnx.merge(te_graph, state)
+            return model(ids, mask, implementation=text_attention).astype(dtype)
+
+        def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale):
+            model = nnx.merge(tr_graph, state)
+            if neg_txt is None:
+                return model(x, txt, t, cos, sin, implementation=attention)
+            both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]),
+                         cos, sin, implementation=attention)
+            pos, neg = jnp.split(both, 2)
+            return neg + guidance_scale.astype(pos.dtype) * (pos - neg)
+
+        def euler(x, v, sigma, sigma_next):
+            return (x.astype(jnp.float32) + (sigma_next - sigma) * v.astype(jnp.float32)).astype(x.dtype)
+
+        def denoise(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
+            batch = latents.shape[0]
+
+            def step(x, i):
+                t = jnp.broadcast_to(timesteps[i].astype(x.dtype), (batch,)) / 1000
+                v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale)
+                return euler(x, v, sigmas[i], sigmas[i + 1]), None
+
+            out, _ = jax.lax.scan(step, latents, jnp.arange(timesteps.shape[0]))
+            return out
+
+        def single_step(state, x, txt, neg_txt, sigma, sigma_next, timestep, cos, sin, guidance_scale):
+            t = jnp.broadcast_to(timestep.astype(x.dtype), (x.shape[0],)) / 1000
+            return euler(x, velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale), sigma, sigma_next)
+
+        def decode(state, tokens, grid_h, grid_w, to_uint8):
+            model = nnx.merge(vae_graph, state)
+            image = model.decode_latents(tokens, grid_h, grid_w).astype(jnp.float32)
+            if not to_uint8:
+                return image
+            return jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)
+
+        self._encode = jax.jit(encode)
+        self._denoise = jax.jit(denoise, donate_argnums=(1,))
+        self._single_step = jax.jit(single_step, donate_argnums=(1,))
+        self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,))
+
+    # ---------------------------------------------------------------------------------------------- specs
+
+    def _spec(self, shape, dtype, batched=True):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batched if batched else self.replicated)
+
+    def _encode_args(self, batch):
+        return (self.te_state, self._spec((batch, self.text_len), jnp.int32),
+                self._spec((batch, self.text_len), jnp.int32))
+
+    def _denoise_args(self, b: Bucket, in_channels, joint_dim, head_dim):
+        seq = self.text_len + b.grid_h * b.grid_w
+        txt = self._spec((b.batch, self.text_len, joint_dim), self.dtype)
+        return (self.tr_state, self._spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype), txt,
+                txt if b.cfg else None, self._spec((b.steps + 1,), jnp.float32, False),
+                self._spec((b.steps,), jnp.float32, False), self._spec((seq, head_dim), jnp.float32, False),
+                self._spec((seq, head_dim), jnp.float32, False), self._spec((), jnp.float32, False))
+
+    def _decode_args(self, b: Bucket, in_channels):
+        return (self.vae_state, self._spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype),
+                b.grid_h, b.grid_w, self.options.device_uint8)
+
+    def programs(self, b: Bucket, in_channels, joint_dim, head_dim):
+        """(encode, denoise, decode) callables for a bucket, compiled once (concurrently) and then reused."""
+        with self._lock:
+            if b in self._compiled:
+                return self._compiled[b]
+            if not self.options.aot_compile:
+                progs = (self._encode, self._denoise, self._decode)
+                self._compiled[b] = progs
+                return progs
+            start = time.perf_counter()
+            lowered = [self._encode.lower(*self._encode_args(b.batch)),
+                       self._denoise.lower(*self._denoise_args(b, in_channels, joint_dim, head_dim)),
+                       self._decode.lower(*self._decode_args(b, in_channels))]
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(3) as pool:
+                encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered)
+            self.compile_count += 3
+            logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
+
+            def decode_fn(state, tokens, grid_h, grid_w, to_uint8):
+                return decode_c(state, tokens)
+
+            progs = (encode_c, denoise_c, decode_fn)
+            self._compiled[b] = progs
+            return progs

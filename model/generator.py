@@ -1,0 +1,286 @@
+"""`load()` a diffusers-layout FLUX.2 [klein] checkpoint and `generate()` images from prompts and seeds."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import scheduler as sched
+from .config import PipelineConfig
+from .engine import Bucket, CompiledPrograms, EngineOptions, enable_compilation_cache, make_mesh
+from .errors import CheckpointError, ConfigError, RequestError
+from .noise import initial_noise, validate_seed
+from .qwen3 import Qwen3TextEncoder
+from .tokenizer import PromptTokenizer
+from .transformer import Flux2Transformer, image_ids, rope_tables, text_ids
+from .vae import Flux2VAEDecoder
+from .weights import expected_tensors, load_component
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
+
+
+def nearest_valid_sizes(value: int, multiple: int) -> tuple[int, ...]:
+    low = (value // multiple) * multiple
+    return tuple(v for v in (low, low + multiple) if v > 0)
+
+
+def validate_size(name: str, value, multiple: int) -> int:
+    """A height/width must be a positive multiple of `multiple`; otherwise RequestError naming value and fixes."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0 or value % multiple:
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0:
+            hint = f"; nearest valid sizes: {list(nearest_valid_sizes(int(value), multiple))}"
+        else:
+            hint = f"; use a positive multiple of {multiple} such as {multiple * 64}"
+        raise RequestError(f"{name} must be a positive multiple of {multiple}, got {value!r}{hint}", value=value)
+    return int(value)
+
+
+def _abstract(factory):
+    return nnx.eval_shape(factory)
+
+
+def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int = 512, batch_size: int | None = None,
+         text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
+         cache_dir: str | None = None, **option_overrides) -> "Flux2KleinGenerator":
+    """Load a checkpoint (local folder or gs:// URI, diffusers layout) in `dtype` and prepare it for generation."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    options = options or EngineOptions()
+    if batch_size is not None:
+        option_overrides["batch_size"] = batch_size
+    options = dataclasses.replace(options, **option_overrides)
+    if options.batch_size is not None and options.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {options.batch_size}")
+    enable_compilation_cache(options.compilation_cache_dir)
+    root = str(path_or_uri)
+    if root.startswith("gs://"):
+        from .checkpoint import resolve_checkpoint
+
+        root = resolve_checkpoint(root, cache_dir=cache_dir)
+    elif not os.path.isdir(root):
+        raise CheckpointError("checkpoint folder does not exist", path=root)
+    start = time.perf_counter()
+    config = PipelineConfig.from_folder(root)
+    jdtype = DTYPES[dtype]
+    out_layers = tuple(int(k) for k in text_encoder_out_layers)
+    te_cfg, tr_cfg, vae_cfg = config.text_encoder, config.transformer, config.vae
+    if len(out_layers) * te_cfg.hidden_size != tr_cfg.joint_attention_dim:
+        raise ConfigError(f"{len(out_layers)} text-encoder hidden states of width {te_cfg.hidden_size} do not match "
+                          f"the transformer's joint_attention_dim", path=os.path.join(root, "transformer",
+                                                                                       "config.json"),
+                          key="joint_attention_dim", value=tr_cfg.joint_attention_dim)
+    tokenizer = PromptTokenizer(os.path.join(root, "tokenizer"), max_sequence_length)
+    rngs = lambda: nnx.Rngs(0)  # noqa: E731  (abstract init only; values come from the checkpoint)
+
+    full_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=True, dtype=jdtype, rngs=rngs()))
+    run_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not options.truncated_encoder
+                                                or options.reference, dtype=jdtype, rngs=rngs()))
+    lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
+    text_encoder = load_component(os.path.join(root, "text_encoder"), run_te,
+                                  expected=expected_tensors(full_te, lm_head), optional=lm_head)
+    transformer_abs = _abstract(lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs()))
+    transformer = load_component(os.path.join(root, "transformer"), transformer_abs,
+                                 expected=expected_tensors(transformer_abs))
+    full_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, with_encoder=True, dtype=jdtype, rngs=rngs()))
+    run_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs()))
+    bn_count = {"bn.num_batches_tracked": ()}
+    vae = load_component(os.path.join(root, "vae"), run_vae, expected=expected_tensors(full_vae, bn_count),
+                         optional=bn_count)
+    logger.info("loaded %s (%s) in %.1f s", path_or_uri, dtype, time.perf_counter() - start)
+    return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=dtype, options=options,
+                               model_id=str(path_or_uri), root=root)
+
+
+class Flux2KleinGenerator:
+    """A loaded FLUX.2 [klein] model: text encoder, transformer, VAE decoder, scheduler and tokenizer."""
+
+    def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
+                 dtype: str, options: EngineOptions, model_id: str, root: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.options = options
+        self.model_id = model_id
+        self.root = root
+        self.max_sequence_length = tokenizer.max_length
+        self.is_distilled = config.is_distilled
+        self.default_num_inference_steps = 4 if config.is_distilled else 50
+        self.default_guidance_scale = 1.0 if config.is_distilled else 4.0
+        self.size_multiple = config.size_multiple
+        from .attention import resolve_implementation
+
+        self.mesh = make_mesh(options.data_parallel)
+        self.programs = CompiledPrograms(
+            text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
+            attention=resolve_implementation(options.attention),
+            text_attention=resolve_implementation(options.text_encoder_attention), mesh=self.mesh)
+        self._embed_cache: collections.OrderedDict = collections.OrderedDict()
+        self._rope_cache: dict = {}
+        self._schedule_cache: dict = {}
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def prompt_truncated(self, prompts: list[str]) -> list[bool]:
+        """Whether each prompt is longer than max_sequence_length tokens (it will be truncated, never rejected)."""
+        return list(self.tokenizer(list(prompts)).truncated)
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        return height // self.size_multiple, width // self.size_multiple
+
+    def noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """Shape of `model.initial_noise` for one image: (in_channels, height // 16, width // 16)."""
+        gh, gw = self.latent_grid(height, width)
+        return (self.config.transformer.in_channels, gh, gw)
+
+    def _rope(self, grid_h, grid_w):
+        key = (grid_h, grid_w)
+        if key not in self._rope_cache:
+            ids = np.concatenate([text_ids(self.max_sequence_length), image_ids(grid_h, grid_w)])
+            cos, sin = rope_tables(ids, self.config.transformer.axes_dims_rope, self.config.transformer.rope_theta)
+            rep = self.programs.replicated
+            self._rope_cache[key] = (jax.device_put(cos, rep), jax.device_put(sin, rep))
+        return self._rope_cache[key]
+
+    def _schedule(self, steps, grid_h, grid_w, sigmas):
+        key = (steps, grid_h * grid_w, None if sigmas is None else tuple(float(s) for s in sigmas))
+        if key not in self._schedule_cache:
+            s, t = sched.flow_match_schedule(self.config.scheduler, steps, grid_h * grid_w, sigmas)
+            rep = self.programs.replicated
+            self._schedule_cache[key] = (jax.device_put(s, rep), jax.device_put(t, rep))
+        return self._schedule_cache[key]
+
+    def _encode(self, prompts: list[str], batch: int, encode_fn):
+        """Text embeddings [len(prompts), L, J] on device; unique prompts encoded once, recent ones cached."""
+        opts = self.options
+        unique = list(dict.fromkeys(prompts)) if opts.dedupe_prompts else list(prompts)
+        cache = self._embed_cache if opts.embed_cache_size > 0 else None
+        todo = [p for p in dict.fromkeys(unique) if cache is None or p not in cache]
+        fresh = {}
+        tokenizer = self.tokenizer if not opts.reference else PromptTokenizer(
+            os.path.join(self.root, "tokenizer"), self.max_sequence_length)
+        for start in range(0, len(todo), batch):
+            chunk = todo[start:start + batch]
+            tok = tokenizer(chunk + [""] * (batch - len(chunk)))
+            ids = jax.device_put(tok.input_ids, self.programs.batched)
+            mask = jax.device_put(tok.attention_mask, self.programs.batched)
+            embeds = encode_fn(self.programs.te_state, ids, mask)
+            for i, p in enumerate(chunk):
+                fresh[p] = embeds[i]
+            self.stats["prompts_encoded"] += len(chunk)
+        rows = []
+        for p in prompts:
+            if p in fresh:
+                e = fresh[p]
+            else:
+                e = cache[p]
+                cache.move_to_end(p)
+                self.stats["embed_cache_hits"] += 1
+            rows.append(e)
+        if cache is not None:
+            for p, e in fresh.items():
+                cache[p] = e
+                cache.move_to_end(p)
+            while len(cache) > opts.embed_cache_size:
+                cache.popitem(last=False)
+        return jax.device_put(jnp.stack(rows), self.programs.batched)
+
+    # ------------------------------------------------------------------------------------------------ generate
+
+    def generate(self, prompts, seeds, height: int = 1024, width: int = 1024, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None) -> np.ndarray:
+        """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]."""
+        if isinstance(prompts, str):
+            raise RequestError("prompts must be a list of strings, not a single string", value=prompts)
+        prompts, seeds = list(prompts), list(seeds)
+        for p in prompts:
+            if not isinstance(p, str):
+                raise RequestError(f"every prompt must be a string, got {type(p).__name__}", value=p)
+        if len(prompts) != len(seeds):
+            raise RequestError(f"got {len(prompts)} prompts but {len(seeds)} seeds", value=len(seeds))
+        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, int) \
+                or num_images_per_prompt < 1:
+            raise RequestError(f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}",
+                               value=num_images_per_prompt)
+        seeds = [validate_seed(s) for s in seeds]
+        height = validate_size("height", height, self.size_multiple)
+        width = validate_size("width", width, self.size_multiple)
+        steps = self.default_num_inference_steps if num_inference_steps is None else num_inference_steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise RequestError(f"num_inference_steps must be an integer >= 1, got {steps!r}", value=steps)
+        guidance = self.default_guidance_scale if guidance_scale is None else float(guidance_scale)
+        if not np.isfinite(guidance):
+            raise RequestError(f"guidance_scale must be finite, got {guidance_scale!r}", value=guidance_scale)
+        if guidance > 1 and self.is_distilled:
+            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled", guidance)
+        use_cfg = guidance > 1 and not self.is_distilled
+        k = num_images_per_prompt
+        image_prompts = [p for p in prompts for _ in range(k)]
+        image_seeds = [s + j for s in seeds for j in range(k)]
+        for s in image_seeds:
+            validate_seed(s)
+        if not image_prompts:
+            return np.zeros((0, height, width, 3), np.uint8)
+        grid_h, grid_w = self.latent_grid(height, width)
+        n_dev = self.mesh.devices.size
+        batch = self.options.batch_size or len(image_prompts)
+        batch = -(-batch // n_dev) * n_dev  # a multiple of the device count
+        bucket = Bucket(batch, grid_h, grid_w, int(steps), use_cfg)
+        tr = self.config.transformer
+        encode_fn, denoise_fn, decode_fn = self.programs.programs(
+            bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
+        cos, sin = self._rope(grid_h, grid_w)
+        sig, ts = self._schedule(int(steps), grid_h, grid_w, sigmas)
+        gscale = jnp.float32(guidance)
+        dtype = DTYPES[self.dtype]
+
+        outputs: list[np.ndarray] = []
+        pending = None
+        for start in range(0, len(image_prompts), batch):
+            chunk_p = image_prompts[start:start + batch]
+            chunk_s = image_seeds[start:start + batch]
+            real = len(chunk_p)
+            pad = batch - real
+            noise = np.stack([initial_noise(s, (tr.in_channels, grid_h, grid_w)) for s in chunk_s]
+                             + [np.zeros((tr.in_channels, grid_h, grid_w), np.float32)] * pad)
+            tokens = noise.reshape(batch, tr.in_channels, grid_h * grid_w).transpose(0, 2, 1)
+            latents = jax.device_put(tokens.astype(dtype), self.programs.batched)
+            txt = self._encode(chunk_p + chunk_p[:1] * pad, batch, encode_fn)
+            neg = self._encode([""] * batch, batch, encode_fn) if use_cfg else None
+            if self.options.fused_loop and not self.options.reference:
+                latents = denoise_fn(self.programs.tr_state, latents, txt, neg, sig, ts, cos, sin, gscale)
+            else:
+                for i in range(int(steps)):
+                    latents = self.programs._single_step(self.programs.tr_state, latents, txt, neg, sig[i],
+                                                         sig[i + 1], ts[i], cos, sin, gscale)
+            pixels = decode_fn(self.programs.vae_state, latents, grid_h, grid_w, self.options.device_uint8)
+            if pending is not None and self.options.overlap_host:
+                outputs.append(self._to_host(*pending))
+                pending = None
+            if pending is not None:
+                outputs.append(self._to_host(*pending))
+            pending = (pixels, real)
+            if not self.options.overlap_host:
+                outputs.append(self._to_host(*pending))
+                pending = None
+        if pending is not None:
+            outputs.append(self._to_host(*pending))
+        self.stats["images"] += len(image_prompts)
+        return np.concatenate(outputs)
+
+    def _to_host(self, pixels, real: int) -> np.ndarray:
+        host = np.asarray(jax.device_get(pixels))[:real]
+        if host.dtype != np.uint8:  # reference path: convert on the host like diffusers' postprocess
+            host = np.round(np.clip(host / 2 + 0.5, 0.0, 1.0) * 255.0).astype(np.uint8)
+        return host

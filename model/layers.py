@@ -1,0 +1,103 @@
+"""Small NNX building blocks shared by the three networks.
+
+Parameters are named like their PyTorch counterparts (`weight`, `bias`) and stored in JAX layout, so a module's
+state path joined with dots is exactly the diffusers/transformers checkpoint key (see weights.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale)
+
+
+class Linear(nnx.Module):
+    """y = x @ W + b with W stored as [in, out] (the transpose of torch's [out, in])."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = _init(rngs, (in_features, out_features), dtype, 1.0 / math.sqrt(in_features))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x):
+        y = jnp.dot(x.astype(self.weight.dtype), self.weight[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis, computed in float32 and scaled by a learned weight."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return x32.astype(dtype) * self.weight[...].astype(dtype)
+
+
+def layer_norm(x, eps: float):
+    """LayerNorm over the last axis without affine parameters, computed in float32."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(dtype)
+
+
+class Conv2d(nnx.Module):
+    """2-D convolution on NHWC tensors; weight stored as [kh, kw, in, out] (torch: [out, in, kh, kw])."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, *, padding: int, dtype,
+                 rngs: nnx.Rngs):
+        fan_in = in_channels * kernel_size * kernel_size
+        self.weight = _init(rngs, (kernel_size, kernel_size, in_channels, out_channels), dtype,
+                            1.0 / math.sqrt(fan_in))
+        self.bias = nnx.Param(jnp.zeros((out_channels,), dtype))
+        self.padding = padding
+
+    def __call__(self, x):
+        p = self.padding
+        y = jax.lax.conv_general_dilated(
+            x.astype(self.weight.dtype), self.weight[...], window_strides=(1, 1), padding=((p, p), (p, p)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y + self.bias[...]
+
+
+class GroupNorm(nnx.Module):
+    """GroupNorm on NHWC tensors with affine weight/bias, statistics in float32."""
+
+    def __init__(self, num_groups: int, num_channels: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(jnp.ones((num_channels,), dtype))
+        self.bias = nnx.Param(jnp.zeros((num_channels,), dtype))
+        self.num_groups = num_groups
+        self.eps = eps
+
+    def __call__(self, x):
+        dtype = x.dtype
+        b, h, w, c = x.shape
+        g = self.num_groups
+        x32 = x.astype(jnp.float32).reshape(b, h, w, g, c // g)
+        mean = jnp.mean(x32, axis=(1, 2, 4), keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=(1, 2, 4), keepdims=True)
+        x32 = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).reshape(b, h, w, c)
+        return (x32 * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab, dim] named `weight` like torch's nn.Embedding."""
+
+    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = _init(rngs, (num_embeddings, features), dtype, 1.0)
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)

@@ -1,0 +1,131 @@
+"""Qwen3 text encoder (decoder-only) in Flax NNX, run only up to the deepest hidden state FLUX.2 needs.
+
+Hidden state k follows transformers' convention: 0 is the embedding output, k in 1..N-1 the raw residual stream
+after decoder layer k-1, and N (the last layer) the stream after the final RMSNorm. Layers past the deepest
+requested state are never built or run; no LM head exists here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .attention import attention
+from .config import TextEncoderConfig
+from .layers import Embed, Linear, RMSNorm
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float):
+    """Llama/Qwen (rotate-half) RoPE cos/sin of shape [L, head_dim] as float32."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    freqs = np.outer(positions.astype(np.float32), inv_freq).astype(np.float32)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def apply_rotate_half(x, cos, sin):
+    """x [B, L, H, D] rotated by cos/sin [L, D] in the rotate-half convention, result cast to x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[None, :, None, :].astype(x.dtype)
+    sin = sin[None, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class Qwen3Attention(nnx.Module):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x, cos, sin, mask, implementation):
+        b, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, length, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, length, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, length, self.num_kv_heads, self.head_dim)
+        q = apply_rotate_half(q, cos, sin)
+        k = apply_rotate_half(k, cos, sin)
+        out = attention(q, k, v, mask=mask, implementation=implementation)
+        return self.o_proj(out.reshape(b, length, self.num_heads * self.head_dim))
+
+
+class Qwen3MLP(nnx.Module):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Qwen3Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, implementation):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, implementation)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def layers_to_run(cfg: TextEncoderConfig, out_layers) -> tuple[int, bool]:
+    """(number of decoder layers to run, whether the final norm is needed) for the requested hidden states."""
+    out_layers = tuple(int(k) for k in out_layers)
+    if not out_layers:
+        raise ValueError("text_encoder_out_layers must name at least one hidden state")
+    for k in out_layers:
+        if not 0 <= k <= cfg.num_hidden_layers:
+            raise ValueError(f"text encoder hidden state {k} does not exist: the checkpoint's Qwen3 has "
+                             f"{cfg.num_hidden_layers} layers, so valid indices are 0..{cfg.num_hidden_layers}")
+    deepest = max(out_layers)
+    return deepest, deepest == cfg.num_hidden_layers
+
+
+class Qwen3Body(nnx.Module):
+    """`model.*` of Qwen3ForCausalLM, truncated to `num_layers` decoder layers (plus the final norm if needed)."""
+
+    def __init__(self, cfg: TextEncoderConfig, num_layers: int, with_final_norm: bool, *, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Qwen3DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype) if with_final_norm else None
+
+
+class Qwen3TextEncoder(nnx.Module):
+    """Returns the requested hidden states stacked per token as [B, L, len(out_layers) * hidden]."""
+
+    def __init__(self, cfg: TextEncoderConfig, out_layers=(9, 18, 27), *, full_depth: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.config = cfg
+        self.out_layers = tuple(int(k) for k in out_layers)
+        num_layers, with_norm = layers_to_run(cfg, self.out_layers)
+        if full_depth:  # reference mode: run the whole stack like transformers does
+            num_layers, with_norm = cfg.num_hidden_layers, True
+        self.model = Qwen3Body(cfg, num_layers, with_norm, dtype=dtype, rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask, *, implementation: str = "xla"):
+        cfg = self.config
+        length = input_ids.shape[1]
+        cos, sin = rope_tables(np.arange(length), cfg.head_dim, cfg.rope_theta)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        mask = causal[None, None, :, :] & attention_mask.astype(bool)[:, None, None, :]
+        x = self.model.embed_tokens(input_ids)
+        states = [x]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, implementation)
+            if i + 1 == cfg.num_hidden_layers:
+                x = self.model.norm(x)  # transformers' last hidden state is the normed one
+            states.append(x)
+        picked = [states[k] for k in self.out_layers]
+        return jnp.concatenate(picked, axis=-1)

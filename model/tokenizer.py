@@ -1,0 +1,59 @@
+"""The checkpoint's own Qwen tokenizer, created once, turning prompts into contiguous int32 id/mask arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from .errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedPrompts:
+    input_ids: np.ndarray       # int32 [B, max_length]
+    attention_mask: np.ndarray  # int32 [B, max_length], 1 on real tokens
+    truncated: tuple[bool, ...]  # prompt had more than max_length tokens (after the chat template)
+    num_tokens: tuple[int, ...]  # untruncated token count of each templated prompt
+
+
+class PromptTokenizer:
+    """Chat-template + tokenize exactly like Flux2KleinPipeline._get_qwen3_prompt_embeds, padded to max_length."""
+
+    def __init__(self, folder: str, max_length: int = 512):
+        if max_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1, got {max_length}")
+        if not os.path.isdir(folder):
+            raise CheckpointError("tokenizer folder is missing", path=folder)
+        from transformers import AutoTokenizer  # tokenizer only; no model classes
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # transformers raises many types for broken folders
+            raise CheckpointError(f"cannot load tokenizer: {e}", path=folder) from e
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise CheckpointError("tokenizer is not a fast tokenizer", path=folder)
+        if self.tokenizer.pad_token_id is None:
+            raise CheckpointError("tokenizer has no pad token", path=folder)
+        self.max_length = max_length
+
+    def template(self, prompt: str) -> str:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=False)
+
+    def __call__(self, prompts: list[str]) -> TokenizedPrompts:
+        texts = [self.template(p) for p in prompts]
+        encoded = self.tokenizer(texts, add_special_tokens=True, padding=False, truncation=False)["input_ids"]
+        length = self.max_length
+        ids = np.full((len(texts), length), self.tokenizer.pad_token_id, dtype=np.int32)
+        mask = np.zeros((len(texts), length), dtype=np.int32)
+        left_pad = self.tokenizer.padding_side == "left"
+        cut_left = self.tokenizer.truncation_side == "left"
+        for row, seq in enumerate(encoded):
+            seq = seq[-length:] if cut_left else seq[:length]
+            start = length - len(seq) if left_pad else 0
+            ids[row, start:start + len(seq)] = seq
+            mask[row, start:start + len(seq)] = 1
+        counts = tuple(len(s) for s in encoded)
+        return TokenizedPrompts(ids, mask, tuple(c > length for c in counts), counts)

@@ -1,0 +1,259 @@
+"""Flux2 MMDiT (diffusers' Flux2Transformer2DModel) in Flax NNX.
+
+Inputs per call: image tokens [B, N, in_channels], text embeddings [B, T, joint_attention_dim], the timestep as
+sigma (= t / 1000) [B], and RoPE cos/sin tables [T + N, head_dim] for the [text ; image] sequence (see
+`rope_tables`). Output: the flow velocity [B, N, out_channels].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .attention import attention
+from .config import TransformerConfig
+from .layers import Linear, RMSNorm, layer_norm
+
+# ----------------------------------------------------------------------------------------------- positions / RoPE
+
+
+def text_ids(length: int) -> np.ndarray:
+    """(T, H, W, L) position ids of text tokens: (0, 0, 0, l)."""
+    ids = np.zeros((length, 4), dtype=np.int64)
+    ids[:, 3] = np.arange(length)
+    return ids
+
+
+def image_ids(grid_h: int, grid_w: int) -> np.ndarray:
+    """(T, H, W, L) position ids of image tokens in row-major order: (0, i, j, 0)."""
+    ii, jj = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
+    ids = np.zeros((grid_h * grid_w, 4), dtype=np.int64)
+    ids[:, 1] = ii.reshape(-1)
+    ids[:, 2] = jj.reshape(-1)
+    return ids
+
+
+def rope_tables(ids: np.ndarray, axes_dims, theta: float):
+    """Interleaved (pairwise) RoPE cos/sin [S, sum(axes_dims)] as float32, angles computed in float64."""
+    pos = ids.astype(np.float32).astype(np.float64)
+    cos_parts, sin_parts = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64)[: dim // 2] / dim))
+        angles = np.outer(pos[:, axis], freqs)
+        cos_parts.append(np.repeat(np.cos(angles), 2, axis=1))
+        sin_parts.append(np.repeat(np.sin(angles), 2, axis=1))
+    return (np.concatenate(cos_parts, axis=1).astype(np.float32),
+            np.concatenate(sin_parts, axis=1).astype(np.float32))
+
+
+def apply_interleaved_rope(x, cos, sin):
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x [B, S, H, D] by cos/sin [S, D]; float32 math, x's dtype out."""
+    x32 = x.astype(jnp.float32)
+    pairs = x32.reshape(*x.shape[:-1], -1, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    out = x32 * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    return out.astype(x.dtype)
+
+
+def timestep_sinusoid(t, dim: int):
+    """[cos | sin] sinusoidal embedding of t [B] (flip_sin_to_cos, no frequency shift), float32."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    angles = t.astype(jnp.float32)[:, None] * freqs[None, :]
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------- modules
+
+
+class TimestepEmbedding(nnx.Module):
+    def __init__(self, in_channels: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.linear_1 = Linear(in_channels, dim, bias=False, dtype=dtype, rngs=rngs)
+        self.linear_2 = Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class TimestepGuidanceEmbeddings(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+        self.channels = cfg.timestep_guidance_channels
+        self.timestep_embedder = TimestepEmbedding(self.channels, cfg.inner_dim, dtype=dtype, rngs=rngs)
+        self.guidance_embedder = (TimestepEmbedding(self.channels, cfg.inner_dim, dtype=dtype, rngs=rngs)
+                                  if cfg.guidance_embeds else None)
+
+    def __call__(self, timestep, guidance, dtype):
+        emb = self.timestep_embedder(timestep_sinusoid(timestep, self.channels).astype(dtype))
+        if guidance is not None and self.guidance_embedder is not None:
+            emb = emb + self.guidance_embedder(timestep_sinusoid(guidance, self.channels).astype(dtype))
+        return emb
+
+
+class Modulation(nnx.Module):
+    """SiLU -> Linear(D -> 3 * sets * D), split into `sets` (shift, scale, gate) triples of [B, 1, D]."""
+
+    def __init__(self, dim: int, sets: int, *, dtype, rngs: nnx.Rngs):
+        self.sets = sets
+        self.linear = Linear(dim, dim * 3 * sets, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, temb):
+        mod = self.linear(jax.nn.silu(temb))[:, None, :]
+        chunks = jnp.split(mod, 3 * self.sets, axis=-1)
+        return tuple(tuple(chunks[3 * i: 3 * i + 3]) for i in range(self.sets))
+
+
+class FeedForward(nnx.Module):
+    """SwiGLU MLP: linear_in (D -> 2M), SiLU(first half) * second half, linear_out (M -> D)."""
+
+    def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+        self.linear_in = Linear(dim, 2 * hidden, bias=False, dtype=dtype, rngs=rngs)
+        self.linear_out = Linear(hidden, dim, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        a, b = jnp.split(self.linear_in(x), 2, axis=-1)
+        return self.linear_out(jax.nn.silu(a) * b)
+
+
+class JointAttention(nnx.Module):
+    """Double-stream attention: separate q/k/v for image and text, one attention over [text ; image]."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+        d, hd = cfg.inner_dim, cfg.attention_head_dim
+        self.heads, self.head_dim = cfg.num_attention_heads, hd
+        self.to_q = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.to_k = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.to_v = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
+        self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
+        self.to_out = nnx.List([Linear(d, d, bias=False, dtype=dtype, rngs=rngs)])
+        self.add_q_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.add_k_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.add_v_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.norm_added_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
+        self.norm_added_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
+        self.to_add_out = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def _heads(self, x):
+        return x.reshape(*x.shape[:2], self.heads, self.head_dim)
+
+    def __call__(self, img, txt, cos, sin, implementation):
+        t = txt.shape[1]
+        q = jnp.concatenate([self.norm_added_q(self._heads(self.add_q_proj(txt))),
+                             self.norm_q(self._heads(self.to_q(img)))], axis=1)
+        k = jnp.concatenate([self.norm_added_k(self._heads(self.add_k_proj(txt))),
+                             self.norm_k(self._heads(self.to_k(img)))], axis=1)
+        v = jnp.concatenate([self._heads(self.add_v_proj(txt)), self._heads(self.to_v(img))], axis=1)
+        q = apply_interleaved_rope(q, cos, sin)
+        k = apply_interleaved_rope(k, cos, sin)
+        out = attention(q, k, v, implementation=implementation)
+        out = out.reshape(*out.shape[:2], -1)
+        return self.to_out[0](out[:, t:]), self.to_add_out(out[:, :t])
+
+
+class DoubleStreamBlock(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+        self.eps = cfg.eps
+        self.attn = JointAttention(cfg, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(cfg.inner_dim, cfg.mlp_hidden_dim, dtype=dtype, rngs=rngs)
+        self.ff_context = FeedForward(cfg.inner_dim, cfg.mlp_hidden_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, img, txt, mod_img, mod_txt, cos, sin, implementation):
+        (shift, scale, gate), (shift2, scale2, gate2) = mod_img
+        (cshift, cscale, cgate), (cshift2, cscale2, cgate2) = mod_txt
+        img_attn, txt_attn = self.attn(layer_norm(img, self.eps) * (1 + scale) + shift,
+                                       layer_norm(txt, self.eps) * (1 + cscale) + cshift, cos, sin, implementation)
+        img = img + gate * img_attn
+        img = img + gate2 * self.ff(layer_norm(img, self.eps) * (1 + scale2) + shift2)
+        txt = txt + cgate * txt_attn
+        txt = txt + cgate2 * self.ff_context(layer_norm(txt, self.eps) * (1 + cscale2) + cshift2)
+        return img, txt
+
+
+class ParallelSelfAttention(nnx.Module):
+    """Single-stream block core: one fused projection to [q | k | v | mlp_a | mlp_b], one output projection."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+        d, m, hd = cfg.inner_dim, cfg.mlp_hidden_dim, cfg.attention_head_dim
+        self.heads, self.head_dim, self.inner_dim = cfg.num_attention_heads, hd, d
+        self.to_qkv_mlp_proj = Linear(d, 3 * d + 2 * m, bias=False, dtype=dtype, rngs=rngs)
+        self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
+        self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
+        self.to_out = Linear(d + m, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, implementation):
+        d = self.inner_dim
+        p = self.to_qkv_mlp_proj(x)
+        q, k, v, mlp = p[..., :d], p[..., d:2 * d], p[..., 2 * d:3 * d], p[..., 3 * d:]
+        shape = (*x.shape[:2], self.heads, self.head_dim)
+        q = apply_interleaved_rope(self.norm_q(q.reshape(shape)), cos, sin)
+        k = apply_interleaved_rope(self.norm_k(k.reshape(shape)), cos, sin)
+        out = attention(q, k, v.reshape(shape), implementation=implementation).reshape(*x.shape[:2], d)
+        a, b = jnp.split(mlp, 2, axis=-1)
+        return self.to_out(jnp.concatenate([out, jax.nn.silu(a) * b], axis=-1))
+
+
+class SingleStreamBlock(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+        self.eps = cfg.eps
+        self.attn = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, mod, cos, sin, implementation):
+        ((shift, scale, gate),) = mod
+        return x + gate * self.attn(layer_norm(x, self.eps) * (1 + scale) + shift, cos, sin, implementation)
+
+
+class AdaLayerNormOut(nnx.Module):
+    """Final norm: LayerNorm(x) * (1 + scale) + shift with [scale | shift] = Linear(SiLU(temb))."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.linear = Linear(dim, 2 * dim, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, temb):
+        scale, shift = jnp.split(self.linear(jax.nn.silu(temb)), 2, axis=-1)
+        return layer_norm(x, self.eps) * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
+class Flux2Transformer(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        d = cfg.inner_dim
+        self.time_guidance_embed = TimestepGuidanceEmbeddings(cfg, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
+        self.x_embedder = Linear(cfg.in_channels, d, bias=False, dtype=dtype, rngs=rngs)
+        self.context_embedder = Linear(cfg.joint_attention_dim, d, bias=False, dtype=dtype, rngs=rngs)
+        self.transformer_blocks = nnx.List([DoubleStreamBlock(cfg, dtype=dtype, rngs=rngs)
+                                            for _ in range(cfg.num_layers)])
+        self.single_transformer_blocks = nnx.List([SingleStreamBlock(cfg, dtype=dtype, rngs=rngs)
+                                                   for _ in range(cfg.num_single_layers)])
+        self.norm_out = AdaLayerNormOut(d, cfg.eps, dtype=dtype, rngs=rngs)
+        self.proj_out = Linear(d, cfg.patch_size ** 2 * cfg.out_channels, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, hidden_states, encoder_hidden_states, timestep, cos, sin, guidance=None, *,
+                 implementation: str = "xla"):
+        dtype = self.x_embedder.weight.dtype
+        # The pipeline passes sigma = t / 1000; the model works on t again, rounded to its own dtype first.
+        timestep = timestep.astype(dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.astype(dtype) * 1000
+        temb = self.time_guidance_embed(timestep, guidance, dtype)
+        mod_img = self.double_stream_modulation_img(temb)
+        mod_txt = self.double_stream_modulation_txt(temb)
+        mod_single = self.single_stream_modulation(temb)
+
+        img = self.x_embedder(hidden_states)
+        txt = self.context_embedder(encoder_hidden_states)
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, mod_img, mod_txt, cos, sin, implementation)
+        num_txt = txt.shape[1]
+        x = jnp.concatenate([txt, img], axis=1)
+        for block in self.single_transformer_blocks:
+            x = block(x, mod_single, cos, sin, implementation)
+        x = self.norm_out(x[:, num_txt:], temb)
+        return self.proj_out(x)

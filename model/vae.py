@@ -1,0 +1,211 @@
+"""Flux2 VAE decoder (diffusers' AutoencoderKLFlux2 decode path) in Flax NNX, NHWC internally.
+
+`decode_latents` turns the transformer's packed tokens into pixels: batch-norm de-normalisation with the VAE's
+running statistics, 2x2 unpatchify, post-quant conv, decoder. The encoder is not needed for text-to-image.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import VAEConfig
+from .layers import Conv2d, GroupNorm, Linear
+
+RESNET_EPS = 1e-6
+
+
+class ResnetBlock(nnx.Module):
+    def __init__(self, in_ch: int, out_ch: int, groups: int, *, dtype, rngs: nnx.Rngs):
+        self.norm1 = GroupNorm(groups, in_ch, eps=RESNET_EPS, dtype=dtype)
+        self.conv1 = Conv2d(in_ch, out_ch, 3, padding=1, dtype=dtype, rngs=rngs)
+        self.norm2 = GroupNorm(groups, out_ch, eps=RESNET_EPS, dtype=dtype)
+        self.conv2 = Conv2d(out_ch, out_ch, 3, padding=1, dtype=dtype, rngs=rngs)
+        self.conv_shortcut = Conv2d(in_ch, out_ch, 1, padding=0, dtype=dtype, rngs=rngs) if in_ch != out_ch else None
+
+    def __call__(self, x):
+        h = self.conv1(jax.nn.silu(self.norm1(x)))
+        h = self.conv2(jax.nn.silu(self.norm2(h)))
+        if self.conv_shortcut is not None:
+            x = self.conv_shortcut(x)
+        return x + h
+
+
+class SpatialAttention(nnx.Module):
+    """Single-head self-attention over all h*w positions, with a residual connection."""
+
+    def __init__(self, ch: int, groups: int, *, dtype, rngs: nnx.Rngs):
+        self.group_norm = GroupNorm(groups, ch, eps=RESNET_EPS, dtype=dtype)
+        self.to_q = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)
+        self.to_k = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)
+        self.to_v = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.List([Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)])
+
+    def __call__(self, x):
+        b, h, w, c = x.shape
+        t = self.group_norm(x).reshape(b, h * w, c)
+        q, k, v = self.to_q(t), self.to_k(t), self.to_v(t)
+        logits = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(
+            jnp.float32(c))
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        out = self.to_out[0](jnp.einsum("bqk,bkc->bqc", probs, v))
+        return x + out.reshape(b, h, w, c)
+
+
+class MidBlock(nnx.Module):
+    def __init__(self, ch: int, groups: int, add_attention: bool, *, dtype, rngs: nnx.Rngs):
+        self.resnets = nnx.List([ResnetBlock(ch, ch, groups, dtype=dtype, rngs=rngs) for _ in range(2)])
+        self.attentions = nnx.List([SpatialAttention(ch, groups, dtype=dtype, rngs=rngs)]) if add_attention else None
+
+    def __call__(self, x):
+        x = self.resnets[0](x)
+        if self.attentions is not None:
+            x = self.attentions[0](x)
+        return self.resnets[1](x)
+
+
+class Upsample(nnx.Module):
+    """Nearest-neighbour x2 (broadcast + reshape, no resize kernel) then a 3x3 conv."""
+
+    def __init__(self, ch: int, *, dtype, rngs: nnx.Rngs):
+        self.conv = Conv2d(ch, ch, 3, padding=1, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        b, h, w, c = x.shape
+        x = jnp.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
+        return self.conv(x)
+
+
+class UpBlock(nnx.Module):
+    def __init__(self, in_ch: int, out_ch: int, num_resnets: int, groups: int, add_upsample: bool, *, dtype,
+                 rngs: nnx.Rngs):
+        self.resnets = nnx.List([ResnetBlock(in_ch if i == 0 else out_ch, out_ch, groups, dtype=dtype, rngs=rngs)
+                                 for i in range(num_resnets)])
+        self.upsamplers = nnx.List([Upsample(out_ch, dtype=dtype, rngs=rngs)]) if add_upsample else None
+
+    def __call__(self, x):
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)
+        return x
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: VAEConfig, *, dtype, rngs: nnx.Rngs):
+        chans = list(cfg.block_out_channels)
+        groups = cfg.norm_num_groups
+        self.conv_in = Conv2d(cfg.latent_channels, chans[-1], 3, padding=1, dtype=dtype, rngs=rngs)
+        self.mid_block = MidBlock(chans[-1], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+        reversed_chans = list(reversed(chans))
+        blocks = []
+        prev = reversed_chans[0]
+        for i, out_ch in enumerate(reversed_chans):
+            blocks.append(UpBlock(prev, out_ch, cfg.layers_per_block + 1, groups, i != len(chans) - 1,
+                                  dtype=dtype, rngs=rngs))
+            prev = out_ch
+        self.up_blocks = nnx.List(blocks)
+        self.conv_norm_out = GroupNorm(groups, chans[0], eps=RESNET_EPS, dtype=dtype)
+        self.conv_out = Conv2d(chans[0], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
+
+    def __call__(self, z):
+        x = self.mid_block(self.conv_in(z))
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
+
+
+class Downsample(nnx.Module):
+    """Pad right/bottom by one, then a stride-2 3x3 conv (diffusers' Downsample2D with padding 0)."""
+
+    def __init__(self, ch: int, *, dtype, rngs: nnx.Rngs):
+        self.conv = Conv2d(ch, ch, 3, padding=0, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
+        y = jax.lax.conv_general_dilated(x.astype(self.conv.weight.dtype), self.conv.weight[...], (2, 2), "VALID",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return y + self.conv.bias[...]
+
+
+class DownBlock(nnx.Module):
+    def __init__(self, in_ch: int, out_ch: int, num_resnets: int, groups: int, add_downsample: bool, *, dtype,
+                 rngs: nnx.Rngs):
+        self.resnets = nnx.List([ResnetBlock(in_ch if i == 0 else out_ch, out_ch, groups, dtype=dtype, rngs=rngs)
+                                 for i in range(num_resnets)])
+        self.downsamplers = nnx.List([Downsample(out_ch, dtype=dtype, rngs=rngs)]) if add_downsample else None
+
+    def __call__(self, x):
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+        return x
+
+
+class Encoder(nnx.Module):
+    """Image -> [mean | logvar] latents. Only needed for reference images; built for checkpoint validation."""
+
+    def __init__(self, cfg: VAEConfig, *, dtype, rngs: nnx.Rngs):
+        chans = list(cfg.encoder_block_out_channels)
+        groups = cfg.norm_num_groups
+        self.conv_in = Conv2d(cfg.in_channels, chans[0], 3, padding=1, dtype=dtype, rngs=rngs)
+        blocks, prev = [], chans[0]
+        for i, out_ch in enumerate(chans):
+            blocks.append(DownBlock(prev, out_ch, cfg.layers_per_block, groups, i != len(chans) - 1,
+                                    dtype=dtype, rngs=rngs))
+            prev = out_ch
+        self.down_blocks = nnx.List(blocks)
+        self.mid_block = MidBlock(chans[-1], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+        self.conv_norm_out = GroupNorm(groups, chans[-1], eps=RESNET_EPS, dtype=dtype)
+        self.conv_out = Conv2d(chans[-1], 2 * cfg.latent_channels, 3, padding=1, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        return self.conv_out(jax.nn.silu(self.conv_norm_out(self.mid_block(x))))
+
+
+class BatchNormStats(nnx.Module):
+    """The VAE's latent BatchNorm2d: only its running statistics are used (by hand, in `decode_latents`)."""
+
+    def __init__(self, channels: int, *, dtype=jnp.float32):
+        self.running_mean = nnx.Param(jnp.zeros((channels,), jnp.float32))
+        self.running_var = nnx.Param(jnp.ones((channels,), jnp.float32))
+        self.num_batches_tracked = None  # present in checkpoints (int64 scalar); unused, see weights.py
+
+
+class Flux2VAEDecoder(nnx.Module):
+    """Decoder side of AutoencoderKLFlux2 (plus, optionally, its encoder) with the latent BN statistics."""
+
+    def __init__(self, cfg: VAEConfig, *, with_encoder: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        if with_encoder:  # the whole AutoencoderKLFlux2, e.g. to validate every checkpoint tensor name
+            self.encoder = Encoder(cfg, dtype=dtype, rngs=rngs)
+            self.quant_conv = (Conv2d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1, padding=0, dtype=dtype,
+                                      rngs=rngs) if cfg.use_quant_conv else None)
+        self.post_quant_conv = (Conv2d(cfg.latent_channels, cfg.latent_channels, 1, padding=0, dtype=dtype, rngs=rngs)
+                                if cfg.use_post_quant_conv else None)
+        self.decoder = Decoder(cfg, dtype=dtype, rngs=rngs)
+        self.bn = BatchNormStats(cfg.patched_channels)
+
+    def decode(self, z):
+        """z: NHWC latents [B, h, w, latent_channels] -> NHWC image [B, H, W, out_channels] in about [-1, 1]."""
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(z)
+        return self.decoder(z)
+
+    def decode_latents(self, tokens, grid_h: int, grid_w: int):
+        """Packed tokens [B, grid_h*grid_w, C*p*p] -> image [B, H, W, out]: BN de-norm, unpatchify, decode."""
+        cfg = self.config
+        ph, pw = cfg.patch_size
+        b = tokens.shape[0]
+        x = tokens.reshape(b, grid_h, grid_w, cfg.patched_channels)  # row-major tokens = NHWC patch grid
+        std = jnp.sqrt(self.bn.running_var[...].astype(jnp.float32) + cfg.batch_norm_eps)
+        x = (x.astype(jnp.float32) * std + self.bn.running_mean[...].astype(jnp.float32)).astype(tokens.dtype)
+        # patched channel index = c * (ph * pw) + dy * pw + dx
+        x = x.reshape(b, grid_h, grid_w, cfg.latent_channels, ph, pw)
+        x = x.transpose(0, 1, 4, 2, 5, 3).reshape(b, grid_h * ph, grid_w * pw, cfg.latent_channels)
+        return self.decode(x)

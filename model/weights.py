@@ -1,0 +1,238 @@
+"""safetensors -> NNX state: find the files, validate names/shapes/dtypes against the model, convert tensor by tensor.
+
+Safetensors files are parsed here directly (header + memory map) so that bfloat16 works without a framework and a
+truncated shard is detected before any value is read. Each tensor is cast to its parameter's dtype and laid out
+for JAX one at a time, so peak host memory stays near one copy of the weights in the target dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from .errors import CheckpointError, UnsafeWeightsError
+
+logger = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class SafetensorsFile:
+    """One .safetensors file: its parsed header and lazy, memory-mapped access to each tensor."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) < 8:
+                    raise CheckpointError("safetensors file is truncated (no header)", path=path)
+                (header_len,) = struct.unpack("<Q", raw)
+                if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                    raise CheckpointError(f"safetensors header length {header_len} is invalid for a file of "
+                                          f"{size} bytes (truncated or not a safetensors file)", path=path)
+                header = json.loads(f.read(header_len).decode("utf-8"))
+        except OSError as e:
+            raise CheckpointError(f"cannot read weight file: {e}", path=path) from e
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"safetensors header is not valid JSON: {e}", path=path) from e
+        if not isinstance(header, dict):
+            raise CheckpointError("safetensors header is not a JSON object", path=path)
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_len
+        data_len = size - self.data_start
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError("malformed safetensors header entry", path=path, tensor=name) from e
+            if dtype not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"unsupported safetensors dtype {dtype}", path=path, tensor=name)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+            if end - begin != nbytes or begin < 0:
+                raise CheckpointError(f"tensor byte range [{begin}, {end}) does not match dtype {dtype} and shape "
+                                      f"{list(shape)}", path=path, tensor=name)
+            if end > data_len:
+                raise CheckpointError(f"safetensors file is truncated: tensor needs bytes up to {end} but the file "
+                                      f"holds {data_len} data bytes", path=path, tensor=name)
+            self.entries[name] = (dtype, shape, begin, end)
+        self._mmap = None
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a read-only numpy view of the memory-mapped file (no copy)."""
+        dtype, shape, begin, end = self.entries[name]
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r", offset=0)
+        raw = self._mmap[self.data_start + begin: self.data_start + end]
+        return raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
+
+    def close(self):
+        self._mmap = None
+
+
+def open_component(folder: str) -> dict[str, SafetensorsFile]:
+    """Map every tensor name of a component folder (e.g. `transformer/`) to the file holding it.
+
+    Accepts one .safetensors file or shards listed by a `*.safetensors.index.json`. Pickle weights are refused.
+    """
+    if not os.path.isdir(folder):
+        raise CheckpointError("component folder is missing", path=folder)
+    names = sorted(os.listdir(folder))
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    singles = [n for n in names if n.endswith(".safetensors")]
+    if not singles and not indexes:
+        if pickles:
+            raise UnsafeWeightsError("only pickle weights found; this loader reads safetensors only (pickle files "
+                                     "can execute code). Convert them with safetensors first",
+                                     path=os.path.join(folder, pickles[0]))
+        raise CheckpointError("no .safetensors weights found", path=folder)
+    if pickles:
+        logger.warning("ignoring pickle weight files %s in %s (safetensors are used)", pickles, folder)
+    files: dict[str, SafetensorsFile] = {}
+    tensor_to_file: dict[str, SafetensorsFile] = {}
+    if indexes:
+        if len(indexes) > 1:
+            raise CheckpointError(f"several safetensors index files: {indexes}", path=folder)
+        index_path = os.path.join(folder, indexes[0])
+        try:
+            with open(index_path, "rb") as f:
+                weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"unreadable safetensors index: {e}", path=index_path) from e
+        for tensor, shard in weight_map.items():
+            shard_path = os.path.join(folder, shard)
+            if os.path.basename(shard) != shard:
+                raise CheckpointError("shard name in index must be a plain file name", path=index_path, tensor=tensor)
+            if shard not in files:
+                if not os.path.isfile(shard_path):
+                    raise CheckpointError("shard listed in the index is missing", path=shard_path, tensor=tensor)
+                files[shard] = SafetensorsFile(shard_path)
+            if tensor not in files[shard].entries:
+                raise CheckpointError("index lists a tensor that its shard does not contain", path=shard_path,
+                                      tensor=tensor)
+            tensor_to_file[tensor] = files[shard]
+        for shard, sf in files.items():
+            for tensor in sf.entries:
+                if weight_map.get(tensor) != shard:
+                    raise CheckpointError("shard holds a tensor that the index does not list for it",
+                                          path=sf.path, tensor=tensor)
+        for n in singles:
+            if n not in files:
+                raise CheckpointError("safetensors file is not listed in the index", path=os.path.join(folder, n))
+    else:
+        if len(singles) > 1:
+            raise CheckpointError(f"several safetensors files but no index: {singles}", path=folder)
+        sf = SafetensorsFile(os.path.join(folder, singles[0]))
+        tensor_to_file = dict.fromkeys(sf.entries, sf)
+    return tensor_to_file
+
+
+# --------------------------------------------------------------------------------------------- name / layout mapping
+
+
+def flat_params(module_or_abstract) -> dict[str, jax.ShapeDtypeStruct]:
+    """Checkpoint-style dotted names of every parameter of an NNX module (or abstract module), in JAX layout."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(module_or_abstract, nnx.Param)):
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        out[".".join(str(p) for p in path)] = value
+    return out
+
+
+def to_jax_layout(name: str, array: np.ndarray, target_ndim: int) -> np.ndarray:
+    """torch layout -> JAX layout: Linear [out, in] -> [in, out]; Conv [O, I, kh, kw] -> [kh, kw, I, O]."""
+    if name.endswith("embed_tokens.weight"):
+        return array
+    if array.ndim == 4 and target_ndim == 2:  # legacy 1x1-conv attention projections
+        array = array[:, :, 0, 0]
+    if array.ndim == 2:
+        return array.T
+    if array.ndim == 4:
+        return array.transpose(2, 3, 1, 0)
+    return array
+
+
+def torch_shape(name: str, jax_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The checkpoint (torch) shape of a parameter given its JAX shape; inverse of `to_jax_layout`."""
+    if name.endswith("embed_tokens.weight"):
+        return tuple(jax_shape)
+    if len(jax_shape) == 2:
+        return (jax_shape[1], jax_shape[0])
+    if len(jax_shape) == 4:
+        kh, kw, i, o = jax_shape
+        return (o, i, kh, kw)
+    return tuple(jax_shape)
+
+
+def expected_tensors(full_abstract, extra: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor name (with torch shape) that a complete checkpoint of this component holds."""
+    names = {n: torch_shape(n, v.shape) for n, v in flat_params(full_abstract).items()}
+    names.update(extra or {})
+    return names
+
+
+def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[int, ...]],
+                   optional: Iterable[str] = ()):
+    """Fill `abstract_module` (from nnx.eval_shape) with the folder's weights and return the concrete module.
+
+    Every name of `expected` must be present with its shape, except those in `optional`; any other name in the
+    checkpoint is an error. Only the module's own parameters are read; each is cast to the parameter's dtype.
+    """
+    tensor_to_file = open_component(folder)
+    optional = set(optional)
+    unexpected = sorted(set(tensor_to_file) - set(expected))
+    if unexpected:
+        sf = tensor_to_file[unexpected[0]]
+        raise CheckpointError(f"unexpected tensor in checkpoint ({len(unexpected)} in all: {unexpected[:5]})",
+                              path=sf.path, tensor=unexpected[0])
+    missing = sorted(set(expected) - set(tensor_to_file) - optional)
+    if missing:
+        raise CheckpointError(f"tensor missing from checkpoint ({len(missing)} in all: {missing[:5]})",
+                              path=folder, tensor=missing[0])
+    for name, sf in tensor_to_file.items():
+        dtype, shape, _, _ = sf.entries[name]
+        if tuple(shape) != tuple(expected[name]) and not (len(expected[name]) == 2 and tuple(shape) == (
+                *expected[name], 1, 1)):
+            raise CheckpointError(f"shape mismatch: checkpoint has {list(shape)}, model expects "
+                                  f"{list(expected[name])}", path=sf.path, tensor=name)
+        if dtype not in FLOAT_DTYPES and not name.endswith("num_batches_tracked"):
+            raise CheckpointError(f"weight has non-float dtype {dtype}", path=sf.path, tensor=name)
+
+    graphdef, abstract_state = nnx.split(abstract_module)
+    flat = nnx.to_flat_state(abstract_state)
+    leaves = []
+    for path, var in flat:
+        name = ".".join(str(p) for p in path)
+        target = var.get_value() if hasattr(var, "get_value") else var.value
+        if name not in tensor_to_file:
+            raise CheckpointError("model parameter has no tensor in the checkpoint", path=folder, tensor=name)
+        sf = tensor_to_file[name]
+        array = to_jax_layout(name, sf.read(name), len(target.shape))
+        if tuple(array.shape) != tuple(target.shape):
+            raise CheckpointError(f"converted shape {list(array.shape)} differs from the model's "
+                                  f"{list(target.shape)}", path=sf.path, tensor=name)
+        array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
+        leaves.append((path, var.replace(jnp.asarray(array))))
+        del array
+    for sf in set(tensor_to_file.values()):
+        sf.close()
+    state = nnx.from_flat_state(leaves)
+    return nnx.merge(graphdef, state)
