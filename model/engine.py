@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 logger = logging.getLogger(__name__)
+# Donation is a no-op on backends that cannot alias the buffers (CPU); that is expected, not worth a warning.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,7 @@ class CompiledPrograms:
         self.te_state = jax.device_put(te_state, self.replicated)
         self.tr_state = jax.device_put(tr_state, self.replicated)
         self.vae_state = jax.device_put(vae_state, self.replicated)
+        self._graphs = (te_graph, tr_graph, vae_graph)
         self.compile_count = 0
         self._lock = threading.Lock()
         self._compiled: dict = {}
@@ -135,6 +139,11 @@ class CompiledPrograms:
         self._denoise = jax.jit(denoise, donate_argnums=(1,))
         self._single_step = jax.jit(single_step, donate_argnums=(1,))
         self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,))
+
+    def modules(self):
+        """(text_encoder, transformer, vae) as NNX modules over the device-resident parameters."""
+        states = (self.te_state, self.tr_state, self.vae_state)
+        return tuple(nnx.merge(g, s) for g, s in zip(self._graphs, states))
 
     # ---------------------------------------------------------------------------------------------- specs
 

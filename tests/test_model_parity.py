@@ -1,0 +1,287 @@
+"""Parity of the JAX model with diffusers/transformers on the same random weights (fp32).
+
+Tolerances: components within 2e-4 absolute (fp32 reassociation only); images within 4/255 max and 0.5/255 mean
+absolute difference of diffusers' float output (`output_type="np"`) against our uint8 pixels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import model
+from model.testing import TinySpec, build_tiny_checkpoint
+
+MAX_LEN = 32
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().numpy()
+
+
+@pytest.fixture(scope="module")
+def gen32(tiny_ckpt):
+    return model.load(tiny_ckpt, dtype="float32", max_sequence_length=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def reference_pipe(tiny_ckpt):
+    from diffusers import Flux2KleinPipeline
+
+    return Flux2KleinPipeline.from_pretrained(tiny_ckpt, torch_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def odd_ckpt(tmp_path_factory):
+    """A held-out-like config: guidance embedder present, 3 double + 1 single blocks, GQA 4:2, no post-quant conv,
+    three VAE levels (scale 4 -> size multiple 8), wider heads."""
+    spec = TinySpec(num_layers=3, num_single_layers=1, num_attention_heads=3, attention_head_dim=16,
+                    axes_dims_rope=(2, 6, 4, 4), guidance_embeds=True, text_hidden_size=24, text_heads=4,
+                    text_kv_heads=2, text_head_dim=12, vae_block_out_channels=(8, 8, 16),
+                    vae_use_post_quant_conv=False, seed=7)
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("odd") / "ckpt"), spec)
+
+
+# ------------------------------------------------------------------------------------------------- components
+
+
+def test_text_encoder_matches_transformers(gen32, reference_pipe):
+    from diffusers import Flux2KleinPipeline
+
+    prompts = ["a red cat on a mat", "", "word " * 40]  # long one is truncated to MAX_LEN
+    ref = Flux2KleinPipeline._get_qwen3_prompt_embeds(reference_pipe.text_encoder, reference_pipe.tokenizer, prompts,
+                                                       max_sequence_length=MAX_LEN)
+    tok = gen32.tokenizer(prompts)
+    assert tok.truncated == (False, False, True)
+    text_encoder, _, _ = gen32.programs.modules()
+    ours = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation="dot"))
+    assert ours.shape == tuple(ref.shape)
+    np.testing.assert_allclose(ours, _np(ref), atol=2e-4, rtol=1e-4)
+    ours_xla = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation="xla"))
+    np.testing.assert_allclose(ours_xla, _np(ref), atol=2e-4, rtol=1e-4)
+
+
+def test_every_hidden_state_including_the_normed_last(tiny_ckpt, reference_pipe):
+    """Hidden state k == transformers' hidden_states[k] for all k, the last one (after the final norm) included."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.config import PipelineConfig
+    from model.qwen3 import Qwen3TextEncoder
+    from model.weights import expected_tensors, load_component
+
+    cfg = PipelineConfig.from_folder(tiny_ckpt).text_encoder
+    layers = tuple(range(cfg.num_hidden_layers + 1))
+    abstract = nnx.eval_shape(lambda: Qwen3TextEncoder(cfg, layers, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    te = load_component(f"{tiny_ckpt}/text_encoder", abstract, expected=expected_tensors(abstract),
+                        optional={"lm_head.weight"})
+    tok = reference_pipe.tokenizer(["hello there"], padding="max_length", max_length=16, return_tensors="pt")
+    out = reference_pipe.text_encoder(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"],
+                                      output_hidden_states=True, use_cache=False)
+    ours = np.asarray(te(tok["input_ids"].numpy().astype(np.int32), tok["attention_mask"].numpy().astype(np.int32),
+                         implementation="dot"))
+    h = cfg.hidden_size
+    for k in layers:
+        np.testing.assert_allclose(ours[..., k * h:(k + 1) * h], _np(out.hidden_states[k]), atol=2e-4, rtol=1e-4,
+                                   err_msg=f"hidden state {k}")
+
+
+def _transformer_inputs(cfg, batch=2, txt_len=8, gh=3, gw=5, seed=0):
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((batch, gh * gw, cfg.in_channels)).astype(np.float32)
+    text = rng.standard_normal((batch, txt_len, cfg.joint_attention_dim)).astype(np.float32)
+    sigma = np.array([0.9, 0.37][:batch], np.float32)
+    return hidden, text, sigma
+
+
+@pytest.mark.parametrize("which", ["tiny", "odd"])
+def test_transformer_matches_diffusers(which, tiny_ckpt, odd_ckpt):
+    from diffusers import Flux2Transformer2DModel
+
+    from model.transformer import image_ids, rope_tables, text_ids
+
+    path = tiny_ckpt if which == "tiny" else odd_ckpt
+    gen = model.load(path, dtype="float32", max_sequence_length=8)
+    ref = Flux2Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32)
+    cfg = gen.config.transformer
+    gh, gw = 3, 5
+    hidden, text, sigma = _transformer_inputs(cfg, gh=gh, gw=gw)
+    ids_t, ids_i = text_ids(8), image_ids(gh, gw)
+    guidance = np.array([3.5, 1.0], np.float32) if cfg.guidance_embeds else None
+    with torch.no_grad():
+        expected = ref(hidden_states=torch.from_numpy(hidden), encoder_hidden_states=torch.from_numpy(text),
+                       timestep=torch.from_numpy(sigma), img_ids=torch.from_numpy(ids_i), txt_ids=torch.from_numpy(
+                           ids_t), guidance=None if guidance is None else torch.from_numpy(guidance),
+                       return_dict=False)[0]
+    cos, sin = rope_tables(np.concatenate([ids_t, ids_i]), cfg.axes_dims_rope, cfg.rope_theta)
+    _, transformer, _ = gen.programs.modules()
+    for impl in ("dot", "xla"):
+        ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation=impl)
+        np.testing.assert_allclose(np.asarray(ours), _np(expected), atol=2e-4, rtol=1e-4, err_msg=impl)
+
+
+@pytest.mark.parametrize("which", ["tiny", "odd"])
+def test_vae_decode_matches_diffusers(which, tiny_ckpt, odd_ckpt):
+    from diffusers import AutoencoderKLFlux2
+
+    path = tiny_ckpt if which == "tiny" else odd_ckpt
+    gen = model.load(path, dtype="float32", max_sequence_length=8)
+    ref = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+    cfg = gen.config.vae
+    z = np.random.default_rng(1).standard_normal((2, cfg.latent_channels, 6, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = ref.decode(torch.from_numpy(z), return_dict=False)[0]
+    _, _, vae = gen.programs.modules()
+    ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1))).transpose(0, 3, 1, 2)
+    np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4)
+
+
+def test_latent_denorm_and_unpatchify_match_pipeline(gen32, reference_pipe):
+    """decode_latents == Flux2KleinPipeline's unpack -> BN de-norm -> unpatchify -> vae.decode."""
+    pipe = reference_pipe
+    gh, gw = 3, 2
+    tokens = np.random.default_rng(2).standard_normal((1, gh * gw, gen32.config.transformer.in_channels))
+    tokens = tokens.astype(np.float32)
+    t = torch.from_numpy(tokens)
+    ids = pipe._prepare_latent_ids(torch.zeros(1, 1, gh, gw))
+    lat = pipe._unpack_latents_with_ids(t, ids, gh, gw)
+    mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+    lat = pipe._unpatchify_latents(lat * std + mean)
+    with torch.no_grad():
+        expected = pipe.vae.decode(lat, return_dict=False)[0]
+    _, _, vae = gen32.programs.modules()
+    ours = np.asarray(vae.decode_latents(tokens, gh, gw)).transpose(0, 3, 1, 2)
+    np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("steps,seq_len", [(4, 4096), (4, 1024), (4, 4080), (50, 4096), (1, 16), (28, 4301),
+                                           (7, 6)])
+def test_scheduler_matches_diffusers(steps, seq_len, reference_pipe):
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    from model.scheduler import compute_empirical_mu as our_mu, flow_match_schedule
+
+    sched = reference_pipe.scheduler
+    mu = compute_empirical_mu(seq_len, steps)
+    assert our_mu(seq_len, steps) == mu
+    sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    sigmas, timesteps = flow_match_schedule(_sched_cfg(reference_pipe), steps, seq_len)
+    np.testing.assert_array_equal(sigmas, sched.sigmas.numpy())
+    np.testing.assert_array_equal(timesteps, sched.timesteps.numpy())
+
+
+def _sched_cfg(pipe):
+    from model.config import SchedulerConfig
+
+    return SchedulerConfig.from_dict(dict(pipe.scheduler.config))
+
+
+def test_scheduler_published_numbers(reference_pipe):
+    from model.scheduler import flow_match_schedule
+
+    sigmas, timesteps = flow_match_schedule(_sched_cfg(reference_pipe), 4, 4096)
+    np.testing.assert_allclose(sigmas, [1.0, 0.967384, 0.908144, 0.767200, 0.0], atol=2e-6)
+    np.testing.assert_allclose(timesteps, [1000, 967.384, 908.144, 767.200], atol=2e-3)
+
+
+def test_custom_sigmas_match_diffusers(reference_pipe):
+    from model.scheduler import flow_match_schedule
+
+    custom = [1.0, 0.8, 0.5, 0.2]
+    sched = reference_pipe.scheduler
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    sched.set_timesteps(sigmas=custom, mu=compute_empirical_mu(64, 4))
+    sigmas, timesteps = flow_match_schedule(_sched_cfg(reference_pipe), 4, 64, custom)
+    np.testing.assert_array_equal(sigmas, sched.sigmas.numpy())
+    np.testing.assert_array_equal(timesteps, sched.timesteps.numpy())
+
+
+# ------------------------------------------------------------------------------------------------- end to end
+
+
+def _reference_images(pipe, prompts, seeds, height, width, steps, guidance, k=1, noise_shape=None):
+    noise = np.stack([model.initial_noise(s + j, noise_shape) for s in seeds for j in range(k)])
+    out = pipe(prompt=prompts, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
+               latents=torch.from_numpy(noise), output_type="np", max_sequence_length=MAX_LEN,
+               num_images_per_prompt=k)
+    return out.images
+
+
+def _assert_images_close(ours: np.ndarray, ref: np.ndarray):
+    assert ours.dtype == np.uint8 and ours.shape == ref.shape
+    diff = np.abs(ours.astype(np.float64) / 255.0 - ref.astype(np.float64)) * 255.0
+    assert diff.max() <= 4.0, f"max abs diff {diff.max():.3f}/255"
+    assert diff.mean() <= 0.5, f"mean abs diff {diff.mean():.3f}/255"
+    assert ref.std() > 0.05, "reference images are flat: the parity check would prove nothing"
+
+
+@pytest.mark.parametrize("height,width,prompts,seeds,k", [
+    (32, 48, ["a red cat on a mat", ""], [3, 11], 1),
+    (48, 32, ["an astronaut riding a horse"], [2**63 - 5], 2),
+    (16, 16, ["x", "a much longer prompt " * 6, "x"], [0, 1, 2], 1),
+])
+def test_end_to_end_matches_flux2_klein_pipeline(gen32, reference_pipe, height, width, prompts, seeds, k):
+    ours = gen32.generate(prompts, seeds, height=height, width=width, num_inference_steps=3,
+                          num_images_per_prompt=k)
+    ref = _reference_images(reference_pipe, prompts, seeds, height, width, 3, 1.0, k,
+                            gen32.noise_shape(height, width))
+    _assert_images_close(ours, ref)
+
+
+def test_base_model_with_guidance_matches(tiny_base_ckpt):
+    from diffusers import Flux2KleinPipeline
+
+    gen = model.load(tiny_base_ckpt, dtype="float32", max_sequence_length=MAX_LEN)
+    assert not gen.is_distilled and gen.default_num_inference_steps == 50 and gen.default_guidance_scale == 4.0
+    pipe = Flux2KleinPipeline.from_pretrained(tiny_base_ckpt, torch_dtype=torch.float32)
+    prompts, seeds = ["a lighthouse at dusk", ""], [5, 6]
+    ours = gen.generate(prompts, seeds, height=32, width=32, num_inference_steps=3, guidance_scale=4.0)
+    ref = _reference_images(pipe, prompts, seeds, 32, 32, 3, 4.0, 1, gen.noise_shape(32, 32))
+    _assert_images_close(ours, ref)
+    no_cfg = gen.generate(prompts, seeds, height=32, width=32, num_inference_steps=3, guidance_scale=1.0)
+    assert np.abs(no_cfg.astype(int) - ours.astype(int)).max() > 4, "guidance had no effect"
+
+
+def test_held_out_config_end_to_end(odd_ckpt):
+    from diffusers import Flux2KleinPipeline
+
+    gen = model.load(odd_ckpt, dtype="float32", max_sequence_length=MAX_LEN)
+    assert gen.size_multiple == 8
+    pipe = Flux2KleinPipeline.from_pretrained(odd_ckpt, torch_dtype=torch.float32)
+    ours = gen.generate(["odd sizes"], [9], height=24, width=40, num_inference_steps=2)
+    ref = _reference_images(pipe, ["odd sizes"], [9], 24, 40, 2, 1.0, 1, gen.noise_shape(24, 40))
+    _assert_images_close(ours, ref)
+
+
+def test_batch_equals_one_by_one(gen32):
+    prompts, seeds = ["one", "two", "three"], [10, 20, 30]
+    together = gen32.generate(prompts, seeds, height=32, width=32, num_inference_steps=2)
+    alone = np.concatenate([gen32.generate([p], [s], height=32, width=32, num_inference_steps=2)
+                            for p, s in zip(prompts, seeds)])
+    assert np.abs(together.astype(int) - alone.astype(int)).max() <= 1
+
+
+def test_noise_depends_only_on_seed_and_shape():
+    a = model.initial_noise(123, (4, 2, 3))
+    assert a.dtype == np.float32 and a.shape == (4, 2, 3)
+    np.testing.assert_array_equal(a, model.initial_noise(123, (4, 2, 3)))
+    assert not np.array_equal(a, model.initial_noise(124, (4, 2, 3)))
+    model.initial_noise(2**63 - 1, (1,))
+    for bad in (-1, 2**63, 1.5, True, "3"):
+        with pytest.raises(ValueError):
+            model.initial_noise(bad, (1,))
+
+
+def test_bf16_close_to_fp32(tiny_ckpt, gen32):
+    from benchmarks.similarity import ssim
+
+    gen16 = model.load(tiny_ckpt, dtype="bfloat16", max_sequence_length=MAX_LEN)
+    prompts, seeds = ["a red cat on a mat", "blue sky"], [3, 4]
+    a = gen32.generate(prompts, seeds, height=32, width=48, num_inference_steps=3)
+    b = gen16.generate(prompts, seeds, height=32, width=48, num_inference_steps=3)
+    scores = [ssim(x, y) for x, y in zip(a, b)]
+    print(f"bf16 vs fp32 SSIM per image: {scores}")
+    assert min(scores) > 0.8
