@@ -1,0 +1,143 @@
+"""model.checkpoint.resolve_checkpoint against a real local GCS emulator: copy once, verify, refuse pickles."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from model import checkpoint
+from model.errors import CheckpointError, UnsafeWeightsError
+
+FILES = {
+    "model_index.json": b'{"_class_name": "Flux2KleinPipeline", "is_distilled": true}',
+    "transformer/config.json": b'{"num_layers": 1}',
+    "transformer/diffusion_pytorch_model.safetensors": bytes(range(256)) * 64,
+    "vae/diffusion_pytorch_model.safetensors": b"\x00\x01" * 5000,
+    "tokenizer/tokenizer.json": '{"vocab": "\u00e9t\u00e9"}'.encode("utf-8"),
+}
+
+
+def _upload(emulator, bucket, prefix, files=FILES):
+    for rel, data in files.items():
+        emulator.upload_bytes(f"gs://{bucket}/{prefix}/{rel}", data)
+    return f"gs://{bucket}/{prefix}"
+
+
+def _tree(folder):
+    out = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            if name == checkpoint.COMPLETE_MARKER:
+                continue
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder).replace(os.sep, "/")] = f.read()
+    return out
+
+
+def test_local_folder_is_returned_as_is(tmp_path):
+    assert checkpoint.resolve_checkpoint(str(tmp_path)) == str(tmp_path)
+    missing = str(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="does not exist") as e:
+        checkpoint.resolve_checkpoint(missing)
+    assert missing in str(e.value)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a folder"):
+        checkpoint.resolve_checkpoint(str(tmp_path / "file"))
+    with pytest.raises(CheckpointError, match="unsupported"):
+        checkpoint.resolve_checkpoint("s3://bucket/ckpt")
+
+
+def test_gcs_checkpoint_is_copied_verified_and_reused(gcs_emulator, gcs_bucket, tmp_path):
+    uri = _upload(gcs_emulator, gcs_bucket, "klein")
+    cache = str(tmp_path / "cache")
+    before = checkpoint.copies_made()
+    path = checkpoint.resolve_checkpoint(uri + "/", cache_dir=cache)
+    assert path.startswith(cache) and os.path.isfile(os.path.join(path, checkpoint.COMPLETE_MARKER))
+    assert _tree(path) == FILES
+    assert checkpoint.copies_made() == before + 1
+    # A complete cache is reused: no second copy, same folder, files untouched.
+    mtime = os.stat(os.path.join(path, "model_index.json")).st_mtime_ns
+    assert checkpoint.resolve_checkpoint(uri, cache_dir=cache) == path
+    assert checkpoint.copies_made() == before + 1
+    assert os.stat(os.path.join(path, "model_index.json")).st_mtime_ns == mtime
+    # Nothing half-written is left next to it.
+    assert not [n for n in os.listdir(os.path.dirname(path)) if n.startswith(".partial-")]
+
+
+def test_reuploaded_checkpoint_gets_a_fresh_copy(gcs_emulator, gcs_bucket, tmp_path):
+    uri = _upload(gcs_emulator, gcs_bucket, "klein")
+    cache = str(tmp_path / "cache")
+    first = checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    changed = dict(FILES, **{"transformer/config.json": b'{"num_layers": 2}'})
+    _upload(gcs_emulator, gcs_bucket, "klein", changed)
+    second = checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    assert second != first
+    assert _tree(second) == changed
+
+
+def test_checksum_mismatch_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
+    uri = _upload(gcs_emulator, gcs_bucket, "klein")
+    bad = f"{uri}/vae/diffusion_pytorch_model.safetensors"
+    gcs_emulator.corrupt_object(bad, b"\x00\x02" * 5000)  # same size, different bytes, old checksums
+    cache = str(tmp_path / "cache")
+    with pytest.raises(CheckpointError, match="checksum mismatch") as e:
+        checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    assert bad in str(e.value)
+    # Nothing usable (or half-copied) is left in the cache.
+    for root, dirs, _files in os.walk(cache):
+        assert checkpoint.COMPLETE_MARKER not in _files
+        assert not [d for d in dirs if d.startswith(".partial-")]
+
+
+@pytest.mark.parametrize("name", ["text_encoder/pytorch_model.bin", "transformer/weights.pt", "vae/model.ckpt",
+                                  "extra/state.pth"])
+def test_pickle_weights_are_refused_before_copying(gcs_emulator, gcs_bucket, tmp_path, name):
+    uri = _upload(gcs_emulator, gcs_bucket, "klein", dict(FILES, **{name: b"pickle"}))
+    cache = str(tmp_path / "cache")
+    before = checkpoint.copies_made()
+    with pytest.raises(UnsafeWeightsError) as e:
+        checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    assert f"{uri}/{name}" in str(e.value)
+    assert checkpoint.copies_made() == before
+    copied = [f for _r, _d, files in os.walk(cache) for f in files] if os.path.exists(cache) else []
+    assert copied == []
+
+
+def test_empty_prefix_is_an_error(gcs_emulator, gcs_bucket, tmp_path):
+    with pytest.raises(CheckpointError, match="no objects"):
+        checkpoint.resolve_checkpoint(f"gs://{gcs_bucket}/nothing-here", cache_dir=str(tmp_path))
+
+
+def test_concurrent_processes_copy_once(gcs_emulator, gcs_bucket, tmp_path):
+    uri = _upload(gcs_emulator, gcs_bucket, "klein")
+    cache = str(tmp_path / "cache")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    # Each child imports everything, says it is ready, then waits for the go file: the three resolve calls start
+    # together, so they really race for the lock.
+    code = ("import json, os, sys, time; from model import checkpoint; gate = sys.argv[3]; "
+            "open(os.path.join(gate, f'ready-{os.getpid()}'), 'w').close(); "
+            "exec('while not os.path.exists(os.path.join(gate, \"go\")): time.sleep(0.01)'); "
+            "p = checkpoint.resolve_checkpoint(sys.argv[1], cache_dir=sys.argv[2]); "
+            "print(json.dumps({'path': p, 'copies': checkpoint.copies_made()}))")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-c", code, uri, cache, str(gate)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, cwd=repo) for _ in range(3)]
+    deadline = time.monotonic() + 120
+    while len([n for n in os.listdir(gate) if n.startswith("ready-")]) < 3:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "children did not start"
+        time.sleep(0.02)
+    (gate / "go").touch()
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    assert len({r["path"] for r in results}) == 1
+    assert sum(r["copies"] for r in results) == 1
+    assert _tree(results[0]["path"]) == FILES
