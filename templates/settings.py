@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Ready-made Dataflow worker settings (templates/settings/*.flags): the one source that the launch scripts, the
+README commands and the CI checks all read.
+
+A settings file is a list of Beam pipeline options, one `--name=value` per line; `#` starts a comment. The value
+`${IMAGE}` stands for the worker container image and is filled in from the command line. The same file becomes:
+
+- Beam arguments for a direct launch (`python -m pipeline.run --runner=DataflowRunner ...`) and for the CI dry run
+  (`--format=beam`);
+- `gcloud dataflow flex-template run` flags for a Flex Template launch (`--format=gcloud`): the options that gcloud
+  has its own flag for go there (machine type, worker counts, zone), every other one goes through `--parameters`
+  and is therefore declared in templates/metadata.json (CI checks that);
+- the image variant the settings need, `tpu` or `gpu` (`--format=variant`), read from the accelerator type.
+
+Standard library only, so the scripts can run it with any Python 3.8+ (no project virtualenv needed):
+
+    python3 templates/settings.py --list
+    python3 templates/settings.py gpu-l4 --image us-central1-docker.pkg.dev/my-project/flux2/flux2-klein:gpu
+    python3 templates/settings.py tpu-v5e --image IMAGE --format gcloud
+
+Each output argument is printed on its own line (values may contain `;`, never a newline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+SETTINGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "settings")
+SUFFIX = ".flags"
+IMAGE_PLACEHOLDER = "${IMAGE}"
+
+# Options that appear once per file at most (Beam lets `experiments` and `dataflow_service_options` repeat).
+REPEATABLE = frozenset({"experiments", "dataflow_service_options"})
+
+# Every settings file must say all of these: what the CI checks assert and what the README promises.
+REQUIRED = (
+    "machine_type",
+    "dataflow_service_options",
+    "number_of_worker_harness_threads",
+    "disk_size_gb",
+    "max_num_workers",
+    "sdk_container_image",
+    "sdk_location",
+)
+
+# Settings option -> the `gcloud dataflow flex-template run` flag that carries it. Everything else is passed as a
+# template parameter (`--parameters name=value`) and must be declared in metadata.json.
+GCLOUD_FLAGS = {
+    "machine_type": "--worker-machine-type",
+    "max_num_workers": "--max-workers",
+    "num_workers": "--num-workers",
+    "worker_zone": "--worker-zone",
+}
+
+# Dataflow TPU types -> {topology: the machine type Dataflow requires} (Dataflow TPU docs; a mismatch is rejected
+# at submission with "The requested accelerator type ... requires setting the worker machine type to ...").
+TPU_MACHINE_TYPES = {
+    "tpu-v5-lite-podslice": {"1x1": "ct5lp-hightpu-1t", "2x2": "ct5lp-hightpu-4t", "2x4": "ct5lp-hightpu-8t"},
+    "tpu-v6e-slice": {"1x1": "ct6e-standard-1t", "2x2": "ct6e-standard-4t", "2x4": "ct6e-standard-8t"},
+}
+
+# NVIDIA GPU types -> (machine-type prefix it needs, {machine type: GPUs attached}) for the types offered here.
+GPU_MACHINE_TYPES = {
+    "nvidia-l4": ("g2-", {"g2-standard-4": 1, "g2-standard-8": 1, "g2-standard-12": 1, "g2-standard-16": 1,
+                          "g2-standard-32": 1, "g2-standard-24": 2, "g2-standard-48": 4, "g2-standard-96": 8}),
+    "nvidia-h100-80gb": ("a3-highgpu-", {"a3-highgpu-1g": 1, "a3-highgpu-2g": 2, "a3-highgpu-4g": 4,
+                                         "a3-highgpu-8g": 8}),
+}
+
+_LINE = re.compile(r"^--([a-z][a-z0-9_]*)=(.+)$")
+
+
+class SettingsError(ValueError):
+    """A settings file that is malformed or contradicts itself; the message names the file and line."""
+
+
+class WorkerSettings:
+    """One parsed settings file. `options` keeps file order; repeatable options keep every value."""
+
+    def __init__(self, name: str, path: str, options: List[Tuple[str, str]], description: str):
+        self.name = name
+        self.path = path
+        self.options = options
+        self.description = description
+
+    # -- lookups
+    def values(self, key: str) -> List[str]:
+        return [v for k, v in self.options if k == key]
+
+    def get(self, key: str, default: Optional[str] = None) -> Optional[str]:
+        vals = self.values(key)
+        return vals[-1] if vals else default
+
+    def keys(self) -> List[str]:
+        seen: List[str] = []
+        for k, _ in self.options:
+            if k not in seen:
+                seen.append(k)
+        return seen
+
+    @property
+    def accelerator(self) -> Dict[str, str]:
+        """The `worker_accelerator=` service option as a dict: {'type': ..., 'count'/'topology': ..., flags: ''}."""
+        for value in self.values("dataflow_service_options"):
+            if value.startswith("worker_accelerator="):
+                return parse_accelerator(value[len("worker_accelerator="):])
+        return {}
+
+    @property
+    def variant(self) -> str:
+        """Which image the settings need: 'tpu' for TPU types, 'gpu' for NVIDIA types."""
+        kind = self.accelerator.get("type", "")
+        if kind.startswith("tpu-"):
+            return "tpu"
+        if kind.startswith("nvidia-"):
+            return "gpu"
+        raise SettingsError(f"{self.path}: no worker_accelerator service option, cannot tell the image variant")
+
+    # -- renderings
+    def with_image(self, image: str) -> "WorkerSettings":
+        if not image or IMAGE_PLACEHOLDER in image or any(c.isspace() for c in image):
+            raise SettingsError(f"not a container image reference: {image!r}")
+        options = [(k, v.replace(IMAGE_PLACEHOLDER, image)) for k, v in self.options]
+        return WorkerSettings(self.name, self.path, options, self.description)
+
+    def _check_resolved(self) -> None:
+        for k, v in self.options:
+            if IMAGE_PLACEHOLDER in v:
+                raise SettingsError(f"{self.path}: --{k} still contains {IMAGE_PLACEHOLDER}; pass the image")
+
+    def beam_args(self) -> List[str]:
+        """Beam pipeline arguments, e.g. ['--machine_type=g2-standard-8', ...]."""
+        self._check_resolved()
+        return [f"--{k}={v}" for k, v in self.options]
+
+    def template_parameters(self) -> List[Tuple[str, str]]:
+        """The (name, value) pairs that a Flex Template launch passes with --parameters."""
+        return [(k, v) for k, v in self.options if k not in GCLOUD_FLAGS]
+
+    def gcloud_args(self) -> List[str]:
+        """`gcloud dataflow flex-template run` flags carrying these settings."""
+        self._check_resolved()
+        args = [f"{GCLOUD_FLAGS[k]}={v}" for k, v in self.options if k in GCLOUD_FLAGS]
+        params: Dict[str, List[str]] = {}
+        for k, v in self.template_parameters():
+            params.setdefault(k, []).append(v)
+        for k, vals in params.items():
+            # A repeated option (two experiments) travels as one comma-separated value, which Beam splits again.
+            args.append(gcloud_parameter(k, ",".join(vals)))
+        return args
+
+
+def gcloud_parameter(name: str, value: str) -> str:
+    """One `--parameters` flag. gcloud splits dict flags on ',' unless the value starts with an alternate delimiter
+    (`gcloud topic escaping`), so values with commas use `^~^`."""
+    if "~" in value and "," in value:
+        raise SettingsError(f"--{name}: a value cannot contain both ',' and '~': {value!r}")
+    return f"--parameters=^~^{name}={value}" if "," in value else f"--parameters={name}={value}"
+
+
+def parse_accelerator(spec: str) -> Dict[str, str]:
+    """'type:nvidia-l4;count:1;install-nvidia-driver' -> {'type': 'nvidia-l4', 'count': '1',
+    'install-nvidia-driver': ''}."""
+    out: Dict[str, str] = {}
+    for part in spec.split(";"):
+        if not part:
+            raise SettingsError(f"empty field in worker_accelerator {spec!r}")
+        key, _, value = part.partition(":")
+        out[key] = value
+    return out
+
+
+def settings_path(name: str) -> str:
+    return os.path.join(SETTINGS_DIR, name + SUFFIX)
+
+
+def available() -> List[str]:
+    return sorted(f[: -len(SUFFIX)] for f in os.listdir(SETTINGS_DIR) if f.endswith(SUFFIX))
+
+
+def parse(text: str, path: str = "<settings>", name: str = "") -> WorkerSettings:
+    options: List[Tuple[str, str]] = []
+    comments: List[str] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            if not options:
+                comments.append(line.lstrip("#").strip())
+            continue
+        m = _LINE.match(line)
+        if not m:
+            raise SettingsError(f"{path}:{lineno}: expected --name=value, got {raw!r}")
+        key, value = m.group(1), m.group(2)
+        if any(c.isspace() for c in value):
+            raise SettingsError(f"{path}:{lineno}: --{key} value contains whitespace")
+        if key not in REPEATABLE and any(k == key for k, _ in options):
+            raise SettingsError(f"{path}:{lineno}: --{key} given twice")
+        options.append((key, value))
+    settings = WorkerSettings(name, path, options, comments[0] if comments else "")
+    validate(settings)
+    return settings
+
+
+def validate(s: WorkerSettings) -> None:
+    """Reject settings that Dataflow would reject or that break the project's rules (one SDK process per VM)."""
+    missing = [k for k in REQUIRED if s.get(k) is None]
+    if missing:
+        raise SettingsError(f"{s.path}: missing {', '.join('--' + k for k in missing)}")
+    for key in ("number_of_worker_harness_threads", "disk_size_gb", "max_num_workers", "num_workers"):
+        value = s.get(key)
+        if value is not None and not re.fullmatch(r"[1-9][0-9]*", value):
+            raise SettingsError(f"{s.path}: --{key} must be a positive integer, got {value!r}")
+    if s.get("sdk_location") != "container":
+        raise SettingsError(f"{s.path}: --sdk_location must be 'container' (dependencies are baked into the image)")
+    experiments = [e for v in s.values("experiments") for e in v.split(",")]
+    if "no_use_multiple_sdk_containers" not in experiments:
+        raise SettingsError(f"{s.path}: needs --experiments=no_use_multiple_sdk_containers (one SDK process per VM, "
+                            "so one process owns the accelerator)")
+    acc = s.accelerator
+    machine = s.get("machine_type", "")
+    kind = acc.get("type", "")
+    if kind in TPU_MACHINE_TYPES:
+        topology = acc.get("topology")
+        want = TPU_MACHINE_TYPES[kind].get(topology or "")
+        if want is None:
+            raise SettingsError(f"{s.path}: unknown topology {topology!r} for {kind}")
+        if machine != want:
+            raise SettingsError(f"{s.path}: {kind} topology {topology} requires --machine_type={want}, "
+                                f"got {machine}")
+    elif kind in GPU_MACHINE_TYPES:
+        prefix, gpus = GPU_MACHINE_TYPES[kind]
+        if not machine.startswith(prefix) or machine not in gpus:
+            raise SettingsError(f"{s.path}: {kind} needs a {prefix}* machine type, got {machine}")
+        if acc.get("count") != str(gpus[machine]):
+            raise SettingsError(f"{s.path}: {machine} has {gpus[machine]} x {kind}, worker_accelerator says "
+                                f"count:{acc.get('count')}")
+        if "install-nvidia-driver" not in acc:
+            raise SettingsError(f"{s.path}: GPU workers need install-nvidia-driver in worker_accelerator")
+    else:
+        raise SettingsError(f"{s.path}: unsupported or missing worker_accelerator type {kind!r}")
+
+
+def load(name: str, image: Optional[str] = None) -> WorkerSettings:
+    """Read templates/settings/<name>.flags; with `image`, fill in ${IMAGE}."""
+    path = settings_path(name)
+    if not os.path.isfile(path):
+        raise SettingsError(f"no settings named {name!r}; available: {', '.join(available())}")
+    with open(path, encoding="utf-8") as f:
+        settings = parse(f.read(), path=path, name=name)
+    return settings.with_image(image) if image is not None else settings
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", nargs="?", help="settings name, e.g. tpu-v5e or gpu-l4 (see --list)")
+    ap.add_argument("--image", help="worker container image (replaces ${IMAGE})")
+    ap.add_argument("--format", choices=("beam", "gcloud", "variant", "describe"), default="beam")
+    ap.add_argument("--list", action="store_true", help="list the available settings and exit")
+    args = ap.parse_args(argv)
+    try:
+        if args.list:
+            for name in available():
+                s = load(name)
+                print(f"{name:12s} {s.variant}  {s.get('machine_type')}  {s.description}")
+            return 0
+        if not args.name:
+            ap.error("a settings name is required (see --list)")
+        settings = load(args.name, args.image)
+        if args.format == "variant":
+            print(settings.variant)
+        elif args.format == "describe":
+            print(settings.description)
+        elif args.image is None:
+            ap.error(f"--format={args.format} needs --image")
+        else:
+            lines = settings.beam_args() if args.format == "beam" else settings.gcloud_args()
+            print("\n".join(lines))
+    except SettingsError as e:
+        print(f"settings.py: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
