@@ -1,0 +1,73 @@
+"""Shared pytest fixtures. JAX runs on CPU unless the caller chose a platform.
+
+Checkpoint fixtures build tiny random-weight FLUX.2 [klein] folders (model/testing.py) once per session. Heavy
+imports (torch, diffusers, the model package) happen inside the fixtures, so collecting tests stays cheap.
+Add new fixtures in their own section below.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory):
+    """`make(spec=None, **overrides) -> path`: build (once per session and spec) a tiny checkpoint folder.
+
+    `make()` is the default spec; `make(num_layers=2)` or `make(TinySpec(...))` give other configurations.
+    """
+    from model.testing import TinySpec, build_tiny_checkpoint, spec_hash
+
+    built: dict[str, str] = {}
+
+    def make(spec=None, **overrides) -> str:
+        spec = spec or TinySpec()
+        if overrides:
+            import dataclasses
+
+            spec = dataclasses.replace(spec, **overrides)
+        key = spec_hash(spec)
+        if key not in built:
+            root = tmp_path_factory.mktemp(f"tiny-{key}")
+            built[key] = build_tiny_checkpoint(str(root / "ckpt"), spec)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_checkpoint_factory) -> str:
+    """Distilled klein checkpoint (is_distilled true) at the default TinySpec."""
+    return tiny_checkpoint_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_base_ckpt(tiny_checkpoint_factory) -> str:
+    """Base (non-distilled, CFG) klein checkpoint at the default TinySpec."""
+    return tiny_checkpoint_factory(distilled=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local GCS emulator (tests/gcs_emulator.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A real local GCS (gcp-storage-emulator) that google-cloud-storage and Beam reach via STORAGE_EMULATOR_HOST."""
+    from gcs_emulator import start_emulator
+
+    emulator = start_emulator()
+    yield emulator
+    emulator.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator) -> str:
+    """A fresh, empty bucket on the emulator (its name, without gs://)."""
+    return gcs_emulator.new_bucket()
