@@ -22,7 +22,8 @@ def validate_seed(seed) -> int:
 def initial_noise(seed: int, shape) -> np.ndarray:
     """Standard-normal float32 noise of `shape` drawn from numpy's PCG64 seeded with `seed` alone.
 
-    For an image of height x width this is `(in_channels, height // 16, width // 16)` in the patchified layout that
+    For an image of height x width this is `(in_channels, height // m, width // m)` with m = 2 x the VAE scale (16 for
+    the real VAE; `Flux2KleinGenerator.noise_shape` computes it), in the patchified layout that
     diffusers' Flux2KleinPipeline accepts as `latents` (one batch row per image).
     """
     seed = validate_seed(seed)

@@ -1,6 +1,6 @@
 """safetensors -> NNX state: find the files, validate names/shapes/dtypes against the model, convert tensor by tensor.
 
-Safetensors files are parsed here directly (header + memory map) so that bfloat16 works without a framework and a
+Safetensors files are parsed here directly (header + positioned reads) so that bfloat16 works without a framework and a
 truncated shard is detected before any value is read. Each tensor is cast to its parameter's dtype and laid out
 for JAX one at a time, so peak host memory stays near one copy of the weights in the target dtype.
 """
@@ -73,18 +73,16 @@ class SafetensorsFile:
                 raise CheckpointError(f"safetensors file is truncated: tensor needs bytes up to {end} but the file "
                                       f"holds {data_len} data bytes", path=path, tensor=name)
             self.entries[name] = (dtype, shape, begin, end)
-        self._mmap = None
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor as a read-only numpy view of the memory-mapped file (no copy)."""
+        """The tensor as a fresh numpy array, read with one positioned read (no memory map stays resident)."""
         dtype, shape, begin, end = self.entries[name]
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r", offset=0)
-        raw = self._mmap[self.data_start + begin: self.data_start + end]
-        return raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
-
-    def close(self):
-        self._mmap = None
+        count = int(np.prod(shape, dtype=np.int64))
+        with open(self.path, "rb") as f:
+            array = np.fromfile(f, dtype=SAFETENSORS_DTYPES[dtype], count=count, offset=self.data_start + begin)
+        if array.size != count:
+            raise CheckpointError("safetensors file ended before the tensor's data", path=self.path, tensor=name)
+        return array.reshape(shape)
 
 
 def open_component(folder: str) -> dict[str, SafetensorsFile]:
@@ -232,7 +230,5 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
         array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
         leaves.append((path, var.replace(jnp.asarray(array))))
         del array
-    for sf in set(tensor_to_file.values()):
-        sf.close()
     state = nnx.from_flat_state(leaves)
     return nnx.merge(graphdef, state)

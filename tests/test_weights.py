@@ -1,0 +1,252 @@
+"""Checkpoint loading: name/shape mapping against the real FLUX.2-klein configs (meta device, no download) and a
+clear, typed error naming the file and tensor for every kind of broken checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import model
+from model.config import PipelineConfig, TextEncoderConfig, TransformerConfig, VAEConfig
+from model.qwen3 import Qwen3TextEncoder
+from model.transformer import Flux2Transformer
+from model.vae import Flux2VAEDecoder
+from model.weights import expected_tensors, flat_params
+
+KLEIN_TRANSFORMER = {
+    "4b": dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680),
+    "9b": dict(num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288),
+}
+KLEIN_COMMON = dict(patch_size=1, in_channels=128, out_channels=None, attention_head_dim=128,
+                    timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32], rope_theta=2000,
+                    eps=1e-6, guidance_embeds=False)
+QWEN3 = {
+    "4b": dict(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
+    "9b": dict(hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False),
+}
+QWEN3_COMMON = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                    attention_bias=False)
+
+
+def _abstract(factory):
+    return nnx.eval_shape(factory)
+
+
+
+
+
+@pytest.mark.parametrize("size", ["4b", "9b"])
+def test_mapping_matches_real_klein_configs_on_meta_device(size):
+    """Our expected tensor names/shapes == the state dicts of diffusers/transformers models built with the published
+    configs on the meta device; parameter counts agree too."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tcfg = {**KLEIN_COMMON, **KLEIN_TRANSFORMER[size]}
+    qcfg = {**QWEN3_COMMON, **QWEN3[size]}
+    with torch.device("meta"):
+        ref_t = Flux2Transformer2DModel(**tcfg)
+        ref_v = AutoencoderKLFlux2()
+        ref_q = Qwen3ForCausalLM(Qwen3Config(**qcfg))
+    checks = [
+        (ref_t, _abstract(lambda: Flux2Transformer(TransformerConfig.from_dict(tcfg), dtype=jnp.bfloat16,
+                                                   rngs=nnx.Rngs(0))), {}),
+        (ref_v, _abstract(lambda: Flux2VAEDecoder(VAEConfig.from_dict(dict(ref_v.config)), with_encoder=True,
+                                                  dtype=jnp.bfloat16, rngs=nnx.Rngs(0))),
+         {"bn.num_batches_tracked": ()}),
+        (ref_q, _abstract(lambda: Qwen3TextEncoder(TextEncoderConfig.from_dict(ref_q.config.to_dict()),
+                                                   full_depth=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))),
+         {"lm_head.weight": (151936, qcfg["hidden_size"])}),
+    ]
+    for ref, abstract, extra in checks:
+        ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+        ours = expected_tensors(abstract, extra)
+        assert ours == ref_shapes, (set(ours) ^ set(ref_shapes))
+        # Parameter count of our abstract model == the reference's parameters (+ the BN running stats, which we
+        # hold as parameters); the untied lm_head is a reference parameter we never build.
+        n_ours = sum(int(np.prod(v.shape)) for v in flat_params(abstract).values())
+        n_ref = sum(p.numel() for _, p in ref.named_parameters())
+        n_ref += sum(b.numel() for n, b in ref.named_buffers() if n.startswith("bn.running"))
+        if ref is ref_q and not qcfg["tie_word_embeddings"]:
+            n_ref -= 151936 * qcfg["hidden_size"]
+        assert n_ours == n_ref
+    if size == "4b":
+        n = sum(int(np.prod(s)) for s in expected_tensors(checks[0][1]).values())
+        assert abs(n - 3.876e9) < 0.01e9
+
+
+def test_truncated_encoder_runs_27_layers_for_real_config():
+    cfg = TextEncoderConfig.from_dict({**QWEN3_COMMON, **QWEN3["4b"]})
+    enc = _abstract(lambda: Qwen3TextEncoder(cfg, (9, 18, 27), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    assert len(enc.model.layers) == 27 and enc.model.norm is None
+
+
+# ----------------------------------------------------------------------------------------------- broken checkpoints
+
+
+@pytest.fixture()
+def ckpt_copy(tiny_ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, dst)
+    return str(dst)
+
+
+def _index(folder):
+    name = next(n for n in os.listdir(folder) if n.endswith(".index.json"))
+    path = os.path.join(folder, name)
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def _load(path):
+    return model.load(path, dtype="float32", max_sequence_length=16)
+
+
+def test_missing_shard_names_the_file(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "transformer")
+    _, idx = _index(folder)
+    shard = sorted(set(idx["weight_map"].values()))[-1]
+    os.remove(os.path.join(folder, shard))
+    with pytest.raises(model.CheckpointError, match="missing") as e:
+        _load(ckpt_copy)
+    assert shard in str(e.value)
+
+
+def test_truncated_shard_names_file_and_tensor(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "vae")
+    _, idx = _index(folder)
+    shard = os.path.join(folder, sorted(set(idx["weight_map"].values()))[0])
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(size - 7)
+    with pytest.raises(model.CheckpointError, match="truncated") as e:
+        _load(ckpt_copy)
+    assert shard in str(e.value) and e.value.tensor
+
+
+def test_tensor_missing_from_index_is_an_error(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "transformer")
+    path, idx = _index(folder)
+    name = "proj_out.weight"
+    del idx["weight_map"][name]
+    with open(path, "w") as f:
+        json.dump(idx, f)
+    with pytest.raises(model.CheckpointError, match="proj_out.weight"):
+        _load(ckpt_copy)
+
+
+def _rewrite_shard(folder, edit):
+    """Apply `edit(tensors: dict) -> None` to the shard holding proj_out.weight and update the index."""
+    from safetensors.numpy import load_file, save_file
+
+    path, idx = _index(folder)
+    shard = idx["weight_map"]["proj_out.weight"]
+    tensors = load_file(os.path.join(folder, shard))
+    edit(tensors)
+    save_file(tensors, os.path.join(folder, shard))
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if v != shard}
+    idx["weight_map"].update(dict.fromkeys(tensors, shard))
+    with open(path, "w") as f:
+        json.dump(idx, f)
+
+
+def test_wrong_shape_names_tensor(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "transformer")
+    _rewrite_shard(folder, lambda t: t.__setitem__("proj_out.weight", t["proj_out.weight"][:, :-1].copy()))
+    with pytest.raises(model.CheckpointError, match="shape mismatch") as e:
+        _load(ckpt_copy)
+    assert e.value.tensor == "proj_out.weight"
+
+
+def test_wrong_dtype_is_an_error(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "transformer")
+    _rewrite_shard(folder, lambda t: t.__setitem__("proj_out.weight", t["proj_out.weight"].astype(np.int32)))
+    with pytest.raises(model.CheckpointError, match="dtype") as e:
+        _load(ckpt_copy)
+    assert e.value.tensor == "proj_out.weight"
+
+
+def test_unexpected_tensor_is_an_error(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "transformer")
+    _rewrite_shard(folder, lambda t: t.__setitem__("extra.weight", np.ones((2, 2), np.float32)))
+    with pytest.raises(model.CheckpointError, match="unexpected") as e:
+        _load(ckpt_copy)
+    assert e.value.tensor == "extra.weight"
+
+
+def test_missing_tensor_is_an_error_not_zero_filled(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "transformer")
+    _rewrite_shard(folder, lambda t: t.pop("proj_out.weight"))
+    with pytest.raises(model.CheckpointError, match="missing") as e:
+        _load(ckpt_copy)
+    assert e.value.tensor == "proj_out.weight"
+
+
+def test_corrupted_config_names_the_file(ckpt_copy):
+    path = os.path.join(ckpt_copy, "transformer", "config.json")
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(model.ConfigError, match="not valid JSON") as e:
+        _load(ckpt_copy)
+    assert e.value.path == path
+
+
+def test_config_with_wrong_type_names_key(ckpt_copy):
+    path = os.path.join(ckpt_copy, "vae", "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["latent_channels"] = "many"
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(model.ConfigError) as e:
+        _load(ckpt_copy)
+    assert e.value.key == "latent_channels"
+
+
+def test_pickle_only_weights_are_refused(ckpt_copy):
+    folder = os.path.join(ckpt_copy, "vae")
+    for n in os.listdir(folder):
+        if n.endswith((".safetensors", ".json")) and n != "config.json":
+            os.remove(os.path.join(folder, n))
+    with open(os.path.join(folder, "diffusion_pytorch_model.bin"), "wb") as f:
+        f.write(b"\x80\x04not really a pickle")
+    with pytest.raises(model.UnsafeWeightsError, match="pickle"):
+        _load(ckpt_copy)
+
+
+def test_missing_folder_and_component(tmp_path, ckpt_copy):
+    with pytest.raises(model.CheckpointError):
+        _load(str(tmp_path / "nope"))
+    shutil.rmtree(os.path.join(ckpt_copy, "text_encoder"))
+    with pytest.raises(model.ModelError):
+        _load(ckpt_copy)
+
+
+def test_bad_sizes_name_value_and_nearest(tiny_ckpt):
+    gen = _load(tiny_ckpt)
+    m = gen.size_multiple
+    with pytest.raises(ValueError, match=rf"height.*{10 * m + 1}.*\[{10 * m}, {11 * m}\]"):
+        gen.generate(["x"], [0], height=10 * m + 1, width=32)
+    for bad in (0, -16, 15.5, None):
+        with pytest.raises(ValueError, match="width"):
+            gen.generate(["x"], [0], height=32, width=bad)
+    with pytest.raises(ValueError, match="seed"):
+        gen.generate(["x"], [-1], height=32, width=32)
+    with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
+        gen.generate(["x", "y"], [0], height=32, width=32)
+
+
+def test_bfloat16_load_keeps_bn_stats_in_float32(tiny_ckpt):
+    gen = model.load(tiny_ckpt, dtype="bfloat16", max_sequence_length=16)
+    te, tr, vae = gen.programs.modules()
+    assert tr.proj_out.weight.dtype == jnp.bfloat16 and te.model.embed_tokens.weight.dtype == jnp.bfloat16
+    assert vae.bn.running_var.dtype == jnp.float32
+    assert PipelineConfig.from_folder(tiny_ckpt).is_distilled
