@@ -11,7 +11,6 @@
 #
 # options:
 #   --weights DIR|gs://URI   bake a diffusers-layout checkpoint into the image at /opt/flux2-klein/weights
-#   --compile-cache URI      persistent JAX compilation cache for the workers (gs:// needs gcsfs in the image)
 #   --gpu-jax-extra EXTRA    cuda13 (default; NVIDIA driver >= 580) or cuda12 (driver >= 525)
 #   --local-docker           build with the local Docker engine and push, instead of Cloud Build
 #   --template GCS_PATH      where to write the template spec (default above)
@@ -20,7 +19,7 @@
 # Needs: gcloud (authenticated, with the project's Cloud Build, Artifact Registry and Dataflow APIs enabled).
 set -euo pipefail
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
@@ -29,11 +28,10 @@ case "${1:-}" in -h|--help) usage 0 ;; esac
 PROJECT=$1 REGION=$2 BUCKET=${3#gs://} IMAGE=$4 VARIANT=$5
 shift 5
 
-WEIGHTS="" COMPILE_CACHE="" GPU_JAX_EXTRA=cuda13 LOCAL_DOCKER=0 TEMPLATE=""
+WEIGHTS="" GPU_JAX_EXTRA=cuda13 LOCAL_DOCKER=0 TEMPLATE=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --weights) WEIGHTS=${2:?--weights needs a value}; shift 2 ;;
-    --compile-cache) COMPILE_CACHE=${2:?--compile-cache needs a value}; shift 2 ;;
     --gpu-jax-extra) GPU_JAX_EXTRA=${2:?--gpu-jax-extra needs a value}; shift 2 ;;
     --local-docker) LOCAL_DOCKER=1; shift ;;
     --template) TEMPLATE=${2:?--template needs a value}; shift 2 ;;
@@ -82,14 +80,13 @@ if [ "$LOCAL_DOCKER" = 1 ]; then
   run docker build \
     --build-arg "ACCELERATOR=$VARIANT" \
     --build-arg "GPU_JAX_EXTRA=$GPU_JAX_EXTRA" \
-    --build-arg "JAX_COMPILATION_CACHE_DIR=$COMPILE_CACHE" \
     --tag "$IMAGE" "$CTX"
   run docker push "$IMAGE"
 else
   run gcloud builds submit "$CTX" \
     --project "$PROJECT" \
     --config "$CTX/cloudbuild.yaml" \
-    --substitutions "^~^_IMAGE=$IMAGE~_ACCELERATOR=$VARIANT~_GPU_JAX_EXTRA=$GPU_JAX_EXTRA~_WEIGHTS_URI=$WEIGHTS_URI~_JAX_COMPILATION_CACHE_DIR=$COMPILE_CACHE"
+    --substitutions "^~^_IMAGE=$IMAGE~_ACCELERATOR=$VARIANT~_GPU_JAX_EXTRA=$GPU_JAX_EXTRA~_WEIGHTS_URI=$WEIGHTS_URI"
 fi
 
 run gcloud dataflow flex-template build "$TEMPLATE" \

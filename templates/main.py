@@ -1,30 +1,47 @@
 """Flex Template entry point (FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py in the image).
 
 Dataflow's template launcher runs `python main.py --runner=DataflowRunner --project=... --<parameter>=<value> ...`.
-This file hands those arguments to the project's own entry point (`python -m pipeline.run`) and returns as soon as
-the job is submitted: a Flex Template launcher must not wait for the job (during a template launch there is not
-even a job id to wait on, and Beam's wait_until_finish raises). `--no_wait_until_finish` is Beam's standard option
-for exactly that.
+This hands those arguments to the job's own entry point (`pipeline.run`, as `python -m pipeline.run` would) and
+returns as soon as the job is submitted. A Flex Template launcher must not wait for its job: during a template
+launch there is no job id to wait on yet, and Beam's wait_until_finish raises. `--no_wait_until_finish` is Beam's
+standard option for exactly that.
+
+Two defaults for launches from the image:
+- `--no_wait_until_finish` is added when absent;
+- `--model=$FLUX2_WEIGHTS_DIR` is added when the job names no checkpoint and the image has one baked in there.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 NO_WAIT = "--no_wait_until_finish"
+WEIGHTS_ENV = "FLUX2_WEIGHTS_DIR"
 
 
-def launcher_argv(argv: list[str]) -> list[str]:
-    """The launcher's arguments plus `--no_wait_until_finish` (once)."""
-    return argv if NO_WAIT in argv else [*argv, NO_WAIT]
+def _has_option(argv: list[str], name: str) -> bool:
+    return any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def launcher_argv(argv: list[str], environ: dict | None = None) -> list[str]:
+    """The launcher's arguments plus the two defaults above."""
+    environ = os.environ if environ is None else environ
+    out = list(argv)
+    baked = environ.get(WEIGHTS_ENV, "")
+    if not _has_option(out, "model") and baked and os.path.isfile(os.path.join(baked, "model_index.json")):
+        out.append(f"--model={baked}")
+    if not _has_option(out, NO_WAIT[2:]):
+        out.append(NO_WAIT)
+    return out
+
+
+def main(argv: list[str] | None = None):
     logging.getLogger().setLevel(logging.INFO)
-    from pipeline import run as job  # imported here so `import main` stays cheap for tests
+    from pipeline import run as job  # imported here so that `import main` stays cheap
 
-    job.run(launcher_argv(list(sys.argv[1:] if argv is None else argv)))
+    return job.run(launcher_argv(list(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

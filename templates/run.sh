@@ -10,7 +10,7 @@
 #   SETTINGS   worker settings name: tpu-v5e, tpu-v6e, gpu-l4, gpu-h100 (python3 templates/settings.py --list)
 #   INPUT      gs:// prompts file or glob (.jsonl, .csv or .txt)
 #   OUTPUT     gs:// folder for images/, manifest/, errors/ and summary.json
-#   MODEL      checkpoint: gs:// folder (diffusers layout) or /opt/flux2-klein/weights (baked in; the default)
+#   MODEL      checkpoint: gs:// folder (diffusers layout); default: the weights baked into the image
 #   GCLOUD_FLAGS  passed through, e.g. --parameters=height=768 --worker-zone=us-central1-a --max-workers=16
 #
 # Needs: gcloud (authenticated) and python3 (3.8+, standard library only) to read the settings file.
@@ -24,7 +24,7 @@ case "${1:-}" in -h|--help) usage 0 ;; esac
 [ "$#" -ge 7 ] || usage
 PROJECT=$1 REGION=$2 BUCKET=${3#gs://} IMAGE=$4 SETTINGS=$5 INPUT=$6 OUTPUT=$7
 shift 7
-MODEL=/opt/flux2-klein/weights
+MODEL=""
 if [ "$#" -gt 0 ] && [ "$1" != "--" ]; then MODEL=$1; shift; fi
 if [ "$#" -gt 0 ]; then
   [ "$1" = "--" ] || { echo "run.sh: extra gcloud flags go after --" >&2; usage; }
@@ -77,8 +77,8 @@ CMD=(gcloud dataflow flex-template run "$JOB_NAME"
   --temp-location "gs://$BUCKET/temp"
   "$(param input "$INPUT")"
   "$(param output "$OUTPUT")"
-  "$(param model "$MODEL")"
   "${KEPT[@]}")
+if [ -n "$MODEL" ]; then CMD+=("$(param model "$MODEL")"); fi
 if [ "${#EXTRA[@]}" -gt 0 ]; then CMD+=("${EXTRA[@]}"); fi
 
 if [ "$DRY_RUN" = 1 ]; then

