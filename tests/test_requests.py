@@ -1,0 +1,218 @@
+"""Records -> validated requests or error rows: formats, every rejection reason, stable ids and seeds, dedup."""
+
+import json
+
+import apache_beam as beam
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.testing.util import assert_that, equal_to
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transforms import layout
+from transforms.requests import (
+    DUPLICATE_TAG, MAX_SEED, DeduplicateRequests, GenerationRequest, ReadRequests, RequestDefaults, derive_id,
+    detect_format, parse_lines,
+)
+
+D = RequestDefaults(height=64, width=32, seed=7)
+
+
+def one(line: bytes, fmt="jsonl", defaults=D):
+    out = parse_lines(line, "src." + fmt, fmt, defaults)
+    assert len(out) == 1, out
+    return out[0]
+
+
+def rejected(line, fmt="jsonl", defaults=D):
+    row = one(line, fmt, defaults)
+    assert isinstance(row, dict), row
+    assert row["source"] == "src." + fmt and row["line"] == 1 and row["kind"] == layout.INVALID_RECORD
+    return row
+
+
+def test_valid_record_applies_defaults_and_derives_id_and_seed():
+    r = one(b'{"prompt": "a cat"}')
+    assert isinstance(r, GenerationRequest)
+    assert (r.prompt, r.height, r.width, r.num_images, r.num_inference_steps, r.guidance_scale) == \
+        ("a cat", 64, 32, 1, None, None)
+    assert layout.image_file_name(r.id, 0, 1) == f"images/{r.id}.png"
+    assert 0 <= r.seed < 2**32
+    # Same content -> same id and seed; another --seed -> same id, another seed.
+    again = one(b'{"prompt": "a cat"}')
+    assert (again.id, again.seed) == (r.id, r.seed)
+    other = one(b'{"prompt": "a cat"}', defaults=RequestDefaults(height=64, width=32, seed=8))
+    assert other.id == r.id and other.seed != r.seed
+    # Any parameter change changes the id.
+    assert one(b'{"prompt": "a cat", "height": 32}').id != r.id
+    assert one(b'{"prompt": "a cat", "seed": 3}').id != r.id
+
+
+def test_explicit_fields():
+    r = one(b'{"id": "x_1.a-b", "prompt": "p", "seed": 5, "height": 48, "width": 16, "num_inference_steps": 3, '
+            b'"guidance_scale": 2, "num_images": 3, "extra": "ignored"}')
+    assert (r.id, r.seed, r.height, r.width, r.num_inference_steps, r.guidance_scale, r.num_images) == \
+        ("x_1.a-b", 5, 48, 16, 3, 2.0, 3)
+    assert [t.file_name for t in r.tasks()] == ["images/x_1.a-b-0.png", "images/x_1.a-b-1.png",
+                                                "images/x_1.a-b-2.png"]
+    assert [t.seed for t in r.tasks()] == [5, 6, 7]
+    assert len({t.shape_key for t in r.tasks()}) == 1
+    assert one(b'{"id": 17, "prompt": "p"}').id == "17"
+    assert one(b'{"prompt": "p", "height": 64.0}').height == 64
+
+
+@pytest.mark.parametrize("line, field, words", [
+    (b'{"prompt": "a", ', "record", "malformed JSON"),
+    (b'["a"]', "record", "JSON object"),
+    (b'{"prompt": "x", "seed": NaN}', "record", "malformed JSON"),
+    (b'{"id": "a"}', "prompt", "missing prompt"),
+    (b'{"prompt": null}', "prompt", "missing prompt"),
+    (b'{"prompt": 12}', "prompt", "prompt must be a string"),
+    (b'{"prompt": ["a"]}', "prompt", "prompt must be a string"),
+    (b'{"prompt": "   "}', "prompt", "prompt is empty"),
+    (b'{"prompt": "p", "height": "512"}', "height", "height must be an integer"),
+    (b'{"prompt": "p", "width": true}', "width", "width must be an integer"),
+    (b'{"prompt": "p", "height": 100}', "height", "positive multiple of 16"),
+    (b'{"prompt": "p", "width": 0}', "width", "positive multiple of 16"),
+    (b'{"prompt": "p", "height": -16}', "height", "positive multiple of 16"),
+    (b'{"prompt": "p", "height": 4096, "width": 2048}', "height", "max_pixels"),
+    (b'{"prompt": "p", "num_inference_steps": 0}', "num_inference_steps", "num_inference_steps must be in"),
+    (b'{"prompt": "p", "num_inference_steps": 1001}', "num_inference_steps", "num_inference_steps must be in"),
+    (b'{"prompt": "p", "num_inference_steps": 2.5}', "num_inference_steps", "must be an integer"),
+    (b'{"prompt": "p", "guidance_scale": "high"}', "guidance_scale", "must be a number"),
+    (b'{"prompt": "p", "guidance_scale": -1}', "guidance_scale", "guidance_scale must be >= 0"),
+    (b'{"prompt": "p", "num_images": 0}', "num_images", "num_images must be in"),
+    (b'{"prompt": "p", "seed": -1}', "seed", "seed must be a non-negative integer"),
+    (b'{"prompt": "p", "seed": 1.5}', "seed", "seed must be an integer"),
+    (b'{"prompt": "p", "seed": "7"}', "seed", "seed must be an integer"),
+    (b'{"prompt": "p", "seed": 9223372036854775808}', "seed", "seed must be a non-negative integer"),
+    (b'{"prompt": "p", "id": "has space"}', "id", "id must match"),
+    (b'{"prompt": "p", "id": "a/b"}', "id", "id must match"),
+    (b'{"prompt": "p", "id": ""}', "id", "id must match"),
+    (b'{"prompt": "p", "id": "' + b"a" * 129 + b'"}', "id", "id must match"),
+    (b'{"prompt": "p", "id": ".hidden"}', "id", "must not start with a dot"),
+    (b'{"prompt": "p", "id": ["a"]}', "id", "id must be a string"),
+    (b'{"prompt": "caf\xe9"}', "encoding", "not valid UTF-8"),
+])
+def test_invalid_records_give_one_error_row_with_reason(line, field, words):
+    row = rejected(line)
+    assert words in row["reason"], row
+    assert row["field"] == field
+    assert row["record"]  # the offending record, as text
+    json.dumps(row)  # every row is JSON-serialisable
+
+
+def test_seed_upper_bound_leaves_room_for_every_image():
+    ok = one(json.dumps({"prompt": "p", "seed": MAX_SEED - 2, "num_images": 2}).encode())
+    assert [t.seed for t in ok.tasks()] == [MAX_SEED - 2, MAX_SEED - 1]
+    rejected(json.dumps({"prompt": "p", "seed": MAX_SEED - 1, "num_images": 2}).encode())
+
+
+def test_error_rows_keep_the_id_when_it_is_valid_and_truncate_the_record():
+    row = rejected(json.dumps({"id": "ok", "prompt": "p" * 5000, "height": 7}).encode())
+    assert row["id"] == "ok" and row["value"] == 7
+    assert len(row["record"]) < 1100 and "more chars" in row["record"]
+
+
+def test_jsonl_line_numbers_skip_blank_lines_and_bom():
+    out = parse_lines(b'\xef\xbb\xbf{"prompt": "a"}\n\n  \n{"prompt": 1}\r\n{"prompt": "c"}', "f.jsonl", "jsonl", D)
+    assert [(type(o).__name__, o.line if hasattr(o, "line") else o["line"]) for o in out] == \
+        [("GenerationRequest", 1), ("dict", 4), ("GenerationRequest", 5)]
+
+
+def test_csv_with_header_multiline_fields_and_bad_rows():
+    data = (b'id,prompt,height,seed\r\n'
+            b'a,"two\nlines",32,1\r\n'
+            b'b,,32,\r\n'
+            b'c,hello,abc,\r\n'
+            b'd,x,16,1,extra\r\n'
+            b'\xff,bad,16,\r\n'
+            b'\r\n'
+            b'e,"quoted, comma",,\r\n')
+    out = parse_lines(data, "p.csv", "csv", D)
+    summary = [(o.id, o.line, o.prompt, o.height) if isinstance(o, GenerationRequest) else (o["line"], o["reason"])
+               for o in out]
+    assert summary[0] == ("a", 2, "two\nlines", 32)
+    assert summary[1] == (4, "missing prompt")
+    assert summary[2][0] == 5 and "height must be an integer" in summary[2][1]
+    assert summary[3][0] == 6 and "fields" in summary[3][1]
+    assert summary[4][0] == 7 and "UTF-8" in summary[4][1]
+    assert summary[5] == ("e", 9, "quoted, comma", 64)
+    assert out[0].seed == 1  # CSV numbers are parsed from text; empty cells mean "not given"
+
+
+def test_csv_without_prompt_column_rejects_every_row():
+    out = parse_lines(b"text,height\nhello,32\n", "p.csv", "csv", D)
+    assert [o["line"] for o in out] == [1, 2]
+    assert "no 'prompt' column" in out[0]["reason"] and out[1]["reason"] == "missing prompt"
+
+
+def test_text_lines_are_prompts():
+    out = parse_lines(b"a red fox\n\n  spaced out  \n\xfe\xff\nlast", "p.txt", "text", D)
+    assert [(o.prompt, o.line) if isinstance(o, GenerationRequest) else o["line"] for o in out] == \
+        [("a red fox", 1), ("spaced out", 3), 4, ("last", 5)]
+
+
+def test_detect_format():
+    assert detect_format("gs://b/x/p.jsonl") == "jsonl"
+    assert detect_format("p.NDJSON") == "jsonl"
+    assert detect_format("/tmp/p.csv.gz") == "csv"
+    assert detect_format("p.txt") == "text"
+    assert detect_format("prompts") == "text"
+    assert detect_format("p.txt", "csv") == "csv"
+    with pytest.raises(ValueError):
+        detect_format("p.txt", "xml")
+
+
+def test_defaults_are_validated():
+    RequestDefaults().validate()
+    for bad in (dict(height=100), dict(num_inference_steps=0), dict(num_images=0), dict(seed=-1),
+                dict(guidance_scale=-2.0), dict(height=4096, width=4096)):
+        with pytest.raises(ValueError):
+            RequestDefaults(**bad).validate()
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.text(min_size=1).filter(lambda s: s.strip()), h=st.integers(1, 16), w=st.integers(1, 16),
+       steps=st.none() | st.integers(1, 1000), guidance=st.none() | st.floats(0, 50),
+       n=st.integers(1, 4), seed=st.none() | st.integers(0, 2**62))
+def test_property_derived_ids_are_valid_and_stable(prompt, h, w, steps, guidance, n, seed):
+    rec = {"prompt": prompt, "height": h * 16, "width": w * 16, "num_inference_steps": steps,
+           "guidance_scale": guidance, "num_images": n, "seed": seed}
+    line = json.dumps(rec).encode()
+    a, b = one(line), one(line)
+    assert isinstance(a, GenerationRequest) and a == b
+    assert a.id == derive_id(prompt, h * 16, w * 16, steps, guidance, n, seed)
+    assert layout.image_file_name(a.id, n - 1, n).startswith("images/" + a.id)
+    assert 0 <= a.seed and a.seed + n - 1 < MAX_SEED
+
+
+def _run(build):
+    with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
+        build(p)
+
+
+def test_read_and_deduplicate_in_beam(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(
+        b'{"id": "same", "prompt": "p"}\n{"id": "same", "prompt": "p"}\n'
+        b'{"id": "clash", "prompt": "first"}\n{"id": "clash", "prompt": "second"}\nnot json\n')
+    (tmp_path / "b.txt").write_bytes(b"hello\nworld\n")
+    (tmp_path / "c.csv").write_bytes(b"prompt,id\nfrom csv,csv1\n")
+
+    def build(p):
+        read = (p | beam.Create([str(tmp_path / "*.jsonl"), str(tmp_path / "b.txt"), str(tmp_path / "c.csv")])
+                | ReadRequests("auto", D))
+        dedup = read["requests"] | DeduplicateRequests()
+        assert_that(dedup["requests"] | "ids" >> beam.Map(lambda r: (r.id, r.prompt, r.line)), equal_to([
+            ("same", "p", 1), ("clash", "first", 3), (derive_id("hello", 64, 32, None, None, 1, None), "hello", 1),
+            (derive_id("world", 64, 32, None, None, 1, None), "world", 2), ("csv1", "from csv", 2)]),
+            label="requests")
+        assert_that(read["invalid"] | "bad" >> beam.Map(lambda row: (row["line"], row["reason"][:14])),
+                    equal_to([(5, "malformed JSON")]), label="invalid")
+        assert_that(dedup["invalid"] | "clash" >> beam.Map(lambda row: (row["id"], row["line"], row["kind"],
+                                                                          "conflicting" in row["reason"])),
+                    equal_to([("clash", 4, layout.DUPLICATE_ID, True)]), label="conflicts")
+        assert_that(dedup[DUPLICATE_TAG] | "dups" >> beam.Map(lambda r: (r.id, r.line)), equal_to([("same", 2)]),
+                    label="duplicates")
+
+    _run(build)

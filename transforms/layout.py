@@ -1,0 +1,191 @@
+"""The job's output layout and row shapes, in one place (held-out checks read exactly this layout).
+
+    {output}/images/{id}.png                 one image per request (num_images == 1)
+    {output}/images/{id}-{j}.png             image j of a request with num_images > 1
+    {output}/manifest/manifest-*.jsonl       one row per image written by this run
+    {output}/errors/errors-*.jsonl           one row per rejected record or failed image
+    {output}/summary.json                    the run's figures
+
+Pure functions only: no Beam, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any
+
+IMAGES_DIR = "images"
+MANIFEST_DIR = "manifest"
+ERRORS_DIR = "errors"
+MANIFEST_PREFIX = "manifest"
+ERRORS_PREFIX = "errors"
+SUMMARY_FILE = "summary.json"
+ROWS_SUFFIX = ".jsonl"
+
+# The offending record is kept in an error row, cut to this many characters.
+MAX_RECORD_CHARS = 1000
+
+# Kinds of error rows.
+INVALID_RECORD = "invalid_record"
+DUPLICATE_ID = "duplicate_id"
+INFERENCE_FAILED = "inference_failed"
+
+MANIFEST_FIELDS = (
+    "id",
+    "file_name",
+    "uri",
+    "prompt",
+    "prompt_truncated",
+    "seed",
+    "height",
+    "width",
+    "num_inference_steps",
+    "guidance_scale",
+    "model",
+    "sha256",
+    "bytes",
+    "generation_ms",
+)
+
+
+def image_file_name(request_id: str, index: int, num_images: int) -> str:
+    """The image's path relative to `{output}`: `images/{id}.png`, or `images/{id}-{j}.png` when num_images > 1."""
+    if num_images == 1:
+        return f"{IMAGES_DIR}/{request_id}.png"
+    return f"{IMAGES_DIR}/{request_id}-{index}.png"
+
+
+def join(output: str, relpath: str) -> str:
+    """`output` + a '/'-separated relative path; works for gs:// URIs and local folders alike."""
+    if "://" in output:
+        return output.rstrip("/") + "/" + relpath
+    import os
+
+    return os.path.join(output, *relpath.split("/"))
+
+
+def images_glob(output: str) -> str:
+    return join(output, f"{IMAGES_DIR}/*.png")
+
+
+def manifest_prefix(output: str) -> str:
+    """Prefix handed to WriteToText: files come out as `manifest/manifest-SSSSS-of-NNNNN.jsonl`."""
+    return join(output, f"{MANIFEST_DIR}/{MANIFEST_PREFIX}")
+
+
+def errors_prefix(output: str) -> str:
+    return join(output, f"{ERRORS_DIR}/{ERRORS_PREFIX}")
+
+
+def summary_path(output: str) -> str:
+    return join(output, SUMMARY_FILE)
+
+
+def truncate_record(record: Any, limit: int = MAX_RECORD_CHARS) -> str:
+    """A record as text for an error row: strings as-is, anything else as compact JSON; cut to `limit` chars."""
+    if isinstance(record, bytes):
+        text = record.decode("utf-8", errors="backslashreplace")
+    elif isinstance(record, str):
+        text = record
+    else:
+        try:
+            text = json.dumps(record, ensure_ascii=False, sort_keys=True, default=repr)
+        except (TypeError, ValueError):
+            text = repr(record)
+    if len(text) > limit:
+        text = text[:limit] + f"...[{len(text) - limit} more chars]"
+    return text
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+_NO_VALUE = object()
+
+
+def error_row(
+    *,
+    source: str,
+    line: int | None,
+    reason: str,
+    record: Any = None,
+    id: str | None = None,  # noqa: A002 - the row's field is called id
+    field: str | None = None,
+    value: Any = _NO_VALUE,
+    kind: str = INVALID_RECORD,
+    file_name: str | None = None,
+) -> dict:
+    """One errors-*.jsonl row. `source`, `line`, `id`, `reason`, `record` are the fixed fields; `kind`, `field`,
+    `value` (the offending value) and `file_name` (for a failed image) are extra detail."""
+    row: dict[str, Any] = {
+        "source": source,
+        "line": line,
+        "id": id,
+        "reason": reason,
+        "record": None if record is None else truncate_record(record),
+        "kind": kind,
+    }
+    if field is not None:
+        row["field"] = field
+    if value is not _NO_VALUE:
+        row["value"] = _jsonable(value) if not isinstance(value, (str, bytes)) else truncate_record(value, 200)
+    if file_name is not None:
+        row["file_name"] = file_name
+    return row
+
+
+def manifest_row(
+    *,
+    request_id: str,
+    file_name: str,
+    uri: str,
+    prompt: str,
+    prompt_truncated: bool,
+    seed: int,
+    height: int,
+    width: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    model: str,
+    sha256: str,
+    num_bytes: int,
+    generation_ms: float,
+    source: str | None = None,
+    line: int | None = None,
+) -> dict:
+    """One manifest-*.jsonl row (the fixed fields, then `source`/`line` of the record it came from)."""
+    row = {
+        "id": request_id,
+        "file_name": file_name,
+        "uri": uri,
+        "prompt": prompt,
+        "prompt_truncated": bool(prompt_truncated),
+        "seed": int(seed),
+        "height": int(height),
+        "width": int(width),
+        "num_inference_steps": int(num_inference_steps),
+        "guidance_scale": float(guidance_scale),
+        "model": model,
+        "sha256": sha256,
+        "bytes": int(num_bytes),
+        "generation_ms": round(float(generation_ms), 3),
+    }
+    if source is not None:
+        row["source"] = source
+        row["line"] = line
+    return row
+
+
+def to_json_line(row: dict) -> str:
+    """A row as one JSON line (UTF-8 kept readable; NaN never written)."""
+    return json.dumps(row, ensure_ascii=False, sort_keys=False, allow_nan=False)
+
+
+def relpath_basename(relpath: str) -> str:
+    return posixpath.basename(relpath)

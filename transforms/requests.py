@@ -1,0 +1,532 @@
+"""Prompt records (JSONL, CSV with a header, or plain text) -> validated `GenerationRequest`s, or error rows.
+
+Every record is validated into a typed request. A record that cannot be read or fails validation becomes one
+error row (source file, line, offending value, reason) and never stops the job. A request without an `id` gets a
+stable id derived from its prompt and parameters; without a `seed`, one derived from the job's `--seed` and the id,
+so re-running the same input gives the same names and the same pixels.
+
+Pure parsing and validation functions first (usable and testable without Beam), then the Beam transforms.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from typing import Any, BinaryIO, Iterable, Iterator, Mapping
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from . import layout
+
+METRICS_NAMESPACE = "flux2"
+
+# Heights and widths are positive multiples of this: the VAE downsamples 8x and the transformer patchifies 2x2.
+SIZE_MULTIPLE = 16
+# 4 megapixels (2048 x 2048), the largest output FLUX.2 is documented for.
+DEFAULT_MAX_PIXELS = 2048 * 2048
+# The flow-matching schedule has 1000 training timesteps; more sampling steps than that is never meaningful.
+MAX_STEPS = 1000
+MAX_IMAGES_PER_REQUEST = 64
+# Seeds are numpy PCG64 seeds in [0, 2**63) (model.noise); image j of a request uses seed + j.
+MAX_SEED = 2**63
+ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+
+FORMATS = ("jsonl", "csv", "text")
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".txt": "text"}
+_COMPRESSION_SUFFIXES = (".gz", ".gzip", ".bz2", ".zst", ".zstd", ".deflate", ".lzma", ".xz")
+
+FIELDS = ("prompt", "id", "seed", "height", "width", "num_inference_steps", "guidance_scale", "num_images")
+
+
+# --------------------------------------------------------------------------------------------- typed requests
+@dataclasses.dataclass(frozen=True)
+class RequestDefaults:
+    """What a record that does not say gets; from the pipeline options. `None` steps/guidance mean "the model's
+    own default" (4 steps / no guidance for the distilled klein, 50 / 4.0 for the base), resolved at inference."""
+
+    height: int = 1024
+    width: int = 1024
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    num_images: int = 1
+    seed: int = 0
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def validate(self) -> "RequestDefaults":
+        """Raise ValueError naming the option when a default could never give a valid request."""
+        probe = {"prompt": "x"}
+        try:
+            validate_record(probe, self, source="<options>", line=0)
+        except InvalidRecord as e:
+            raise ValueError(f"invalid default for --{e.field}: {e.reason}") from None
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.max_pixels, int) or self.max_pixels < SIZE_MULTIPLE * SIZE_MULTIPLE:
+            raise ValueError(f"--max_pixels must be an integer >= {SIZE_MULTIPLE * SIZE_MULTIPLE}, got {self.max_pixels!r}")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One validated record: everything needed to generate its images and name them."""
+
+    id: str
+    prompt: str
+    seed: int
+    height: int
+    width: int
+    num_inference_steps: int | None
+    guidance_scale: float | None
+    num_images: int
+    source: str = ""
+    line: int = 0
+
+    def params(self) -> tuple:
+        """What makes two records with the same id the same request (where they came from does not)."""
+        return (self.prompt, self.seed, self.height, self.width, self.num_inference_steps, self.guidance_scale,
+                self.num_images)
+
+    def tasks(self) -> list["ImageTask"]:
+        return [ImageTask(self, j) for j in range(self.num_images)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTask:
+    """Image `index` of a request: the unit that is batched, generated and written."""
+
+    request: GenerationRequest
+    index: int
+
+    @property
+    def seed(self) -> int:
+        return self.request.seed + self.index
+
+    @property
+    def file_name(self) -> str:
+        return layout.image_file_name(self.request.id, self.index, self.request.num_images)
+
+    @property
+    def shape_key(self) -> str:
+        """Batches never mix these: (height, width, steps, guidance), as a deterministic string key."""
+        r = self.request
+        return f"{r.height}x{r.width}/steps={r.num_inference_steps}/guidance={r.guidance_scale}"
+
+
+class InvalidRecord(ValueError):
+    """A record that cannot become a request; `field`/`value` name the offending part."""
+
+    def __init__(self, reason: str, *, field: str | None = None, value: Any = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.field = field
+        self.value = value
+
+
+# --------------------------------------------------------------------------------------------- validation
+def _type_name(value: Any) -> str:
+    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _absent(value: Any, text_values: bool) -> bool:
+    return value is None or (text_values and isinstance(value, str) and value.strip() == "")
+
+
+def _as_int(fields: Mapping, name: str, default, text_values: bool):
+    value = fields.get(name)
+    if _absent(value, text_values):
+        return default
+    if text_values and isinstance(value, str):
+        s = value.strip()
+        if re.fullmatch(r"[+-]?\d+", s):
+            return int(s)
+        try:
+            f = float(s)
+        except ValueError:
+            raise InvalidRecord(f"{name} must be an integer, got {value!r}", field=name, value=value) from None
+        if math.isfinite(f) and f.is_integer() and abs(f) < 2**53:
+            return int(f)
+        raise InvalidRecord(f"{name} must be an integer, got {value!r}", field=name, value=value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRecord(f"{name} must be an integer, got {_type_name(value)} {value!r}", field=name, value=value)
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer() and abs(value) < 2**53:
+            return int(value)
+        raise InvalidRecord(f"{name} must be an integer, got {value!r}", field=name, value=value)
+    return value
+
+
+def _as_float(fields: Mapping, name: str, default, text_values: bool):
+    value = fields.get(name)
+    if _absent(value, text_values):
+        return default
+    if text_values and isinstance(value, str):
+        try:
+            f = float(value.strip())
+        except ValueError:
+            raise InvalidRecord(f"{name} must be a number, got {value!r}", field=name, value=value) from None
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRecord(f"{name} must be a number, got {_type_name(value)} {value!r}", field=name, value=value)
+    else:
+        f = float(value)
+    if not math.isfinite(f):
+        raise InvalidRecord(f"{name} must be a finite number, got {value!r}", field=name, value=value)
+    return f
+
+
+def _canonical(params: Mapping[str, Any]) -> bytes:
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def derive_id(prompt: str, height: int, width: int, num_inference_steps, guidance_scale, num_images: int,
+              seed: int | None) -> str:
+    """A stable id from the prompt and the (defaults-applied) parameters: same content -> same id, every run."""
+    params = {"prompt": prompt, "height": height, "width": width, "num_inference_steps": num_inference_steps,
+              "guidance_scale": guidance_scale, "num_images": num_images}
+    if seed is not None:
+        params["seed"] = seed
+    return hashlib.sha256(_canonical(params)).hexdigest()[:20]
+
+
+def derive_seed(base_seed: int, request_id: str) -> int:
+    """A seed from the job's `--seed` and the request id, in [0, 2**32)."""
+    digest = hashlib.sha256(f"{base_seed}/{request_id}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def validate_id(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidRecord(f"id must be a string, got {_type_name(value)} {value!r}", field="id", value=value)
+    text = str(value)
+    if not ID_PATTERN.match(text):
+        raise InvalidRecord(f"id must match [A-Za-z0-9._-]{{1,128}}, got {text!r}", field="id", value=value)
+    if text.startswith("."):
+        raise InvalidRecord(f"id must not start with a dot, got {text!r}", field="id", value=value)
+    return text
+
+
+def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, source: str, line: int,
+                    text_values: bool = False) -> GenerationRequest:
+    """Validate one record (a JSON object, or a CSV row when `text_values`: every value is a string and empty
+    means absent) into a request; raise InvalidRecord with the first problem found. Unknown fields are ignored."""
+    prompt = fields.get("prompt")
+    if prompt is None or (text_values and prompt == ""):
+        raise InvalidRecord("missing prompt", field="prompt", value=prompt)
+    if not isinstance(prompt, str):
+        raise InvalidRecord(f"prompt must be a string, got {_type_name(prompt)} {prompt!r}", field="prompt",
+                            value=prompt)
+    if not prompt.strip():
+        raise InvalidRecord("prompt is empty", field="prompt", value=prompt)
+
+    raw_id = fields.get("id")
+    request_id = None if _absent(raw_id, text_values) else validate_id(raw_id.strip() if text_values else raw_id)
+
+    height = _as_int(fields, "height", defaults.height, text_values)
+    width = _as_int(fields, "width", defaults.width, text_values)
+    for name, v in (("height", height), ("width", width)):
+        if v <= 0 or v % SIZE_MULTIPLE:
+            raise InvalidRecord(f"{name} must be a positive multiple of {SIZE_MULTIPLE}, got {v}", field=name, value=v)
+    if height * width > defaults.max_pixels:
+        raise InvalidRecord(f"height x width = {height}x{width} = {height * width} pixels is above --max_pixels="
+                            f"{defaults.max_pixels}", field="height", value=[height, width])
+
+    steps = _as_int(fields, "num_inference_steps", defaults.num_inference_steps, text_values)
+    if steps is not None and not 1 <= steps <= MAX_STEPS:
+        raise InvalidRecord(f"num_inference_steps must be in [1, {MAX_STEPS}], got {steps}",
+                            field="num_inference_steps", value=steps)
+
+    guidance = _as_float(fields, "guidance_scale", defaults.guidance_scale, text_values)
+    if guidance is not None and guidance < 0:
+        raise InvalidRecord(f"guidance_scale must be >= 0, got {guidance}", field="guidance_scale", value=guidance)
+
+    num_images = _as_int(fields, "num_images", defaults.num_images, text_values)
+    if not 1 <= num_images <= MAX_IMAGES_PER_REQUEST:
+        raise InvalidRecord(f"num_images must be in [1, {MAX_IMAGES_PER_REQUEST}], got {num_images}",
+                            field="num_images", value=num_images)
+
+    seed = _as_int(fields, "seed", None, text_values)
+    if seed is not None and not 0 <= seed <= MAX_SEED - num_images:
+        raise InvalidRecord(f"seed must be a non-negative integer below 2**63 - num_images + 1, got {seed}",
+                            field="seed", value=seed)
+
+    if request_id is None:
+        request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed)
+    if seed is None:
+        seed = derive_seed(defaults.seed, request_id)
+    return GenerationRequest(id=request_id, prompt=prompt, seed=seed, height=height, width=width,
+                             num_inference_steps=steps, guidance_scale=guidance, num_images=num_images,
+                             source=source, line=line)
+
+
+# --------------------------------------------------------------------------------------------- reading files
+def detect_format(path: str, override: str | None = None) -> str:
+    """`jsonl`, `csv` or `text`: `override` when given (not 'auto'), else from the extension (compression
+    suffixes such as .gz ignored); anything unrecognised is plain text, one prompt per line."""
+    if override and override != "auto":
+        if override not in FORMATS:
+            raise ValueError(f"--input_format must be one of auto, {', '.join(FORMATS)}; got {override!r}")
+        return override
+    name = path.lower().rsplit("/", 1)[-1]
+    for suffix in _COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    for ext, fmt in _EXTENSIONS.items():
+        if name.endswith(ext):
+            return fmt
+    return "text"
+
+
+@dataclasses.dataclass(frozen=True)
+class RawRecord:
+    """A record as read from its file, before validation: `fields` for JSONL/CSV, `prompt` for text; or an
+    `error` row when the record could not even be read (bad bytes, bad JSON, bad CSV row)."""
+
+    source: str
+    line: int
+    fields: Mapping[str, Any] | None = None
+    text_values: bool = False
+    error: dict | None = None
+
+
+def _decode_error(source: str, line: int, raw: bytes, err: UnicodeDecodeError) -> RawRecord:
+    reason = f"line is not valid UTF-8: byte {raw[err.start:err.start + 1]!r} at position {err.start}"
+    return RawRecord(source, line, error=layout.error_row(source=source, line=line, reason=reason, record=raw,
+                                                          field="encoding", value=raw[max(0, err.start - 20):
+                                                                                      err.start + 20]))
+
+
+def _decoded_lines(stream: Iterable[bytes], source: str) -> Iterator[tuple[int, str | None, RawRecord | None]]:
+    """(line number, text without its line break, None) per line; (line, None, error) for a non-UTF-8 line."""
+    for number, raw in enumerate(stream, 1):
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield number, None, _decode_error(source, number, raw.rstrip(b"\r\n"), e)
+            continue
+        yield number, text.rstrip("\r\n") if text.endswith("\n") else text, None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
+    for number, text, error in _decoded_lines(stream, source):
+        if error is not None:
+            yield error
+            continue
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text, parse_constant=_reject_constant)
+        except ValueError as e:
+            yield RawRecord(source, number, error=layout.error_row(
+                source=source, line=number, reason=f"malformed JSON: {e}", record=text, field="record"))
+            continue
+        if not isinstance(obj, dict):
+            yield RawRecord(source, number, error=layout.error_row(
+                source=source, line=number, reason=f"record must be a JSON object, got {_type_name(obj)}",
+                record=text, field="record", value=obj))
+            continue
+        yield RawRecord(source, number, fields=obj)
+
+
+def iter_text(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
+    for number, text, error in _decoded_lines(stream, source):
+        if error is not None:
+            yield error
+        elif text.strip():
+            yield RawRecord(source, number, fields={"prompt": text.strip()}, text_values=True)
+
+
+def iter_csv(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
+    """CSV with a header row naming the fields; quoted fields may span lines (the row's line is where it starts)."""
+    pending: list[RawRecord] = []
+    state = {"first": None}
+
+    def lines():
+        for number, text, error in _decoded_lines(stream, source):
+            if error is not None:
+                pending.append(error)
+                continue
+            if state["first"] is None:
+                state["first"] = number
+            yield text + "\n"
+
+    reader = csv.reader(lines(), strict=True)
+    header: list[str] | None = None
+    while True:
+        state["first"] = None
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            line = state["first"] or 0
+            pending.append(RawRecord(source, line, error=layout.error_row(
+                source=source, line=line, reason=f"malformed CSV row: {e}", field="record")))
+            yield from pending
+            pending.clear()
+            continue
+        yield from pending
+        pending.clear()
+        line = state["first"] or 0
+        if not any(cell.strip() for cell in row):
+            continue
+        if header is None:
+            header = [h.strip() for h in row]
+            if "prompt" not in header:
+                yield RawRecord(source, line, error=layout.error_row(
+                    source=source, line=line, reason="CSV header has no 'prompt' column", record=",".join(row),
+                    field="prompt"))
+                # Every data row will also say why it is rejected ("missing prompt"): nothing is silently dropped.
+            continue
+        if len(row) > len(header):
+            yield RawRecord(source, line, error=layout.error_row(
+                source=source, line=line, reason=f"CSV row has {len(row)} fields, the header has {len(header)}",
+                record=",".join(row), field="record"))
+            continue
+        yield RawRecord(source, line, fields=dict(zip(header, row)), text_values=True)
+    yield from pending
+
+
+def iter_raw_records(stream: Iterable[bytes], source: str, fmt: str) -> Iterator[RawRecord]:
+    """Every record of one file (`stream` yields byte lines, e.g. an open binary file)."""
+    if fmt == "jsonl":
+        return iter_jsonl(stream, source)
+    if fmt == "csv":
+        return iter_csv(stream, source)
+    if fmt == "text":
+        return iter_text(stream, source)
+    raise ValueError(f"unknown input format {fmt!r}")
+
+
+def parse_raw(raw: RawRecord, defaults: RequestDefaults) -> GenerationRequest | dict:
+    """A request, or the error row explaining why this record is rejected."""
+    if raw.error is not None:
+        return raw.error
+    try:
+        return validate_record(raw.fields, defaults, source=raw.source, line=raw.line, text_values=raw.text_values)
+    except InvalidRecord as e:
+        known_id = None
+        try:
+            rid = raw.fields.get("id")
+            known_id = validate_id(rid.strip() if raw.text_values and isinstance(rid, str) else rid) \
+                if rid not in (None, "") else None
+        except InvalidRecord:
+            known_id = None
+        record = raw.fields if not raw.text_values or "prompt" not in raw.fields or len(raw.fields) > 1 \
+            else raw.fields["prompt"]
+        return layout.error_row(source=raw.source, line=raw.line, reason=e.reason, record=record, id=known_id,
+                                field=e.field, value=e.value)
+
+
+def parse_lines(data: bytes, source: str, fmt: str, defaults: RequestDefaults) -> list[GenerationRequest | dict]:
+    """Convenience for tests and tools: every request or error row of one file's bytes."""
+    import io
+
+    return [parse_raw(r, defaults) for r in iter_raw_records(io.BytesIO(data), source, fmt)]
+
+
+# --------------------------------------------------------------------------------------------- Beam transforms
+INVALID_TAG = "invalid"
+DUPLICATE_TAG = "duplicates"
+
+
+class _ReadRequestsFn(beam.DoFn):
+    """fileio.ReadableFile -> GenerationRequest (main output) or error row (INVALID_TAG)."""
+
+    def __init__(self, input_format: str | None, defaults: RequestDefaults):
+        self._input_format = input_format
+        self._defaults = defaults
+        self._read = Metrics.counter(METRICS_NAMESPACE, "records_read")
+        self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
+        self._files = Metrics.counter(METRICS_NAMESPACE, "input_files")
+
+    def process(self, readable_file):
+        path = readable_file.metadata.path
+        fmt = detect_format(path, self._input_format)
+        self._files.inc()
+        with readable_file.open() as stream:
+            for raw in iter_raw_records(stream, path, fmt):
+                self._read.inc()
+                parsed = parse_raw(raw, self._defaults)
+                if isinstance(parsed, GenerationRequest):
+                    yield parsed
+                else:
+                    self._invalid.inc()
+                    yield beam.pvalue.TaggedOutput(INVALID_TAG, parsed)
+
+
+class ReadRequests(beam.PTransform):
+    """PCollection of file patterns (gs:// or local, globs allowed) -> {'requests': ..., 'invalid': error rows}.
+
+    Every pattern must match at least one file (the pipeline checks that before it starts, with a clear message).
+    """
+
+    def __init__(self, input_format: str | None, defaults: RequestDefaults):
+        super().__init__()
+        self._input_format = input_format
+        self._defaults = defaults
+
+    def expand(self, patterns):
+        from apache_beam.io import fileio
+
+        files = (patterns
+                 | "MatchInputs" >> fileio.MatchAll()
+                 | "ReadMatches" >> fileio.ReadMatches()  # compression from the extension (.gz, ...)
+                 | "SpreadFiles" >> beam.Reshuffle())
+        parsed = files | "ParseRecords" >> beam.ParDo(_ReadRequestsFn(self._input_format, self._defaults)) \
+            .with_outputs(INVALID_TAG, main="requests")
+        return {"requests": parsed.requests, "invalid": parsed[INVALID_TAG]}
+
+
+class _DeduplicateFn(beam.DoFn):
+    """(id, [requests]) -> the first request (by source, line), plus an error row for each later record with the
+    same id but different parameters. Identical repeats are dropped (generated once) and counted."""
+
+    def __init__(self):
+        self._duplicates = Metrics.counter(METRICS_NAMESPACE, "records_duplicate")
+        self._conflicts = Metrics.counter(METRICS_NAMESPACE, "records_conflicting_id")
+
+    def process(self, element):
+        request_id, requests = element
+        ordered = sorted(requests, key=lambda r: (r.source, r.line))
+        first = ordered[0]
+        yield first
+        for other in ordered[1:]:
+            if other.params() == first.params():
+                self._duplicates.inc()
+                yield beam.pvalue.TaggedOutput(DUPLICATE_TAG, other)
+                continue
+            self._conflicts.inc()
+            differing = [name for name, a, b in zip(
+                ("prompt", "seed", "height", "width", "num_inference_steps", "guidance_scale", "num_images"),
+                first.params(), other.params()) if a != b]
+            yield beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
+                source=other.source, line=other.line, id=request_id, kind=layout.DUPLICATE_ID,
+                reason=(f"duplicate id {request_id!r} with conflicting parameters ({', '.join(differing)} differ "
+                        f"from {first.source}:{first.line}, which is kept)"),
+                record={k: v for k, v in dataclasses.asdict(other).items() if k not in ("source", "line")},
+                field="id", value=request_id))
+
+
+class DeduplicateRequests(beam.PTransform):
+    """Requests -> {'requests': one per id, 'invalid': error rows for conflicting duplicate ids,
+    'duplicates': identical repeats (dropped: generated once)}."""
+
+    def expand(self, requests):
+        out = (requests
+               | "KeyById" >> beam.Map(lambda r: (r.id, r))
+               | "GroupById" >> beam.GroupByKey()
+               | "PickFirst" >> beam.ParDo(_DeduplicateFn()).with_outputs(INVALID_TAG, DUPLICATE_TAG,
+                                                                          main="requests"))
+        return {"requests": out.requests, "invalid": out[INVALID_TAG], DUPLICATE_TAG: out[DUPLICATE_TAG]}
