@@ -1,0 +1,271 @@
+"""PNG encoding, atomic image writes, manifest and error rows, skip-existing, the run summary.
+
+An image goes straight to its final name as one atomic object write: on GCS (and any other object store Beam's
+FileSystems knows) a single object upload that only becomes visible when complete; on a local disk a temporary file
+in the same folder, then an atomic rename. The PNG bytes depend only on the pixels and the request, so a retried
+bundle rewrites the same bytes and no partial image is ever visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import time
+import uuid
+from typing import Any, Iterable
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+
+from . import layout
+from .requests import METRICS_NAMESPACE, ImageTask
+
+PNG_SOFTWARE = "flux2-klein-beam"
+
+
+# --------------------------------------------------------------------------------------------- files
+def is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def write_bytes_atomic(path: str, data: bytes, mime_type: str = "application/octet-stream") -> None:
+    """Write `data` to `path` so that readers see either nothing (or the old bytes) or all of the new bytes."""
+    if is_local(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return
+    with FileSystems.create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        f.write(data)
+
+
+def read_bytes(path: str) -> bytes:
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        return f.read()
+
+
+# --------------------------------------------------------------------------------------------- PNG
+def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float, model: str) -> dict[str, str]:
+    """The PNG text chunks: prompt, seed, steps, guidance and model (plus the id), all as strings."""
+    r = task.request
+    return {
+        "prompt": r.prompt,
+        "seed": str(task.seed),
+        "num_inference_steps": str(int(num_inference_steps)),
+        "steps": str(int(num_inference_steps)),
+        "guidance_scale": repr(float(guidance_scale)),
+        "guidance": repr(float(guidance_scale)),
+        "model": model,
+        "id": r.id,
+        "height": str(r.height),
+        "width": str(r.width),
+        "Software": PNG_SOFTWARE,
+    }
+
+
+def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None) -> bytes:
+    """uint8 [H, W, 3] -> PNG bytes with `text` as iTXt chunks (UTF-8); deterministic for the same input."""
+    from PIL import Image, PngImagePlugin
+
+    pixels = np.asarray(pixels)
+    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
+        raise ValueError(f"expected uint8 [H, W, 3] pixels, got {pixels.dtype} {pixels.shape}")
+    info = PngImagePlugin.PngInfo()
+    for key, value in (text or {}).items():
+        info.add_itxt(key, value)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, mode="RGB").save(buf, format="PNG", pnginfo=info, compress_level=6)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------------------------- Beam: write images
+class WriteImagesFn(beam.DoFn):
+    """PredictionResult(example=ImageTask, inference=GeneratedImage) -> writes the PNG, yields its manifest row."""
+
+    def __init__(self, output: str, progress_dir: str | None = None):
+        self._output = output
+        self._progress_dir = progress_dir
+        self._written = Metrics.counter(METRICS_NAMESPACE, "images_generated")
+        self._bytes = Metrics.counter(METRICS_NAMESPACE, "image_bytes_written")
+        self._gen_ms = Metrics.distribution(METRICS_NAMESPACE, "generation_ms_per_image")
+        self._progress = None
+
+    def setup(self):
+        if self._progress_dir:
+            from .progress import ProgressWriter
+
+            self._progress = ProgressWriter(self._progress_dir)
+
+    def process(self, result):
+        generated = result.inference
+        task: ImageTask = generated.task
+        png = encode_png(generated.pixels, png_text(task, num_inference_steps=generated.num_inference_steps,
+                                                    guidance_scale=generated.guidance_scale,
+                                                    model=generated.model))
+        uri = layout.join(self._output, task.file_name)
+        write_bytes_atomic(uri, png, mime_type="image/png")
+        self._written.inc()
+        self._bytes.inc(len(png))
+        self._gen_ms.update(int(round(generated.generation_ms)))
+        if self._progress is not None:
+            self._progress.add(1)
+        r = task.request
+        yield layout.manifest_row(
+            request_id=r.id, file_name=task.file_name, uri=uri, prompt=r.prompt,
+            prompt_truncated=generated.prompt_truncated, seed=task.seed, height=r.height, width=r.width,
+            num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
+            model=generated.model, sha256=hashlib.sha256(png).hexdigest(), num_bytes=len(png),
+            generation_ms=generated.generation_ms, source=r.source, line=r.line)
+
+    def finish_bundle(self):
+        # Loads that happened in this process but were not yet reported (see inference.flush_model_load_metrics).
+        from .inference import flush_model_load_metrics
+
+        flush_model_load_metrics()
+        if self._progress is not None:
+            self._progress.flush()
+
+
+# --------------------------------------------------------------------------------------------- Beam: skip existing
+SKIPPED_TAG = "skipped"
+
+
+class _SkipExistingFn(beam.DoFn):
+    def __init__(self):
+        self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
+
+    def process(self, task: ImageTask, existing):
+        if task.file_name in existing:
+            self._skipped.inc()
+            yield beam.pvalue.TaggedOutput(SKIPPED_TAG, task)
+        else:
+            yield task
+
+
+class SkipExisting(beam.PTransform):
+    """Image tasks -> {'tasks': those whose image is not yet under `{output}/images/`, 'skipped': the others}.
+
+    The existing images are listed once (one match of `{output}/images/*.png`) and handed to the filter as a side
+    input, rather than one existence check per image.
+    """
+
+    def __init__(self, output: str):
+        super().__init__()
+        self._output = output
+
+    def expand(self, tasks):
+        from apache_beam.io import fileio
+
+        output = self._output
+        existing = (tasks.pipeline
+                    | "ImagesGlob" >> beam.Create([layout.images_glob(output)])
+                    | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                    | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}", True)))
+        out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(), beam.pvalue.AsDict(existing)) \
+            .with_outputs(SKIPPED_TAG, main="tasks")
+        return {"tasks": out.tasks, "skipped": out[SKIPPED_TAG]}
+
+
+# --------------------------------------------------------------------------------------------- failed batches
+def failed_batch_rows(failed) -> Iterable[dict]:
+    """A RunInference dead-letter element `(batch of ImageTask, (exc type, repr, traceback))` -> one error row
+    per image of the batch, carrying the exception."""
+    batch, exc_info = failed
+    exc_type, exc_repr = (exc_info[0], exc_info[1]) if isinstance(exc_info, tuple) else (type(exc_info), exc_info)
+    type_name = getattr(exc_type, "__name__", str(exc_type))
+    message = str(exc_repr)
+    if isinstance(exc_info, BaseException):
+        message = f"{type_name}: {exc_info}"
+    elif type_name not in message:
+        message = f"{type_name}: {message}"
+    message = layout.truncate_record(message, 2000)
+    tasks = list(batch)
+    Metrics.counter(METRICS_NAMESPACE, "images_failed").inc(len(tasks))
+    for task in tasks:
+        r = task.request
+        yield layout.error_row(
+            source=r.source, line=r.line, id=r.id, kind=layout.INFERENCE_FAILED, file_name=task.file_name,
+            reason=f"inference failed for a batch of {len(tasks)} image(s): {message}",
+            record={"prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width,
+                    "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale})
+
+
+# --------------------------------------------------------------------------------------------- summary
+SUMMARY_FIGURES = ("records_read", "requests", "images_planned", "images_generated", "skipped", "invalid",
+                   "duplicates", "failed", "prompts_truncated")
+
+
+def build_summary(counts: dict[str, int], *, started_at: float, finished_at: float, extra: dict | None = None) -> dict:
+    wall = max(finished_at - started_at, 1e-9)
+    summary: dict[str, Any] = {name: int(counts.get(name, 0)) for name in SUMMARY_FIGURES}
+    summary["wall_time_s"] = round(wall, 3)
+    summary["images_per_s"] = round(summary["images_generated"] / wall, 4)
+    summary["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at))
+    summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(finished_at))
+    if extra:
+        summary.update(extra)
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    return (f"records read {summary['records_read']}, images generated {summary['images_generated']}, "
+            f"skipped {summary['skipped']}, invalid {summary['invalid']}, failed {summary['failed']}, "
+            f"wall time {summary['wall_time_s']:.1f} s, {summary['images_per_s']:.3f} images/s")
+
+
+class _WriteSummaryFn(beam.DoFn):
+    def __init__(self, path: str, started_at: float, extra: dict):
+        self._path = path
+        self._started_at = started_at
+        self._extra = extra
+
+    def process(self, _, **counts):
+        summary = build_summary(counts, started_at=self._started_at, finished_at=time.time(), extra=self._extra)
+        write_bytes_atomic(self._path, (json.dumps(summary, indent=2) + "\n").encode("utf-8"),
+                           mime_type="application/json")
+        yield summary
+
+
+class WriteSummary(beam.PTransform):
+    """{figure name: PCollection to count} -> writes `{output}/summary.json` once every count is known.
+
+    Computed inside the pipeline (not from the launcher's metrics query), so it is written on every runner,
+    including Dataflow where the launcher exits after submitting.
+    """
+
+    def __init__(self, output: str, started_at: float, extra: dict | None = None):
+        super().__init__()
+        self._output = output
+        self._started_at = started_at
+        self._extra = dict(extra or {})
+
+    def expand(self, pcolls: dict):
+        side = {}
+        for name, pcoll in pcolls.items():
+            side[name] = beam.pvalue.AsSingleton(pcoll | f"Count_{name}" >> beam.combiners.Count.Globally())
+        return (pcolls[next(iter(pcolls))].pipeline
+                | "SummaryTrigger" >> beam.Create([None])
+                | "WriteSummary" >> beam.ParDo(_WriteSummaryFn(layout.summary_path(self._output), self._started_at,
+                                                               self._extra), **side))
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
