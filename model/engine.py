@@ -39,6 +39,7 @@ class EngineOptions:
     attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn
     text_encoder_attention: str = "xla"  # text encoder attention, independent of the transformer's
     data_parallel: bool = True         # shard the batch over all local devices
+    context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
     compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
 
@@ -58,8 +59,10 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def make_mesh(data_parallel: bool) -> Mesh:
-    devices = jax.local_devices() if data_parallel else jax.local_devices()[:1]
+def make_mesh(options: EngineOptions) -> Mesh:
+    """One mesh axis over the local devices (all of them for data or context parallelism, else the first)."""
+    use_all = options.data_parallel or options.context_parallel
+    devices = jax.local_devices() if use_all else jax.local_devices()[:1]
     return Mesh(np.array(devices), ("data",))
 
 
@@ -84,7 +87,10 @@ class CompiledPrograms:
         self.text_len = text_len
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
-        self.batched = NamedSharding(mesh, P("data"))
+        # Data parallel: the batch axis is split over the mesh. Context parallel: the batch is replicated and the
+        # image-token axis of the latents is split instead; XLA gathers K/V for attention.
+        self.context_parallel = options.context_parallel
+        self.batched = NamedSharding(mesh, P() if options.context_parallel else P("data"))
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
@@ -150,6 +156,16 @@ class CompiledPrograms:
     def _spec(self, shape, dtype, batched=True):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batched if batched else self.replicated)
 
+    def latents_sharding(self, num_tokens: int) -> NamedSharding:
+        """Sharding of latent tokens [B, N, C]: over N in context-parallel mode when N divides evenly."""
+        if self.context_parallel and num_tokens % self.mesh.devices.size == 0:
+            return NamedSharding(self.mesh, P(None, "data"))
+        return self.batched
+
+    def _latents_spec(self, b: "Bucket", in_channels):
+        n = b.grid_h * b.grid_w
+        return jax.ShapeDtypeStruct((b.batch, n, in_channels), self.dtype, sharding=self.latents_sharding(n))
+
     def _encode_args(self, batch):
         return (self.te_state, self._spec((batch, self.text_len), jnp.int32),
                 self._spec((batch, self.text_len), jnp.int32))
@@ -157,14 +173,13 @@ class CompiledPrograms:
     def _denoise_args(self, b: Bucket, in_channels, joint_dim, head_dim):
         seq = self.text_len + b.grid_h * b.grid_w
         txt = self._spec((b.batch, self.text_len, joint_dim), self.dtype)
-        return (self.tr_state, self._spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype), txt,
+        return (self.tr_state, self._latents_spec(b, in_channels), txt,
                 txt if b.cfg else None, self._spec((b.steps + 1,), jnp.float32, False),
                 self._spec((b.steps,), jnp.float32, False), self._spec((seq, head_dim), jnp.float32, False),
                 self._spec((seq, head_dim), jnp.float32, False), self._spec((), jnp.float32, False))
 
     def _decode_args(self, b: Bucket, in_channels):
-        return (self.vae_state, self._spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype),
-                b.grid_h, b.grid_w, self.options.device_uint8)
+        return (self.vae_state, self._latents_spec(b, in_channels), b.grid_h, b.grid_w, self.options.device_uint8)
 
     def programs(self, b: Bucket, in_channels, joint_dim, head_dim):
         """(encode, denoise, decode) callables for a bucket, compiled once (concurrently) and then reused."""

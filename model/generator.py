@@ -120,7 +120,7 @@ class Flux2KleinGenerator:
         self.size_multiple = config.size_multiple
         from .attention import resolve_implementation
 
-        self.mesh = make_mesh(options.data_parallel)
+        self.mesh = make_mesh(options)
         self.programs = CompiledPrograms(
             text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
             attention=resolve_implementation(options.attention),
@@ -235,7 +235,8 @@ class Flux2KleinGenerator:
         grid_h, grid_w = self.latent_grid(height, width)
         n_dev = self.mesh.devices.size
         batch = self.options.batch_size or len(image_prompts)
-        batch = -(-batch // n_dev) * n_dev  # a multiple of the device count
+        if not self.options.context_parallel:
+            batch = -(-batch // n_dev) * n_dev  # a multiple of the device count
         bucket = Bucket(batch, grid_h, grid_w, int(steps), use_cfg)
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(
@@ -255,7 +256,7 @@ class Flux2KleinGenerator:
             noise = np.stack([initial_noise(s, (tr.in_channels, grid_h, grid_w)) for s in chunk_s]
                              + [np.zeros((tr.in_channels, grid_h, grid_w), np.float32)] * pad)
             tokens = noise.reshape(batch, tr.in_channels, grid_h * grid_w).transpose(0, 2, 1)
-            latents = jax.device_put(tokens.astype(dtype), self.programs.batched)
+            latents = jax.device_put(tokens.astype(dtype), self.programs.latents_sharding(grid_h * grid_w))
             txt = self._encode(chunk_p + chunk_p[:1] * pad, batch, encode_fn)
             neg = self._encode([""] * batch, batch, encode_fn) if use_cfg else None
             if self.options.fused_loop and not self.options.reference:
