@@ -32,5 +32,5 @@ def test_context_parallel_equals_single_device(tiny_ckpt):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4
-    assert result["cp_spec"] == "PartitionSpec(None, 'data')"
+    assert result["cp_spec"] in ("P(None, 'data')", "PartitionSpec(None, 'data')")
     assert result["cp_max_diff"] <= 1  # reduction order across devices may flip one rounding step
