@@ -266,9 +266,8 @@ class Flux2KleinGenerator:
                     latents = self.programs._single_step(self.programs.tr_state, latents, txt, neg, sig[i],
                                                          sig[i + 1], ts[i], cos, sin, gscale)
             pixels = decode_fn(self.programs.vae_state, latents, grid_h, grid_w, self.options.device_uint8)
-            if pending is not None and self.options.overlap_host:
-                outputs.append(self._to_host(*pending))
-                pending = None
+            # Dispatch is asynchronous: with overlap on, the previous batch's pixels are copied to the host (and
+            # the next batch tokenized) while the device works on this one.
             if pending is not None:
                 outputs.append(self._to_host(*pending))
             pending = (pixels, real)
