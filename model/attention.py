@@ -36,11 +36,12 @@ def _dot_attention(q, k, v, mask, scale):
     if hkv != h:
         k = jnp.repeat(k, h // hkv, axis=2)
         v = jnp.repeat(v, h // hkv, axis=2)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32, precision=precision) * scale
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=precision)
 
 
 def attention(q, k, v, *, mask=None, implementation: str = "xla"):

@@ -13,6 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def precision_for(dtype):
+    """Full-precision matmuls for float32 models (GPUs/TPUs would otherwise use TF32/bf16 passes)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * scale)
 
@@ -25,7 +30,8 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x):
-        y = jnp.dot(x.astype(self.weight.dtype), self.weight[...])
+        w = self.weight[...]
+        y = jnp.dot(x.astype(w.dtype), w, precision=precision_for(w.dtype))
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -67,9 +73,10 @@ class Conv2d(nnx.Module):
 
     def __call__(self, x):
         p = self.padding
+        w = self.weight[...]
         y = jax.lax.conv_general_dilated(
-            x.astype(self.weight.dtype), self.weight[...], window_strides=(1, 1), padding=((p, p), (p, p)),
-            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            x.astype(w.dtype), w, window_strides=(1, 1), padding=((p, p), (p, p)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision_for(w.dtype))
         return y + self.bias[...]
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import VAEConfig
-from .layers import Conv2d, GroupNorm, Linear
+from .layers import Conv2d, GroupNorm, Linear, precision_for
 
 RESNET_EPS = 1e-6
 
@@ -46,10 +46,11 @@ class SpatialAttention(nnx.Module):
         b, h, w, c = x.shape
         t = self.group_norm(x).reshape(b, h * w, c)
         q, k, v = self.to_q(t), self.to_k(t), self.to_v(t)
-        logits = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(
-            jnp.float32(c))
+        precision = precision_for(q.dtype)
+        logits = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32,
+                            precision=precision) / jnp.sqrt(jnp.float32(c))
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        out = self.to_out[0](jnp.einsum("bqk,bkc->bqc", probs, v))
+        out = self.to_out[0](jnp.einsum("bqk,bkc->bqc", probs, v, precision=precision))
         return x + out.reshape(b, h, w, c)
 
 
@@ -124,8 +125,9 @@ class Downsample(nnx.Module):
 
     def __call__(self, x):
         x = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
-        y = jax.lax.conv_general_dilated(x.astype(self.conv.weight.dtype), self.conv.weight[...], (2, 2), "VALID",
-                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        w = self.conv.weight[...]
+        y = jax.lax.conv_general_dilated(x.astype(w.dtype), w, (2, 2), "VALID",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision_for(w.dtype))
         return y + self.conv.bias[...]
 
 
