@@ -1,0 +1,1 @@
+"""Wires the pipeline options to the transforms: `python -m pipeline.run`."""

@@ -1,0 +1,114 @@
+"""The job's pipeline options: every option of the model API, the input/output locations and the job's switches.
+
+Standard Beam options (`--runner`, `--direct_running_mode`, `--direct_num_workers`, Dataflow's `--project`,
+`--region`, `--temp_location`, `--sdk_container_image`, ...) are parsed by Beam itself and pass straight through.
+
+Every option takes `--name=value`, which is how Dataflow Flex Templates pass parameters; the switches
+(`--skip_existing`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from apache_beam.options.pipeline_options import PipelineOptions
+
+DEFAULT_OUTPUT = "./output"
+DEFAULT_SIZE = 1024
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+DTYPES = ("bfloat16", "float32")
+INPUT_FORMATS = ("auto", "jsonl", "csv", "text")
+
+
+def str2bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "y", "on"):
+        return True
+    if text in ("0", "false", "no", "n", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _flag(parser, name: str, help_text: str) -> None:
+    parser.add_argument(name, nargs="?", const=True, default=False, type=str2bool, help=help_text)
+
+
+class Flux2KleinOptions(PipelineOptions):
+    """Options of `python -m pipeline.run` (FLUX.2 [klein] batch text-to-image)."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        g = parser.add_argument_group("FLUX.2 [klein] batch job")
+        # --- where things are
+        g.add_argument("--input", action="append", default=None,
+                       help="Prompt files or globs, gs:// or local; repeat the flag or separate with commas. "
+                            "JSONL (prompt, id, seed, height, width, num_inference_steps, guidance_scale, "
+                            "num_images), CSV with a header of the same names, or text (one prompt per line). "
+                            "Omit both --input and --model to run the bundled demo.")
+        g.add_argument("--input_format", default="auto", choices=INPUT_FORMATS,
+                       help="Input format; 'auto' picks it from each file's extension (.jsonl/.ndjson/.json, .csv, "
+                            "anything else is text).")
+        g.add_argument("--output", default=None,
+                       help=f"Output folder or gs:// prefix (images/, manifest/, errors/, summary.json). "
+                            f"Default {DEFAULT_OUTPUT} for local runners; required (gs://) on Dataflow.")
+        g.add_argument("--model", default=None,
+                       help="Diffusers-layout FLUX.2 [klein] checkpoint: local folder or gs:// prefix (copied "
+                            "once per worker machine, checksum-verified). Omit with --input for the demo.")
+        # --- the model API
+        g.add_argument("--dtype", default=None, choices=DTYPES,
+                       help="Compute dtype of the model (default bfloat16; float32 for the demo).")
+        g.add_argument("--height", type=int, default=None,
+                       help=f"Image height for records that do not give one (multiple of 16; default "
+                            f"{DEFAULT_SIZE}, 64 for the demo).")
+        g.add_argument("--width", type=int, default=None,
+                       help=f"Image width for records that do not give one (multiple of 16; default "
+                            f"{DEFAULT_SIZE}, 64 for the demo).")
+        g.add_argument("--num_inference_steps", type=int, default=None,
+                       help="Denoising steps for records that do not say (default: the checkpoint's, 4 for "
+                            "the distilled klein models, 50 for the base ones).")
+        g.add_argument("--guidance_scale", type=float, default=None,
+                       help="Guidance scale for records that do not say (default: the checkpoint's; ignored by "
+                            "the guidance-distilled models).")
+        g.add_argument("--num_images", type=int, default=1,
+                       help="Images per prompt for records that do not say; image j uses seed + j.")
+        g.add_argument("--max_sequence_length", type=int, default=None,
+                       help=f"Text-encoder tokens per prompt (default {DEFAULT_MAX_SEQUENCE_LENGTH}); longer prompts "
+                            f"are truncated, counted and flagged in the manifest.")
+        g.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
+                       help="Compiled batch size (images per generate call); short batches are padded.")
+        g.add_argument("--seed", type=int, default=0,
+                       help="Base seed: a record without a seed gets one derived from this and its id.")
+        g.add_argument("--max_pixels", type=int, default=2048 * 2048,
+                       help="Largest height x width accepted (default 4 megapixels).")
+        # --- the job
+        _flag(g, "--skip_existing", "Skip requests whose image already exists under the output (resume a job).")
+        _flag(g, "--large_model", "Load one model per machine, shared by every worker process on it (Beam "
+                                  "RunInference large_model), instead of one per process.")
+        g.add_argument("--model_copies", type=int, default=None,
+                       help="Exact number of model copies per machine, shared across processes (Beam "
+                            "RunInference model_copies).")
+        g.add_argument("--checkpoint_cache_dir", default=None,
+                       help="Local folder for copies of gs:// checkpoints (default "
+                            "$FLUX2_KLEIN_CACHE/checkpoints or ~/.cache/flux2-klein-beam/checkpoints).")
+        g.add_argument("--compilation_cache_dir", default=None,
+                       help="Persistent XLA compilation cache (local folder or gs://) so workers skip recompiling.")
+        _flag(g, "--no_progress", "Do not print the live progress line (local runners).")
+
+    # ------------------------------------------------------------------------------------------------------------
+    def input_patterns(self) -> list[str]:
+        """--input as a flat list: repeated flags and comma-separated values both work."""
+        patterns: list[str] = []
+        for value in self.input or []:
+            patterns.extend(p.strip() for p in str(value).split(",") if p.strip())
+        return patterns
+
+
+# Names of the options defined above, in order (for tooling such as the Flex Template metadata).
+OPTION_NAMES = (
+    "input", "input_format", "output", "model", "dtype", "height", "width", "num_inference_steps", "guidance_scale",
+    "num_images", "max_sequence_length", "batch_size", "seed", "max_pixels", "skip_existing", "large_model",
+    "model_copies", "checkpoint_cache_dir", "compilation_cache_dir", "no_progress",
+)

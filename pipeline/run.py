@@ -1,0 +1,317 @@
+"""`python -m pipeline.run`: prompts (GCS or local) -> RunInference on FLUX.2 [klein] -> PNGs, manifest, errors.
+
+    python -m pipeline.run                                   # the bundled demo (tiny random weights -> noise)
+    python -m pipeline.run --model=gs://b/FLUX.2-klein-4B --input='gs://b/prompts/*.jsonl' --output=gs://b/out
+    python -m pipeline.run ... --direct_running_mode=multi_processing --direct_num_workers=2
+    python -m pipeline.run ... --runner=DataflowRunner --project=... --region=... --temp_location=gs://...
+
+Runner: with no `--runner`, the job runs on Beam's FnApiRunner (the DirectRunner family's portable Python runner,
+honouring `--direct_running_mode` / `--direct_num_workers`). Beam's plain `DirectRunner` would first try the Prism
+runner, a binary it downloads from GitHub (fails or hangs offline); naming FnApiRunner skips that.
+
+The graph (every step a transform from `transforms/`):
+  patterns -> ReadRequests -> DeduplicateRequests -> image tasks -> [SkipExisting] -> BatchByShape
+  -> RunInference(Flux2KleinModelHandler).with_exception_handling() -> WriteImages -> manifest
+  invalid records + conflicting ids + failed batches -> errors;   counts of everything -> summary.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.ml.inference.base import RunInference
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+
+from transforms import layout
+from transforms.inference import BatchByShape, Flux2KleinModelHandler
+from transforms.outputs import SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes
+from transforms.progress import ProgressReporter, ReportTotal
+from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, ReadRequests, RequestDefaults
+
+from .options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
+
+logger = logging.getLogger("pipeline.run")
+
+DEFAULT_RUNNER = "FnApiRunner"
+LOCAL_RUNNERS = ("fnapirunner", "directrunner", "bundlebaseddirectrunner", "switchingdirectrunner")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_PROMPTS = os.path.join(REPO_ROOT, "examples", "prompts.jsonl")
+DEMO_SIZE = 64
+
+DEMO_NOTICE = """\
+==> Running the bundled demo: a tiny RANDOM-WEIGHT FLUX.2 [klein] checkpoint (built once, then reused) at
+      {model}
+    on the prompts in {input}, writing to {output}.
+    Random weights give noise images: this shows the job end to end (layout, manifest, errors, metrics), not the
+    model's quality. To generate real images, point --model at a real FLUX.2 [klein] checkpoint in diffusers
+    layout: a local folder or a gs:// copy of a published repository (black-forest-labs/FLUX.2-klein-4B,
+    FLUX.2-klein-9B, FLUX.2-klein-base-4B, FLUX.2-klein-base-9B), for example
+      python -m pipeline.run --model=gs://my-bucket/FLUX.2-klein-4B --input='gs://my-bucket/prompts/*.jsonl' \\
+          --output=gs://my-bucket/out
+"""
+
+
+class UsageError(ValueError):
+    """A bad combination of options, reported without a traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """Everything the graph needs, resolved from the options (demo defaults applied)."""
+
+    patterns: tuple[str, ...]
+    input_format: str
+    output: str
+    model: str
+    dtype: str
+    defaults: RequestDefaults
+    max_sequence_length: int
+    batch_size: int
+    skip_existing: bool
+    large_model: bool
+    model_copies: int | None
+    checkpoint_cache_dir: str | None
+    compilation_cache_dir: str | None
+    demo: bool = False
+
+
+def runner_name(options: PipelineOptions) -> str:
+    runner = options.view_as(StandardOptions).runner
+    if runner is None:
+        return DEFAULT_RUNNER
+    return runner if isinstance(runner, str) else type(runner).__name__
+
+
+def is_local_runner(options: PipelineOptions) -> bool:
+    return runner_name(options).rsplit(".", 1)[-1].lower() in LOCAL_RUNNERS
+
+
+def resolve_job(options: PipelineOptions) -> JobConfig:
+    """Apply defaults (and the demo's), and check everything that can be checked before the job starts."""
+    o = options.view_as(Flux2KleinOptions)
+    patterns = o.input_patterns()
+    demo = not patterns and o.model is None
+    if demo:
+        from model.testing import ensure_demo_checkpoint
+
+        try:
+            model_uri = ensure_demo_checkpoint()
+        except ImportError as e:
+            raise UsageError(f"the demo builds its tiny checkpoint with the reference libraries ({e}); install them "
+                             f"with: pip install -e '.[demo]'") from e
+        patterns = [DEMO_PROMPTS]
+    else:
+        if not patterns:
+            raise UsageError("--input is required with --model (omit both to run the bundled demo)")
+        if o.model is None:
+            raise UsageError("--model is required with --input (omit both to run the bundled demo)")
+        model_uri = o.model
+        if "://" not in model_uri and not os.path.isdir(model_uri):
+            raise UsageError(f"--model={model_uri!r} is not a folder (give a diffusers-layout checkpoint folder or "
+                             f"a gs:// prefix)")
+
+    output = o.output or DEFAULT_OUTPUT
+    if not is_local_runner(options) and "://" not in output:
+        raise UsageError(f"--output={output!r} is a local path, which the workers of {runner_name(options)} cannot "
+                         f"share; give a gs:// location")
+    size = DEMO_SIZE if demo else DEFAULT_SIZE
+    defaults = RequestDefaults(
+        height=o.height if o.height is not None else size,
+        width=o.width if o.width is not None else size,
+        num_inference_steps=o.num_inference_steps,
+        guidance_scale=o.guidance_scale,
+        num_images=o.num_images,
+        seed=o.seed,
+        max_pixels=o.max_pixels,
+    )
+    try:
+        defaults.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    batch_size = o.batch_size if o.batch_size is not None else DEFAULT_BATCH_SIZE
+    if batch_size < 1:
+        raise UsageError(f"--batch_size must be >= 1, got {batch_size}")
+    max_len = o.max_sequence_length if o.max_sequence_length is not None else DEFAULT_MAX_SEQUENCE_LENGTH
+    if max_len < 1:
+        raise UsageError(f"--max_sequence_length must be >= 1, got {max_len}")
+    if o.model_copies is not None and o.model_copies < 1:
+        raise UsageError(f"--model_copies must be >= 1, got {o.model_copies}")
+    dtype = o.dtype or ("float32" if demo else "bfloat16")
+
+    for pattern in patterns:
+        try:
+            matched = FileSystems.match([pattern])[0].metadata_list
+        except Exception as e:  # noqa: BLE001 - any filesystem error means the same thing to the user
+            raise UsageError(f"--input {pattern!r} cannot be read: {e}") from e
+        if not matched:
+            raise UsageError(f"--input {pattern!r} matches no file")
+    return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, model=model_uri,
+                     dtype=dtype, defaults=defaults, max_sequence_length=max_len, batch_size=batch_size,
+                     skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
+                     model_copies=o.model_copies, checkpoint_cache_dir=o.checkpoint_cache_dir,
+                     compilation_cache_dir=o.compilation_cache_dir, demo=demo)
+
+
+def make_handler(job: JobConfig) -> Flux2KleinModelHandler:
+    load_kwargs = {}
+    if job.checkpoint_cache_dir:
+        load_kwargs["cache_dir"] = job.checkpoint_cache_dir
+    if job.compilation_cache_dir:
+        load_kwargs["compilation_cache_dir"] = job.compilation_cache_dir
+    return Flux2KleinModelHandler(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
+                                  batch_size=job.batch_size, large_model=job.large_model,
+                                  model_copies=job.model_copies, load_kwargs=load_kwargs)
+
+
+def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
+    """Add the job's transforms to `p`; returns its main PCollections by name."""
+    patterns = p | "InputPatterns" >> beam.Create(list(job.patterns))
+    read = patterns | "ReadRequests" >> ReadRequests(job.input_format, job.defaults)
+    dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests()
+    planned = dedup["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
+    tasks, skipped = planned, None
+    if job.skip_existing:
+        split = planned | "SkipExisting" >> SkipExisting(job.output)
+        tasks, skipped = split["tasks"], split["skipped"]
+    if progress_dir:
+        total = tasks | "ProgressTotal" >> ReportTotal(progress_dir)
+        # Taking the total as a side input makes the runner finish counting before any batch is generated, so the
+        # progress line knows the total from the first image on.
+        tasks = tasks | "AfterTotal" >> beam.Map(lambda t, _n: t, beam.pvalue.AsSingleton(total))
+
+    batches = tasks | "BatchByShape" >> BatchByShape(job.batch_size)
+    results, dlq = batches | "RunInference" >> RunInference(make_handler(job).with_no_batching()) \
+        .with_exception_handling()
+    manifest = results | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir))
+    failed = dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)
+
+    invalid = (read["invalid"], dedup["invalid"]) | "AllInvalid" >> beam.Flatten()
+    errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
+    _ = (manifest
+         | "ManifestJson" >> beam.Map(layout.to_json_line)
+         | "WriteManifest" >> beam.io.WriteToText(layout.manifest_prefix(job.output),
+                                                  file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
+    _ = (errors
+         | "ErrorsJson" >> beam.Map(layout.to_json_line)
+         | "WriteErrors" >> beam.io.WriteToText(layout.errors_prefix(job.output),
+                                                file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
+
+    records = (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten()
+    truncated = (manifest
+                 | "TruncatedRows" >> beam.Filter(lambda row: row["prompt_truncated"])
+                 | "TruncatedIds" >> beam.Map(lambda row: row["id"])
+                 | "DistinctTruncated" >> beam.Distinct())
+    counted = {
+        "records_read": records,
+        "requests": dedup["requests"],
+        "images_planned": planned,
+        "images_generated": manifest,
+        "invalid": invalid,
+        "duplicates": dedup[DUPLICATE_TAG],
+        "failed": failed,
+        "prompts_truncated": truncated,
+    }
+    if skipped is not None:
+        counted["skipped"] = skipped
+    summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
+        "model": job.model, "output": job.output, "input": list(job.patterns), "demo": job.demo,
+        "batch_size": job.batch_size, "dtype": job.dtype})
+    return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
+
+
+def _print_metrics(result) -> None:
+    try:
+        metrics = result.metrics().query()
+    except Exception:  # noqa: BLE001 - metrics are informative only
+        return
+    counters = {c.key.metric.name: c.committed for c in metrics["counters"] if c.key.metric.namespace == "flux2"}
+    dists = {d.key.metric.name: d.committed for d in metrics["distributions"] if d.key.metric.namespace == "flux2"}
+    if counters:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if "_in_process_" not in k)
+        print(f"metrics: {shown}")
+    for name in ("batch_size", "generation_ms_per_image"):
+        d = dists.get(name)
+        if d is not None and d.count:
+            print(f"metrics: {name} count={d.count} mean={d.mean:.1f} min={d.min} max={d.max}")
+
+
+def run(argv: list[str] | None = None, *, wait: bool | None = None):
+    """Build and run the job; returns (PipelineResult, summary dict or None). Local runners wait for the end."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    options = PipelineOptions(argv)
+    if options.view_as(StandardOptions).runner is None:
+        options.view_as(StandardOptions).runner = DEFAULT_RUNNER
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        _use_emulator_credentials()
+    job = resolve_job(options)
+    local = is_local_runner(options)
+    wait = local if wait is None else wait
+    if job.demo:
+        print(DEMO_NOTICE.format(model=job.model, input=job.patterns[0], output=job.output), flush=True)
+
+    progress_dir = None
+    show_progress = local and not options.view_as(Flux2KleinOptions).no_progress
+    if show_progress:
+        progress_dir = tempfile.mkdtemp(prefix="flux2-progress-")
+    started_at = time.time()
+    p = beam.Pipeline(options=options)
+    build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir)
+    if not wait:
+        result = p.run()
+        from apache_beam.options.pipeline_options import TestOptions
+
+        verb = "translated (dry run) for" if options.view_as(TestOptions).dry_run else "submitted to"
+        print(f"{verb} {runner_name(options)}; outputs will be under {job.output}", flush=True)
+        return result, None
+    # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
+    with ProgressReporter(progress_dir) if progress_dir else _nullcontext():
+        result = p.run()
+        result.wait_until_finish()
+    summary = json.loads(read_bytes(layout.summary_path(job.output)).decode("utf-8"))
+    print(f"summary: {format_summary(summary)}")
+    print(f"outputs: {layout.join(job.output, layout.IMAGES_DIR)}/, {layout.manifest_prefix(job.output)}-*.jsonl, "
+          f"{layout.errors_prefix(job.output)}-*.jsonl, {layout.summary_path(job.output)}")
+    _print_metrics(result)
+    if job.demo:
+        print("demo done: the images are noise (random weights). Use --model with a real FLUX.2 [klein] checkpoint "
+              "for real images.")
+    return result, summary
+
+
+def _nullcontext():
+    return contextlib.nullcontext()
+
+
+def _use_emulator_credentials() -> None:
+    """Against a local GCS emulator (STORAGE_EMULATOR_HOST), skip Beam's ~20 s credential lookup: Beam then
+    connects anonymously, which is what the emulator wants. Has no effect on real GCS runs."""
+    try:
+        from apache_beam.internal.gcp import auth
+
+        auth._Credentials._credentials_init = True
+        auth._Credentials._credentials = None
+    except Exception:  # noqa: BLE001 - private Beam API; without it runs are only slower
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        run(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Helpers shared by the end-to-end pipeline tests: reading a job's outputs and metrics back."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+
+import numpy as np
+from apache_beam.io.filesystems import FileSystems
+from PIL import Image
+
+from transforms import layout
+
+
+def read(path: str) -> bytes:
+    with FileSystems.open(path, compression_type="uncompressed") as f:
+        return f.read()
+
+
+def rows(output: str, kind: str) -> list[dict]:
+    """Every row of `{output}/{kind}/{kind}-*.jsonl` (kind: manifest or errors)."""
+    pattern = layout.join(output, f"{kind}/{kind}-*.jsonl")
+    out = []
+    for meta in FileSystems.match([pattern])[0].metadata_list:
+        out.extend(json.loads(line) for line in read(meta.path).decode("utf-8").splitlines() if line.strip())
+    return out
+
+
+def image_names(output: str) -> set[str]:
+    return {m.path.rsplit("/", 1)[-1] for m in FileSystems.match([layout.images_glob(output)])[0].metadata_list}
+
+
+def decode(data: bytes) -> tuple[np.ndarray, dict]:
+    im = Image.open(io.BytesIO(data))
+    im.load()
+    return np.asarray(im.convert("RGB")), dict(im.text)
+
+
+def check_manifest_matches_images(output: str, manifest: list[dict], size: dict[str, tuple[int, int]]) -> None:
+    """Every manifest row describes the object it names: sha256, byte count, decodable PNG of the row's size."""
+    for row in manifest:
+        for field in layout.MANIFEST_FIELDS:
+            assert field in row, (field, row)
+        data = read(layout.join(output, row["file_name"]))
+        assert row["uri"] == layout.join(output, row["file_name"])
+        assert hashlib.sha256(data).hexdigest() == row["sha256"]
+        assert len(data) == row["bytes"]
+        pixels, text = decode(data)
+        assert pixels.shape == (row["height"], row["width"], 3)
+        if row["id"] in size:
+            assert pixels.shape[:2] == size[row["id"]]
+        assert text["prompt"] == row["prompt"] and text["seed"] == str(row["seed"])
+        assert text["model"] == row["model"]
+        assert text["num_inference_steps"] == str(row["num_inference_steps"])
+
+
+def counters(result, namespace: str = "flux2") -> dict[str, int]:
+    return {c.key.metric.name: c.committed for c in result.metrics().query()["counters"]
+            if c.key.metric.namespace == namespace}
+
+
+def pids(counter_values: dict[str, int], prefix: str) -> dict[int, int]:
+    """{pid: count} from per-process counters such as model_loads_in_process_<pid>."""
+    out = {}
+    for name, value in counter_values.items():
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
+        if m:
+            out[int(m.group(1))] = value
+    return out

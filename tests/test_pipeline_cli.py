@@ -1,0 +1,94 @@
+"""Options, usage errors, the command line, the Dataflow translation (offline dry run) and the bundled demo."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline.options import OPTION_NAMES, Flux2KleinOptions
+from pipeline.run import UsageError, resolve_job, run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def options(*argv):
+    return PipelineOptions(list(argv)).view_as(Flux2KleinOptions)
+
+
+def test_option_parsing():
+    o = options("--input=a.jsonl,gs://b/*.csv", "--input", "c.txt", "--skip_existing", "--large_model=false",
+                "--num_images=3", "--guidance_scale=2.5", "--dtype=float32")
+    assert o.input_patterns() == ["a.jsonl", "gs://b/*.csv", "c.txt"]
+    assert o.skip_existing is True and o.large_model is False and o.no_progress is False
+    assert (o.num_images, o.guidance_scale, o.dtype, o.height, o.num_inference_steps) == (3, 2.5, "float32", None,
+                                                                                         None)
+    assert options("--skip_existing=true").skip_existing is True
+    assert options("--skip_existing=False").skip_existing is False
+    all_options = options().get_all_options()
+    assert all(name in all_options for name in OPTION_NAMES)
+
+
+def test_usage_errors(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    with pytest.raises(UsageError, match="--model is required"):
+        resolve_job(PipelineOptions([f"--input={prompts}"]))
+    with pytest.raises(UsageError, match="--input is required"):
+        resolve_job(PipelineOptions([f"--model={tmp_path}"]))
+    with pytest.raises(UsageError, match="matches no file"):
+        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={tmp_path / 'nope*.jsonl'}"]))
+    with pytest.raises(UsageError, match="is not a folder"):
+        resolve_job(PipelineOptions([f"--model={tmp_path / 'missing'}", f"--input={prompts}"]))
+    with pytest.raises(UsageError, match="height"):
+        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--height=100"]))
+    with pytest.raises(UsageError, match="gs:// location"):
+        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--runner=DataflowRunner",
+                                     "--output=/tmp/out"]))
+    job = resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}"]))
+    assert (job.output, job.dtype, job.batch_size, job.max_sequence_length, job.defaults.height, job.demo) == \
+        ("./output", "bfloat16", 4, 512, 1024, False)
+
+
+def test_command_line_reports_usage_errors(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pipeline.run", f"--input={tmp_path}/p.jsonl"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "error: --model is required" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket):
+    """The job translates for Dataflow (runner v2 proto, everything pickles) without any network access."""
+    b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", b'{"prompt": "x"}\n')
+    result, summary = run([f"--model={b}/models/klein", f"--input={b}/in/p.jsonl", f"--output={b}/out",
+                           "--runner=DataflowRunner", "--dry_run=True", "--project=test-project",
+                           "--region=us-central1", f"--temp_location={b}/tmp", "--sdk_location=container",
+                           "--sdk_container_image=example.com/flux2-klein:test",
+                           "--experiments=no_use_multiple_sdk_containers", "--large_model"])
+    assert summary is None and str(result.state) == "DONE"
+    labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
+    for name in ("ReadRequests", "Deduplicate", "BatchByShape", "RunInference", "WriteImages", "WriteManifest",
+                 "WriteErrors", "Summary"):
+        assert name in labels, name
+    assert not any(label.startswith("SkipExisting") for label in labels)
+    assert not gcs_emulator.list_blobs(f"{b}/out")  # nothing ran, nothing written
+
+
+def test_readme_demo_command(tmp_path):
+    """`python -m pipeline.run` with no --model/--input: the bundled demo, from any working folder."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "pipeline.run"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RANDOM-WEIGHT" in proc.stdout and "--model" in proc.stdout and "noise" in proc.stdout
+    assert "summary: records read 6, images generated 7" in proc.stdout
+    assert "[progress] 7/7 images" in proc.stderr
+    out = tmp_path / "output"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["demo"] is True and summary["images_generated"] == 7 and summary["invalid"] == 0
+    assert len(os.listdir(out / "images")) == 7
+    manifest = (out / "manifest").glob("manifest-*.jsonl")
+    assert sum(len(f.read_text().splitlines()) for f in manifest) == 7

@@ -1,0 +1,133 @@
+"""The whole job on a local GCS emulator: checkpoint, prompts and outputs all in gs://, tiny real checkpoint.
+
+One job run covers: JSONL + CSV + text inputs, every valid record -> exactly one decodable PNG of the right size and
+one manifest row whose sha256 matches the object, every invalid record -> one error row with its reason, a batch the
+model rejects -> error rows while the rest of the job continues, batches never mixing shapes, the job's pixels equal
+to `model.generate`, the summary and metrics; then a `--skip_existing` rerun that writes no image and leaves every
+existing image object untouched.
+"""
+
+import hashlib
+import json
+
+import model
+import numpy as np
+import pytest
+
+from pipeline.run import run
+from pipeline_helpers import check_manifest_matches_images, counters, decode, image_names, read, rows
+from transforms.requests import RequestDefaults, derive_id, derive_seed
+
+# A tiny checkpoint whose VAE needs multiples of 32: a 48x48 request passes the job's validation (multiple of 16)
+# but the model rejects it, which makes a real failing batch without faking anything.
+SPEC32 = dict(vae_block_out_channels=(4, 4, 4, 4, 4), max_shard_size="16KB")
+
+JSONL = "\n".join([
+    '{"id": "cat", "prompt": "a cat on a mat", "seed": 1}',                    # 1 valid
+    '{"id": "dog", "prompt": "a dog", "seed": 5, "num_images": 2}',           # 2 valid, two images
+    '{"prompt": "no id given"}',                                               # 3 valid, derived id and seed
+    '{"id": "cat", "prompt": "a cat on a mat", "seed": 1}',                    # 4 identical duplicate: generated once
+    '{"id": "wide", "prompt": "a wide view", "width": 64, "seed": 2}',         # 5 valid, another shape
+    '{"id": "odd", "prompt": "model rejects 48", "height": 48, "width": 48}',  # 6 valid here, fails in the model
+    '{"id": "cat", "prompt": "another cat"}',                                  # 7 conflicting duplicate id
+    '{"prompt": "broken json"',                                                # 8
+    '{"id": "nop"}',                                                           # 9 missing prompt
+    '{"prompt": "p", "height": 100}',                                          # 10 not a multiple of 16
+    '{"prompt": "p", "seed": -3}',                                             # 11 negative seed
+    '{"prompt": "p", "id": ".hidden"}',                                        # 12 id starting with a dot
+    '{"prompt": "p", "num_inference_steps": 0}',                               # 13 steps out of range
+    '{"prompt": "p", "width": "32"}',                                          # 14 wrong type
+]).encode() + b'\n{"prompt": "bad \xff byte"}\n'                               # 15 not UTF-8
+
+CSV = b"id,prompt,seed\ncsv-ok,a red fox in snow,9\ncsv-bad,a red fox,abc\n"
+TEXT = b"a lighthouse at dusk\n\na mountain lake\n"
+
+EXPECTED_ERRORS = {  # (file, line) -> words in the reason
+    ("prompts.jsonl", 6): "inference failed",
+    ("prompts.jsonl", 7): "conflicting",
+    ("prompts.jsonl", 8): "malformed JSON",
+    ("prompts.jsonl", 9): "missing prompt",
+    ("prompts.jsonl", 10): "multiple of 16",
+    ("prompts.jsonl", 11): "seed must be a non-negative integer",
+    ("prompts.jsonl", 12): "must not start with a dot",
+    ("prompts.jsonl", 13): "num_inference_steps must be in",
+    ("prompts.jsonl", 14): "width must be an integer",
+    ("prompts.jsonl", 15): "not valid UTF-8",
+    ("prompts.csv", 3): "seed must be an integer",
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt32(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory(**SPEC32)
+
+
+def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
+    b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_dir(ckpt32, f"{b}/models/klein-tiny")
+    gcs_emulator.upload_bytes(f"{b}/in/prompts.jsonl", JSONL)
+    gcs_emulator.upload_bytes(f"{b}/in/prompts.csv", CSV)
+    gcs_emulator.upload_bytes(f"{b}/in/more/prompts.txt", TEXT)
+    out = f"{b}/out"
+    argv = [f"--model={b}/models/klein-tiny", f"--input={b}/in/*.jsonl,{b}/in/*.csv", f"--input={b}/in/more/*",
+            f"--output={out}", "--height=32", "--width=32", "--dtype=float32", "--max_sequence_length=32",
+            "--batch_size=2", "--seed=3", f"--checkpoint_cache_dir={tmp_path / 'ckpt-cache'}",
+            "--runner=FnApiRunner", "--no_progress"]
+    result, summary = run(argv)
+
+    # --- images: exactly one per valid record (two for num_images=2), right sizes
+    defaults = RequestDefaults(height=32, width=32, seed=3)
+    derived = derive_id("no id given", 32, 32, None, None, 1, None)
+    text_ids = [derive_id(p, 32, 32, None, None, 1, None) for p in ("a lighthouse at dusk", "a mountain lake")]
+    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "wide.png", "csv-ok.png"} | \
+        {f"{i}.png" for i in text_ids}
+    assert image_names(out) == expected
+
+    manifest = rows(out, "manifest")
+    assert sorted(r["file_name"] for r in manifest) == sorted(f"images/{n}" for n in expected)
+    check_manifest_matches_images(out, manifest, {"wide": (32, 64), "cat": (32, 32)})
+    by_file = {r["file_name"]: r for r in manifest}
+    assert by_file["images/dog-1.png"]["seed"] == 6
+    assert by_file[f"images/{derived}.png"]["seed"] == derive_seed(defaults.seed, derived)
+    assert all(r["num_inference_steps"] == 4 and r["model"] == f"{b}/models/klein-tiny" for r in manifest)
+    assert all(r["prompt_truncated"] is False for r in manifest)
+
+    # --- errors: one row per invalid record / failed image, with the right reason
+    errors = rows(out, "errors")
+    got = {(e["source"].rsplit("/", 1)[-1], e["line"]): e for e in errors}
+    assert len(errors) == len(EXPECTED_ERRORS) == len(got)
+    for key, words in EXPECTED_ERRORS.items():
+        assert words in got[key]["reason"], (key, got[key])
+    assert got[("prompts.jsonl", 6)]["id"] == "odd" and "RequestError" in got[("prompts.jsonl", 6)]["reason"]
+    assert got[("prompts.jsonl", 7)]["id"] == "cat"
+
+    # --- summary and metrics
+    stored = json.loads(read(f"{out}/summary.json"))
+    assert stored == summary
+    assert (summary["records_read"], summary["images_generated"], summary["invalid"], summary["failed"],
+            summary["duplicates"], summary["skipped"]) == (19, 8, 10, 1, 1, 0)
+    assert summary["wall_time_s"] > 0 and summary["images_per_s"] > 0
+    c = counters(result)
+    assert c["model_loads"] == 1
+    assert c["images_generated"] == 8 and c["records_read"] == 19 and c["images_failed"] == 1
+    dist = {d.key.metric.name: d.committed for d in result.metrics().query()["distributions"]
+            if d.key.metric.namespace == "flux2"}
+    assert dist["batch_size"].max <= 2 and dist["batch_size"].sum == 9  # 8 written + 1 failed
+    assert dist["generation_ms_per_image"].count == 8
+
+    # --- the job's pixels are the model's pixels for the same request
+    gen = model.load(ckpt32, dtype="float32", max_sequence_length=32, batch_size=2)
+    cat = gen.generate(prompts=["a cat on a mat"], seeds=[1], height=32, width=32)[0]
+    np.testing.assert_array_equal(decode(read(f"{out}/images/cat.png"))[0], cat)
+    dogs = gen.generate(prompts=["a dog"], seeds=[5], height=32, width=32, num_images_per_prompt=2)
+    np.testing.assert_array_equal(decode(read(f"{out}/images/dog-1.png"))[0], dogs[1])
+
+    # --- rerun with --skip_existing: nothing rewritten, same generation numbers, empty manifest
+    before = {name: blob.generation for name, blob in gcs_emulator.list_blobs(f"{out}/images/").items()}
+    result2, summary2 = run(argv + ["--skip_existing"])
+    after = {name: blob.generation for name, blob in gcs_emulator.list_blobs(f"{out}/images/").items()}
+    assert after == before
+    assert rows(out, "manifest") == []
+    assert (summary2["images_generated"], summary2["skipped"], summary2["failed"]) == (0, 8, 1)
+    assert counters(result2)["images_skipped"] == 8
+    assert hashlib.sha256(read(f"{out}/images/cat.png")).hexdigest() == by_file["images/cat.png"]["sha256"]

@@ -1,0 +1,68 @@
+"""The job on local paths with the multi-process DirectRunner (FnApiRunner, 2 worker processes).
+
+The model is loaded once per worker process by default, and once per machine with `--large_model` (the other process
+uses it through Beam's shared-model proxy); both asserted from the handler's metrics. Also covers CSV and text
+inputs given as local paths.
+"""
+
+import os
+
+import pytest
+
+from pipeline.run import run
+from pipeline_helpers import check_manifest_matches_images, counters, image_names, pids, rows
+
+N_PROMPTS = 12  # 6 batches of 2, spread over both workers
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("inputs")
+    half = N_PROMPTS // 2
+    (folder / "a.csv").write_text("id,prompt,seed\n" + "".join(f"c{i},prompt number {i},{i}\n" for i in range(half)))
+    (folder / "b.txt").write_text("".join(f"text prompt {i}\n" for i in range(N_PROMPTS - half)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    # Shared by both runs (and both workers): XLA programs compiled once are reused from disk. The shared-model
+    # test runs first, so only one process compiles and the two processes of the second test read the cache.
+    return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+def _job(inputs, out, ckpt, compile_cache, *extra):
+    argv = [f"--model={ckpt}", f"--input={inputs / 'a.csv'}", f"--input={inputs / 'b.txt'}", f"--output={out}",
+            "--height=32", "--width=32", "--dtype=float32", "--max_sequence_length=32", "--batch_size=2",
+            f"--compilation_cache_dir={compile_cache}", "--runner=FnApiRunner",
+            "--direct_running_mode=multi_processing", "--direct_num_workers=2", "--no_progress", *extra]
+    result, summary = run(argv)
+    manifest = rows(str(out), "manifest")
+    assert summary["images_generated"] == N_PROMPTS and summary["invalid"] == 0 and summary["failed"] == 0
+    assert len(image_names(str(out))) == N_PROMPTS
+    assert len(manifest) == N_PROMPTS
+    check_manifest_matches_images(str(out), manifest, {})
+    assert rows(str(out), "errors") == []
+    assert os.path.isfile(out / "summary.json")
+    return counters(result)
+
+
+def test_large_model_loaded_once_per_machine(inputs, tmp_path, tiny_ckpt, compile_cache):
+    c = _job(inputs, tmp_path / "out", tiny_ckpt, compile_cache, "--large_model")
+    loads = pids(c, "model_loads_in_process_")
+    batches = pids(c, "batches_in_process_")
+    assert c["model_loads"] == 1 and list(loads.values()) == [1], loads
+    # Both worker processes generated, through the one shared copy.
+    assert len(batches) == 2, batches
+    assert sum(batches.values()) == N_PROMPTS // 2
+
+
+def test_model_loaded_once_per_worker_process(inputs, tmp_path, tiny_ckpt, compile_cache):
+    c = _job(inputs, tmp_path / "out", tiny_ckpt, compile_cache)
+    loads = pids(c, "model_loads_in_process_")
+    batches = pids(c, "batches_in_process_")
+    assert os.getpid() not in loads  # the workers loaded it, not the launcher
+    assert set(loads.values()) == {1}, loads  # once per process that loaded it
+    assert c["model_loads"] == len(loads) <= 2
+    assert set(batches) <= set(loads)  # every process that generated had loaded its own copy
+    assert sum(batches.values()) == N_PROMPTS // 2

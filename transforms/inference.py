@@ -1,0 +1,178 @@
+"""The RunInference ModelHandler around `model.load(...).generate(...)`, and shape-bucketed batching.
+
+Batches never mix shapes: image tasks are keyed by (height, width, steps, guidance) and grouped into batches of at
+most `--batch_size` per key (GroupIntoBatches), then spread over workers. The handler is used `with_no_batching()`:
+each element it receives is one such pre-built batch, and it makes one `generate` call for it. A short batch is
+padded to the compiled batch size inside `generate`, so it is not recompiled.
+
+Loading: `load_model` imports `model` lazily (pickling the handler never pulls in JAX), resolves the checkpoint
+(a `gs://` one is copied once per machine to a local cache by `model.checkpoint`) and compiles it once per worker
+process, or once per machine with `large_model=True` / `model_copies=N` (Beam then serves the model from one
+process to the others; results cross the process boundary as numpy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import typing
+import time
+from typing import Any, Iterable, Sequence
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+
+from .requests import METRICS_NAMESPACE, ImageTask
+
+# Loads are counted in a Beam counter, but a model is loaded in DoFn.setup (or in whichever process serves a shared
+# model), where Beam has no metrics context; so loads are noted here and reported from the next bundle of the
+# same process (run_inference, or the fused image writer's finish_bundle).
+_pending_loads = 0
+_pending_lock = threading.Lock()
+
+
+def _note_model_load() -> None:
+    global _pending_loads
+    with _pending_lock:
+        _pending_loads += 1
+
+
+def flush_model_load_metrics() -> None:
+    """Report loads noted in this process into the `model_loads` counter (call from inside a bundle)."""
+    global _pending_loads
+    with _pending_lock:
+        n, _pending_loads = _pending_loads, 0
+    if n:
+        Metrics.counter(METRICS_NAMESPACE, "model_loads").inc(n)
+        # Per process too, so "once per worker process" / "once per machine" can be checked from metrics alone.
+        Metrics.counter(METRICS_NAMESPACE, f"model_loads_in_process_{os.getpid()}").inc(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedImage:
+    """One image out of the handler: host pixels plus the parameters that were actually used."""
+
+    task: ImageTask
+    pixels: np.ndarray  # uint8 [H, W, 3]
+    num_inference_steps: int
+    guidance_scale: float
+    prompt_truncated: bool
+    model: str
+    generation_ms: float  # this image's share of its batch's generate() wall time
+
+
+class LoadedGenerator:
+    """What `load_model` returns: the generator behind one method, so that a model shared across processes (served
+    through a Beam proxy, which forwards method calls only) costs one round trip per batch and returns numpy."""
+
+    def __init__(self, generator: Any):
+        self._gen = generator
+        self.loader_pid = os.getpid()
+
+    def generate_batch(self, prompts: list[str], seeds: list[int], height: int, width: int,
+                       num_inference_steps: int | None, guidance_scale: float | None) -> dict:
+        gen = self._gen
+        steps = gen.default_num_inference_steps if num_inference_steps is None else int(num_inference_steps)
+        guidance = gen.default_guidance_scale if guidance_scale is None else float(guidance_scale)
+        truncated = [bool(t) for t in gen.prompt_truncated(prompts)]
+        start = time.perf_counter()
+        images = gen.generate(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
+                              num_inference_steps=steps, guidance_scale=guidance, num_images_per_prompt=1)
+        images = np.asarray(images)  # host memory, never a device array
+        seconds = time.perf_counter() - start
+        return {"images": images, "truncated": truncated, "num_inference_steps": int(steps),
+                "guidance_scale": float(guidance), "model": str(gen.model_id), "seconds": seconds,
+                "loader_pid": self.loader_pid}
+
+    def describe(self) -> dict:
+        gen = self._gen
+        return {"model": str(gen.model_id), "default_num_inference_steps": int(gen.default_num_inference_steps),
+                "default_guidance_scale": float(gen.default_guidance_scale), "is_distilled": bool(gen.is_distilled),
+                "size_multiple": int(gen.size_multiple), "loader_pid": self.loader_pid}
+
+
+class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult, LoadedGenerator]):
+    """RunInference handler: one element = one batch of same-shape ImageTasks -> one PredictionResult per task
+    whose `inference` is a GeneratedImage. Use it as `RunInference(handler.with_no_batching())`."""
+
+    def __init__(self, model_uri: str, *, dtype: str = "bfloat16", max_sequence_length: int = 512,
+                 batch_size: int | None = None, large_model: bool = False, model_copies: int | None = None,
+                 load_kwargs: dict | None = None, env_vars: dict | None = None):
+        """`load_kwargs` go to `model.load` as well (e.g. `cache_dir` for gs:// checkpoint copies,
+        `compilation_cache_dir` for a persistent XLA cache)."""
+        super().__init__(large_model=large_model, model_copies=model_copies, env_vars=env_vars or {})
+        self._model_uri = model_uri
+        self._dtype = dtype
+        self._max_sequence_length = max_sequence_length
+        self._batch_size = batch_size
+        self._load_kwargs = dict(load_kwargs or {})
+
+    def load_model(self) -> LoadedGenerator:
+        import model  # lazy: JAX and the model code load only on workers, when the model is needed
+
+        gen = model.load(self._model_uri, dtype=self._dtype, max_sequence_length=self._max_sequence_length,
+                         batch_size=self._batch_size, **self._load_kwargs)
+        _note_model_load()
+        return LoadedGenerator(gen)
+
+    def run_inference(self, batch: Sequence[ImageTask], model: LoadedGenerator,
+                      inference_args: dict | None = None) -> Iterable[PredictionResult]:
+        flush_model_load_metrics()
+        tasks = list(batch)
+        if not tasks:
+            return []
+        first = tasks[0].request
+        keys = {t.shape_key for t in tasks}
+        if len(keys) != 1:
+            raise ValueError(f"a batch mixes shapes {sorted(keys)}; batches must be grouped by shape first")
+        Metrics.counter(METRICS_NAMESPACE, "batches").inc()
+        Metrics.counter(METRICS_NAMESPACE, f"batches_in_process_{os.getpid()}").inc()
+        Metrics.distribution(METRICS_NAMESPACE, "batch_size").update(len(tasks))
+        out = model.generate_batch([t.request.prompt for t in tasks], [t.seed for t in tasks], first.height,
+                                   first.width, first.num_inference_steps, first.guidance_scale)
+        images = out["images"]
+        if images.shape[0] != len(tasks):
+            raise RuntimeError(f"generate returned {images.shape[0]} images for {len(tasks)} prompts")
+        per_image_ms = out["seconds"] * 1000.0 / len(tasks)
+        truncated = sum(1 for t, flag in zip(tasks, out["truncated"]) if flag and t.index == 0)
+        if truncated:
+            Metrics.counter(METRICS_NAMESPACE, "prompts_truncated").inc(truncated)
+        return [
+            PredictionResult(task, GeneratedImage(task=task, pixels=images[i], num_inference_steps=out["num_inference_steps"],
+                                                  guidance_scale=out["guidance_scale"],
+                                                  prompt_truncated=bool(out["truncated"][i]), model=out["model"],
+                                                  generation_ms=per_image_ms), model_id=out["model"])
+            for i, task in enumerate(tasks)
+        ]
+
+    def get_num_bytes(self, batch: Sequence[ImageTask]) -> int:
+        return sum(len(t.request.prompt.encode("utf-8")) for t in batch)
+
+    def get_metrics_namespace(self) -> str:
+        return "RunInference_flux2"
+
+    def update_model_path(self, model_path: str | None = None):
+        if model_path:
+            self._model_uri = model_path
+
+
+class BatchByShape(beam.PTransform):
+    """ImageTasks -> lists of at most `batch_size` tasks sharing (height, width, steps, guidance), spread over
+    workers."""
+
+    def __init__(self, batch_size: int):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._batch_size = batch_size
+
+    def expand(self, tasks):
+        return (tasks
+                | "KeyByShape" >> beam.Map(lambda t: (t.shape_key, t)).with_output_types(
+                    beam.typehints.KV[str, typing.Any])
+                | "GroupIntoBatches" >> beam.GroupIntoBatches(self._batch_size)
+                | "DropKey" >> beam.Map(lambda kv: sorted(kv[1], key=lambda t: (t.request.id, t.index)))
+                | "SpreadBatches" >> beam.Reshuffle())
