@@ -1,10 +1,10 @@
 """Flex Template entry point (FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py in the image).
 
 Dataflow's template launcher runs `python main.py --runner=DataflowRunner --project=... --<parameter>=<value> ...`.
-This hands those arguments to the job's own entry point (`pipeline.run`, as `python -m pipeline.run` would) and
-returns as soon as the job is submitted. A Flex Template launcher must not wait for its job: during a template
-launch there is no job id to wait on yet, and Beam's wait_until_finish raises. `--no_wait_until_finish` is Beam's
-standard option for exactly that.
+This hands those arguments to the job's own entry point (`pipeline.run.main`, what `python -m pipeline.run` runs)
+and returns as soon as the job is submitted: pipeline.run waits only on local runners. A Flex Template launcher
+must not wait for its job (during a template launch there is no job id to wait on yet, and Beam's
+wait_until_finish raises); `--no_wait_until_finish`, Beam's standard option for that, is added as a second guard.
 
 Two defaults for launches from the image:
 - `--no_wait_until_finish` is added when absent;
@@ -37,12 +37,15 @@ def launcher_argv(argv: list[str], environ: dict | None = None) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None):
-    logging.getLogger().setLevel(logging.INFO)
+def main(argv: list[str] | None = None) -> int:
+    """Submit the job; returns the exit status of `python -m pipeline.run` (2 with a one-line error for bad
+    options, which the launcher log then shows)."""
+    # INFO so the launcher log shows Beam's submission messages (pipeline.run would settle for WARNING).
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from pipeline import run as job  # imported here so that `import main` stays cheap
 
-    return job.run(launcher_argv(list(sys.argv[1:] if argv is None else argv)))
+    return job.main(launcher_argv(list(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

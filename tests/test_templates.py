@@ -529,3 +529,118 @@ def test_documented_examples_parse_as_options(name):
         (rx,) = param["regexes"]
         m = re.fullmatch(r"\^\(([a-z0-9_|]+)\)\$", rx)
         assert m and set(m.group(1).split("|")) == set(action.choices), (name, rx, action.choices)
+
+
+# ------------------------------------------------------------------------------------------- the launcher entry
+template_main = _load_module("flux2_template_main", TEMPLATES / "main.py")
+
+
+def test_launcher_argv_defaults(tmp_path):
+    baked = tmp_path / "weights"
+    baked.mkdir()
+    env = {"FLUX2_WEIGHTS_DIR": str(baked)}
+    # no checkpoint baked in: only the no-wait guard is added
+    assert template_main.launcher_argv(["--input=gs://b/p.jsonl"], env) == ["--input=gs://b/p.jsonl",
+                                                                            "--no_wait_until_finish"]
+    (baked / "model_index.json").write_text("{}")
+    assert template_main.launcher_argv(["--input=gs://b/p.jsonl"], env) == [
+        "--input=gs://b/p.jsonl", f"--model={baked}", "--no_wait_until_finish"]
+    # the job's own --model and --no_wait_until_finish win
+    argv = ["--model=gs://b/ckpt", "--no_wait_until_finish"]
+    assert template_main.launcher_argv(argv, env) == argv
+
+
+# ------------------------------------------------------------------------------------------- Dataflow dry run
+@pytest.fixture(scope="module")
+def dataflow_bucket(gcs_emulator):
+    """An emulator bucket holding a prompts file: the job checks at construction that --input matches files."""
+    bucket = gcs_emulator.new_bucket("dataflow")
+    gcs_emulator.upload_bytes(f"gs://{bucket}/prompts/prompts.jsonl",
+                              b'{"id": "cat", "prompt": "a cat"}\n{"id": "dog", "prompt": "a dog"}\n')
+    return bucket
+
+
+def dataflow_dry_run(monkeypatch, argv: list[str]):
+    """Run templates/main.py as the Flex Template launcher would, with `--dry_run=True`: the DataflowRunner
+    translates the graph and builds the job, then returns without staging or calling the API.
+    Returns (exit status, the PipelineResult, whether anything waited on it)."""
+    from apache_beam.runners.dataflow.dataflow_runner import DataflowRunner
+
+    seen = {"waited": False}
+    original = DataflowRunner.run_pipeline
+
+    def spy(self, pipeline, options, pipeline_proto=None):
+        result = original(self, pipeline, options, pipeline_proto)
+        assert hasattr(result, "job"), "not a dry run: the DataflowRunner would have submitted the job"
+
+        def wait_until_finish(duration=None):
+            seen["waited"] = True
+
+        result.wait_until_finish = wait_until_finish
+        seen["result"] = result
+        return result
+
+    monkeypatch.setattr(DataflowRunner, "run_pipeline", spy)
+    status = template_main.main(argv)
+    return status, seen.get("result"), seen["waited"]
+
+
+def job_environment(job):
+    """The worker environment Dataflow would receive. Beam fills it in while staging, which a dry run skips, so
+    build it the same way from the dry run's job (offline)."""
+    from apache_beam.runners.dataflow.internal import apiclient
+
+    return apiclient.Environment(packages=[], options=job.options, environment_version="8",
+                                 proto_pipeline_staged_url="gs://unused/pipeline.pb",
+                                 proto_pipeline=job.proto_pipeline).proto
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SETTINGS))
+def test_dataflow_dry_run_carries_the_settings(name, dataflow_bucket, monkeypatch):
+    s = load_settings(name)
+    bucket = dataflow_bucket
+    argv = [
+        "--runner=DataflowRunner", "--dry_run=True", "--project=test-project", "--region=us-central1",
+        f"--temp_location=gs://{bucket}/temp", f"--staging_location=gs://{bucket}/staging",
+        f"--input=gs://{bucket}/prompts/*.jsonl", f"--output=gs://{bucket}/out/{name}",
+        f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=768", "--batch_size=2",
+        *s.beam_args(),
+    ]
+    status, result, waited = dataflow_dry_run(monkeypatch, argv)
+    assert status == 0 and result is not None
+    assert not waited, "the Flex Template entry point must return without waiting for the job"
+
+    env = job_environment(result.job)
+    assert list(env.service_options) == s.values("dataflow_service_options")
+    assert "no_use_multiple_sdk_containers" in env.experiments
+    (pool,) = env.worker_pools
+    assert pool.machine_type == s.get("machine_type")
+    assert pool.disk_size_gb == int(s.get("disk_size_gb"))
+    assert pool.num_threads_per_worker == int(s.get("number_of_worker_harness_threads"))
+    assert pool.autoscaling_settings.max_num_workers == int(s.get("max_num_workers"))
+    assert pool.worker_harness_container_image == IMAGES[s.variant]
+    (sdk,) = pool.sdk_harness_container_images
+    assert sdk.container_image == IMAGES[s.variant]
+    assert sdk.use_single_core_per_container  # one SDK process per VM, which owns the accelerator
+
+    # the job itself: batch, the job's options intact, the model step in the graph
+    from apache_beam.options.pipeline_options import SetupOptions, StandardOptions
+    from pipeline.options import Flux2KleinOptions
+
+    options = result.job.options
+    assert not options.view_as(StandardOptions).streaming
+    assert options.view_as(SetupOptions).sdk_location == "container"
+    job_opts = options.view_as(Flux2KleinOptions)
+    assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 768 and job_opts.batch_size == 2
+    labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
+    assert any(label.startswith("RunInference") for label in labels)
+
+
+def test_dataflow_launch_rejects_a_local_output(dataflow_bucket, monkeypatch, capsys):
+    s = load_settings("gpu-l4")
+    argv = ["--runner=DataflowRunner", "--dry_run=True", "--project=test-project", "--region=us-central1",
+            f"--temp_location=gs://{dataflow_bucket}/temp", f"--input=gs://{dataflow_bucket}/prompts/*.jsonl",
+            "--output=/tmp/out", f"--model=gs://{dataflow_bucket}/models/m", *s.beam_args()]
+    status, result, _ = dataflow_dry_run(monkeypatch, argv)
+    assert status == 2 and result is None
+    assert "gs://" in capsys.readouterr().err
