@@ -644,3 +644,77 @@ def test_dataflow_launch_rejects_a_local_output(dataflow_bucket, monkeypatch, ca
     status, result, _ = dataflow_dry_run(monkeypatch, argv)
     assert status == 2 and result is None
     assert "gs://" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- sizing
+sizing = _load_module("flux2_templates_sizing", TEMPLATES / "sizing.py")
+
+
+def test_sizing_arithmetic():
+    p = sizing.plan(images=1_000_000, seconds_per_image=1.2, deadline_hours=8, startup_minutes=15,
+                    price_per_worker_hour=2.5)
+    assert p.images_per_worker_hour == 3000
+    assert p.workers == 44  # ceil(1e6 / (3000 * 7.75)) = ceil(43.01)
+    assert p.wall_hours <= 8 and sizing.plan(1_000_000, 1.2, 8, 15, max_workers=43).wall_hours > 8
+    assert p.cost == pytest.approx(p.worker_hours * 2.5)
+    assert p.cost_per_1000_images == pytest.approx(1000 * 2.5 / 3000)
+    with pytest.raises(ValueError):
+        sizing.plan(10, 1.0, deadline_hours=0.2, startup_minutes=15)
+
+
+# ------------------------------------------------------------------------------------------- the docs
+def dataflow_docs() -> str:
+    """The "Run on Dataflow" section: in README.md once merged there, else templates/README_DATAFLOW.md."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"^## Run on Dataflow\n.*?(?=^## |\Z)", readme, re.M | re.S)
+    return m.group(0) if m else (TEMPLATES / "README_DATAFLOW.md").read_text()
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+
+
+def test_docs_bash_blocks_parse():
+    blocks = bash_blocks(dataflow_docs())
+    assert len(blocks) >= 8
+    for block in blocks:
+        proc = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{proc.stderr}\n{block}"
+
+
+def test_docs_settings_table_matches_the_settings_files():
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| `([^`]+)` \| `([^`]+)` \| (\d+) \| (\d+) GB \| (\d+) \|$",
+                      dataflow_docs(), re.M)
+    assert {r[0] for r in rows} == set(settings.available())
+    for name, machine, accelerator, threads, disk, workers in rows:
+        s = settings.load(name)
+        assert (machine, [accelerator], threads, disk, workers) == (
+            s.get("machine_type"), s.values("dataflow_service_options"), s.get("number_of_worker_harness_threads"),
+            s.get("disk_size_gb"), s.get("max_num_workers")), name
+
+
+def test_docs_build_launch_and_sizing_commands_run(fake_gcloud):
+    """Run the docs' own commands (variables, build, launch, sizing) with the stub gcloud."""
+    env, calls = fake_gcloud
+    blocks = bash_blocks(dataflow_docs())
+    (variables,) = [b for b in blocks if b.startswith("export PROJECT=")]
+    runnable = [b for b in blocks if b.startswith(("templates/build.sh", "templates/run.sh", "python3 templates/"))]
+    assert sum(b.startswith("templates/build.sh") for b in runnable) == 1
+    assert sum(b.startswith("templates/run.sh") for b in runnable) == 2
+    script = "set -euo pipefail\n" + variables + "\n".join(runnable)
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    commands = [" ".join(c["args"][:3]) for c in calls()]
+    assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 2  # TPU and GPU images
+    assert commands.count("dataflow flex-template build") == 2
+    assert commands.count("dataflow flex-template run") == 2
+    # the numbers the docs quote are what sizing.py prints
+    m = re.search(r"It prints (\d+) workers, ([\d.]+) hours, ([\d.]+) worker-hours and a cost of ([\d.]+)\.",
+                  dataflow_docs())
+    assert m, "the sizing example's quoted result is missing"
+    out = proc.stdout
+    assert f"workers (--max-workers): {m.group(1)}\n" in out
+    assert f"wall time: {m.group(2)} h\n" in out
+    assert f"worker-hours: {m.group(3)}\n" in out
+    assert f"cost: {m.group(4)} " in out
+    assert f"--max-workers={m.group(1)} --num-workers={m.group(1)}" in dataflow_docs()

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Throughput, cost and `--max_num_workers` for a Dataflow run, from a benchmark's seconds per image.
+
+    python3 templates/sizing.py --images 1000000 --seconds-per-image 1.2 --deadline-hours 8 \
+        --startup-minutes 15 --price-per-worker-hour 2.50
+
+The arithmetic (one model per worker, batches back to back once the worker is warm):
+
+    images per worker-hour   R = 3600 / seconds_per_image
+    workers for a deadline   W = ceil(N / (R * (deadline - startup)))
+    wall time with W         T = startup + N / (W * R)
+    worker-hours billed      W * T        (Dataflow bills each worker from VM start to VM stop)
+    cost                     W * T * price_per_worker_hour;   per 1000 images: 1000 * price / R (warm)
+
+`startup` is what a new worker spends before its first image: VM and accelerator start, image pull, weights copy
+(none when baked in), model load and XLA compilation (less with a warm --compilation_cache_dir).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import NamedTuple, Optional, Sequence
+
+
+class Plan(NamedTuple):
+    images_per_worker_hour: float
+    workers: int
+    wall_hours: float
+    worker_hours: float
+    cost: Optional[float]
+    cost_per_1000_images: Optional[float]
+
+
+def plan(images: int, seconds_per_image: float, deadline_hours: float, startup_minutes: float = 15.0,
+         price_per_worker_hour: Optional[float] = None, max_workers: Optional[int] = None) -> Plan:
+    if images < 1 or seconds_per_image <= 0 or deadline_hours <= 0 or startup_minutes < 0:
+        raise ValueError("images >= 1, seconds_per_image > 0, deadline_hours > 0 and startup_minutes >= 0")
+    startup = startup_minutes / 60.0
+    if deadline_hours <= startup:
+        raise ValueError(f"the deadline ({deadline_hours} h) must exceed the worker start-up ({startup:.2f} h)")
+    rate = 3600.0 / seconds_per_image
+    workers = max(1, math.ceil(images / (rate * (deadline_hours - startup))))
+    if max_workers is not None:
+        workers = min(workers, max_workers)
+    wall = startup + images / (workers * rate)
+    worker_hours = workers * wall
+    cost = None if price_per_worker_hour is None else worker_hours * price_per_worker_hour
+    per_1000 = None if price_per_worker_hour is None else 1000.0 * price_per_worker_hour / rate
+    return Plan(rate, workers, wall, worker_hours, cost, per_1000)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, required=True, help="images to generate (records x num_images)")
+    ap.add_argument("--seconds-per-image", type=float, required=True,
+                    help="steady-state seconds per image on ONE worker, from the benchmark on its accelerator")
+    ap.add_argument("--deadline-hours", type=float, required=True)
+    ap.add_argument("--startup-minutes", type=float, default=15.0)
+    ap.add_argument("--price-per-worker-hour", type=float, default=None,
+                    help="VM + accelerator (+ disk) price of one worker for an hour, in your currency")
+    ap.add_argument("--quota-workers", type=int, default=None, help="cap from your accelerator quota")
+    args = ap.parse_args(argv)
+    try:
+        p = plan(args.images, args.seconds_per_image, args.deadline_hours, args.startup_minutes,
+                 args.price_per_worker_hour, args.quota_workers)
+    except ValueError as e:
+        print(f"sizing.py: {e}", file=sys.stderr)
+        return 2
+    print(f"images per worker-hour: {p.images_per_worker_hour:,.0f}")
+    print(f"workers (--max-workers): {p.workers}")
+    late = " (past the deadline: quota-capped)" if p.wall_hours > args.deadline_hours + 1e-9 else ""
+    print(f"wall time: {p.wall_hours:.2f} h{late}")
+    print(f"worker-hours: {p.worker_hours:,.1f}")
+    if p.cost is not None:
+        print(f"cost: {p.cost:,.2f}  ({p.cost_per_1000_images:.3f} per 1000 images once warm)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
