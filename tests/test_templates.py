@@ -6,10 +6,11 @@
 - build.sh and run.sh run end to end against a stub `gcloud` that records its arguments (and shellcheck cleanly).
 - metadata.json: well formed; every regex accepts the examples its help text documents and rejects bad values;
   it agrees both ways with the pipeline options; the settings' template parameters are all declared in it.
-- The pipeline graph builds for the DataflowRunner without submission (`--dry_run=True`) through the template's own
-  entry point (templates/main.py), for every settings file, and the job environment carries the settings'
+- The job graph builds for the DataflowRunner without submission (`--dry_run=True`) through the template's own
+  entry point (templates/main.py) for a TPU and a GPU settings file, and the job environment carries the settings'
   accelerator service option, machine type, container image, disk size, thread count and worker cap; the entry
-  point returns without waiting for the job.
+  point returns without waiting for the job. Every settings file is also checked against the environment of a
+  minimal dry-run job (cheaper than translating the whole graph again).
 
 Nothing here reaches the network: the dry run stays offline (it neither stages nor calls the Dataflow API), and any
 gs:// access goes to the local GCS emulator with NO_GCE_CHECK=true and no credentials (tests/gcs_emulator.py).
@@ -595,22 +596,8 @@ def job_environment(job):
                                  proto_pipeline=job.proto_pipeline).proto
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED_SETTINGS))
-def test_dataflow_dry_run_carries_the_settings(name, dataflow_bucket, monkeypatch):
-    s = load_settings(name)
-    bucket = dataflow_bucket
-    argv = [
-        "--runner=DataflowRunner", "--dry_run=True", "--project=test-project", "--region=us-central1",
-        f"--temp_location=gs://{bucket}/temp", f"--staging_location=gs://{bucket}/staging",
-        f"--input=gs://{bucket}/prompts/*.jsonl", f"--output=gs://{bucket}/out/{name}",
-        f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=768", "--batch_size=2",
-        *s.beam_args(),
-    ]
-    status, result, waited = dataflow_dry_run(monkeypatch, argv)
-    assert status == 0 and result is not None
-    assert not waited, "the Flex Template entry point must return without waiting for the job"
-
-    env = job_environment(result.job)
+def assert_environment_carries(env, s) -> None:
+    """The Dataflow job environment has the settings' accelerator, machine, disk, threads, cap and image."""
     assert list(env.service_options) == s.values("dataflow_service_options")
     assert "no_use_multiple_sdk_containers" in env.experiments
     (pool,) = env.worker_pools
@@ -623,6 +610,27 @@ def test_dataflow_dry_run_carries_the_settings(name, dataflow_bucket, monkeypatc
     assert sdk.container_image == IMAGES[s.variant]
     assert sdk.use_single_core_per_container  # one SDK process per VM, which owns the accelerator
 
+
+def dataflow_argv(bucket: str, name: str) -> list[str]:
+    return ["--runner=DataflowRunner", "--dry_run=True", "--project=test-project", "--region=us-central1",
+            f"--temp_location=gs://{bucket}/temp", f"--staging_location=gs://{bucket}/staging",
+            *load_settings(name).beam_args()]
+
+
+# The whole job through the launcher entry costs several seconds per run (graph translation), so it runs for one
+# TPU and one GPU settings file; every settings file reaches a job environment in the cheaper test below.
+@pytest.mark.parametrize("name", ["tpu-v5e", "gpu-l4"])
+def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket, monkeypatch):
+    s = load_settings(name)
+    bucket = dataflow_bucket
+    argv = [*dataflow_argv(bucket, name),
+            f"--input=gs://{bucket}/prompts/*.jsonl", f"--output=gs://{bucket}/out/{name}",
+            f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=768", "--batch_size=2"]
+    status, result, waited = dataflow_dry_run(monkeypatch, argv)
+    assert status == 0 and result is not None
+    assert not waited, "the Flex Template entry point must return without waiting for the job"
+    assert_environment_carries(job_environment(result.job), s)
+
     # the job itself: batch, the job's options intact, the model step in the graph
     from apache_beam.options.pipeline_options import SetupOptions, StandardOptions
     from pipeline.options import Flux2KleinOptions
@@ -634,6 +642,21 @@ def test_dataflow_dry_run_carries_the_settings(name, dataflow_bucket, monkeypatc
     assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 768 and job_opts.batch_size == 2
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
     assert any(label.startswith("RunInference") for label in labels)
+
+
+@pytest.mark.parametrize("name", settings.available())
+def test_settings_reach_the_dataflow_job_environment(name, dataflow_bucket, monkeypatch):
+    """Each settings file's Beam arguments, on a minimal graph, give the job environment the settings promise."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "")
+    p = beam.Pipeline(options=PipelineOptions(dataflow_argv(dataflow_bucket, name)))
+    _ = p | beam.Create(["a cat"]) | beam.Map(str.upper)
+    result = p.run()
+    assert hasattr(result, "job")  # a dry run: nothing was submitted
+    assert_environment_carries(job_environment(result.job), load_settings(name))
 
 
 def test_dataflow_launch_rejects_a_local_output(dataflow_bucket, monkeypatch, capsys):
