@@ -196,14 +196,16 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
 
     invalid = (read["invalid"], dedup["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
-    _ = (manifest
-         | "ManifestJson" >> beam.Map(layout.to_json_line)
-         | "WriteManifest" >> beam.io.WriteToText(layout.manifest_prefix(job.output),
-                                                  file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
-    _ = (errors
-         | "ErrorsJson" >> beam.Map(layout.to_json_line)
-         | "WriteErrors" >> beam.io.WriteToText(layout.errors_prefix(job.output),
-                                                file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
+    # One shard each, under fixed names: a rerun into the same output replaces the previous run's files instead of
+    # leaving stale shards next to them (so the manifest always lists exactly what the latest run generated).
+    manifest_files = (manifest
+                      | "ManifestJson" >> beam.Map(layout.to_json_line)
+                      | "WriteManifest" >> beam.io.WriteToText(layout.manifest_prefix(job.output),
+                                                               file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
+    error_files = (errors
+                   | "ErrorsJson" >> beam.Map(layout.to_json_line)
+                   | "WriteErrors" >> beam.io.WriteToText(layout.errors_prefix(job.output),
+                                                          file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
 
     records = (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten()
     truncated = (manifest
@@ -224,7 +226,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         counted["skipped"] = skipped
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns), "demo": job.demo,
-        "batch_size": job.batch_size, "dtype": job.dtype})
+        "batch_size": job.batch_size, "dtype": job.dtype}, after=[manifest_files, error_files])
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
 
 
@@ -233,7 +235,10 @@ def _print_metrics(result) -> None:
         metrics = result.metrics().query()
     except Exception:  # noqa: BLE001 - metrics are informative only
         return
-    counters = {c.key.metric.name: c.committed for c in metrics["counters"] if c.key.metric.namespace == "flux2"}
+    counters: dict[str, int] = {}
+    for c in metrics["counters"]:  # one name can be reported by several steps: sum them
+        if c.key.metric.namespace == "flux2":
+            counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
     dists = {d.key.metric.name: d.committed for d in metrics["distributions"] if d.key.metric.namespace == "flux2"}
     if counters:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if "_in_process_" not in k)

@@ -144,8 +144,12 @@ def split(uri: str) -> tuple[str, str]:
 
 def start_emulator() -> GcsEmulator:
     """Start an in-memory emulator and point this process (and its future subprocesses) at it."""
+    import logging
+
     from gcp_storage_emulator.server import create_server
 
+    # Its per-request warnings ("Content handled as string") would flood the logs of any failing test.
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
     port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True)
     server.start()

@@ -57,8 +57,13 @@ def check_manifest_matches_images(output: str, manifest: list[dict], size: dict[
 
 
 def counters(result, namespace: str = "flux2") -> dict[str, int]:
-    return {c.key.metric.name: c.committed for c in result.metrics().query()["counters"]
-            if c.key.metric.namespace == namespace}
+    """{counter name: value summed over every step that reports it} (e.g. model loads are reported from whichever
+    step of the process runs next)."""
+    out: dict[str, int] = {}
+    for c in result.metrics().query()["counters"]:
+        if c.key.metric.namespace == namespace:
+            out[c.key.metric.name] = out.get(c.key.metric.name, 0) + c.committed
+    return out
 
 
 def pids(counter_values: dict[str, int], prefix: str) -> dict[int, int]:

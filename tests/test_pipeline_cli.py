@@ -92,3 +92,17 @@ def test_readme_demo_command(tmp_path):
     assert len(os.listdir(out / "images")) == 7
     manifest = (out / "manifest").glob("manifest-*.jsonl")
     assert sum(len(f.read_text().splitlines()) for f in manifest) == 7
+
+
+def test_unloadable_checkpoint_fails_the_job(gcs_emulator, gcs_bucket):
+    """A model that cannot be loaded stops the job with the model's error (naming the checkpoint), rather than
+    turning every batch into an error row."""
+    from model.errors import CheckpointError
+
+    b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", b'{"prompt": "x"}\n')
+    with pytest.raises(Exception) as e:
+        run([f"--model={b}/models/missing", f"--input={b}/in/p.jsonl", f"--output={b}/out", "--no_progress"])
+    assert isinstance(e.value, CheckpointError) or "CheckpointError" in str(e.value)
+    assert f"{b}/models/missing" in str(e.value)
+    assert not gcs_emulator.list_blobs(f"{b}/out/images/")

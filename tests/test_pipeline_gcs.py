@@ -38,6 +38,7 @@ JSONL = "\n".join([
     '{"prompt": "p", "num_inference_steps": 0}',                               # 13 steps out of range
     '{"prompt": "p", "width": "32"}',                                          # 14 wrong type
 ]).encode() + b'\n{"prompt": "bad \xff byte"}\n'                               # 15 not UTF-8
+JSONL += json.dumps({"id": "long", "prompt": "a very long prompt " * 20, "seed": 4}).encode() + b"\n"  # 16 truncated
 
 CSV = b"id,prompt,seed\ncsv-ok,a red fox in snow,9\ncsv-bad,a red fox,abc\n"
 TEXT = b"a lighthouse at dusk\n\na mountain lake\n"
@@ -79,7 +80,7 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
     defaults = RequestDefaults(height=32, width=32, seed=3)
     derived = derive_id("no id given", 32, 32, None, None, 1, None)
     text_ids = [derive_id(p, 32, 32, None, None, 1, None) for p in ("a lighthouse at dusk", "a mountain lake")]
-    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "wide.png", "csv-ok.png"} | \
+    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "wide.png", "csv-ok.png", "long.png"} | \
         {f"{i}.png" for i in text_ids}
     assert image_names(out) == expected
 
@@ -90,7 +91,8 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
     assert by_file["images/dog-1.png"]["seed"] == 6
     assert by_file[f"images/{derived}.png"]["seed"] == derive_seed(defaults.seed, derived)
     assert all(r["num_inference_steps"] == 4 and r["model"] == f"{b}/models/klein-tiny" for r in manifest)
-    assert all(r["prompt_truncated"] is False for r in manifest)
+    # Longer than --max_sequence_length=32 tokens: truncated (as the reference does), flagged, counted.
+    assert [r["id"] for r in manifest if r["prompt_truncated"]] == ["long"]
 
     # --- errors: one row per invalid record / failed image, with the right reason
     errors = rows(out, "errors")
@@ -105,15 +107,16 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
     stored = json.loads(read(f"{out}/summary.json"))
     assert stored == summary
     assert (summary["records_read"], summary["images_generated"], summary["invalid"], summary["failed"],
-            summary["duplicates"], summary["skipped"]) == (19, 8, 10, 1, 1, 0)
+            summary["duplicates"], summary["skipped"], summary["prompts_truncated"]) == (20, 9, 10, 1, 1, 0, 1)
     assert summary["wall_time_s"] > 0 and summary["images_per_s"] > 0
     c = counters(result)
     assert c["model_loads"] == 1
-    assert c["images_generated"] == 8 and c["records_read"] == 19 and c["images_failed"] == 1
+    assert (c["images_generated"], c["records_read"], c["records_invalid"], c["images_failed"], c["records_duplicate"],
+            c["prompts_truncated"]) == (9, 20, 10, 1, 1, 1)
     dist = {d.key.metric.name: d.committed for d in result.metrics().query()["distributions"]
             if d.key.metric.namespace == "flux2"}
-    assert dist["batch_size"].max <= 2 and dist["batch_size"].sum == 9  # 8 written + 1 failed
-    assert dist["generation_ms_per_image"].count == 8
+    assert dist["batch_size"].max <= 2 and dist["batch_size"].sum == 10  # 9 written + 1 failed
+    assert dist["generation_ms_per_image"].count == 9
 
     # --- the job's pixels are the model's pixels for the same request
     gen = model.load(ckpt32, dtype="float32", max_sequence_length=32, batch_size=2)
@@ -128,6 +131,6 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
     after = {name: blob.generation for name, blob in gcs_emulator.list_blobs(f"{out}/images/").items()}
     assert after == before
     assert rows(out, "manifest") == []
-    assert (summary2["images_generated"], summary2["skipped"], summary2["failed"]) == (0, 8, 1)
-    assert counters(result2)["images_skipped"] == 8
+    assert (summary2["images_generated"], summary2["skipped"], summary2["failed"]) == (0, 9, 1)
+    assert counters(result2)["images_skipped"] == 9
     assert hashlib.sha256(read(f"{out}/images/cat.png")).hexdigest() == by_file["images/cat.png"]["sha256"]

@@ -71,18 +71,23 @@ class LoadedGenerator:
     def __init__(self, generator: Any):
         self._gen = generator
         self.loader_pid = os.getpid()
+        # One generate at a time per model copy: Beam runs bundles on several threads of a process (and a shared
+        # model serves several processes), and concurrent calls would only compete for the same accelerator memory.
+        # PNG encoding and uploads of other batches still overlap with generation.
+        self._lock = threading.Lock()
 
     def generate_batch(self, prompts: list[str], seeds: list[int], height: int, width: int,
                        num_inference_steps: int | None, guidance_scale: float | None) -> dict:
         gen = self._gen
         steps = gen.default_num_inference_steps if num_inference_steps is None else int(num_inference_steps)
         guidance = gen.default_guidance_scale if guidance_scale is None else float(guidance_scale)
-        truncated = [bool(t) for t in gen.prompt_truncated(prompts)]
-        start = time.perf_counter()
-        images = gen.generate(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
-                              num_inference_steps=steps, guidance_scale=guidance, num_images_per_prompt=1)
-        images = np.asarray(images)  # host memory, never a device array
-        seconds = time.perf_counter() - start
+        with self._lock:
+            truncated = [bool(t) for t in gen.prompt_truncated(prompts)]
+            start = time.perf_counter()
+            images = gen.generate(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
+                                  num_inference_steps=steps, guidance_scale=guidance, num_images_per_prompt=1)
+            images = np.asarray(images)  # host memory, never a device array
+            seconds = time.perf_counter() - start
         return {"images": images, "truncated": truncated, "num_inference_steps": int(steps),
                 "guidance_scale": float(guidance), "model": str(gen.model_id), "seconds": seconds,
                 "loader_pid": self.loader_pid}

@@ -237,7 +237,8 @@ class _WriteSummaryFn(beam.DoFn):
         self._started_at = started_at
         self._extra = extra
 
-    def process(self, _, **counts):
+    def process(self, _, **side):
+        counts = {k: v for k, v in side.items() if not k.startswith("_after_")}
         summary = build_summary(counts, started_at=self._started_at, finished_at=time.time(), extra=self._extra)
         write_bytes_atomic(self._path, (json.dumps(summary, indent=2) + "\n").encode("utf-8"),
                            mime_type="application/json")
@@ -248,19 +249,23 @@ class WriteSummary(beam.PTransform):
     """{figure name: PCollection to count} -> writes `{output}/summary.json` once every count is known.
 
     Computed inside the pipeline (not from the launcher's metrics query), so it is written on every runner,
-    including Dataflow where the launcher exits after submitting.
+    including Dataflow where the launcher exits after submitting. PCollections in `after` (e.g. the file names
+    WriteToText returns) are waited for, so that summary.json appears only once those outputs are complete.
     """
 
-    def __init__(self, output: str, started_at: float, extra: dict | None = None):
+    def __init__(self, output: str, started_at: float, extra: dict | None = None, after: Iterable = ()):
         super().__init__()
         self._output = output
         self._started_at = started_at
         self._extra = dict(extra or {})
+        self._after = list(after)
 
     def expand(self, pcolls: dict):
         side = {}
         for name, pcoll in pcolls.items():
             side[name] = beam.pvalue.AsSingleton(pcoll | f"Count_{name}" >> beam.combiners.Count.Globally())
+        for i, pcoll in enumerate(self._after):
+            side[f"_after_{i}"] = beam.pvalue.AsList(pcoll)
         return (pcolls[next(iter(pcolls))].pipeline
                 | "SummaryTrigger" >> beam.Create([None])
                 | "WriteSummary" >> beam.ParDo(_WriteSummaryFn(layout.summary_path(self._output), self._started_at,

@@ -482,6 +482,8 @@ class ReadRequests(beam.PTransform):
 
         files = (patterns
                  | "MatchInputs" >> fileio.MatchAll()
+                 | "FilePaths" >> beam.Map(lambda metadata: metadata.path)
+                 | "DistinctFiles" >> beam.Distinct()  # a file matched by two patterns is read once
                  | "ReadMatches" >> fileio.ReadMatches()  # compression from the extension (.gz, ...)
                  | "SpreadFiles" >> beam.Reshuffle())
         parsed = files | "ParseRecords" >> beam.ParDo(_ReadRequestsFn(self._input_format, self._defaults)) \
@@ -496,6 +498,7 @@ class _DeduplicateFn(beam.DoFn):
     def __init__(self):
         self._duplicates = Metrics.counter(METRICS_NAMESPACE, "records_duplicate")
         self._conflicts = Metrics.counter(METRICS_NAMESPACE, "records_conflicting_id")
+        self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")  # same counter as the parser's
 
     def process(self, element):
         request_id, requests = element
@@ -508,6 +511,7 @@ class _DeduplicateFn(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(DUPLICATE_TAG, other)
                 continue
             self._conflicts.inc()
+            self._invalid.inc()
             differing = [name for name, a, b in zip(
                 ("prompt", "seed", "height", "width", "num_inference_steps", "guidance_scale", "num_images"),
                 first.params(), other.params()) if a != b]
