@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -29,7 +30,7 @@ import time
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import RunInference
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
 
 from transforms import layout
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
@@ -264,7 +265,7 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         print(DEMO_NOTICE.format(model=job.model, input=job.patterns[0], output=job.output), flush=True)
 
     progress_dir = None
-    show_progress = local and not options.view_as(Flux2KleinOptions).no_progress
+    show_progress = wait and local and not options.view_as(Flux2KleinOptions).no_progress
     if show_progress:
         progress_dir = tempfile.mkdtemp(prefix="flux2-progress-")
     started_at = time.time()
@@ -272,15 +273,17 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir)
     if not wait:
         result = p.run()
-        from apache_beam.options.pipeline_options import TestOptions
-
         verb = "translated (dry run) for" if options.view_as(TestOptions).dry_run else "submitted to"
         print(f"{verb} {runner_name(options)}; outputs will be under {job.output}", flush=True)
         return result, None
     # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
-    with ProgressReporter(progress_dir) if progress_dir else _nullcontext():
-        result = p.run()
-        result.wait_until_finish()
+    try:
+        with ProgressReporter(progress_dir) if progress_dir else contextlib.nullcontext():
+            result = p.run()
+            result.wait_until_finish()
+    finally:
+        if progress_dir:
+            shutil.rmtree(progress_dir, ignore_errors=True)
     summary = json.loads(read_bytes(layout.summary_path(job.output)).decode("utf-8"))
     print(f"summary: {format_summary(summary)}")
     print(f"outputs: {layout.join(job.output, layout.IMAGES_DIR)}/, {layout.manifest_prefix(job.output)}-*.jsonl, "
@@ -290,10 +293,6 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         print("demo done: the images are noise (random weights). Use --model with a real FLUX.2 [klein] checkpoint "
               "for real images.")
     return result, summary
-
-
-def _nullcontext():
-    return contextlib.nullcontext()
 
 
 def _use_emulator_credentials() -> None:

@@ -98,7 +98,7 @@ def test_invalid_records_give_one_error_row_with_reason(line, field, words):
     row = rejected(line)
     assert words in row["reason"], row
     assert row["field"] == field
-    assert row["record"]  # the offending record, as text
+    assert row["record"] == line.decode("utf-8", errors="backslashreplace")  # the record as written
     json.dumps(row)  # every row is JSON-serialisable
 
 

@@ -12,7 +12,6 @@ Pure functions only: no Beam, no I/O.
 from __future__ import annotations
 
 import json
-import posixpath
 from typing import Any
 
 IMAGES_DIR = "images"
@@ -185,7 +184,3 @@ def manifest_row(
 def to_json_line(row: dict) -> str:
     """A row as one JSON line (UTF-8 kept readable; NaN never written)."""
     return json.dumps(row, ensure_ascii=False, sort_keys=False, allow_nan=False)
-
-
-def relpath_basename(relpath: str) -> str:
-    return posixpath.basename(relpath)

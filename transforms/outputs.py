@@ -14,7 +14,6 @@ import json
 import os
 import tempfile
 import time
-import uuid
 from typing import Any, Iterable
 
 import apache_beam as beam
@@ -270,7 +269,3 @@ class WriteSummary(beam.PTransform):
                 | "SummaryTrigger" >> beam.Create([None])
                 | "WriteSummary" >> beam.ParDo(_WriteSummaryFn(layout.summary_path(self._output), self._started_at,
                                                                self._extra), **side))
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]

@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import re
-from typing import Any, BinaryIO, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -292,6 +292,7 @@ class RawRecord:
     fields: Mapping[str, Any] | None = None
     text_values: bool = False
     error: dict | None = None
+    text: str | None = None  # the record as written (shown in its error row if it is rejected)
 
 
 def _decode_error(source: str, line: int, raw: bytes, err: UnicodeDecodeError) -> RawRecord:
@@ -336,7 +337,7 @@ def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
                 source=source, line=number, reason=f"record must be a JSON object, got {_type_name(obj)}",
                 record=text, field="record", value=obj))
             continue
-        yield RawRecord(source, number, fields=obj)
+        yield RawRecord(source, number, fields=obj, text=text)
 
 
 def iter_text(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
@@ -344,7 +345,7 @@ def iter_text(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
         if error is not None:
             yield error
         elif text.strip():
-            yield RawRecord(source, number, fields={"prompt": text.strip()}, text_values=True)
+            yield RawRecord(source, number, fields={"prompt": text.strip()}, text_values=True, text=text)
 
 
 def iter_csv(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
@@ -385,17 +386,25 @@ def iter_csv(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
             header = [h.strip() for h in row]
             if "prompt" not in header:
                 yield RawRecord(source, line, error=layout.error_row(
-                    source=source, line=line, reason="CSV header has no 'prompt' column", record=",".join(row),
+                    source=source, line=line, reason="CSV header has no 'prompt' column", record=_csv_line(row),
                     field="prompt"))
                 # Every data row will also say why it is rejected ("missing prompt"): nothing is silently dropped.
             continue
         if len(row) > len(header):
             yield RawRecord(source, line, error=layout.error_row(
                 source=source, line=line, reason=f"CSV row has {len(row)} fields, the header has {len(header)}",
-                record=",".join(row), field="record"))
+                record=_csv_line(row), field="record"))
             continue
-        yield RawRecord(source, line, fields=dict(zip(header, row)), text_values=True)
+        yield RawRecord(source, line, fields=dict(zip(header, row)), text_values=True, text=_csv_line(row))
     yield from pending
+
+
+def _csv_line(row: list[str]) -> str:
+    import io
+
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="").writerow(row)
+    return buf.getvalue()
 
 
 def iter_raw_records(stream: Iterable[bytes], source: str, fmt: str) -> Iterator[RawRecord]:
@@ -416,17 +425,26 @@ def parse_raw(raw: RawRecord, defaults: RequestDefaults) -> GenerationRequest | 
     try:
         return validate_record(raw.fields, defaults, source=raw.source, line=raw.line, text_values=raw.text_values)
     except InvalidRecord as e:
-        known_id = None
-        try:
-            rid = raw.fields.get("id")
-            known_id = validate_id(rid.strip() if raw.text_values and isinstance(rid, str) else rid) \
-                if rid not in (None, "") else None
-        except InvalidRecord:
-            known_id = None
-        record = raw.fields if not raw.text_values or "prompt" not in raw.fields or len(raw.fields) > 1 \
-            else raw.fields["prompt"]
-        return layout.error_row(source=raw.source, line=raw.line, reason=e.reason, record=record, id=known_id,
-                                field=e.field, value=e.value)
+        return layout.error_row(source=raw.source, line=raw.line, reason=e.reason, record=_record_text(raw),
+                                id=_valid_id_or_none(raw), field=e.field, value=e.value)
+
+
+def _valid_id_or_none(raw: RawRecord) -> str | None:
+    """The record's id, if it has a valid one (so an error row can name it)."""
+    rid = raw.fields.get("id")
+    if isinstance(rid, str) and raw.text_values:
+        rid = rid.strip()
+    if rid is None or rid == "":
+        return None
+    try:
+        return validate_id(rid)
+    except InvalidRecord:
+        return None
+
+
+def _record_text(raw: RawRecord):
+    """What an error row shows of the record: as written in its file when known, else its fields."""
+    return raw.text if raw.text is not None else raw.fields
 
 
 def parse_lines(data: bytes, source: str, fmt: str, defaults: RequestDefaults) -> list[GenerationRequest | dict]:
