@@ -445,6 +445,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         finally:
             conn.close()
         owner._note_forwarded(info.kind, status)
+        # Object metadata carries absolute links (mediaLink, selfLink) to the host that stored the object; objects
+        # uploaded straight to the emulator would send the client's downloads around the proxy. Point them here.
+        # (Only in API responses: object contents, alt=media downloads, are passed through byte for byte.)
+        upstream_addr = f"127.0.0.1:{owner.upstream_port}".encode()
+        is_media = info.path.startswith("/download/") or (info.query.get("alt") or [""])[0] == "media"
+        if not is_media and upstream_addr in data:
+            data = data.replace(upstream_addr, f"127.0.0.1:{self.server.server_address[1]}".encode())
+        resp_headers = [(k, v.replace(upstream_addr.decode(), f"127.0.0.1:{self.server.server_address[1]}"))
+                        for k, v in resp_headers]
         if info.kind == "upload":
             owner._note_upload_location(dict((k.lower(), v) for k, v in resp_headers).get("location"), info.names)
         if action == "reset_after":  # the emulator applied the request; the client never hears back

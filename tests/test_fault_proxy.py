@@ -24,6 +24,7 @@ def fast_gcs_retries(monkeypatch):
 
 @pytest.fixture
 def proxy(gcs_emulator, monkeypatch):
+    gcs_emulator.client()  # the fixtures' own client talks to the emulator directly, before the env points here
     with FaultProxy(gcs_emulator.host, seed=7) as p:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", p.url)
         yield p

@@ -1,0 +1,171 @@
+"""Shared by the pipeline-level fault tests (tests/test_fault_pipeline.py) and the soak (benchmarks/soak.py).
+
+- `CachedHandler`: the job's real ModelHandler, except that a model loaded once in this process is reused by the
+  next job run in it (key: checkpoint, dtype, text length, batch size). Fault tests run the job several times
+  in-process; loading the tiny model costs ~15 s on a loaded 2-core machine, generating it costs milliseconds.
+- `FaultyHandler`: the same, plus injected inference faults: chosen calls (or a fraction of batches) raise a
+  transient error ("a bundle that fails"), and every batch of one shape bucket raises an out-of-memory-like error
+  ("a bucket that never fits"). Its settings travel with the pickled handler, so they hold in every worker.
+- `install_handler(monkeypatch, cls, **kw)`: makes `pipeline.run.build_pipeline` use one of those handlers.
+- `expected_png(loaded, task)`: the exact PNG bytes the job must write for an image task, computed from one
+  `generate` call for that single image (so equal bytes also prove batch composition does not change pixels).
+- `fast_gcs_retries(...)`: Beam's GCS retry policy (same predicate, so the same errors are retried) with short
+  back-off and an optional deadline, for in-process runs.
+- `JobOutputs`: read a job's output folder back (objects, generations, manifest/errors rows) straight from the
+  emulator, bypassing any proxy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+
+from transforms import layout
+from transforms.inference import Flux2KleinModelHandler
+from transforms.outputs import encode_png, png_text
+
+_MODELS: dict = {}
+_MODELS_LOCK = threading.Lock()
+
+
+class CachedHandler(Flux2KleinModelHandler):
+    def _key(self):
+        return (self._model_uri, self._dtype, self._max_sequence_length, self._batch_size)
+
+    def load_model(self):
+        with _MODELS_LOCK:
+            key = self._key()
+            if key not in _MODELS:
+                _MODELS[key] = super().load_model()
+            return _MODELS[key]
+
+
+# What FaultyHandler raised in this process (the runner unpickles handlers in this process when it runs in memory).
+RAISED: list = []
+_FAULTS_LOCK = threading.Lock()
+_CALLS = {"n": 0}
+
+OOM_MESSAGE = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes. "
+               "(injected by tests/fault_jobs.py for shape bucket {key})")
+
+
+def reset_faults() -> None:
+    with _FAULTS_LOCK:
+        RAISED.clear()
+        _CALLS["n"] = 0
+
+
+class FaultyHandler(CachedHandler):
+    """`fail_calls`: 1-based numbers of this process's inference calls that raise a transient error;
+    `fail_rate`: fraction of batches (chosen by a hash of their content and `fault_seed`) that raise it;
+    `doomed_shape`: a shape-key prefix (e.g. "32x64/") whose every batch raises an out-of-memory error."""
+
+    def __init__(self, *args, fail_calls=(), fail_rate: float = 0.0, fault_seed: int = 0,
+                 doomed_shape: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fail_calls = frozenset(fail_calls)
+        self._fail_rate = fail_rate
+        self._fault_seed = fault_seed
+        self._doomed = doomed_shape
+
+    def run_inference(self, batch, model, inference_args=None):
+        tasks = list(batch)
+        key = tasks[0].shape_key if tasks else ""
+        names = [t.file_name for t in tasks]
+        with _FAULTS_LOCK:
+            if self._doomed and key.startswith(self._doomed):
+                RAISED.append(("oom", names))
+                raise RuntimeError(OOM_MESSAGE.format(key=key))
+            _CALLS["n"] += 1
+            call = _CALLS["n"]
+            digest = hashlib.sha256(f"{self._fault_seed}/{sorted(names)}".encode()).digest()
+            by_rate = int.from_bytes(digest[:8], "big") / 2**64 < self._fail_rate
+            if call in self._fail_calls or by_rate:
+                RAISED.append(("transient", names))
+                raise RuntimeError(f"injected transient fault in inference call {call} (a worker lost its "
+                                   f"accelerator)")
+        return super().run_inference(batch, model, inference_args)
+
+
+def install_handler(monkeypatch, cls=CachedHandler, **extra):
+    """Make the job build `cls(..., **extra)` where it would build Flux2KleinModelHandler (same arguments)."""
+    import pipeline.run as run_module
+
+    def make_handler(job):
+        load_kwargs = {}
+        if job.checkpoint_cache_dir:
+            load_kwargs["cache_dir"] = job.checkpoint_cache_dir
+        if job.compilation_cache_dir:
+            load_kwargs["compilation_cache_dir"] = job.compilation_cache_dir
+        return cls(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
+                   batch_size=job.batch_size, large_model=job.large_model, model_copies=job.model_copies,
+                   load_kwargs=load_kwargs, **extra)
+
+    if monkeypatch is None:
+        run_module.make_handler = make_handler
+    else:
+        monkeypatch.setattr(run_module, "make_handler", make_handler)
+
+
+def load_cached(model: str, *, dtype="float32", max_sequence_length=32, batch_size=2, compilation_cache_dir=None):
+    load_kwargs = {"compilation_cache_dir": compilation_cache_dir} if compilation_cache_dir else {}
+    return CachedHandler(model, dtype=dtype, max_sequence_length=max_sequence_length, batch_size=batch_size,
+                         load_kwargs=load_kwargs).load_model()
+
+
+def expected_png(loaded, task) -> bytes:
+    r = task.request
+    out = loaded.generate_batch([r.prompt], [task.seed], r.height, r.width, r.num_inference_steps, r.guidance_scale)
+    return encode_png(out["images"][0], png_text(task, num_inference_steps=out["num_inference_steps"],
+                                                 guidance_scale=out["guidance_scale"], model=out["model"]))
+
+
+def fast_gcs_retries(monkeypatch, *, initial=0.02, maximum=0.3, timeout=60.0):
+    from apache_beam.io.gcp import gcsio_retry
+
+    fast = gcsio_retry.DEFAULT_RETRY_WITH_THROTTLING_COUNTER.with_delay(initial=initial, maximum=maximum,
+                                                                         multiplier=2).with_timeout(timeout)
+    monkeypatch.setattr(gcsio_retry, "DEFAULT_RETRY_WITH_THROTTLING_COUNTER", fast)
+    return fast
+
+
+class JobOutputs:
+    """A job's `gs://bucket/prefix` output, read straight from the emulator."""
+
+    def __init__(self, emulator, output: str):
+        self.emulator = emulator
+        self.output = output.rstrip("/")
+
+    def blobs(self) -> dict:
+        return self.emulator.list_blobs(self.output + "/")
+
+    def relnames(self) -> set[str]:
+        prefix = self.output.split("/", 3)[3] + "/"
+        return {name[len(prefix):] for name in self.blobs()}
+
+    def images(self) -> dict[str, bytes]:
+        return {rel: self.emulator.read_bytes(f"{self.output}/{rel}") for rel in self.relnames()
+                if rel.startswith(layout.IMAGES_DIR + "/")}
+
+    def generations(self) -> dict[str, int]:
+        prefix = self.output.split("/", 3)[3] + "/"
+        return {name[len(prefix):]: b.generation for name, b in self.blobs().items()
+                if name[len(prefix):].startswith(layout.IMAGES_DIR + "/")}
+
+    def rows(self, kind: str) -> list[dict]:
+        out = []
+        for rel in sorted(self.relnames()):
+            if rel.startswith(f"{kind}/{kind}-") and rel.endswith(layout.ROWS_SUFFIX):
+                data = self.emulator.read_bytes(f"{self.output}/{rel}").decode("utf-8")
+                out.extend(json.loads(line) for line in data.splitlines() if line.strip())
+        return out
+
+    def summary(self) -> dict | None:
+        if layout.SUMMARY_FILE not in self.relnames():
+            return None
+        return json.loads(self.emulator.read_bytes(f"{self.output}/{layout.SUMMARY_FILE}"))
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

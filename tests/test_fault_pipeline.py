@@ -1,0 +1,424 @@
+"""The whole job under injected faults, on the local GCS emulator, with the tiny checkpoint at 32x32 and 2 steps.
+
+(a) + (e) Inference raises in some bundles (transient) and always for one shape bucket (out-of-memory-like): the
+    failed images land in the errors output (one row each, with the exception), every other request is complete,
+    the other bucket is unaffected, nothing partial is written; a `--skip_existing` rerun fills in exactly the
+    transiently failed images, leaves every existing object untouched, and every image equals the bytes of a
+    standalone `generate` for that image.
+(b) GCS flaky: all GCS traffic (prompt reads, listings, image uploads, manifest finalisation) goes through our
+    fault proxy at 10%: the job completes with nothing lost, and every injected fault was retried. At a fault rate
+    the client cannot overcome, the job fails with a clear error and writes no summary claiming completeness.
+    The gs:// checkpoint copy rides over the same fault rate.
+(c) SIGKILL half way (`python -m pipeline.run` in a subprocess) and rerun with `--skip_existing`: the union of
+    outputs is complete and byte-identical to an uninterrupted run; the killed run left no partial object.
+(d) A broken gs:// checkpoint (truncated shard, shard missing, wrong dtype, checksum mismatch, corrupted
+    config.json) fails fast, before any image is generated, with an error naming the file; through the job too.
+
+Runs reuse one in-process model (tests/fault_jobs.py CachedHandler) except (c)'s subprocess and (d), which load for
+real. Assertions about behaviour the job does not have yet end in `pytest.xfail` with the missing piece named.
+Marked slow (not for CI): (c), and the (d) variants the loader only finds after building earlier components.
+In-process runs use Beam's own GCS retry policy with short back-off (fault_jobs.fast_gcs_retries).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import fault_jobs
+from fault_jobs import FaultyHandler, JobOutputs, expected_png, install_handler, sha256
+from fault_proxy import FaultProxy, FaultRule
+from pipeline.run import run
+from transforms import layout
+from transforms.requests import GenerationRequest, RequestDefaults, parse_lines
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = "SECRET-PROMPT " + "lighthouse " * 20 + "END"
+STEPS, SIZE, SEED = 2, 32, 3
+
+GOOD = [{"id": f"g{i}", "prompt": f"good prompt number {i}"} for i in range(7)] + [
+    {"id": "secret", "prompt": SECRET},
+    {"id": "multi", "prompt": "two images of a fox", "num_images": 2},
+    {"prompt": "a prompt without an id"},
+]
+DOOMED = [{"id": "wide0", "prompt": "a wide view", "width": 64}, {"id": "wide1", "prompt": "another", "width": 64}]
+INVALID = ['{"id": "bad-size", "prompt": "x", "height": 7}', "this line is not json", '{"id": "../evil", "prompt": "x"}']
+
+
+def _jsonl(records, invalid=()) -> bytes:
+    return ("\n".join([json.dumps(r) for r in records] + list(invalid)) + "\n").encode()
+
+
+def _tasks(records) -> dict:
+    """{file_name: ImageTask} of the valid records, parsed exactly as the job parses them."""
+    d = RequestDefaults(height=SIZE, width=SIZE, num_inference_steps=STEPS, seed=SEED)
+    out = {}
+    for r in parse_lines(_jsonl(records), "x.jsonl", "jsonl", d):
+        assert isinstance(r, GenerationRequest)
+        for t in r.tasks():
+            out[t.file_name] = t
+    return out
+
+
+def _argv(model, inp, out, xla, *extra):
+    return [f"--model={model}", f"--input={inp}", f"--output={out}", f"--height={SIZE}", f"--width={SIZE}",
+            f"--num_inference_steps={STEPS}", "--dtype=float32", "--max_sequence_length=32", "--batch_size=2",
+            f"--seed={SEED}", f"--compilation_cache_dir={xla}", "--runner=FnApiRunner", "--no_progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fault-xla-cache"))
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_ckpt, xla_cache):
+    """The tiny model, loaded once for this module (the job's runs reuse it through CachedHandler)."""
+    return fault_jobs.load_cached(tiny_ckpt, compilation_cache_dir=xla_cache)
+
+
+@pytest.fixture(scope="module")
+def oracle(loaded):
+    """{file_name: PNG bytes} every image of GOOD must have, from one standalone generate call per image."""
+    return {name: expected_png(loaded, t) for name, t in _tasks(GOOD).items()}
+
+
+def _check_no_partial_objects(outs: JobOutputs, allowed_images: set[str]):
+    names = outs.relnames()
+    extra = {n for n in names if not (n in allowed_images or n == layout.SUMMARY_FILE
+                                      or n in ("manifest/manifest-00000-of-00001.jsonl",
+                                               "errors/errors-00000-of-00001.jsonl"))}
+    assert not extra, f"unexpected objects under the output (partial or temporary): {sorted(extra)}"
+
+
+# ================================================================================================ (a) + (e)
+def test_inference_faults_go_to_errors_and_a_rerun_completes_the_job(gcs_emulator, gcs_bucket, tiny_ckpt, loaded,
+                                                                     oracle, xla_cache, monkeypatch, caplog):
+    b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD + DOOMED, INVALID))
+    outs = JobOutputs(gcs_emulator, f"{b}/out")
+    good = set(oracle)
+    doomed = set(_tasks(DOOMED))
+    fault_jobs.reset_faults()
+    # Calls 2 and 5 of this process fail (a bundle lost), and every 32x64 batch fails like an OOM.
+    install_handler(monkeypatch, FaultyHandler, fail_calls=(2, 5), doomed_shape=f"{SIZE}x64/")
+    caplog.set_level(logging.INFO)
+    argv = _argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache)
+
+    _, summary = run(argv)
+    raised = list(fault_jobs.RAISED)
+    transient = {n for kind, names in raised if kind == "transient" for n in names}
+    assert len([k for k, _ in raised if k == "transient"]) == 2 and transient <= good
+    assert {n for kind, names in raised if kind == "oom" for n in names} == doomed
+
+    images = outs.images()
+    manifest = outs.rows("manifest")
+    errors = outs.rows("errors")
+    failed_rows = [e for e in errors if e["kind"] == layout.INFERENCE_FAILED]
+    # every image task ends in exactly one place: an image + a manifest row, or an error row
+    assert set(images) == good - transient
+    assert sorted(r["file_name"] for r in manifest) == sorted(images)
+    assert sorted(e["file_name"] for e in failed_rows) == sorted(transient | doomed)
+    for row in manifest:
+        assert row["sha256"] == sha256(images[row["file_name"]])
+        assert images[row["file_name"]] == oracle[row["file_name"]], row["file_name"]
+    for e in failed_rows:
+        words = "RESOURCE_EXHAUSTED" if e["file_name"] in doomed else "injected transient fault"
+        assert words in e["reason"] and e["id"] and e["source"].endswith("p.jsonl"), e
+    assert sorted((e["line"], e["kind"]) for e in errors if e["kind"] != layout.INFERENCE_FAILED) == \
+        [(len(GOOD) + len(DOOMED) + i + 1, layout.INVALID_RECORD) for i in range(len(INVALID))]
+    assert (summary["images_generated"], summary["failed"], summary["invalid"]) == \
+        (len(good - transient), len(transient | doomed), len(INVALID))
+    _check_no_partial_objects(outs, set(images))
+    leaked = [r.getMessage()[:120] for r in caplog.records if r.levelno <= logging.INFO and SECRET in r.getMessage()]
+    assert not leaked, leaked
+    first_manifest = manifest
+    generations = outs.generations()
+
+    # --- rerun: no transient faults this time; the doomed bucket still cannot run
+    fault_jobs.reset_faults()
+    install_handler(monkeypatch, FaultyHandler, doomed_shape=f"{SIZE}x64/")
+    _, summary2 = run(argv + ["--skip_existing"])
+    images2 = outs.images()
+    assert set(images2) == good  # every good image exists exactly once (one object per name)
+    assert all(images2[n] == oracle[n] for n in good)  # and has the bytes of an uninterrupted, unbatched run
+    after = outs.generations()
+    assert {n: after[n] for n in generations} == generations  # nothing written before was rewritten
+    manifest2 = outs.rows("manifest")
+    assert sorted(r["file_name"] for r in manifest2) == sorted(transient)
+    assert (summary2["images_generated"], summary2["skipped"], summary2["failed"]) == \
+        (len(transient), len(good - transient), len(doomed))
+    errors2 = outs.rows("errors")
+    assert sorted(e["file_name"] for e in errors2 if e["kind"] == layout.INFERENCE_FAILED) == sorted(doomed)
+    _check_no_partial_objects(outs, good)
+    # The two runs' manifests together list every image exactly once ...
+    both = [r["file_name"] for r in first_manifest + manifest2]
+    assert sorted(both) == sorted(good)
+    # ... but the output folder only keeps the latest run's manifest.
+    if sorted(r["file_name"] for r in manifest2) != sorted(good):
+        pytest.xfail(f"GAP (pipeline/run.py WriteManifest): after a --skip_existing rerun the output's manifest "
+                     f"lists {len(manifest2)} of {len(good)} images; the first run's rows were replaced")
+
+
+# ================================================================================================ (b) flaky GCS
+@pytest.fixture
+def proxy(gcs_emulator, monkeypatch):
+    gcs_emulator.client()  # the fixtures' own client talks to the emulator directly, before the env points here
+    with FaultProxy(gcs_emulator.host, seed=11) as p:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", p.url)
+        yield p
+
+
+def _client_retries(caplog) -> int:
+    return sum(1 for r in caplog.records if r.name.startswith("google.api_core.retry")
+               and r.getMessage().startswith("Retrying due to"))
+
+
+def test_job_completes_with_nothing_lost_at_10_percent_gcs_faults(gcs_emulator, gcs_bucket, tiny_ckpt, loaded, oracle,
+                                                                 xla_cache, proxy, monkeypatch, caplog):
+    b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD, INVALID))
+    outs = JobOutputs(gcs_emulator, f"{b}/out")
+    install_handler(monkeypatch)
+    fault_jobs.fast_gcs_retries(monkeypatch)
+    # 10% of every kind of request; plus one guaranteed fault on each rare kind (manifest finalisation is a
+    # handful of requests per run, which a 10% draw could miss).
+    proxy.set_rules([FaultRule(fraction=1.0, kinds={"read"}, name=r"/in/p\.jsonl$", limit=1, actions=("429",)),
+                     FaultRule(fraction=1.0, kinds={"batch"}, limit=1, actions=("503",)),
+                     FaultRule(fraction=1.0, kinds={"list"}, limit=1, actions=("reset",)),
+                     FaultRule(fraction=0.10, actions=("503", "429", "reset", "delay"), delay_s=0.2)])
+    caplog.set_level(logging.DEBUG, logger="google.api_core.retry")
+    result, summary = run(_argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache))
+    stats = proxy.stats()
+    proxy.clear_rules()
+
+    images = outs.images()
+    assert images == oracle  # nothing lost, nothing different
+    manifest = outs.rows("manifest")
+    assert sorted(r["file_name"] for r in manifest) == sorted(oracle)
+    assert all(r["sha256"] == sha256(images[r["file_name"]]) for r in manifest)
+    assert len(outs.rows("errors")) == len(INVALID)
+    assert (summary["images_generated"], summary["failed"], summary["invalid"]) == (len(oracle), 0, len(INVALID))
+    _check_no_partial_objects(outs, set(oracle))
+    failing = stats["injected_total"] - stats["injected_by_action"].get("delay", 0)
+    assert failing >= 4 and all(stats["injected_by_kind"].get(k, 0) >= 1 for k in ("read", "list", "batch")), stats
+    assert stats["unretried_faults"] == 0 and stats["retries_total"] >= failing, stats
+    client_retries = _client_retries(caplog)
+    assert client_retries >= 1
+    throttled = sum(c.committed for c in result.metrics().query()["counters"]
+                    if c.key.metric.name == "cumulativeThrottlingSeconds")
+    print(f"\n[fault figures] 10% GCS faults: {json.dumps(stats)}; client retry log lines {client_retries}; "
+          f"beam gcsio cumulativeThrottlingSeconds {throttled}")
+
+
+def test_job_fails_clearly_when_gcs_faults_cannot_be_overcome(gcs_emulator, gcs_bucket, tiny_ckpt, loaded, xla_cache,
+                                                              proxy, monkeypatch):
+    b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl([GOOD[7]] + GOOD[:3]))
+    outs = JobOutputs(gcs_emulator, f"{b}/out")
+    install_handler(monkeypatch)
+    fault_jobs.fast_gcs_retries(monkeypatch, timeout=4.0)  # the client's retry budget, shortened for CI
+    proxy.set_rules([FaultRule(fraction=1.0, kinds={"upload"}, name=r"/out/images/", actions=("503",))])
+    start = time.monotonic()
+    with pytest.raises(Exception) as e:
+        run(_argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache))
+    elapsed = time.monotonic() - start
+    message = f"{type(e.value).__name__}: {e.value}"
+    proxy.clear_rules()
+    assert any(w in message for w in ("503", "ServiceUnavailable", "RetryError", "Timeout")), message[:2000]
+    assert "images/" in message or "WriteImages" in message, message[:2000]
+    assert outs.summary() is None  # no summary claiming a complete job
+    assert not outs.rows("manifest")
+    assert not outs.images()
+    assert proxy.stats()["injected_by_kind"]["upload"] >= 2
+    print(f"\n[fault figures] unrecoverable image uploads: failed after {elapsed:.1f} s, "
+          f"{proxy.stats()['injected_by_kind']['upload']} upload faults; error: {message[:300]!r}")
+    if SECRET in message:
+        pytest.xfail("the job's failure message quotes a full prompt (Beam includes the failing element)")
+
+
+def test_gcs_checkpoint_copy_rides_over_10_percent_faults(gcs_emulator, gcs_bucket, tiny_ckpt, proxy, tmp_path):
+    from model import checkpoint
+
+    uri = f"gs://{gcs_bucket}/models/tiny"
+    gcs_emulator.upload_dir(tiny_ckpt, uri)
+    proxy.set_rules([FaultRule(fraction=0.10, kinds={"read", "list"}, actions=("503", "429", "reset", "delay"),
+                               delay_s=0.1),
+                     FaultRule(fraction=1.0, kinds={"read"}, name=r"safetensors$", limit=2, actions=("503",))])
+    path = checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"))
+    stats = proxy.stats()
+    for root, _dirs, files in os.walk(tiny_ckpt):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), tiny_ckpt)
+            with open(os.path.join(root, name), "rb") as a, open(os.path.join(path, rel), "rb") as c:
+                assert a.read() == c.read(), rel
+    assert stats["injected_by_kind"].get("read", 0) >= 2 and stats["unretried_faults"] == 0, stats
+    print(f"\n[fault figures] checkpoint copy at 10%: {json.dumps(stats)}")
+
+
+# ================================================================================================ (c) SIGKILL
+@pytest.mark.slow  # ~55 s: the subprocess imports Beam and JAX and loads the model for real before it can be killed
+def test_sigkill_half_way_then_skip_existing_rerun_is_complete_and_identical(gcs_emulator, gcs_bucket, tiny_ckpt,
+                                                                            loaded, oracle, xla_cache, monkeypatch):
+    b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD, INVALID))
+    outs = JobOutputs(gcs_emulator, f"{b}/out")
+    total = len(oracle)
+    argv = _argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache)
+    # Image uploads are slowed (0.6 s each) by the proxy so that "half way" lasts long enough to be hit.
+    with FaultProxy(gcs_emulator.host, seed=5,
+                    rules=[FaultRule(fraction=1.0, kinds={"upload"}, name=r"/out/images/", actions=("delay",),
+                                     delay_s=0.6)]) as slow:
+        env = dict(os.environ, STORAGE_EMULATOR_HOST=slow.url, JAX_PLATFORMS="cpu",
+                   PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.run", *argv], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        seen, deadline = 0, time.monotonic() + 300
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                seen = len([n for n in outs.relnames() if n.startswith("images/")])
+                if seen >= total // 3:
+                    break
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the job's whole process group, started above
+            _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, err[-3000:])
+    killed = outs.images()
+    assert total // 3 <= len(killed) < total, (len(killed), total)
+    for name, data in killed.items():  # whatever the killed run left is complete and final
+        assert data == oracle[name], name
+    _check_no_partial_objects(outs, set(killed))
+    assert outs.summary() is None and not outs.rows("manifest")
+    before = outs.generations()
+
+    install_handler(monkeypatch)
+    _, summary = run(argv + ["--skip_existing"])
+    images = outs.images()
+    assert images == oracle  # the union is complete and byte-identical to an uninterrupted run
+    after = outs.generations()
+    assert {n: after[n] for n in before} == before
+    assert (summary["skipped"], summary["images_generated"]) == (len(killed), total - len(killed))
+    _check_no_partial_objects(outs, set(oracle))
+    manifest = outs.rows("manifest")
+    print(f"\n[fault figures] SIGKILL after {len(killed)}/{total} images; rerun generated "
+          f"{summary['images_generated']}, skipped {summary['skipped']}; manifest rows after rerun {len(manifest)}")
+    if len(manifest) != total:
+        pytest.xfail(f"GAP (pipeline/run.py): the {len(killed)} images the killed run wrote have no manifest row "
+                     f"anywhere (the rerun's manifest lists only what it generated)")
+
+
+# ================================================================================================ (d) broken checkpoint
+def _shards(folder_uri_rel: dict, component: str) -> list[str]:
+    return sorted(n for n in folder_uri_rel if n.startswith(component + "/") and n.endswith(".safetensors"))
+
+
+def _edit_header_dtype(data: bytes, tensor_index: int = 0) -> bytes:
+    """The same safetensors bytes with one tensor's dtype F32 -> I32 (same size, so only the dtype is wrong)."""
+    import struct
+
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = sorted(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")[tensor_index]
+    header[name]["dtype"] = "I32"
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    return data[:8] + raw + b" " * (n - len(raw)) + data[8 + n:]
+
+
+BROKEN = ["truncated_shard", "missing_shard", "wrong_dtype", "checksum_mismatch", "corrupted_config"]
+
+
+@pytest.fixture(scope="module")
+def uploaded_ckpt(gcs_emulator, tiny_ckpt):
+    """The tiny checkpoint's files, {relative name: bytes}."""
+    files = {}
+    for root, _dirs, names in os.walk(tiny_ckpt):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, tiny_ckpt).replace(os.sep, "/")] = f.read()
+    return files
+
+
+def _broken_checkpoint(gcs_emulator, bucket: str, files: dict, kind: str) -> tuple[str, str]:
+    """Upload a copy of the checkpoint broken in one way; returns (uri, the object name the error must name)."""
+    uri = f"gs://{bucket}/models/{kind}"
+    files = dict(files)
+    vae = _shards(files, "vae")[-1]            # the last component the loader reads
+    transformer = _shards(files, "transformer")[-1]
+    if kind == "truncated_shard":
+        files[vae] = files[vae][: len(files[vae]) // 2]
+        named = vae
+    elif kind == "missing_shard":
+        del files[transformer]
+        named = transformer
+    elif kind == "wrong_dtype":
+        files[transformer] = _edit_header_dtype(files[transformer])
+        named = transformer
+    elif kind == "corrupted_config":
+        files["transformer/config.json"] = b'{"num_layers": 1, '
+        named = "transformer/config.json"
+    else:
+        named = vae
+    for rel, data in files.items():
+        gcs_emulator.upload_bytes(f"{uri}/{rel}", data)
+    if kind == "checksum_mismatch":  # bytes change behind GCS's back: its crc32c/md5 describe the old bytes
+        data = bytearray(files[vae])
+        data[len(data) // 2] ^= 0xFF
+        gcs_emulator.corrupt_object(f"{uri}/{vae}", bytes(data))
+    return uri, named
+
+
+# The loader reads components one after the other, so a broken transformer or VAE shard is only found after the
+# earlier components are built (~7-11 s here): those variants are marked slow; the job-level test below keeps a
+# truncated shard in CI.
+SLOW_KINDS = {"truncated_shard", "missing_shard", "wrong_dtype"}
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in BROKEN])
+def test_broken_gcs_checkpoint_fails_fast_naming_the_file(gcs_emulator, gcs_bucket, uploaded_ckpt, kind, tmp_path):
+    """What every worker runs first: the job's handler loading a gs:// checkpoint."""
+    import model
+    from transforms.inference import Flux2KleinModelHandler
+
+    uri, named = _broken_checkpoint(gcs_emulator, gcs_bucket, uploaded_ckpt, kind)
+    handler = Flux2KleinModelHandler(uri, dtype="float32", max_sequence_length=32, batch_size=2,
+                                     load_kwargs={"cache_dir": str(tmp_path / "cache")})
+    start = time.monotonic()
+    with pytest.raises(model.ModelError) as e:
+        handler.load_model()
+    elapsed = time.monotonic() - start
+    message = str(e.value)
+    assert named.rsplit("/", 1)[-1] in message, message
+    words = {"truncated_shard": "truncated", "missing_shard": "missing", "wrong_dtype": "dtype",
+             "checksum_mismatch": "checksum mismatch", "corrupted_config": "JSON"}[kind]
+    assert words in message, message
+    if kind == "checksum_mismatch":
+        assert f"{uri}/{named}" in message  # the gs:// object, before anything is loaded
+    assert elapsed < 60, elapsed
+    print(f"\n[fault figures] broken checkpoint {kind}: {type(e.value).__name__} after {elapsed:.1f} s: "
+          f"{message[:200]}")
+
+
+def test_broken_checkpoint_fails_the_job_before_any_image(gcs_emulator, gcs_bucket, uploaded_ckpt, xla_cache,
+                                                          tmp_path):
+    b = f"gs://{gcs_bucket}"
+    uri, named = _broken_checkpoint(gcs_emulator, gcs_bucket, uploaded_ckpt, "truncated_shard")
+    gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD[:3]))
+    outs = JobOutputs(gcs_emulator, f"{b}/out")
+    start = time.monotonic()
+    with pytest.raises(Exception) as e:
+        run(_argv(uri, f"{b}/in/p.jsonl", outs.output, xla_cache, f"--checkpoint_cache_dir={tmp_path}"))
+    elapsed = time.monotonic() - start
+    assert "CheckpointError" in f"{type(e.value).__name__}: {e.value}" and named in str(e.value), str(e.value)[:2000]
+    assert not outs.relnames() - set(), sorted(outs.relnames())  # no image, manifest, errors or summary
+    print(f"\n[fault figures] job with a truncated gs:// shard failed after {elapsed:.1f} s, nothing written")
