@@ -74,3 +74,26 @@ def pids(counter_values: dict[str, int], prefix: str) -> dict[int, int]:
         if m:
             out[int(m.group(1))] = value
     return out
+
+
+# --------------------------------------------------------------------------------------------- shared fixtures
+# Imported by the end-to-end test modules. One tiny checkpoint, one image shape and one persistent XLA cache for all
+# of them, so the session compiles the job's programs once and every later worker process reads them from disk.
+import pytest  # noqa: E402
+
+# A tiny checkpoint whose VAE needs multiples of 32: a 48x48 request passes the job's validation (multiple of 16)
+# but the model rejects it, which makes a real failing batch without faking anything.
+SPEC32 = dict(vae_block_out_channels=(4, 4, 4, 4, 4), max_shard_size="16KB")
+HEIGHT, WIDTH = 32, 64  # not square, so a swapped height/width would show
+MODEL_ARGS = ["--dtype=float32", "--max_sequence_length=32", "--batch_size=2", f"--height={HEIGHT}",
+              f"--width={WIDTH}"]
+
+
+@pytest.fixture(scope="session")
+def ckpt32(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory(**SPEC32)
+
+
+@pytest.fixture(scope="session")
+def xla_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla-cache"))

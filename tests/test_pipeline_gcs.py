@@ -15,19 +15,18 @@ import numpy as np
 import pytest
 
 from pipeline.run import run
-from pipeline_helpers import check_manifest_matches_images, counters, decode, image_names, read, rows
+from pipeline_helpers import (  # noqa: F401 - ckpt32 and xla_cache are fixtures
+    HEIGHT, MODEL_ARGS, WIDTH, check_manifest_matches_images, ckpt32, counters, decode, image_names, read, rows,
+    xla_cache,
+)
 from transforms.requests import RequestDefaults, derive_id, derive_seed
-
-# A tiny checkpoint whose VAE needs multiples of 32: a 48x48 request passes the job's validation (multiple of 16)
-# but the model rejects it, which makes a real failing batch without faking anything.
-SPEC32 = dict(vae_block_out_channels=(4, 4, 4, 4, 4), max_shard_size="16KB")
 
 JSONL = "\n".join([
     '{"id": "cat", "prompt": "a cat on a mat", "seed": 1}',                    # 1 valid
     '{"id": "dog", "prompt": "a dog", "seed": 5, "num_images": 2}',           # 2 valid, two images
     '{"prompt": "no id given"}',                                               # 3 valid, derived id and seed
     '{"id": "cat", "prompt": "a cat on a mat", "seed": 1}',                    # 4 identical duplicate: generated once
-    '{"id": "wide", "prompt": "a wide view", "width": 64, "seed": 2}',         # 5 valid, another shape
+    '{"id": "sized", "prompt": "a wide view", "height": 32, "seed": 2}',       # 5 valid, explicit size
     '{"id": "odd", "prompt": "model rejects 48", "height": 48, "width": 48}',  # 6 valid here, fails in the model
     '{"id": "cat", "prompt": "another cat"}',                                  # 7 conflicting duplicate id
     '{"prompt": "broken json"',                                                # 8
@@ -58,12 +57,7 @@ EXPECTED_ERRORS = {  # (file, line) -> words in the reason
 }
 
 
-@pytest.fixture(scope="module")
-def ckpt32(tiny_checkpoint_factory):
-    return tiny_checkpoint_factory(**SPEC32)
-
-
-def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
+def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_path):
     b = f"gs://{gcs_bucket}"
     gcs_emulator.upload_dir(ckpt32, f"{b}/models/klein-tiny")
     gcs_emulator.upload_bytes(f"{b}/in/prompts.jsonl", JSONL)
@@ -71,22 +65,21 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
     gcs_emulator.upload_bytes(f"{b}/in/more/prompts.txt", TEXT)
     out = f"{b}/out"
     argv = [f"--model={b}/models/klein-tiny", f"--input={b}/in/*.jsonl,{b}/in/*.csv", f"--input={b}/in/more/*",
-            f"--output={out}", "--height=32", "--width=32", "--dtype=float32", "--max_sequence_length=32",
-            "--batch_size=2", "--seed=3", f"--checkpoint_cache_dir={tmp_path / 'ckpt-cache'}",
-            "--runner=FnApiRunner", "--no_progress"]
+            f"--output={out}", *MODEL_ARGS, "--seed=3", f"--checkpoint_cache_dir={tmp_path / 'ckpt-cache'}",
+            f"--compilation_cache_dir={xla_cache}", "--runner=FnApiRunner", "--no_progress"]
     result, summary = run(argv)
 
     # --- images: exactly one per valid record (two for num_images=2), right sizes
-    defaults = RequestDefaults(height=32, width=32, seed=3)
-    derived = derive_id("no id given", 32, 32, None, None, 1, None)
-    text_ids = [derive_id(p, 32, 32, None, None, 1, None) for p in ("a lighthouse at dusk", "a mountain lake")]
-    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "wide.png", "csv-ok.png", "long.png"} | \
+    defaults = RequestDefaults(height=HEIGHT, width=WIDTH, seed=3)
+    derived = derive_id("no id given", HEIGHT, WIDTH, None, None, 1, None)
+    text_ids = [derive_id(p, HEIGHT, WIDTH, None, None, 1, None) for p in ("a lighthouse at dusk", "a mountain lake")]
+    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "sized.png", "csv-ok.png", "long.png"} | \
         {f"{i}.png" for i in text_ids}
     assert image_names(out) == expected
 
     manifest = rows(out, "manifest")
     assert sorted(r["file_name"] for r in manifest) == sorted(f"images/{n}" for n in expected)
-    check_manifest_matches_images(out, manifest, {"wide": (32, 64), "cat": (32, 32)})
+    check_manifest_matches_images(out, manifest, {"sized": (32, WIDTH), "cat": (HEIGHT, WIDTH)})
     by_file = {r["file_name"]: r for r in manifest}
     assert by_file["images/dog-1.png"]["seed"] == 6
     assert by_file[f"images/{derived}.png"]["seed"] == derive_seed(defaults.seed, derived)
@@ -119,10 +112,10 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, tmp_path):
     assert dist["generation_ms_per_image"].count == 9
 
     # --- the job's pixels are the model's pixels for the same request
-    gen = model.load(ckpt32, dtype="float32", max_sequence_length=32, batch_size=2)
-    cat = gen.generate(prompts=["a cat on a mat"], seeds=[1], height=32, width=32)[0]
+    gen = model.load(ckpt32, dtype="float32", max_sequence_length=32, batch_size=2, compilation_cache_dir=xla_cache)
+    cat = gen.generate(prompts=["a cat on a mat"], seeds=[1], height=HEIGHT, width=WIDTH)[0]
     np.testing.assert_array_equal(decode(read(f"{out}/images/cat.png"))[0], cat)
-    dogs = gen.generate(prompts=["a dog"], seeds=[5], height=32, width=32, num_images_per_prompt=2)
+    dogs = gen.generate(prompts=["a dog"], seeds=[5], height=HEIGHT, width=WIDTH, num_images_per_prompt=2)
     np.testing.assert_array_equal(decode(read(f"{out}/images/dog-1.png"))[0], dogs[1])
 
     # --- rerun with --skip_existing: nothing rewritten, same generation numbers, empty manifest

@@ -10,7 +10,9 @@ import os
 import pytest
 
 from pipeline.run import run
-from pipeline_helpers import check_manifest_matches_images, counters, image_names, pids, rows
+from pipeline_helpers import (  # noqa: F401 - ckpt32 and xla_cache are fixtures
+    MODEL_ARGS, check_manifest_matches_images, ckpt32, counters, image_names, pids, rows, xla_cache,
+)
 
 N_PROMPTS = 12  # 6 batches of 2, spread over both workers
 
@@ -24,17 +26,11 @@ def inputs(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    # Shared by both runs (and both workers): XLA programs compiled once are reused from disk. The shared-model
-    # test runs first, so only one process compiles and the two processes of the second test read the cache.
-    return str(tmp_path_factory.mktemp("xla-cache"))
-
-
 def _job(inputs, out, ckpt, compile_cache, *extra):
+    # Same checkpoint, shapes and XLA cache as the other end-to-end tests: the workers read compiled programs from
+    # disk instead of compiling them again.
     argv = [f"--model={ckpt}", f"--input={inputs / 'a.csv'}", f"--input={inputs / 'b.txt'}", f"--output={out}",
-            "--height=32", "--width=32", "--dtype=float32", "--max_sequence_length=32", "--batch_size=2",
-            f"--compilation_cache_dir={compile_cache}", "--runner=FnApiRunner",
+            *MODEL_ARGS, f"--compilation_cache_dir={compile_cache}", "--runner=FnApiRunner",
             "--direct_running_mode=multi_processing", "--direct_num_workers=2", "--no_progress", *extra]
     result, summary = run(argv)
     manifest = rows(str(out), "manifest")
@@ -47,8 +43,8 @@ def _job(inputs, out, ckpt, compile_cache, *extra):
     return counters(result)
 
 
-def test_large_model_loaded_once_per_machine(inputs, tmp_path, tiny_ckpt, compile_cache):
-    c = _job(inputs, tmp_path / "out", tiny_ckpt, compile_cache, "--large_model")
+def test_large_model_loaded_once_per_machine(inputs, tmp_path, ckpt32, xla_cache):
+    c = _job(inputs, tmp_path / "out", ckpt32, xla_cache, "--large_model")
     loads = pids(c, "model_loads_in_process_")
     batches = pids(c, "batches_in_process_")
     assert c["model_loads"] == 1 and list(loads.values()) == [1], loads
@@ -57,8 +53,8 @@ def test_large_model_loaded_once_per_machine(inputs, tmp_path, tiny_ckpt, compil
     assert sum(batches.values()) == N_PROMPTS // 2
 
 
-def test_model_loaded_once_per_worker_process(inputs, tmp_path, tiny_ckpt, compile_cache):
-    c = _job(inputs, tmp_path / "out", tiny_ckpt, compile_cache)
+def test_model_loaded_once_per_worker_process(inputs, tmp_path, ckpt32, xla_cache):
+    c = _job(inputs, tmp_path / "out", ckpt32, xla_cache)
     loads = pids(c, "model_loads_in_process_")
     batches = pids(c, "batches_in_process_")
     assert os.getpid() not in loads  # the workers loaded it, not the launcher
