@@ -92,12 +92,6 @@ class LoadedGenerator:
                 "guidance_scale": float(guidance), "model": str(gen.model_id), "seconds": seconds,
                 "loader_pid": self.loader_pid}
 
-    def describe(self) -> dict:
-        gen = self._gen
-        return {"model": str(gen.model_id), "default_num_inference_steps": int(gen.default_num_inference_steps),
-                "default_guidance_scale": float(gen.default_guidance_scale), "is_distilled": bool(gen.is_distilled),
-                "size_multiple": int(gen.size_multiple), "loader_pid": self.loader_pid}
-
 
 class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult, LoadedGenerator]):
     """RunInference handler: one element = one batch of same-shape ImageTasks -> one PredictionResult per task
@@ -145,13 +139,13 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         truncated = sum(1 for t, flag in zip(tasks, out["truncated"]) if flag and t.index == 0)
         if truncated:
             Metrics.counter(METRICS_NAMESPACE, "prompts_truncated").inc(truncated)
-        return [
-            PredictionResult(task, GeneratedImage(task=task, pixels=images[i], num_inference_steps=out["num_inference_steps"],
-                                                  guidance_scale=out["guidance_scale"],
-                                                  prompt_truncated=bool(out["truncated"][i]), model=out["model"],
-                                                  generation_ms=per_image_ms), model_id=out["model"])
-            for i, task in enumerate(tasks)
-        ]
+        results = []
+        for i, task in enumerate(tasks):
+            image = GeneratedImage(task=task, pixels=images[i], num_inference_steps=out["num_inference_steps"],
+                                   guidance_scale=out["guidance_scale"], prompt_truncated=bool(out["truncated"][i]),
+                                   model=out["model"], generation_ms=per_image_ms)
+            results.append(PredictionResult(task, image, model_id=out["model"]))
+        return results
 
     def get_num_bytes(self, batch: Sequence[ImageTask]) -> int:
         return sum(len(t.request.prompt.encode("utf-8")) for t in batch)

@@ -67,7 +67,8 @@ class RequestDefaults:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.max_pixels, int) or self.max_pixels < SIZE_MULTIPLE * SIZE_MULTIPLE:
-            raise ValueError(f"--max_pixels must be an integer >= {SIZE_MULTIPLE * SIZE_MULTIPLE}, got {self.max_pixels!r}")
+            raise ValueError(f"--max_pixels must be an integer >= {SIZE_MULTIPLE * SIZE_MULTIPLE}, "
+                             f"got {self.max_pixels!r}")
         return self
 
 
