@@ -212,7 +212,7 @@ def check_error_row(row: dict, source: str) -> None:
     assert isinstance(row["reason"], str) and row["reason"].strip()
     assert row["kind"] == layout.INVALID_RECORD
     assert row["record"] is None or len(row["record"]) <= layout.MAX_RECORD_CHARS + 40
-    layout.to_json_line(row)  # every row can be written
+    layout.to_json_line(row).encode("utf-8")  # every row can be written to a UTF-8 file
 
 
 def check_outputs(out: list, source: str) -> None:

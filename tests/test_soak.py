@@ -1,0 +1,27 @@
+"""A small soak (benchmarks/soak.py): the multi-process DirectRunner against the GCS emulator with GCS and inference
+faults on; the count check must hold (requests = images + errors, nothing lost, zero duplicates). Slow (~3 min):
+not for CI; run with `pytest -m slow tests/test_soak.py`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_small_soak_keeps_the_count(tmp_path):
+    out = tmp_path / "soak"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "soak.py"), "--requests", "120",
+                           "--invalid_every", "40", "--gcs_fault_rate", "0.03", "--inference_fault_rate", "0.1",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads((tmp_path / "soak.json").read_text())
+    c = result["checks"]
+    assert c["requests"] == 120 and c["requests_eq_images_plus_errors"] and c["lost"] == 0 and c["duplicates"] == 0
+    assert c["invalid_rows"] == c["invalid_planted"] == 3
+    assert result["faults"]["gcs"]["unretried_faults"] == 0
+    assert len(result["memory_per_worker"]) == 2
