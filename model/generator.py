@@ -166,7 +166,7 @@ class Flux2KleinGenerator:
         opts = self.options
         unique = list(dict.fromkeys(prompts)) if opts.dedupe_prompts else list(prompts)
         cache = self._embed_cache if opts.embed_cache_size > 0 else None
-        todo = [p for p in dict.fromkeys(unique) if cache is None or p not in cache]
+        todo = [p for p in unique if cache is None or p not in cache]  # `unique` is de-duplicated only if asked
         fresh = {}
         tokenizer = self.tokenizer if not opts.reference else PromptTokenizer(
             os.path.join(self.root, "tokenizer"), self.max_sequence_length)

@@ -1,0 +1,301 @@
+"""The fast path: every EngineOptions switch gives the default's images, no compilation in steady state, prompt
+de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices, and the benchmark's tools."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+KW = dict(dtype="float32", max_sequence_length=32)
+PROMPTS = ["a red fox in the snow", "a lighthouse at night", "a red fox in the snow"]  # one repeated prompt
+SEEDS = [1, 2, 3]
+SIZE = dict(height=32, width=48, num_inference_steps=2)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    assert a.shape == b.shape and a.dtype == b.dtype == np.uint8
+    return int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max())
+
+
+class CompileEvents:
+    """Counts XLA backend compilations (persistent-cache reads included) while active."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _on(self, event, duration, **kw):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+        return self
+
+    def __exit__(self, *exc):
+        from jax._src import monitoring
+
+        monitoring.unregister_event_duration_listener(self._on)
+
+
+@pytest.fixture(scope="module")
+def default_gen(tiny_ckpt):
+    import model
+
+    return model.load(tiny_ckpt, **KW)
+
+
+@pytest.fixture(scope="module")
+def default_images(default_gen):
+    return default_gen.generate(PROMPTS, SEEDS, **SIZE)
+
+
+@pytest.fixture
+def restore_compilation_cache():
+    """Options with compilation_cache_dir switch JAX's persistent cache on process-wide; switch it back off."""
+    import jax
+    from jax._src import compilation_cache
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+# ------------------------------------------------------------------------------------------------ every switch
+
+# Each EngineOptions field -> the options that turn it off (or change it) for the equality test.
+SWITCHES = {
+    "reference": "reference_mode",
+    "fused_loop": dict(fused_loop=False),
+    "truncated_encoder": dict(truncated_encoder=False),
+    "device_uint8": dict(device_uint8=False),
+    "dedupe_prompts": dict(dedupe_prompts=False),
+    "embed_cache_size": dict(embed_cache_size=0),
+    "aot_compile": dict(aot_compile=False),
+    "overlap_host": dict(overlap_host=False, batch_size=2),  # two batches, so there is something to overlap
+    "attention": dict(attention="dot"),
+    "text_encoder_attention": dict(text_encoder_attention="dot"),
+    "data_parallel": dict(data_parallel=False),
+    "context_parallel": dict(context_parallel=True),
+    "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
+    "compilation_cache_dir": "tmp_cache_dir",
+}
+
+
+def test_every_switch_is_covered():
+    from model.engine import EngineOptions
+
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    assert fields <= set(SWITCHES), f"add the new EngineOptions switches to SWITCHES: {sorted(fields - set(SWITCHES))}"
+
+
+@pytest.mark.parametrize("switch", sorted(SWITCHES))
+def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path, restore_compilation_cache):
+    import model
+    from model.engine import EngineOptions
+
+    if switch not in {f.name for f in dataclasses.fields(EngineOptions)}:
+        pytest.skip(f"EngineOptions has no {switch!r} switch")
+    change = SWITCHES[switch]
+    if change == "reference_mode":
+        options = EngineOptions.reference_mode()
+    elif change == "tmp_cache_dir":
+        options = EngineOptions(compilation_cache_dir=str(tmp_path / "xla-cache"))
+    else:
+        options = EngineOptions(**change)
+    gen = model.load(tiny_ckpt, options=options, **KW)
+    images = gen.generate(PROMPTS, SEEDS, **SIZE)
+    assert max_diff(images, default_images) <= 1, f"{switch}: images differ from the default by more than 1/255"
+    if change == "tmp_cache_dir":
+        assert os.listdir(tmp_path / "xla-cache"), "the persistent compilation cache folder stayed empty"
+
+
+def test_reference_mode_equals_default_with_cfg(tiny_base_ckpt):
+    """Classifier-free guidance (base checkpoint): fused loop with CFG vs the reference Python loop."""
+    import model
+    from model.engine import EngineOptions
+
+    args = dict(prompts=["a red fox", "a lighthouse"], seeds=[5, 6], guidance_scale=4.0, **SIZE)
+    fast = model.load(tiny_base_ckpt, **KW).generate(**args)
+    ref = model.load(tiny_base_ckpt, options=EngineOptions.reference_mode(), **KW).generate(**args)
+    assert max_diff(fast, ref) <= 1
+
+
+# ------------------------------------------------------------------------------------------------ steady state
+
+
+def test_no_compilation_after_warm_up(tiny_ckpt):
+    import model
+
+    gen = model.load(tiny_ckpt, batch_size=2, **KW)
+    gen.generate(PROMPTS, SEEDS, **SIZE)  # warm-up: one full batch and one short batch padded to 2
+    compiled = gen.programs.compile_count
+    with CompileEvents() as events:
+        a = gen.generate(["a green cactus", "a blue boat", "a yellow kite"], [7, 8, 9], **SIZE)  # new prompts
+        b = gen.generate(["a single short batch"], [10], **SIZE)  # short batch only
+        c = gen.generate(["a blue boat"], [8], num_images_per_prompt=2, **SIZE)  # embedding-cache hit
+    assert events.count == 0, f"{events.count} compilations after warm-up"
+    assert gen.programs.compile_count == compiled
+    assert a.shape == (3, 32, 48, 3) and b.shape == (1, 32, 48, 3) and c.shape == (2, 32, 48, 3)
+    assert max_diff(a[1:2], c[:1]) <= 1  # padding and the cache change nothing
+
+
+def test_compile_events_are_seen(tiny_ckpt):
+    """The listener used above does see compilations (so zero means zero)."""
+    import jax
+    import jax.numpy as jnp
+
+    with CompileEvents() as events:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7)).block_until_ready()
+    assert events.count >= 1
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def test_identical_prompts_are_encoded_once(tiny_ckpt):
+    import model
+
+    gen = model.load(tiny_ckpt, embed_cache_size=0, **KW)
+    n0 = gen.stats["prompts_encoded"]
+    images = gen.generate(["same", "same", "other", "same"], [1, 2, 3, 4], **SIZE)
+    assert gen.stats["prompts_encoded"] - n0 == 2
+    n1 = gen.stats["prompts_encoded"]
+    many = gen.generate(["one prompt"], [11], num_images_per_prompt=3, **SIZE)
+    assert gen.stats["prompts_encoded"] - n1 == 1
+    assert many.shape[0] == 3 and max_diff(many[0], many[1]) > 0  # seeds 11, 12, 13 differ
+
+    off = model.load(tiny_ckpt, embed_cache_size=0, dedupe_prompts=False, **KW)
+    m0 = off.stats["prompts_encoded"]
+    same = off.generate(["same", "same", "other", "same"], [1, 2, 3, 4], **SIZE)
+    assert off.stats["prompts_encoded"] - m0 == 4  # the switch really turns de-duplication off
+    assert max_diff(same, images) <= 1
+
+
+def test_embedding_cache_is_bounded_and_reused(tiny_ckpt):
+    import model
+
+    gen = model.load(tiny_ckpt, embed_cache_size=2, batch_size=1, **KW)
+    first = gen.generate(["p0"], [0], **SIZE)
+    for i in range(1, 5):
+        gen.generate([f"p{i}"], [i], **SIZE)
+        assert len(gen._embed_cache) <= 2
+    assert list(gen._embed_cache) == ["p3", "p4"]  # least recently used evicted first
+    encoded, hits = gen.stats["prompts_encoded"], gen.stats["embed_cache_hits"]
+    gen.generate(["p4"], [4], **SIZE)
+    assert gen.stats["prompts_encoded"] == encoded and gen.stats["embed_cache_hits"] == hits + 1
+    again = gen.generate(["p0"], [0], **SIZE)  # evicted: encoded again, same image
+    assert gen.stats["prompts_encoded"] == encoded + 1
+    assert max_diff(first, again) == 0
+    assert len(gen._embed_cache) == 2
+
+
+# ------------------------------------------------------------------------------------------------ devices
+
+DATA_PARALLEL_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np, jax, model
+    assert len(jax.devices()) == 4, jax.devices()
+    kw = dict(dtype="float32", max_sequence_length=32)
+    one = model.load(sys.argv[1], data_parallel=False, **kw)
+    four = model.load(sys.argv[1], data_parallel=True, **kw)
+    prompts = ["a red fox", "a lighthouse", "a red fox", "", "a kite"]  # 5 images, padded to 8 = 2 per device
+    args = dict(prompts=prompts, seeds=[1, 2, 3, 4, 5], height=32, width=48, num_inference_steps=2)
+    a, b = one.generate(**args), four.generate(**args)
+    print(json.dumps({"max_diff": int(np.abs(a.astype(int) - b).max()), "shape": list(b.shape),
+                      "devices_one": int(one.mesh.devices.size), "devices_four": int(four.mesh.devices.size)}))
+""")
+
+
+def test_data_parallel_on_four_cpu_devices_equals_one_device(tiny_ckpt):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT, tiny_ckpt], env=env, capture_output=True,
+                         text=True, timeout=900, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices_one"] == 1 and result["devices_four"] == 4
+    assert result["shape"] == [5, 32, 48, 3]
+    assert result["max_diff"] <= 1
+
+
+# ------------------------------------------------------------------------------------------------ benchmark tools
+
+
+def _write_pngs(folder, images):
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    for i, img in enumerate(images):
+        Image.fromarray(img).save(os.path.join(folder, f"{i:02d}.png"))
+
+
+def test_similarity_identical_and_different_folders(tmp_path):
+    from benchmarks.similarity import compare_folders, ssim
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (3, 40, 36, 3), dtype=np.uint8)
+    noisy = np.clip(base.astype(int) + rng.integers(-40, 41, base.shape), 0, 255).astype(np.uint8)
+    _write_pngs(tmp_path / "a", base)
+    _write_pngs(tmp_path / "b", base)
+    _write_pngs(tmp_path / "c", noisy)
+    same = compare_folders(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert same["compared"] == 3 and same["mean_ssim"] == pytest.approx(1.0) and same["min_ssim"] == 1.0
+    assert same["max_abs_diff"] == 0 and same["mean_abs_diff"] == 0
+    diff = compare_folders(str(tmp_path / "a"), str(tmp_path / "c"))
+    assert diff["compared"] == 3 and diff["mean_ssim"] < 0.99 and diff["max_abs_diff"] > 0
+    assert all(r["ssim"] < 1 for r in diff["images"])
+    # SSIM properties: symmetric, 1 only for equal images, lower for stronger distortion.
+    assert ssim(base[0], noisy[0]) == pytest.approx(ssim(noisy[0], base[0]))
+    stronger = np.clip(base[0].astype(int) + rng.integers(-120, 121, base[0].shape), 0, 255).astype(np.uint8)
+    assert ssim(base[0], stronger) < ssim(base[0], noisy[0]) < 1
+    tiny = base[0, :5, :5]  # smaller than the 11x11 window
+    assert ssim(tiny, tiny) == pytest.approx(1.0)
+
+
+def test_similarity_command_line(tmp_path):
+    rng = np.random.default_rng(1)
+    imgs = rng.integers(0, 256, (2, 24, 24, 3), dtype=np.uint8)
+    _write_pngs(tmp_path / "a", imgs)
+    _write_pngs(tmp_path / "b", imgs[::-1])
+    _write_pngs(tmp_path / "b2", imgs)
+    os.remove(tmp_path / "b2" / "01.png")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "benchmarks.similarity", *map(str, a)],  # noqa: E731
+                                    capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = run(tmp_path / "a", tmp_path / "a")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["mean_ssim"] == pytest.approx(1.0)
+    out = run(tmp_path / "a", tmp_path / "b", "--min-ssim", "0.99")
+    assert out.returncode == 1 and json.loads(out.stdout)["mean_ssim"] < 0.5
+    out = run(tmp_path / "a", tmp_path / "b2")
+    res = json.loads(out.stdout)
+    assert out.returncode == 0 and res["compared"] == 1 and res["only_in_a"] == ["01.png"]
+
+
+def test_analytic_flops_match_xla_cost_analysis(default_gen):
+    """benchmarks/flops.py (used for MFU) agrees with XLA's own count of the compiled programs."""
+    from benchmarks import flops as F
+    from benchmarks.generate import JaxEngine
+
+    h, w, steps = SIZE["height"], SIZE["width"], SIZE["num_inference_steps"]
+    cfg = default_gen.config
+    analytic = F.image_flops(cfg, h, w, steps, text_len=KW["max_sequence_length"], cfg_guidance=False,
+                             encoder_layers=F.encoder_layers_run(cfg.text_encoder))
+    xla = JaxEngine("optimised", default_gen).xla_flops(2, h, w, steps, False)
+    for stage in ("encode", "denoise", "decode"):
+        # XLA also counts elementwise work (norms, softmax, RoPE), which the analytic count leaves out.
+        assert analytic[stage] <= xla[stage] * 1.01 and analytic[stage] >= 0.8 * xla[stage], (stage, analytic, xla)
