@@ -90,19 +90,38 @@ def truncate_record(record: Any, limit: int = MAX_RECORD_CHARS) -> str:
     else:
         try:
             text = json.dumps(record, ensure_ascii=False, sort_keys=True, default=repr)
-        except (TypeError, ValueError):
-            text = repr(record)
+        except (TypeError, ValueError, RecursionError):
+            text = _safe_repr(record)
     if len(text) > limit:
         text = text[:limit] + f"...[{len(text) - limit} more chars]"
-    return text
+    # A lone surrogate (JSON can spell one) has no UTF-8 form: show it escaped, so the row can always be written.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _jsonable(value: Any) -> Any:
+def _safe_repr(value: Any) -> str:
     try:
-        json.dumps(value, allow_nan=False)
-        return value
-    except (TypeError, ValueError):
         return repr(value)
+    except (RecursionError, ValueError):  # too deep, or an int too long to print
+        return f"<{type(value).__name__}>"
+
+
+def _jsonable(value: Any, limit: int = 200) -> Any:
+    """The offending value as it can be written in a row: itself when it is small JSON, else cut-down text."""
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return truncate_record(_safe_repr(value), limit)
+    if len(text) > limit or not _utf8_encodable(text):
+        return truncate_record(text, limit)
+    return value if not isinstance(value, str) else truncate_record(value, limit)
+
+
+def _utf8_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 _NO_VALUE = object()

@@ -35,6 +35,18 @@ MAX_IMAGES_PER_REQUEST = 64
 # Seeds are numpy PCG64 seeds in [0, 2**63) (model.noise); image j of a request uses seed + j.
 MAX_SEED = 2**63
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+# A prompt is text for a 512-token encoder, a PNG text chunk and a manifest row: 64 KiB of UTF-8 is far more than
+# any real prompt and keeps one record from blowing up every row it is copied into (--max_prompt_bytes).
+DEFAULT_MAX_PROMPT_BYTES = 64 * 1024
+# A line longer than this is one error row; it is read in bounded chunks and never held whole in memory.
+MAX_LINE_BYTES = 16 * 1024 * 1024
+_READ_CHUNK = 1024 * 1024
+# Records are flat objects; unknown fields may nest, but not without bound (a deep value would crash the JSON
+# decoder, repr and json.dumps of the error row with RecursionError).
+MAX_JSON_DEPTH = 64
+# Every integer field is far below 2**64 (20 digits); longer digit strings are rejected without converting them
+# (int() of more than 4300 digits raises).
+_MAX_INT_DIGITS = 40
 
 FORMATS = ("jsonl", "csv", "text")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".txt": "text"}
@@ -56,6 +68,7 @@ class RequestDefaults:
     num_images: int = 1
     seed: int = 0
     max_pixels: int = DEFAULT_MAX_PIXELS
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
 
     def validate(self) -> "RequestDefaults":
         """Raise ValueError naming the option when a default could never give a valid request."""
@@ -69,6 +82,9 @@ class RequestDefaults:
         if not isinstance(self.max_pixels, int) or self.max_pixels < SIZE_MULTIPLE * SIZE_MULTIPLE:
             raise ValueError(f"--max_pixels must be an integer >= {SIZE_MULTIPLE * SIZE_MULTIPLE}, "
                              f"got {self.max_pixels!r}")
+        if (not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool)
+                or self.max_prompt_bytes < 1):
+            raise ValueError(f"--max_prompt_bytes must be an integer >= 1, got {self.max_prompt_bytes!r}")
         return self
 
 
@@ -134,6 +150,17 @@ def _type_name(value: Any) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
+def _show(value: Any, limit: int = 200) -> str:
+    """A value for a reason string: repr, cut to `limit` characters (never huge, never raising)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):
+        text = f"<{_type_name(value)}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _absent(value: Any, text_values: bool) -> bool:
     return value is None or (text_values and isinstance(value, str) and value.strip() == "")
 
@@ -145,20 +172,27 @@ def _as_int(fields: Mapping, name: str, default, text_values: bool):
     if text_values and isinstance(value, str):
         s = value.strip()
         if re.fullmatch(r"[+-]?\d+", s):
-            return int(s)
+            sign = "-" if s.startswith("-") else ""
+            digits = s.lstrip("+-").lstrip("0") or "0"
+            if len(digits) > _MAX_INT_DIGITS:
+                raise InvalidRecord(f"{name} must be an integer in range, got a {len(digits)}-digit number",
+                                    field=name, value=value)
+            return int(sign + digits)
         try:
             f = float(s)
         except ValueError:
-            raise InvalidRecord(f"{name} must be an integer, got {value!r}", field=name, value=value) from None
+            raise InvalidRecord(f"{name} must be an integer, got {_show(value)}", field=name,
+                                    value=value) from None
         if math.isfinite(f) and f.is_integer() and abs(f) < 2**53:
             return int(f)
-        raise InvalidRecord(f"{name} must be an integer, got {value!r}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be an integer, got {_show(value)}", field=name, value=value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRecord(f"{name} must be an integer, got {_type_name(value)} {value!r}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be an integer, got {_type_name(value)} {_show(value)}", field=name,
+                            value=value)
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer() and abs(value) < 2**53:
             return int(value)
-        raise InvalidRecord(f"{name} must be an integer, got {value!r}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be an integer, got {_show(value)}", field=name, value=value)
     return value
 
 
@@ -170,13 +204,14 @@ def _as_float(fields: Mapping, name: str, default, text_values: bool):
         try:
             f = float(value.strip())
         except ValueError:
-            raise InvalidRecord(f"{name} must be a number, got {value!r}", field=name, value=value) from None
+            raise InvalidRecord(f"{name} must be a number, got {_show(value)}", field=name, value=value) from None
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRecord(f"{name} must be a number, got {_type_name(value)} {value!r}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be a number, got {_type_name(value)} {_show(value)}", field=name,
+                            value=value)
     else:
         f = float(value)
     if not math.isfinite(f):
-        raise InvalidRecord(f"{name} must be a finite number, got {value!r}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be a finite number, got {_show(value)}", field=name, value=value)
     return f
 
 
@@ -202,10 +237,10 @@ def derive_seed(base_seed: int, request_id: str) -> int:
 
 def validate_id(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InvalidRecord(f"id must be a string, got {_type_name(value)} {value!r}", field="id", value=value)
+        raise InvalidRecord(f"id must be a string, got {_type_name(value)} {_show(value)}", field="id", value=value)
     text = str(value)
     if not ID_PATTERN.match(text):
-        raise InvalidRecord(f"id must match [A-Za-z0-9._-]{{1,128}}, got {text!r}", field="id", value=value)
+        raise InvalidRecord(f"id must match [A-Za-z0-9._-]{{1,128}}, got {_show(text)}", field="id", value=value)
     if text.startswith("."):
         raise InvalidRecord(f"id must not start with a dot, got {text!r}", field="id", value=value)
     return text
@@ -219,10 +254,19 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     if prompt is None or (text_values and prompt == ""):
         raise InvalidRecord("missing prompt", field="prompt", value=prompt)
     if not isinstance(prompt, str):
-        raise InvalidRecord(f"prompt must be a string, got {_type_name(prompt)} {prompt!r}", field="prompt",
+        raise InvalidRecord(f"prompt must be a string, got {_type_name(prompt)} {_show(prompt)}", field="prompt",
                             value=prompt)
     if not prompt.strip():
         raise InvalidRecord("prompt is empty", field="prompt", value=prompt)
+    try:
+        size = len(prompt.encode("utf-8"))
+    except UnicodeEncodeError as e:  # JSON can spell a lone surrogate ("\ud800"); it has no UTF-8 form
+        raise InvalidRecord(f"prompt is not valid Unicode text: lone surrogate U+{ord(prompt[e.start]):04X} at "
+                            f"character {e.start}", field="prompt",
+                            value=prompt.encode("utf-8", "backslashreplace").decode("utf-8")) from None
+    if size > defaults.max_prompt_bytes:
+        raise InvalidRecord(f"prompt is {size} bytes (UTF-8), above --max_prompt_bytes={defaults.max_prompt_bytes}",
+                            field="prompt", value=prompt)
 
     raw_id = fields.get("id")
     request_id = None if _absent(raw_id, text_values) else validate_id(raw_id.strip() if text_values else raw_id)
@@ -231,14 +275,18 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     width = _as_int(fields, "width", defaults.width, text_values)
     for name, v in (("height", height), ("width", width)):
         if v <= 0 or v % SIZE_MULTIPLE:
-            raise InvalidRecord(f"{name} must be a positive multiple of {SIZE_MULTIPLE}, got {v}", field=name, value=v)
+            raise InvalidRecord(f"{name} must be a positive multiple of {SIZE_MULTIPLE}, got {_show(v)}", field=name,
+                                value=v)
+        if v > defaults.max_pixels:  # checked alone first: the product of two huge values is not even printable
+            raise InvalidRecord(f"{name} = {_show(v)} is above --max_pixels={defaults.max_pixels}", field=name,
+                                value=v)
     if height * width > defaults.max_pixels:
         raise InvalidRecord(f"height x width = {height}x{width} = {height * width} pixels is above --max_pixels="
                             f"{defaults.max_pixels}", field="height", value=[height, width])
 
     steps = _as_int(fields, "num_inference_steps", defaults.num_inference_steps, text_values)
     if steps is not None and not 1 <= steps <= MAX_STEPS:
-        raise InvalidRecord(f"num_inference_steps must be in [1, {MAX_STEPS}], got {steps}",
+        raise InvalidRecord(f"num_inference_steps must be in [1, {MAX_STEPS}], got {_show(steps)}",
                             field="num_inference_steps", value=steps)
 
     guidance = _as_float(fields, "guidance_scale", defaults.guidance_scale, text_values)
@@ -247,12 +295,12 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
 
     num_images = _as_int(fields, "num_images", defaults.num_images, text_values)
     if not 1 <= num_images <= MAX_IMAGES_PER_REQUEST:
-        raise InvalidRecord(f"num_images must be in [1, {MAX_IMAGES_PER_REQUEST}], got {num_images}",
+        raise InvalidRecord(f"num_images must be in [1, {MAX_IMAGES_PER_REQUEST}], got {_show(num_images)}",
                             field="num_images", value=num_images)
 
     seed = _as_int(fields, "seed", None, text_values)
     if seed is not None and not 0 <= seed <= MAX_SEED - num_images:
-        raise InvalidRecord(f"seed must be a non-negative integer below 2**63 - num_images + 1, got {seed}",
+        raise InvalidRecord(f"seed must be a non-negative integer below 2**63 - num_images + 1, got {_show(seed)}",
                             field="seed", value=seed)
 
     if request_id is None:
@@ -303,9 +351,70 @@ def _decode_error(source: str, line: int, raw: bytes, err: UnicodeDecodeError) -
                                                                                       err.start + 20]))
 
 
+_PREFIX_BYTES = 200  # what an error row keeps of a line that is too long
+
+
+def _bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[bytes | None, bytes, int]]:
+    """(line with its line break, b"", 0) per line of `stream`; (None, first bytes, length) for a line of more than
+    `limit` bytes (line break not counted), which is skipped in bounded chunks, never held whole in memory.
+
+    `stream` is a binary file object (read in chunks: Beam's compressed files have no bounded readline) or any
+    iterable of byte lines."""
+    if not hasattr(stream, "read"):
+        for raw in stream:
+            n = len(raw.rstrip(b"\r\n"))
+            yield (raw, b"", 0) if n <= limit else (None, raw[:_PREFIX_BYTES], n)
+        return
+    pieces: list[bytes] = []  # the current line so far (while it is within the limit)
+    size = 0  # bytes of the current line so far
+    prefix: bytes | None = None  # set once the current line is over the limit: only its start is kept
+    while True:
+        chunk = stream.read(_READ_CHUNK)
+        if not chunk:
+            break
+        start = 0
+        while start < len(chunk):
+            nl = chunk.find(b"\n", start)
+            end = len(chunk) if nl < 0 else nl + 1
+            piece = chunk[start:end]
+            start = end
+            size += len(piece)
+            if prefix is None:
+                pieces.append(piece)
+                if size - (nl >= 0) > limit:
+                    prefix = _head(pieces)
+                    pieces = []
+            if nl < 0:
+                continue
+            if prefix is None:
+                yield b"".join(pieces), b"", 0
+            else:
+                yield None, prefix, size - 1
+            pieces, size, prefix = [], 0, None
+    if prefix is not None:
+        yield None, prefix, size
+    elif pieces:
+        yield b"".join(pieces), b"", 0
+
+
+def _head(pieces: list[bytes]) -> bytes:
+    out = b""
+    for piece in pieces:
+        out += piece[:_PREFIX_BYTES - len(out)]
+        if len(out) >= _PREFIX_BYTES:
+            break
+    return out
+
+
 def _decoded_lines(stream: Iterable[bytes], source: str) -> Iterator[tuple[int, str | None, RawRecord | None]]:
-    """(line number, text without its line break, None) per line; (line, None, error) for a non-UTF-8 line."""
-    for number, raw in enumerate(stream, 1):
+    """(line number, text without its line break, None) per line; (line, None, error) for a line that is not
+    UTF-8 or is longer than MAX_LINE_BYTES."""
+    for number, (raw, prefix, length) in enumerate(_bounded_lines(stream), 1):
+        if raw is None:
+            yield number, None, RawRecord(source, number, error=layout.error_row(
+                source=source, line=number, record=prefix, field="record",
+                reason=f"line is too long: {length} bytes, above the limit of {MAX_LINE_BYTES} bytes for one record"))
+            continue
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
         try:
@@ -320,6 +429,24 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+_TOO_DEEP = object()
+
+
+def _nested_deeper_than(obj: Any, limit: int) -> bool:
+    """Whether arrays/objects nest more than `limit` levels (the top level counts as 1); iterative, so any depth
+    is safe to check."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
 def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
     for number, text, error in _decoded_lines(stream, source):
         if error is not None:
@@ -332,6 +459,13 @@ def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
         except ValueError as e:
             yield RawRecord(source, number, error=layout.error_row(
                 source=source, line=number, reason=f"malformed JSON: {e}", record=text, field="record"))
+            continue
+        except RecursionError:  # deeper than the decoder can go: the same answer as a parsed but too deep record
+            obj = _TOO_DEEP
+        if obj is _TOO_DEEP or _nested_deeper_than(obj, MAX_JSON_DEPTH):
+            yield RawRecord(source, number, error=layout.error_row(
+                source=source, line=number, record=text, field="record",
+                reason=f"record is nested too deeply: more than {MAX_JSON_DEPTH} levels of arrays/objects"))
             continue
         if not isinstance(obj, dict):
             yield RawRecord(source, number, error=layout.error_row(
