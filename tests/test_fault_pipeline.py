@@ -1,4 +1,5 @@
-"""The whole job under injected faults, on the local GCS emulator, with the tiny checkpoint at 32x32 and 2 steps.
+"""The whole job under injected faults, on the local GCS emulator, with the end-to-end tests' tiny checkpoint, image shape
+and XLA cache (tests/pipeline_helpers.py: 32x64, the checkpoint's 4 steps).
 
 (a) + (e) Inference raises in some bundles (transient) and always for one shape bucket (out-of-memory-like): the
     failed images land in the errors output (one row each, with the exception), every other request is complete,
@@ -36,19 +37,23 @@ import fault_jobs
 from fault_jobs import FaultyHandler, JobOutputs, expected_png, install_handler, sha256
 from fault_proxy import FaultProxy, FaultRule
 from pipeline.run import run
+# The end-to-end tests' checkpoint, image shape and persistent XLA cache: the session compiles the job's programs once.
+from pipeline_helpers import HEIGHT, WIDTH, ckpt32, xla_cache  # noqa: F401 - ckpt32 and xla_cache are fixtures
 from transforms import layout
 from transforms.requests import GenerationRequest, RequestDefaults, parse_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "SECRET-PROMPT " + "lighthouse " * 20 + "END"
-STEPS, SIZE, SEED = 2, 32, 3
+STEPS, SEED = None, 3  # the checkpoint's default steps (4), as in the end-to-end tests
 
 GOOD = [{"id": f"g{i}", "prompt": f"good prompt number {i}"} for i in range(7)] + [
     {"id": "secret", "prompt": SECRET},
     {"id": "multi", "prompt": "two images of a fox", "num_images": 2},
     {"prompt": "a prompt without an id"},
 ]
-DOOMED = [{"id": "wide0", "prompt": "a wide view", "width": 64}, {"id": "wide1", "prompt": "another", "width": 64}]
+DOOMED = [{"id": "tall0", "prompt": "a tall view", "height": 64, "width": 32},
+          {"id": "tall1", "prompt": "another", "height": 64, "width": 32}]
+DOOMED_SHAPE = "64x32/"
 INVALID = ['{"id": "bad-size", "prompt": "x", "height": 7}', "this line is not json", '{"id": "../evil", "prompt": "x"}']
 
 
@@ -58,7 +63,7 @@ def _jsonl(records, invalid=()) -> bytes:
 
 def _tasks(records) -> dict:
     """{file_name: ImageTask} of the valid records, parsed exactly as the job parses them."""
-    d = RequestDefaults(height=SIZE, width=SIZE, num_inference_steps=STEPS, seed=SEED)
+    d = RequestDefaults(height=HEIGHT, width=WIDTH, num_inference_steps=STEPS, seed=SEED)
     out = {}
     for r in parse_lines(_jsonl(records), "x.jsonl", "jsonl", d):
         assert isinstance(r, GenerationRequest)
@@ -68,20 +73,15 @@ def _tasks(records) -> dict:
 
 
 def _argv(model, inp, out, xla, *extra):
-    return [f"--model={model}", f"--input={inp}", f"--output={out}", f"--height={SIZE}", f"--width={SIZE}",
-            f"--num_inference_steps={STEPS}", "--dtype=float32", "--max_sequence_length=32", "--batch_size=2",
+    return [f"--model={model}", f"--input={inp}", f"--output={out}", f"--height={HEIGHT}", f"--width={WIDTH}",
+            "--dtype=float32", "--max_sequence_length=32", "--batch_size=2",
             f"--seed={SEED}", f"--compilation_cache_dir={xla}", "--runner=FnApiRunner", "--no_progress", *extra]
 
 
 @pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("fault-xla-cache"))
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_ckpt, xla_cache):
+def loaded(ckpt32, xla_cache):
     """The tiny model, loaded once for this module (the job's runs reuse it through CachedHandler)."""
-    return fault_jobs.load_cached(tiny_ckpt, compilation_cache_dir=xla_cache)
+    return fault_jobs.load_cached(ckpt32, compilation_cache_dir=xla_cache)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def _check_no_partial_objects(outs: JobOutputs, allowed_images: set[str]):
 
 
 # ================================================================================================ (a) + (e)
-def test_inference_faults_go_to_errors_and_a_rerun_completes_the_job(gcs_emulator, gcs_bucket, tiny_ckpt, loaded,
+def test_inference_faults_go_to_errors_and_a_rerun_completes_the_job(gcs_emulator, gcs_bucket, ckpt32, loaded,
                                                                      oracle, xla_cache, monkeypatch, caplog):
     b = f"gs://{gcs_bucket}"
     gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD + DOOMED, INVALID))
@@ -107,10 +107,10 @@ def test_inference_faults_go_to_errors_and_a_rerun_completes_the_job(gcs_emulato
     good = set(oracle)
     doomed = set(_tasks(DOOMED))
     fault_jobs.reset_faults()
-    # Calls 2 and 5 of this process fail (a bundle lost), and every 32x64 batch fails like an OOM.
-    install_handler(monkeypatch, FaultyHandler, fail_calls=(2, 5), doomed_shape=f"{SIZE}x64/")
+    # Calls 2 and 5 of this process fail (a bundle lost), and every 64x32 batch fails like an OOM.
+    install_handler(monkeypatch, FaultyHandler, fail_calls=(2, 5), doomed_shape=DOOMED_SHAPE)
     caplog.set_level(logging.INFO)
-    argv = _argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache)
+    argv = _argv(ckpt32, f"{b}/in/p.jsonl", outs.output, xla_cache)
 
     _, summary = run(argv)
     raised = list(fault_jobs.RAISED)
@@ -144,7 +144,7 @@ def test_inference_faults_go_to_errors_and_a_rerun_completes_the_job(gcs_emulato
 
     # --- rerun: no transient faults this time; the doomed bucket still cannot run
     fault_jobs.reset_faults()
-    install_handler(monkeypatch, FaultyHandler, doomed_shape=f"{SIZE}x64/")
+    install_handler(monkeypatch, FaultyHandler, doomed_shape=DOOMED_SHAPE)
     _, summary2 = run(argv + ["--skip_existing"])
     images2 = outs.images()
     assert set(images2) == good  # every good image exists exactly once (one object per name)
@@ -181,7 +181,7 @@ def _client_retries(caplog) -> int:
                and r.getMessage().startswith("Retrying due to"))
 
 
-def test_job_completes_with_nothing_lost_at_10_percent_gcs_faults(gcs_emulator, gcs_bucket, tiny_ckpt, loaded, oracle,
+def test_job_completes_with_nothing_lost_at_10_percent_gcs_faults(gcs_emulator, gcs_bucket, ckpt32, loaded, oracle,
                                                                  xla_cache, proxy, monkeypatch, caplog):
     b = f"gs://{gcs_bucket}"
     gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD, INVALID))
@@ -195,7 +195,7 @@ def test_job_completes_with_nothing_lost_at_10_percent_gcs_faults(gcs_emulator, 
                      FaultRule(fraction=1.0, kinds={"list"}, limit=1, actions=("reset",)),
                      FaultRule(fraction=0.10, actions=("503", "429", "reset", "delay"), delay_s=0.2)])
     caplog.set_level(logging.DEBUG, logger="google.api_core.retry")
-    result, summary = run(_argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache))
+    result, summary = run(_argv(ckpt32, f"{b}/in/p.jsonl", outs.output, xla_cache))
     stats = proxy.stats()
     proxy.clear_rules()
 
@@ -218,7 +218,7 @@ def test_job_completes_with_nothing_lost_at_10_percent_gcs_faults(gcs_emulator, 
           f"beam gcsio cumulativeThrottlingSeconds {throttled}")
 
 
-def test_job_fails_clearly_when_gcs_faults_cannot_be_overcome(gcs_emulator, gcs_bucket, tiny_ckpt, loaded, xla_cache,
+def test_job_fails_clearly_when_gcs_faults_cannot_be_overcome(gcs_emulator, gcs_bucket, ckpt32, loaded, xla_cache,
                                                               proxy, monkeypatch):
     b = f"gs://{gcs_bucket}"
     gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl([GOOD[7]] + GOOD[:3]))
@@ -228,7 +228,7 @@ def test_job_fails_clearly_when_gcs_faults_cannot_be_overcome(gcs_emulator, gcs_
     proxy.set_rules([FaultRule(fraction=1.0, kinds={"upload"}, name=r"/out/images/", actions=("503",))])
     start = time.monotonic()
     with pytest.raises(Exception) as e:
-        run(_argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache))
+        run(_argv(ckpt32, f"{b}/in/p.jsonl", outs.output, xla_cache))
     elapsed = time.monotonic() - start
     message = f"{type(e.value).__name__}: {e.value}"
     proxy.clear_rules()
@@ -244,19 +244,19 @@ def test_job_fails_clearly_when_gcs_faults_cannot_be_overcome(gcs_emulator, gcs_
         pytest.xfail("the job's failure message quotes a full prompt (Beam includes the failing element)")
 
 
-def test_gcs_checkpoint_copy_rides_over_10_percent_faults(gcs_emulator, gcs_bucket, tiny_ckpt, proxy, tmp_path):
+def test_gcs_checkpoint_copy_rides_over_10_percent_faults(gcs_emulator, gcs_bucket, ckpt32, proxy, tmp_path):
     from model import checkpoint
 
     uri = f"gs://{gcs_bucket}/models/tiny"
-    gcs_emulator.upload_dir(tiny_ckpt, uri)
+    gcs_emulator.upload_dir(ckpt32, uri)
     proxy.set_rules([FaultRule(fraction=0.10, kinds={"read", "list"}, actions=("503", "429", "reset", "delay"),
                                delay_s=0.1),
                      FaultRule(fraction=1.0, kinds={"read"}, name=r"safetensors$", limit=2, actions=("503",))])
     path = checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"))
     stats = proxy.stats()
-    for root, _dirs, files in os.walk(tiny_ckpt):
+    for root, _dirs, files in os.walk(ckpt32):
         for name in files:
-            rel = os.path.relpath(os.path.join(root, name), tiny_ckpt)
+            rel = os.path.relpath(os.path.join(root, name), ckpt32)
             with open(os.path.join(root, name), "rb") as a, open(os.path.join(path, rel), "rb") as c:
                 assert a.read() == c.read(), rel
     assert stats["injected_by_kind"].get("read", 0) >= 2 and stats["unretried_faults"] == 0, stats
@@ -265,13 +265,13 @@ def test_gcs_checkpoint_copy_rides_over_10_percent_faults(gcs_emulator, gcs_buck
 
 # ================================================================================================ (c) SIGKILL
 @pytest.mark.slow  # ~55 s: the subprocess imports Beam and JAX and loads the model for real before it can be killed
-def test_sigkill_half_way_then_skip_existing_rerun_is_complete_and_identical(gcs_emulator, gcs_bucket, tiny_ckpt,
+def test_sigkill_half_way_then_skip_existing_rerun_is_complete_and_identical(gcs_emulator, gcs_bucket, ckpt32,
                                                                             loaded, oracle, xla_cache, monkeypatch):
     b = f"gs://{gcs_bucket}"
     gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD, INVALID))
     outs = JobOutputs(gcs_emulator, f"{b}/out")
     total = len(oracle)
-    argv = _argv(tiny_ckpt, f"{b}/in/p.jsonl", outs.output, xla_cache)
+    argv = _argv(ckpt32, f"{b}/in/p.jsonl", outs.output, xla_cache)
     # Image uploads are slowed (0.6 s each) by the proxy so that "half way" lasts long enough to be hit.
     with FaultProxy(gcs_emulator.host, seed=5,
                     rules=[FaultRule(fraction=1.0, kinds={"upload"}, name=r"/out/images/", actions=("delay",),
@@ -338,14 +338,14 @@ BROKEN = ["truncated_shard", "missing_shard", "wrong_dtype", "checksum_mismatch"
 
 
 @pytest.fixture(scope="module")
-def uploaded_ckpt(gcs_emulator, tiny_ckpt):
+def uploaded_ckpt(gcs_emulator, ckpt32):
     """The tiny checkpoint's files, {relative name: bytes}."""
     files = {}
-    for root, _dirs, names in os.walk(tiny_ckpt):
+    for root, _dirs, names in os.walk(ckpt32):
         for name in names:
             path = os.path.join(root, name)
             with open(path, "rb") as f:
-                files[os.path.relpath(path, tiny_ckpt).replace(os.sep, "/")] = f.read()
+                files[os.path.relpath(path, ckpt32).replace(os.sep, "/")] = f.read()
     return files
 
 
@@ -412,13 +412,17 @@ def test_broken_gcs_checkpoint_fails_fast_naming_the_file(gcs_emulator, gcs_buck
 def test_broken_checkpoint_fails_the_job_before_any_image(gcs_emulator, gcs_bucket, uploaded_ckpt, xla_cache,
                                                           tmp_path):
     b = f"gs://{gcs_bucket}"
-    uri, named = _broken_checkpoint(gcs_emulator, gcs_bucket, uploaded_ckpt, "truncated_shard")
+    # The checksum variant: the job-level facts (fails, names the object, writes nothing) are the same for every
+    # variant, and this one fails within seconds (the slow-marked variants above show the others' timings).
+    uri, named = _broken_checkpoint(gcs_emulator, gcs_bucket, uploaded_ckpt, "checksum_mismatch")
     gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", _jsonl(GOOD[:3]))
     outs = JobOutputs(gcs_emulator, f"{b}/out")
     start = time.monotonic()
     with pytest.raises(Exception) as e:
         run(_argv(uri, f"{b}/in/p.jsonl", outs.output, xla_cache, f"--checkpoint_cache_dir={tmp_path}"))
     elapsed = time.monotonic() - start
-    assert "CheckpointError" in f"{type(e.value).__name__}: {e.value}" and named in str(e.value), str(e.value)[:2000]
-    assert not outs.relnames() - set(), sorted(outs.relnames())  # no image, manifest, errors or summary
-    print(f"\n[fault figures] job with a truncated gs:// shard failed after {elapsed:.1f} s, nothing written")
+    message = f"{type(e.value).__name__}: {e.value}"
+    assert "CheckpointError" in message and "checksum mismatch" in message and f"{uri}/{named}" in message, \
+        message[:2000]
+    assert not outs.relnames(), sorted(outs.relnames())  # no image, manifest, errors or summary
+    print(f"\n[fault figures] job with a corrupted gs:// shard failed after {elapsed:.1f} s, nothing written")
