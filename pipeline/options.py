@@ -19,6 +19,8 @@ DEFAULT_BATCH_SIZE = 4
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 DTYPES = ("bfloat16", "float32")
 INPUT_FORMATS = ("auto", "jsonl", "csv", "text")
+DEFAULT_MAX_PROMPT_BYTES = 64 * 1024
+DEFAULT_MAX_IMAGES = 10_000_000
 
 
 def str2bool(value) -> bool:
@@ -83,6 +85,12 @@ class Flux2KleinOptions(PipelineOptions):
                        help="Base seed: a record without a seed gets one derived from this and its id.")
         g.add_argument("--max_pixels", type=int, default=2048 * 2048,
                        help="Largest height x width accepted (default 4 megapixels).")
+        g.add_argument("--max_prompt_bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
+                       help="Largest prompt accepted, in UTF-8 bytes (default 64 KiB); a longer prompt is an "
+                            "error row naming its size and the limit.")
+        g.add_argument("--max_images", type=int, default=DEFAULT_MAX_IMAGES,
+                       help="Most images one job may generate (default 10,000,000). A job that would generate "
+                            "more fails before generating any, naming both numbers; nothing is half done.")
         # --- the job
         _flag(g, "--skip_existing", "Skip requests whose image already exists under the output (resume a job).")
         _flag(g, "--large_model", "Load one model per machine, shared by every worker process on it (Beam "
@@ -109,6 +117,6 @@ class Flux2KleinOptions(PipelineOptions):
 # Names of the options defined above, in order (for tooling such as the Flex Template metadata).
 OPTION_NAMES = (
     "input", "input_format", "output", "model", "dtype", "height", "width", "num_inference_steps", "guidance_scale",
-    "num_images", "max_sequence_length", "batch_size", "seed", "max_pixels", "skip_existing", "large_model",
-    "model_copies", "checkpoint_cache_dir", "compilation_cache_dir", "no_progress",
+    "num_images", "max_sequence_length", "batch_size", "seed", "max_pixels", "max_prompt_bytes", "max_images",
+    "skip_existing", "large_model", "model_copies", "checkpoint_cache_dir", "compilation_cache_dir", "no_progress",
 )

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -36,7 +37,9 @@ from transforms import layout
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
 from transforms.outputs import SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes
 from transforms.progress import ProgressReporter, ReportTotal
-from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, ReadRequests, RequestDefaults
+from transforms.requests import (
+    DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests, RequestDefaults,
+)
 
 from .options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
 
@@ -83,6 +86,7 @@ class JobConfig:
     checkpoint_cache_dir: str | None
     compilation_cache_dir: str | None
     demo: bool = False
+    max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
 
 
 def runner_name(options: PipelineOptions) -> str:
@@ -133,6 +137,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         num_images=o.num_images,
         seed=o.seed,
         max_pixels=o.max_pixels,
+        max_prompt_bytes=o.max_prompt_bytes,
     )
     try:
         defaults.validate()
@@ -144,6 +149,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     max_len = o.max_sequence_length if o.max_sequence_length is not None else DEFAULT_MAX_SEQUENCE_LENGTH
     if max_len < 1:
         raise UsageError(f"--max_sequence_length must be >= 1, got {max_len}")
+    if o.max_images is not None and o.max_images < 1:
+        raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
     if o.model_copies is not None and o.model_copies < 1:
         raise UsageError(f"--model_copies must be >= 1, got {o.model_copies}")
     dtype = o.dtype or ("float32" if demo else "bfloat16")
@@ -159,7 +166,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      dtype=dtype, defaults=defaults, max_sequence_length=max_len, batch_size=batch_size,
                      skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, checkpoint_cache_dir=o.checkpoint_cache_dir,
-                     compilation_cache_dir=o.compilation_cache_dir, demo=demo)
+                     compilation_cache_dir=o.compilation_cache_dir, demo=demo, max_images=o.max_images)
 
 
 def make_handler(job: JobConfig) -> Flux2KleinModelHandler:
@@ -183,6 +190,9 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     if job.skip_existing:
         split = planned | "SkipExisting" >> SkipExisting(job.output)
         tasks, skipped = split["tasks"], split["skipped"]
+    if job.max_images is not None:
+        # Counts what this run would generate (skipped images excluded) and fails before inference when over.
+        tasks = tasks | "MaxImages" >> EnforceMaxImages(job.max_images)
     if progress_dir:
         total = tasks | "ProgressTotal" >> ReportTotal(progress_dir)
         # Taking the total as a side input makes the runner finish counting before any batch is generated, so the
@@ -281,6 +291,11 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         with ProgressReporter(progress_dir) if progress_dir else contextlib.nullcontext():
             result = p.run()
             result.wait_until_finish()
+    except Exception as e:
+        limit = _max_images_error(e)
+        if limit:
+            raise UsageError(limit) from e
+        raise
     finally:
         if progress_dir:
             shutil.rmtree(progress_dir, ignore_errors=True)
@@ -293,6 +308,14 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         print("demo done: the images are noise (random weights). Use --model with a real FLUX.2 [klein] checkpoint "
               "for real images.")
     return result, summary
+
+
+def _max_images_error(error: BaseException) -> str | None:
+    """The --max_images message when `error` (however the runner wrapped it) is the job's image limit."""
+    if isinstance(error, MaxImagesExceeded):
+        return str(error)
+    match = re.search(r"the job would generate \d+ images, above --max_images=\d+; .*?split the input", str(error))
+    return match.group(0) if match else None
 
 
 def _use_emulator_credentials() -> None:

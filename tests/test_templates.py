@@ -404,6 +404,8 @@ BAD_VALUES = {
     "batch_size": INT_BAD,
     "seed": ["-1", "abc", "1.5", "12345678901234567890"],
     "max_pixels": INT_BAD,
+    "max_prompt_bytes": INT_BAD,
+    "max_images": INT_BAD,
     "skip_existing": ["yes", "1", "TRUE", "on"],
     "large_model": ["yes", "1", "TRUE", "on"],
     "model_copies": INT_BAD + ["100"],

@@ -644,6 +644,35 @@ class ReadRequests(beam.PTransform):
         return {"requests": parsed.requests, "invalid": parsed[INVALID_TAG]}
 
 
+class MaxImagesExceeded(RuntimeError):
+    """The job would generate more images than --max_images allows."""
+
+
+def max_images_message(count: int, limit: int) -> str:
+    return (f"the job would generate {count} images, above --max_images={limit}; nothing was generated. Raise "
+            f"--max_images or split the input")
+
+
+def _within_max_images(task, count: int, limit: int):
+    if count > limit:
+        raise MaxImagesExceeded(max_images_message(count, limit))
+    return task
+
+
+class EnforceMaxImages(beam.PTransform):
+    """Image tasks -> the same tasks, or the job fails before any of them reaches inference when there are more
+    than `limit`. The count is a side input, so the runner finishes counting before the first task passes: a job
+    over the limit produces nothing, and nothing already produced (a resumed job's images) is touched."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self._limit = limit
+
+    def expand(self, tasks):
+        count = tasks | "CountImages" >> beam.combiners.Count.Globally()
+        return tasks | "CheckMaxImages" >> beam.Map(_within_max_images, beam.pvalue.AsSingleton(count), self._limit)
+
+
 class _DeduplicateFn(beam.DoFn):
     """(id, [requests]) -> the first request (by source, line), plus an error row for each later record with the
     same id but different parameters. Identical repeats are dropped (generated once) and counted."""
