@@ -1,13 +1,12 @@
 """Resource bounds: what one request (or one job) may ask for is bounded, with a clear error naming the limit.
 
-Enforced today (transforms/requests.py, pipeline/run.py):
+Enforced (transforms/requests.py, pipeline/run.py):
 - `--max_pixels` (default 4 MP) for every record and for the job's own defaults;
 - images per request (`num_images` <= 64), steps (<= 1000), seed range;
-- a request's images are generated `--batch_size` at a time, never all at once.
-Not enforced yet (tests xfail with what is missing; see the issue 6 report for the exact change):
-- a maximum prompt size in bytes (a 10 MB JSONL/text prompt is accepted today);
-- a maximum line length while reading (a line is read whole into memory before it is parsed);
-- a maximum number of images per job.
+- a request's images are generated `--batch_size` at a time, never all at once;
+- `--max_prompt_bytes` (default 64 KiB of UTF-8) per prompt;
+- a maximum line length while reading (16 MiB), read in bounded chunks: a longer line is one error row;
+- `--max_images` (default 10,000,000) per job: a job over it fails before generating anything.
 """
 
 from __future__ import annotations
@@ -88,30 +87,25 @@ def test_a_request_for_many_images_is_generated_batch_size_at_a_time():
 
 
 # --------------------------------------------------------------------------------------------- not yet enforced
-def _prompt_limit():
-    for name in ("MAX_PROMPT_BYTES", "DEFAULT_MAX_PROMPT_BYTES"):
-        if hasattr(req, name):
-            return getattr(req, name)
-    if "max_prompt_bytes" in {f.name for f in __import__("dataclasses").fields(RequestDefaults)}:
-        return RequestDefaults().max_prompt_bytes
-    return None
-
-
 @pytest.mark.parametrize("fmt", ["jsonl", "text"])
 def test_prompt_size_is_bounded(fmt):
-    limit = _prompt_limit()
+    limit = RequestDefaults().max_prompt_bytes
+    assert limit == req.DEFAULT_MAX_PROMPT_BYTES == 64 * 1024
     big = "a" * (10 * 1024 * 1024)
     data = json.dumps({"prompt": big}).encode() if fmt == "jsonl" else big.encode()
     out = parse_lines(data, "big." + fmt, fmt, RequestDefaults(32, 32))
-    if limit is None and isinstance(out[0], GenerationRequest):
-        pytest.xfail("MISSING (transforms/requests.py): no maximum prompt size; a 10 MB prompt becomes a request "
-                     "(and 10 MB PNG text chunks and manifest rows)")
-    # rejected as a prompt above the limit, or already as a line above the reader's line cap
-    assert isinstance(out[0], dict) and "bytes" in out[0]["reason"] and out[0]["field"] in ("prompt", "record")
-    if limit is not None:
-        ok = "é" * (limit // 2)
-        assert isinstance(parse_lines(json.dumps({"prompt": ok}).encode(), "p", "jsonl", RequestDefaults(32, 32))[0],
-                          GenerationRequest)
+    # a 10 MB prompt would otherwise become 10 MB PNG text chunks and manifest rows
+    assert isinstance(out[0], dict) and out[0]["field"] == "prompt", out[0]["reason"]
+    assert f"{len(big)} bytes" in out[0]["reason"] and f"--max_prompt_bytes={limit}" in out[0]["reason"]
+    ok = "é" * (limit // 2)  # exactly at the limit, in UTF-8 bytes
+    assert isinstance(parse_lines(json.dumps({"prompt": ok}).encode(), "p", "jsonl", RequestDefaults(32, 32))[0],
+                      GenerationRequest)
+    row = parse_lines(json.dumps({"prompt": ok + "a"}).encode(), "p", "jsonl", RequestDefaults(32, 32))[0]
+    assert isinstance(row, dict) and f"{limit + 1} bytes" in row["reason"]
+    # the option reaches validation
+    small = RequestDefaults(32, 32, max_prompt_bytes=4)
+    assert isinstance(parse_lines(b"abcd\nabcde\n", "p.txt", "text", small)[0], GenerationRequest)
+    assert isinstance(parse_lines(b"abcd\nabcde\n", "p.txt", "text", small)[1], dict)
 
 
 class _EndlessLine(io.RawIOBase):
@@ -139,10 +133,19 @@ def test_reading_a_line_is_bounded_in_memory():
     finally:
         tracemalloc.stop()
     assert len(out) == 1
-    if peak > size // 2:
-        pytest.xfail(f"MISSING (transforms/requests.py _decoded_lines): a {size >> 20} MB line is read whole "
-                     f"(peak {peak >> 20} MB); read lines with a length cap and reject longer ones as error rows")
+    assert peak <= size // 2, f"a {size >> 20} MB line was read whole (peak {peak >> 20} MB)"
     assert out[0].error is not None and "long" in out[0].error["reason"]
+    assert f"{size} bytes" in out[0].error["reason"] and len(out[0].error["record"]) < 1000
+
+
+def test_a_line_over_the_cap_is_one_error_row_and_the_file_goes_on():
+    cap = req.MAX_LINE_BYTES
+    data = b"first\n" + b"x" * cap + b"\n" + b"y" * (cap + 1) + b"\r\nlast\n"
+    out = [r for r in iter_raw_records(io.BufferedReader(io.BytesIO(data)), "f.txt", "text")]
+    assert [r.line for r in out] == [1, 2, 3, 4]
+    assert out[0].fields["prompt"] == "first" and out[3].fields["prompt"] == "last"
+    assert out[1].error is None and len(out[1].text) == cap  # exactly at the cap: read
+    assert out[2].error is not None and "too long" in out[2].error["reason"] and out[2].error["field"] == "record"
 
 
 def test_images_per_job_is_bounded(tmp_path):
@@ -150,9 +153,7 @@ def test_images_per_job_is_bounded(tmp_path):
     from pipeline.options import Flux2KleinOptions
     from pipeline.run import run
 
-    names = set(PipelineOptions([]).view_as(Flux2KleinOptions).get_all_options())
-    if "max_images" not in names:
-        pytest.xfail("MISSING (pipeline/options.py, pipeline/run.py): no --max_images (per-job image limit)")
+    assert PipelineOptions([]).view_as(Flux2KleinOptions).max_images == 10_000_000
     (tmp_path / "p.jsonl").write_text('{"prompt": "a", "num_images": 2}\n{"prompt": "b"}\n')
     (tmp_path / "model").mkdir()  # never loaded: the limit stops the job first
     out = tmp_path / "out"
