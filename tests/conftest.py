@@ -6,8 +6,14 @@ Add new fixtures in their own section below.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA cache for the whole session (subprocesses inherit it): the many generators the suite loads
+# compile identical programs, and a cache hit costs milliseconds instead of seconds of compiling.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="flux2-tests-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
