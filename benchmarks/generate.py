@@ -633,6 +633,7 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
         engines.append(engines_cache["diffusers"])
         info["diffusers"] = dict(engines_cache["diffusers_info"])
 
+    progress(f"batch {wl.batch}: engines loaded; warm-up and {args.repeats} interleaved repetitions")
     # -- warm-up (the first call of a jit path compiles: recorded as first_call_s), then interleaved repeats
     run = 0
     for w in range(max(1, args.warmup)):
@@ -701,6 +702,7 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
     result["image_dirs"] = dirs
 
     if not args.skip_ablation:
+        progress(f"batch {wl.batch}: ablation")
         result["ablation"] = run_ablation(gen, path, args, wl, cache_dir, counter)
     del engines, opt
     gc.collect()
@@ -810,6 +812,19 @@ def headline(res: dict, key: str) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
+def write_results(res: dict, out: str, stem: str) -> str:
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    md = markdown(res)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -884,6 +899,7 @@ def main(argv=None) -> dict:
         }
         img_root = os.path.join(args.out, "images", f"{args.preset}-{args.height}x{args.width}-{args.dtype}")
         engines_cache: dict = {}
+        stem = f"{args.preset}-{args.height}x{args.width}-{args.dtype}-b{'_'.join(map(str, args.batches))}"
         for batch in args.batches:
             print(f"[bench] batch {batch} ...", file=sys.stderr, flush=True)
             wl = Workload(args.height, args.width, steps, guidance, batch)
@@ -898,13 +914,8 @@ def main(argv=None) -> dict:
             b["speedups"] = sp
             res["batches"][str(batch)] = b
             print(f"[bench] batch {batch}: " + json.dumps(headline(res, str(batch))), file=sys.stderr, flush=True)
-        res["peak_rss_mb"] = peak_rss_mb()
-        stem = f"{args.preset}-{args.height}x{args.width}-{args.dtype}-b{'_'.join(map(str, args.batches))}"
-        with open(os.path.join(args.out, stem + ".json"), "w") as f:
-            json.dump(res, f, indent=2, default=str)
-        md = markdown(res)
-        with open(os.path.join(args.out, stem + ".md"), "w") as f:
-            f.write(md)
+            res["peak_rss_mb"] = peak_rss_mb()
+            md = write_results(res, args.out, stem)  # after every batch: a long run keeps what it finished
         print(md)
         first = str(args.batches[0])
         final = {**headline(res, first), "preset": args.preset, "batch": args.batches[0], "dtype": args.dtype,
