@@ -187,12 +187,19 @@ class CompiledPrograms:
             if b in self._compiled:
                 return self._compiled[b]
             if not self.options.aot_compile:
-                progs = (self._encode, self._denoise, self._decode)
+                fused = self.options.fused_loop and not self.options.reference
+                progs = (self._encode, self._denoise if fused else self._single_step, self._decode)
                 self._compiled[b] = progs
                 return progs
             start = time.perf_counter()
-            lowered = [self._encode.lower(*self._encode_args(b.batch)),
-                       self._denoise.lower(*self._denoise_args(b, in_channels, joint_dim, head_dim)),
+            denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
+            if self.options.fused_loop and not self.options.reference:
+                denoise_lowered = self._denoise.lower(*denoise_args)
+            else:  # the per-step program: (state, x, txt, neg, sigma, sigma_next, timestep, cos, sin, scale)
+                scalar = self._spec((), jnp.float32, False)
+                state, x, txt, neg, _, _, cos, sin, scale = denoise_args
+                denoise_lowered = self._single_step.lower(state, x, txt, neg, scalar, scalar, scalar, cos, sin, scale)
+            lowered = [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
                        self._decode.lower(*self._decode_args(b, in_channels))]
             from concurrent.futures import ThreadPoolExecutor
 

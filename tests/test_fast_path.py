@@ -216,13 +216,16 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
     four = model.load(sys.argv[1], data_parallel=True, **kw)
     prompts = ["a red fox", "a lighthouse", "a red fox", "", "a kite"]  # 5 images, padded to 8 = 2 per device
     args = dict(prompts=prompts, seeds=[1, 2, 3, 4, 5], height=32, width=48, num_inference_steps=2)
-    a, b = one.generate(**args), four.generate(**args)
+    cp = model.load(sys.argv[1], context_parallel=True, **kw)  # 32x48 -> 8 x 12 = 96 image tokens, 24 per device
+    a, b, c = one.generate(**args), four.generate(**args), cp.generate(**args)
     print(json.dumps({"max_diff": int(np.abs(a.astype(int) - b).max()), "shape": list(b.shape),
+                      "cp_max_diff": int(np.abs(a.astype(int) - c).max()),
+                      "cp_spec": str(cp.programs.latents_sharding(96).spec),
                       "devices_one": int(one.mesh.devices.size), "devices_four": int(four.mesh.devices.size)}))
 """)
 
 
-def test_data_parallel_on_four_cpu_devices_equals_one_device(tiny_ckpt):
+def test_data_and_context_parallel_on_four_cpu_devices_equal_one_device(tiny_ckpt):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT, tiny_ckpt], env=env, capture_output=True,
                          text=True, timeout=900, cwd=REPO)
@@ -231,6 +234,9 @@ def test_data_parallel_on_four_cpu_devices_equals_one_device(tiny_ckpt):
     assert result["devices_one"] == 1 and result["devices_four"] == 4
     assert result["shape"] == [5, 32, 48, 3]
     assert result["max_diff"] <= 1
+    # context parallel: the image-token axis is split over the 4 devices, images as on one device
+    assert result["cp_spec"] in ("P(None, 'data')", "PartitionSpec(None, 'data')")
+    assert result["cp_max_diff"] <= 1
 
 
 # ------------------------------------------------------------------------------------------------ benchmark tools
