@@ -22,7 +22,7 @@ from .qwen3 import Qwen3TextEncoder
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 from .vae import Flux2VAEDecoder
-from .weights import expected_tensors, load_component
+from .weights import expected_tensors, load_component, validate_component
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +86,23 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
     full_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=True, dtype=jdtype, rngs=rngs()))
     run_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not options.truncated_encoder
                                                 or options.reference, dtype=jdtype, rngs=rngs()))
-    lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
-    text_encoder = load_component(os.path.join(root, "text_encoder"), run_te,
-                                  expected=expected_tensors(full_te, lm_head), optional=lm_head)
     transformer_abs = _abstract(lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs()))
-    transformer = load_component(os.path.join(root, "transformer"), transformer_abs,
-                                 expected=expected_tensors(transformer_abs))
     full_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, with_encoder=True, dtype=jdtype, rngs=rngs()))
     run_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs()))
+    lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
     bn_count = {"bn.num_batches_tracked": ()}
-    vae = load_component(os.path.join(root, "vae"), run_vae, expected=expected_tensors(full_vae, bn_count),
-                         optional=bn_count)
+    components = [  # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
+        ("text_encoder", run_te, expected_tensors(full_te, lm_head), lm_head),
+        ("transformer", transformer_abs, expected_tensors(transformer_abs), {}),
+        ("vae", run_vae, expected_tensors(full_vae, bn_count), bn_count),
+    ]
+    # Validate every component's files, names, shapes and dtypes (headers only) before reading any weight, so a
+    # broken shard anywhere fails in seconds, not after minutes of loading the components before it.
+    files = [validate_component(os.path.join(root, name), expected=exp, optional=opt)
+             for name, _, exp, opt in components]
+    text_encoder, transformer, vae = (
+        load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f)
+        for (name, module, exp, opt), f in zip(components, files))
     logger.info("loaded %s (%s) in %.1f s", path_or_uri, dtype, time.perf_counter() - start)
     return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=dtype, options=options,
                                model_id=str(path_or_uri), root=root)

@@ -187,12 +187,11 @@ def expected_tensors(full_abstract, extra: dict[str, tuple[int, ...]] | None = N
     return names
 
 
-def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[int, ...]],
-                   optional: Iterable[str] = ()):
-    """Fill `abstract_module` (from nnx.eval_shape) with the folder's weights and return the concrete module.
+def validate_component(folder: str, *, expected: dict[str, tuple[int, ...]], optional: Iterable[str] = ()):
+    """Check a component folder against the names/shapes a complete checkpoint holds, reading headers only.
 
     Every name of `expected` must be present with its shape, except those in `optional`; any other name in the
-    checkpoint is an error. Only the module's own parameters are read; each is cast to the parameter's dtype.
+    checkpoint is an error. Returns {tensor name: file} for `load_component`.
     """
     tensor_to_file = open_component(folder)
     optional = set(optional)
@@ -213,7 +212,18 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
                                   f"{list(expected[name])}", path=sf.path, tensor=name)
         if dtype not in FLOAT_DTYPES and not name.endswith("num_batches_tracked"):
             raise CheckpointError(f"weight has non-float dtype {dtype}", path=sf.path, tensor=name)
+    return tensor_to_file
 
+
+def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[int, ...]],
+                   optional: Iterable[str] = (), tensor_to_file: dict | None = None):
+    """Fill `abstract_module` (from nnx.eval_shape) with the folder's weights and return the concrete module.
+
+    The folder is validated first (see `validate_component`) unless its result is passed in. Only the module's
+    own parameters are read; each is cast to the parameter's dtype.
+    """
+    if tensor_to_file is None:
+        tensor_to_file = validate_component(folder, expected=expected, optional=optional)
     graphdef, abstract_state = nnx.split(abstract_module)
     flat = nnx.to_flat_state(abstract_state)
     leaves = []

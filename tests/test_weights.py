@@ -250,3 +250,19 @@ def test_bfloat16_load_keeps_bn_stats_in_float32(tiny_ckpt):
     assert tr.proj_out.weight.dtype == jnp.bfloat16 and te.model.embed_tokens.weight.dtype == jnp.bfloat16
     assert vae.bn.running_var.dtype == jnp.float32
     assert PipelineConfig.from_folder(tiny_ckpt).is_distilled
+
+
+def test_every_component_is_validated_before_any_weight_is_read(ckpt_copy, monkeypatch):
+    """A broken VAE shard fails the load before the text encoder or transformer weights are read."""
+    import model.generator as generator
+
+    reads = []
+    monkeypatch.setattr(generator, "load_component", lambda folder, *a, **k: reads.append(folder))
+    folder = os.path.join(ckpt_copy, "vae")
+    _, idx = _index(folder)
+    shard = os.path.join(folder, sorted(set(idx["weight_map"].values()))[-1])
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 3)
+    with pytest.raises(model.CheckpointError, match="truncated"):
+        _load(ckpt_copy)
+    assert reads == []
