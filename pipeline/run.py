@@ -169,15 +169,16 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      compilation_cache_dir=o.compilation_cache_dir, demo=demo, max_images=o.max_images)
 
 
-def make_handler(job: JobConfig) -> Flux2KleinModelHandler:
+def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:
+    """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
     load_kwargs = {}
     if job.checkpoint_cache_dir:
         load_kwargs["cache_dir"] = job.checkpoint_cache_dir
     if job.compilation_cache_dir:
         load_kwargs["compilation_cache_dir"] = job.compilation_cache_dir
-    return Flux2KleinModelHandler(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
-                                  batch_size=job.batch_size, large_model=job.large_model,
-                                  model_copies=job.model_copies, load_kwargs=load_kwargs)
+    return handler_cls(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
+                       batch_size=job.batch_size, large_model=job.large_model, model_copies=job.model_copies,
+                       load_kwargs=load_kwargs, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:

@@ -92,15 +92,12 @@ def install_handler(monkeypatch, cls=CachedHandler, **extra):
     """Make the job build `cls(..., **extra)` where it would build Flux2KleinModelHandler (same arguments)."""
     import pipeline.run as run_module
 
+    original = getattr(run_module.make_handler, "original", run_module.make_handler)  # never wrap a wrapper
+
     def make_handler(job):
-        load_kwargs = {}
-        if job.checkpoint_cache_dir:
-            load_kwargs["cache_dir"] = job.checkpoint_cache_dir
-        if job.compilation_cache_dir:
-            load_kwargs["compilation_cache_dir"] = job.compilation_cache_dir
-        return cls(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
-                   batch_size=job.batch_size, large_model=job.large_model, model_copies=job.model_copies,
-                   load_kwargs=load_kwargs, **extra)
+        return original(job, handler_cls=cls, **extra)
+
+    make_handler.original = original
 
     if monkeypatch is None:
         run_module.make_handler = make_handler
