@@ -16,7 +16,7 @@ Reports (stdout and <out>.json):
 - the count check: valid requests = images + failed-image error rows, invalid records = invalid rows, and zero
   duplicates (every manifest file name once, every error row's image once, the two sets disjoint, every manifest
   row's object present with the manifest's sha256);
-- faults injected per request kind and action, and the retries the proxy saw.
+- faults injected per request kind and action, the retries the proxy saw, and the retries the job reported.
 Exits 1 when the count check fails.
 
 Not part of CI (tests/test_soak.py runs a small one and is marked slow).
@@ -287,6 +287,8 @@ def main(argv=None) -> int:
     print(f"soak: GCS faults injected {stats['injected_total']} ({stats['injected_by_kind']}; "
           f"{stats['injected_by_action']}), retries seen {stats['retries_total']}, unretried "
           f"{stats['unretried_faults']}")
+    if summary:
+        print(f"soak: retries the job reported (summary.json): {summary.get('retries')}")
     for pid, m in memory.items():
         print(f"soak: worker {pid}: peak RSS {m['peak_rss_mb']} MB, at warm-up end {m['rss_at_warmup_end_mb']} MB, "
               f"growth after warm-up {m['growth_after_warmup_mb']} MB, slope {m['slope_mb_per_1000_images']} "

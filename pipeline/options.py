@@ -21,6 +21,7 @@ DTYPES = ("bfloat16", "float32")
 INPUT_FORMATS = ("auto", "jsonl", "csv", "text")
 DEFAULT_MAX_PROMPT_BYTES = 64 * 1024
 DEFAULT_MAX_IMAGES = 10_000_000
+DEFAULT_INFERENCE_RETRIES = 2  # as transforms.inference's default (not imported: options stay light to import)
 
 
 def str2bool(value) -> bool:
@@ -98,6 +99,10 @@ class Flux2KleinOptions(PipelineOptions):
         g.add_argument("--model_copies", type=int, default=None,
                        help="Exact number of model copies per machine, shared across processes (Beam "
                             "RunInference model_copies).")
+        g.add_argument("--inference_retries", type=int, default=DEFAULT_INFERENCE_RETRIES,
+                       help=f"Times a failed inference batch is run again before its images become error rows "
+                            f"(default {DEFAULT_INFERENCE_RETRIES}); out-of-memory and bad-input failures are not "
+                            f"retried.")
         g.add_argument("--checkpoint_cache_dir", default=None,
                        help="Local folder for copies of gs:// checkpoints (default "
                             "$FLUX2_KLEIN_CACHE/checkpoints or ~/.cache/flux2-klein-beam/checkpoints).")
@@ -118,5 +123,6 @@ class Flux2KleinOptions(PipelineOptions):
 OPTION_NAMES = (
     "input", "input_format", "output", "model", "dtype", "height", "width", "num_inference_steps", "guidance_scale",
     "num_images", "max_sequence_length", "batch_size", "seed", "max_pixels", "max_prompt_bytes", "max_images",
-    "skip_existing", "large_model", "model_copies", "checkpoint_cache_dir", "compilation_cache_dir", "no_progress",
+    "skip_existing", "large_model", "model_copies", "inference_retries", "checkpoint_cache_dir",
+    "compilation_cache_dir", "no_progress",
 )

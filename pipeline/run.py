@@ -33,9 +33,11 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
 
-from transforms import layout
+from transforms import layout, retries
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
-from transforms.outputs import SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes
+from transforms.outputs import (
+    SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
+)
 from transforms.progress import ProgressReporter, ReportTotal
 from transforms.requests import (
     DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests, RequestDefaults,
@@ -87,6 +89,7 @@ class JobConfig:
     compilation_cache_dir: str | None
     demo: bool = False
     max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
+    inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
 
 
 def runner_name(options: PipelineOptions) -> str:
@@ -151,6 +154,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         raise UsageError(f"--max_sequence_length must be >= 1, got {max_len}")
     if o.max_images is not None and o.max_images < 1:
         raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
+    if o.inference_retries is None or o.inference_retries < 0:
+        raise UsageError(f"--inference_retries must be >= 0, got {o.inference_retries}")
     if o.model_copies is not None and o.model_copies < 1:
         raise UsageError(f"--model_copies must be >= 1, got {o.model_copies}")
     dtype = o.dtype or ("float32" if demo else "bfloat16")
@@ -166,7 +171,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      dtype=dtype, defaults=defaults, max_sequence_length=max_len, batch_size=batch_size,
                      skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, checkpoint_cache_dir=o.checkpoint_cache_dir,
-                     compilation_cache_dir=o.compilation_cache_dir, demo=demo, max_images=o.max_images)
+                     compilation_cache_dir=o.compilation_cache_dir, demo=demo, max_images=o.max_images,
+                     inference_retries=o.inference_retries)
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:
@@ -178,7 +184,7 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
         load_kwargs["compilation_cache_dir"] = job.compilation_cache_dir
     return handler_cls(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
                        batch_size=job.batch_size, large_model=job.large_model, model_copies=job.model_copies,
-                       load_kwargs=load_kwargs, **extra)
+                       load_kwargs=load_kwargs, inference_retries=job.inference_retries, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
@@ -209,10 +215,21 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     invalid = (read["invalid"], dedup["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
     # One shard each, under fixed names: a rerun into the same output replaces the previous run's files instead of
-    # leaving stale shards next to them (so the manifest always lists exactly what the latest run generated).
+    # leaving stale shards next to them (so the manifest always lists exactly what the latest run generated, and
+    # existing-* what it found already there).
     manifest_files = (manifest
                       | "ManifestJson" >> beam.Map(layout.to_json_line)
                       | "WriteManifest" >> beam.io.WriteToText(layout.manifest_prefix(job.output),
+                                                               file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
+    # Rows of the images found already written. Written (empty) by every run, so that an earlier run's file never
+    # lingers, and only once this run's images are all written (a failed run leaves the previous files as they
+    # were): manifest-* and existing-* of the latest run list every image of the output exactly once.
+    found = skipped if skipped is not None else p | "NoExistingRows" >> beam.Create([])
+    manifest_done = manifest | "ImagesDone" >> beam.combiners.Count.Globally()
+    existing_rows = found | "AfterImages" >> beam.Map(lambda row, _done: row, beam.pvalue.AsSingleton(manifest_done))
+    existing_files = (existing_rows
+                      | "ExistingJson" >> beam.Map(layout.to_json_line)
+                      | "WriteExisting" >> beam.io.WriteToText(layout.existing_prefix(job.output),
                                                                file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
     error_files = (errors
                    | "ErrorsJson" >> beam.Map(layout.to_json_line)
@@ -238,8 +255,37 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         counted["skipped"] = skipped
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns), "demo": job.demo,
-        "batch_size": job.batch_size, "dtype": job.dtype}, after=[manifest_files, error_files])
+        "batch_size": job.batch_size, "dtype": job.dtype}, after=[manifest_files, existing_files, error_files])
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
+
+
+def _flux2_counters(result) -> dict[str, int]:
+    """The job's `flux2` counters, summed over the steps that report them ({} when the runner has none)."""
+    try:
+        metrics = result.metrics().query()
+    except Exception:  # noqa: BLE001 - metrics are informative only
+        return {}
+    counters: dict[str, int] = {}
+    for c in metrics["counters"]:  # one name can be reported by several steps: sum them
+        if c.key.metric.namespace == "flux2":
+            counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
+    return counters
+
+
+def _add_retries(job: JobConfig, summary: dict, result) -> dict:
+    """Add what the job retried (GCS requests, inference batches) to summary.json once the job is over: the
+    figures are Beam counters, which only the finished job knows (a Dataflow job shows them in its metrics)."""
+    counters = _flux2_counters(result)
+    figures = {"gcs": counters.get(retries.GCS_RETRIES, 0) + retries.take_pending(),
+               "inference": counters.get("inference_retries", 0)}
+    summary = dict(summary, retries=figures)
+    try:
+        write_bytes_atomic(layout.summary_path(job.output), (json.dumps(summary, indent=2) + "\n").encode("utf-8"),
+                           mime_type="application/json")
+    except Exception as e:  # noqa: BLE001 - the job's outputs are complete; only this addition is lost
+        logger.warning("could not add the retry counts to %s: %s",
+                                            layout.summary_path(job.output), e)
+    return summary
 
 
 def _print_metrics(result) -> None:
@@ -247,10 +293,7 @@ def _print_metrics(result) -> None:
         metrics = result.metrics().query()
     except Exception:  # noqa: BLE001 - metrics are informative only
         return
-    counters: dict[str, int] = {}
-    for c in metrics["counters"]:  # one name can be reported by several steps: sum them
-        if c.key.metric.namespace == "flux2":
-            counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
+    counters = _flux2_counters(result)
     dists = {d.key.metric.name: d.committed for d in metrics["distributions"] if d.key.metric.namespace == "flux2"}
     if counters:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if "_in_process_" not in k)
@@ -269,6 +312,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         options.view_as(StandardOptions).runner = DEFAULT_RUNNER
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         _use_emulator_credentials()
+    retries.install()
+    retries.take_pending()  # count only this job's retries (an earlier job in this process may have left some)
     job = resolve_job(options)
     local = is_local_runner(options)
     wait = local if wait is None else wait
@@ -301,6 +346,7 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         if progress_dir:
             shutil.rmtree(progress_dir, ignore_errors=True)
     summary = json.loads(read_bytes(layout.summary_path(job.output)).decode("utf-8"))
+    summary = _add_retries(job, summary, result)
     print(f"summary: {format_summary(summary)}")
     print(f"outputs: {layout.join(job.output, layout.IMAGES_DIR)}/, {layout.manifest_prefix(job.output)}-*.jsonl, "
           f"{layout.errors_prefix(job.output)}-*.jsonl, {layout.summary_path(job.output)}")

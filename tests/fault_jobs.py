@@ -45,6 +45,7 @@ class CachedHandler(Flux2KleinModelHandler):
 RAISED: list = []
 _FAULTS_LOCK = threading.Lock()
 _CALLS = {"n": 0}
+_ATTEMPTS: dict = {}
 
 OOM_MESSAGE = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes. "
                "(injected by tests/fault_jobs.py for shape bucket {key})")
@@ -53,24 +54,27 @@ OOM_MESSAGE = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719
 def reset_faults() -> None:
     with _FAULTS_LOCK:
         RAISED.clear()
+        _ATTEMPTS.clear()
         _CALLS["n"] = 0
 
 
 class FaultyHandler(CachedHandler):
     """`fail_calls`: 1-based numbers of this process's inference calls that raise a transient error;
-    `fail_rate`: fraction of batches (chosen by a hash of their content and `fault_seed`) that raise it;
+    `fail_rate`: fraction of attempts (chosen by a hash of the batch's content, attempt number and `fault_seed`)
+    that raise it;
     `doomed_shape`: a shape-key prefix (e.g. "32x64/") whose every batch raises an out-of-memory error."""
 
     def __init__(self, *args, fail_calls=(), fail_rate: float = 0.0, fault_seed: int = 0,
                  doomed_shape: str | None = None, **kwargs):
+        kwargs.setdefault("retry_backoff_s", 0.02)  # the job's retries, without its production back-off
         super().__init__(*args, **kwargs)
         self._fail_calls = frozenset(fail_calls)
         self._fail_rate = fail_rate
         self._fault_seed = fault_seed
         self._doomed = doomed_shape
 
-    def run_inference(self, batch, model, inference_args=None):
-        tasks = list(batch)
+    def generate_once(self, tasks, model):
+        # Faults are injected per attempt, under the handler's own retry loop (run_inference), as real ones are.
         key = tasks[0].shape_key if tasks else ""
         names = [t.file_name for t in tasks]
         with _FAULTS_LOCK:
@@ -79,13 +83,16 @@ class FaultyHandler(CachedHandler):
                 raise RuntimeError(OOM_MESSAGE.format(key=key))
             _CALLS["n"] += 1
             call = _CALLS["n"]
-            digest = hashlib.sha256(f"{self._fault_seed}/{sorted(names)}".encode()).digest()
+            # A fresh draw for every attempt at the batch (its n-th attempt in this process), as a transient fault
+            # would be: the job's retries can ride over it.
+            _ATTEMPTS[tuple(sorted(names))] = attempt = _ATTEMPTS.get(tuple(sorted(names)), 0) + 1
+            digest = hashlib.sha256(f"{self._fault_seed}/{attempt}/{sorted(names)}".encode()).digest()
             by_rate = int.from_bytes(digest[:8], "big") / 2**64 < self._fail_rate
             if call in self._fail_calls or by_rate:
                 RAISED.append(("transient", names))
                 raise RuntimeError(f"injected transient fault in inference call {call} (a worker lost its "
                                    f"accelerator)")
-        return super().run_inference(batch, model, inference_args)
+        return super().generate_once(tasks, model)
 
 
 def install_handler(monkeypatch, cls=CachedHandler, **extra):
@@ -115,7 +122,8 @@ def expected_png(loaded, task) -> bytes:
     r = task.request
     out = loaded.generate_batch([r.prompt], [task.seed], r.height, r.width, r.num_inference_steps, r.guidance_scale)
     return encode_png(out["images"][0], png_text(task, num_inference_steps=out["num_inference_steps"],
-                                                 guidance_scale=out["guidance_scale"], model=out["model"]))
+                                                 guidance_scale=out["guidance_scale"], model=out["model"],
+                                                 prompt_truncated=out["truncated"][0]))
 
 
 def fast_gcs_retries(monkeypatch, *, initial=0.02, maximum=0.3, timeout=60.0):
@@ -151,9 +159,11 @@ class JobOutputs:
                 if name[len(prefix):].startswith(layout.IMAGES_DIR + "/")}
 
     def rows(self, kind: str) -> list[dict]:
+        """Rows of `manifest`, `existing` (under manifest/) or `errors`."""
+        folder = layout.MANIFEST_DIR if kind == layout.EXISTING_PREFIX else kind
         out = []
         for rel in sorted(self.relnames()):
-            if rel.startswith(f"{kind}/{kind}-") and rel.endswith(layout.ROWS_SUFFIX):
+            if rel.startswith(f"{folder}/{kind}-") and rel.endswith(layout.ROWS_SUFFIX):
                 data = self.emulator.read_bytes(f"{self.output}/{rel}").decode("utf-8")
                 out.extend(json.loads(line) for line in data.splitlines() if line.strip())
         return out

@@ -20,8 +20,9 @@ def read(path: str) -> bytes:
 
 
 def rows(output: str, kind: str) -> list[dict]:
-    """Every row of `{output}/{kind}/{kind}-*.jsonl` (kind: manifest or errors)."""
-    pattern = layout.join(output, f"{kind}/{kind}-*.jsonl")
+    """Every row of `{output}/{kind}/{kind}-*.jsonl` (kind: manifest or errors; existing: manifest/existing-*)."""
+    folder = layout.MANIFEST_DIR if kind == layout.EXISTING_PREFIX else kind
+    pattern = layout.join(output, f"{folder}/{kind}-*.jsonl")
     out = []
     for meta in FileSystems.match([pattern])[0].metadata_list:
         out.extend(json.loads(line) for line in read(meta.path).decode("utf-8").splitlines() if line.strip())

@@ -1,8 +1,10 @@
 """PNG encoding with text chunks, atomic writes (local and GCS emulator), skip-existing, error rows, summary."""
 
+import hashlib
 import io
 import json
 import os
+import re
 
 import apache_beam as beam
 import numpy as np
@@ -13,7 +15,8 @@ from PIL import Image
 
 from transforms import layout
 from transforms.outputs import (
-    SkipExisting, build_summary, encode_png, failed_batch_rows, png_text, read_bytes, write_bytes_atomic,
+    ExistingImageMismatch, SkipExisting, build_summary, encode_png, existing_manifest_row, failed_batch_rows,
+    png_text, read_bytes, write_bytes_atomic,
 )
 from transforms.progress import ProgressWriter, progress_line, read_progress
 from transforms.requests import GenerationRequest, ImageTask
@@ -84,17 +87,52 @@ def test_failed_batch_rows_one_per_image():
     assert rows[0]["source"] == "gs://b/p.jsonl"
 
 
-def test_skip_existing(tmp_path):
+def _png_for(task, *, steps=4, guidance=1.0, truncated=False, size=None) -> bytes:
+    h, w = size or (task.request.height, task.request.width)
+    pixels = np.random.default_rng(task.seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    return encode_png(pixels, png_text(task, num_inference_steps=steps, guidance_scale=guidance, model="m",
+                                       prompt_truncated=truncated))
+
+
+def test_skip_existing_keeps_checked_images_and_replaces_the_rest(tmp_path):
     out = str(tmp_path / "out")
-    write_bytes_atomic(layout.join(out, "images/done.png"), b"png")
-    write_bytes_atomic(layout.join(out, "images/multi-1.png"), b"png")
-    tasks = [ImageTask(request("done"), 0), ImageTask(request("todo"), 0)] + request("multi", num_images=2).tasks()
+    done, todo = ImageTask(request("done"), 0), ImageTask(request("todo"), 0)
+    multi = request("multi", num_images=2).tasks()
+    damaged, other = ImageTask(request("damaged"), 0), ImageTask(request("other"), 0)
+    for task in (done, multi[1]):
+        write_bytes_atomic(layout.join(out, task.file_name), _png_for(task))
+    write_bytes_atomic(layout.join(out, damaged.file_name), _png_for(damaged)[:-20])  # cut short
+    write_bytes_atomic(layout.join(out, other.file_name), _png_for(ImageTask(request("other", seed=99), 0)))
+    tasks = [done, todo, *multi, damaged, other]
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
         split = p | beam.Create(tasks) | SkipExisting(out)
         assert_that(split["tasks"] | "t" >> beam.Map(lambda t: t.file_name),
-                    equal_to(["images/todo.png", "images/multi-0.png"]), label="todo")
-        assert_that(split["skipped"] | "s" >> beam.Map(lambda t: t.file_name),
-                    equal_to(["images/done.png", "images/multi-1.png"]), label="skipped")
+                    equal_to(["images/todo.png", "images/multi-0.png", "images/damaged.png", "images/other.png"]),
+                    label="todo")
+        assert_that(split["skipped"] | "s" >> beam.Map(lambda row: (row["file_name"], row["seed"],
+                                                                     row["generation_ms"])),
+                    equal_to([("images/done.png", 11, None), ("images/multi-1.png", 12, None)]), label="skipped")
+
+
+def test_existing_manifest_row_rebuilds_the_row_and_names_each_mismatch():
+    task = ImageTask(request("a", num_inference_steps=4), 0)
+    data = _png_for(task, truncated=True)
+    row = existing_manifest_row(task, data, "gs://b/out/images/a.png")
+    assert row["sha256"] == hashlib.sha256(data).hexdigest() and row["bytes"] == len(data)
+    assert (row["prompt"], row["seed"], row["num_inference_steps"], row["guidance_scale"]) == \
+        ("un café ☕ at dawn", 11, 4, 1.0)
+    assert row["prompt_truncated"] is True and row["model"] == "m" and row["generation_ms"] is None
+    assert list(row)[:len(layout.MANIFEST_FIELDS)] == list(layout.MANIFEST_FIELDS)
+    cases = {
+        "not a readable PNG": data[:-20],
+        "is 48x48 (WxH)": _png_for(task, size=(48, 48)),
+        "its 'seed' differs": _png_for(ImageTask(request("a", seed=5, num_inference_steps=4), 0)),
+        "its 'prompt' differs": _png_for(ImageTask(request("a", prompt="x", num_inference_steps=4), 0)),
+        "its 'num_inference_steps' differs": _png_for(task, steps=8),
+    }
+    for words, bad in cases.items():
+        with pytest.raises(ExistingImageMismatch, match=re.escape(words)):
+            existing_manifest_row(task, bad, "u")
 
 
 def test_skip_existing_with_no_output_yet(tmp_path):

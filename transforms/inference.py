@@ -14,6 +14,7 @@ process to the others; results cross the process boundary as numpy).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import typing
@@ -26,6 +27,20 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from .requests import METRICS_NAMESPACE, ImageTask
+
+LOGGER = logging.getLogger(__name__)
+DEFAULT_INFERENCE_RETRIES = 2
+# Failures that would only fail again on the same batch: retrying them wastes the accelerator's time.
+_DETERMINISTIC_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM")
+
+
+def is_retriable(error: BaseException) -> bool:
+    """Whether a failed generate call is worth running again: not for bad input (ValueError/TypeError) or memory
+    exhaustion (the same batch needs the same memory); yes for everything else (a lost device, a runtime fault)."""
+    if isinstance(error, (ValueError, TypeError, MemoryError)):
+        return False
+    text = f"{type(error).__name__}: {error}"
+    return not any(marker in text for marker in _DETERMINISTIC_MARKERS)
 
 # Loads are counted in a Beam counter, but a model is loaded in DoFn.setup (or in whichever process serves a shared
 # model), where Beam has no metrics context; so loads are noted here and reported from the next bundle of the
@@ -99,10 +114,16 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def __init__(self, model_uri: str, *, dtype: str = "bfloat16", max_sequence_length: int = 512,
                  batch_size: int | None = None, large_model: bool = False, model_copies: int | None = None,
-                 load_kwargs: dict | None = None, env_vars: dict | None = None):
+                 load_kwargs: dict | None = None, env_vars: dict | None = None,
+                 inference_retries: int = DEFAULT_INFERENCE_RETRIES, retry_backoff_s: float = 1.0):
         """`load_kwargs` go to `model.load` as well (e.g. `cache_dir` for gs:// checkpoint copies,
-        `compilation_cache_dir` for a persistent XLA cache)."""
+        `compilation_cache_dir` for a persistent XLA cache). A failed batch is run again up to `inference_retries`
+        times (backoff `retry_backoff_s`, doubling) unless the failure is deterministic (see `is_retriable`)."""
         super().__init__(large_model=large_model, model_copies=model_copies, env_vars=env_vars or {})
+        if inference_retries < 0:
+            raise ValueError(f"inference_retries must be >= 0, got {inference_retries}")
+        self._inference_retries = int(inference_retries)
+        self._retry_backoff_s = float(retry_backoff_s)
         self._model_uri = model_uri
         self._dtype = dtype
         self._max_sequence_length = max_sequence_length
@@ -119,17 +140,37 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def run_inference(self, batch: Sequence[ImageTask], model: LoadedGenerator,
                       inference_args: dict | None = None) -> Iterable[PredictionResult]:
+        """One generate call for the batch, run again on a transient failure; what still fails raises (and
+        RunInference's exception handling turns it into one error row per image)."""
         flush_model_load_metrics()
         tasks = list(batch)
         if not tasks:
             return []
-        first = tasks[0].request
         keys = {t.shape_key for t in tasks}
         if len(keys) != 1:
             raise ValueError(f"a batch mixes shapes {sorted(keys)}; batches must be grouped by shape first")
         Metrics.counter(METRICS_NAMESPACE, "batches").inc()
         Metrics.counter(METRICS_NAMESPACE, f"batches_in_process_{os.getpid()}").inc()
         Metrics.distribution(METRICS_NAMESPACE, "batch_size").update(len(tasks))
+        attempt = 0
+        while True:
+            try:
+                return self.generate_once(tasks, model)
+            except Exception as e:  # noqa: BLE001 - classified below; what is not retried propagates unchanged
+                if attempt >= self._inference_retries or not is_retriable(e):
+                    raise
+                attempt += 1
+                Metrics.counter(METRICS_NAMESPACE, "inference_retries").inc()
+                delay = self._retry_backoff_s * 2 ** (attempt - 1)
+                # The batch's ids, never its prompts: prompt text is not logged at INFO or above.
+                LOGGER.warning("generate failed for a batch of %d image(s) (%s: %.200s); retry %d of %d in %.1f s; "
+                               "first id %s", len(tasks), type(e).__name__, e, attempt, self._inference_retries,
+                               delay, tasks[0].request.id)
+                time.sleep(delay)
+
+    def generate_once(self, tasks: list[ImageTask], model: LoadedGenerator) -> list[PredictionResult]:
+        """One attempt: generate the batch and wrap each image in a PredictionResult."""
+        first = tasks[0].request
         out = model.generate_batch([t.request.prompt for t in tasks], [t.seed for t in tasks], first.height,
                                    first.width, first.num_inference_steps, first.guidance_scale)
         images = out["images"]

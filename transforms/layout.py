@@ -3,6 +3,8 @@
     {output}/images/{id}.png                 one image per request (num_images == 1)
     {output}/images/{id}-{j}.png             image j of a request with num_images > 1
     {output}/manifest/manifest-*.jsonl       one row per image written by this run
+    {output}/manifest/existing-*.jsonl       one row per image this run found already there (--skip_existing);
+                                             with manifest-*, every image of the job exactly once
     {output}/errors/errors-*.jsonl           one row per rejected record or failed image
     {output}/summary.json                    the run's figures
 
@@ -18,6 +20,7 @@ IMAGES_DIR = "images"
 MANIFEST_DIR = "manifest"
 ERRORS_DIR = "errors"
 MANIFEST_PREFIX = "manifest"
+EXISTING_PREFIX = "existing"
 ERRORS_PREFIX = "errors"
 SUMMARY_FILE = "summary.json"
 ROWS_SUFFIX = ".jsonl"
@@ -71,6 +74,11 @@ def images_glob(output: str) -> str:
 def manifest_prefix(output: str) -> str:
     """Prefix handed to WriteToText: files come out as `manifest/manifest-SSSSS-of-NNNNN.jsonl`."""
     return join(output, f"{MANIFEST_DIR}/{MANIFEST_PREFIX}")
+
+
+def existing_prefix(output: str) -> str:
+    """Prefix of the rows for images a --skip_existing run found already written: `manifest/existing-*.jsonl`."""
+    return join(output, f"{MANIFEST_DIR}/{EXISTING_PREFIX}")
 
 
 def errors_prefix(output: str) -> str:
@@ -164,7 +172,7 @@ def manifest_row(
     file_name: str,
     uri: str,
     prompt: str,
-    prompt_truncated: bool,
+    prompt_truncated: bool | None,
     seed: int,
     height: int,
     width: int,
@@ -173,17 +181,18 @@ def manifest_row(
     model: str,
     sha256: str,
     num_bytes: int,
-    generation_ms: float,
+    generation_ms: float | None,
     source: str | None = None,
     line: int | None = None,
 ) -> dict:
-    """One manifest-*.jsonl row (the fixed fields, then `source`/`line` of the record it came from)."""
+    """One manifest-*.jsonl row (the fixed fields, then `source`/`line` of the record it came from).
+    `generation_ms` is None for an image found already written (existing-*.jsonl): its time was not measured."""
     row = {
         "id": request_id,
         "file_name": file_name,
         "uri": uri,
         "prompt": prompt,
-        "prompt_truncated": bool(prompt_truncated),
+        "prompt_truncated": None if prompt_truncated is None else bool(prompt_truncated),
         "seed": int(seed),
         "height": int(height),
         "width": int(width),
@@ -192,7 +201,7 @@ def manifest_row(
         "model": model,
         "sha256": sha256,
         "bytes": int(num_bytes),
-        "generation_ms": round(float(generation_ms), 3),
+        "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
     }
     if source is not None:
         row["source"] = source

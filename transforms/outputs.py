@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import tempfile
 import time
@@ -22,10 +23,11 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
-from . import layout
+from . import layout, retries
 from .requests import METRICS_NAMESPACE, ImageTask
 
 PNG_SOFTWARE = "flux2-klein-beam"
+LOGGER = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------- files
@@ -62,10 +64,12 @@ def read_bytes(path: str) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------- PNG
-def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float, model: str) -> dict[str, str]:
-    """The PNG text chunks: prompt, seed, steps, guidance and model (plus the id), all as strings."""
+def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float, model: str,
+             prompt_truncated: bool | None = None) -> dict[str, str]:
+    """The PNG text chunks: prompt, seed, steps, guidance and model (plus the id, size and whether the prompt was
+    truncated), all as strings; a resumed job rebuilds an image's manifest row from them."""
     r = task.request
-    return {
+    text = {
         "prompt": r.prompt,
         "seed": str(task.seed),
         "num_inference_steps": str(int(num_inference_steps)),
@@ -78,6 +82,9 @@ def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float
         "width": str(r.width),
         "Software": PNG_SOFTWARE,
     }
+    if prompt_truncated is not None:
+        text["prompt_truncated"] = "true" if prompt_truncated else "false"
+    return text
 
 
 def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None) -> bytes:
@@ -108,6 +115,7 @@ class WriteImagesFn(beam.DoFn):
         self._progress = None
 
     def setup(self):
+        retries.install()
         if self._progress_dir:
             from .progress import ProgressWriter
 
@@ -118,7 +126,8 @@ class WriteImagesFn(beam.DoFn):
         task: ImageTask = generated.task
         png = encode_png(generated.pixels, png_text(task, num_inference_steps=generated.num_inference_steps,
                                                     guidance_scale=generated.guidance_scale,
-                                                    model=generated.model))
+                                                    model=generated.model,
+                                                    prompt_truncated=generated.prompt_truncated))
         uri = layout.join(self._output, task.file_name)
         write_bytes_atomic(uri, png, mime_type="image/png")
         self._written.inc()
@@ -139,6 +148,7 @@ class WriteImagesFn(beam.DoFn):
         from .inference import flush_model_load_metrics
 
         flush_model_load_metrics()
+        retries.flush_to_metrics()
         if self._progress is not None:
             self._progress.flush()
 
@@ -147,23 +157,99 @@ class WriteImagesFn(beam.DoFn):
 SKIPPED_TAG = "skipped"
 
 
+class ExistingImageMismatch(ValueError):
+    """An image already at a task's name is not that task's image (other request, wrong size, damaged bytes)."""
+
+    def __init__(self, file_name: str, problem: str):
+        super().__init__(f"{file_name}: {problem}")
+        self.file_name = file_name
+        self.problem = problem
+
+
+def existing_manifest_row(task: ImageTask, data: bytes, uri: str) -> dict:
+    """The manifest row of an image a previous run wrote for `task`, rebuilt from its bytes and PNG text chunks.
+
+    Raises ExistingImageMismatch unless the bytes are a complete, undamaged PNG (every chunk checksum) of the
+    task's size whose text chunks record the task's id, prompt and seed (and its steps and guidance when the
+    record gives them)."""
+    from PIL import Image
+
+    r = task.request
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt, size, text = im.format, im.size, dict(getattr(im, "text", {}) or {})
+        with Image.open(io.BytesIO(data)) as im:
+            im.verify()  # every chunk's CRC, through IEND: a truncated or damaged file fails here
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes; all mean the same here
+        raise ExistingImageMismatch(task.file_name, f"not a readable PNG ({type(e).__name__}: {e})") from None
+    if fmt != "PNG":
+        raise ExistingImageMismatch(task.file_name, f"is {fmt}, not PNG")
+    if size != (r.width, r.height):
+        raise ExistingImageMismatch(task.file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for "
+                                                    f"{r.width}x{r.height}")
+    expected = {"id": r.id, "prompt": r.prompt, "seed": str(task.seed)}
+    if r.num_inference_steps is not None:
+        expected["num_inference_steps"] = str(int(r.num_inference_steps))
+    if r.guidance_scale is not None:
+        expected["guidance_scale"] = repr(float(r.guidance_scale))
+    for key, value in expected.items():
+        if text.get(key) != value:
+            raise ExistingImageMismatch(task.file_name, f"was made for another request (its {key!r} differs)")
+    try:
+        steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
+    except (KeyError, ValueError):
+        raise ExistingImageMismatch(task.file_name, "lacks its steps/guidance text chunks") from None
+    truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
+    return layout.manifest_row(
+        request_id=r.id, file_name=task.file_name, uri=uri, prompt=r.prompt, prompt_truncated=truncated,
+        seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
+        model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
+        generation_ms=None, source=r.source, line=r.line)
+
+
 class _SkipExistingFn(beam.DoFn):
-    def __init__(self):
+    """A task whose image exists and checks out -> its manifest row (tagged `skipped`); else the task, to be
+    generated (an image that does not check out is replaced, and counted)."""
+
+    def __init__(self, output: str):
+        self._output = output
         self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
+        self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
+
+    def setup(self):
+        retries.install()
+
+    def finish_bundle(self):
+        retries.flush_to_metrics()
 
     def process(self, task: ImageTask, existing):
-        if task.file_name in existing:
-            self._skipped.inc()
-            yield beam.pvalue.TaggedOutput(SKIPPED_TAG, task)
-        else:
+        if task.file_name not in existing:
             yield task
+            return
+        uri = layout.join(self._output, task.file_name)
+        try:
+            data = read_bytes(uri)
+        except FileNotFoundError:  # deleted since the listing
+            yield task
+            return
+        try:
+            row = existing_manifest_row(task, data, uri)
+        except ExistingImageMismatch as e:
+            self._replaced.inc()
+            LOGGER.warning("--skip_existing: %s; generating it again", e)
+            yield task
+            return
+        self._skipped.inc()
+        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, row)
 
 
 class SkipExisting(beam.PTransform):
-    """Image tasks -> {'tasks': those whose image is not yet under `{output}/images/`, 'skipped': the others}.
+    """Image tasks -> {'tasks': those still to generate, 'skipped': manifest rows of the images already there}.
 
     The existing images are listed once (one match of `{output}/images/*.png`) and handed to the filter as a side
-    input, rather than one existence check per image.
+    input, rather than one existence check per image. Each listed image of a task is then read and checked
+    (`existing_manifest_row`): its row goes to manifest/existing-*.jsonl, so a resumed job's manifests still list
+    every image, including those of a run that was killed before writing its manifest.
     """
 
     def __init__(self, output: str):
@@ -178,7 +264,7 @@ class SkipExisting(beam.PTransform):
                     | "ImagesGlob" >> beam.Create([layout.images_glob(output)])
                     | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
                     | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}", True)))
-        out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(), beam.pvalue.AsDict(existing)) \
+        out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(output), beam.pvalue.AsDict(existing)) \
             .with_outputs(SKIPPED_TAG, main="tasks")
         return {"tasks": out.tasks, "skipped": out[SKIPPED_TAG]}
 
@@ -225,9 +311,13 @@ def build_summary(counts: dict[str, int], *, started_at: float, finished_at: flo
 
 
 def format_summary(summary: dict) -> str:
-    return (f"records read {summary['records_read']}, images generated {summary['images_generated']}, "
+    text = (f"records read {summary['records_read']}, images generated {summary['images_generated']}, "
             f"skipped {summary['skipped']}, invalid {summary['invalid']}, failed {summary['failed']}, "
             f"wall time {summary['wall_time_s']:.1f} s, {summary['images_per_s']:.3f} images/s")
+    retried = summary.get("retries")
+    if retried:
+        text += ", retries: " + ", ".join(f"{k} {v}" for k, v in retried.items())
+    return text
 
 
 class _WriteSummaryFn(beam.DoFn):
@@ -235,6 +325,12 @@ class _WriteSummaryFn(beam.DoFn):
         self._path = path
         self._started_at = started_at
         self._extra = extra
+
+    def setup(self):
+        retries.install()
+
+    def finish_bundle(self):
+        retries.flush_to_metrics()
 
     def process(self, _, **side):
         counts = {k: v for k, v in side.items() if not k.startswith("_after_")}

@@ -604,6 +604,16 @@ class _ReadRequestsFn(beam.DoFn):
         self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
         self._files = Metrics.counter(METRICS_NAMESPACE, "input_files")
 
+    def setup(self):
+        from . import retries  # lazy: retries imports this module
+
+        retries.install()
+
+    def finish_bundle(self):
+        from . import retries
+
+        retries.flush_to_metrics()
+
     def process(self, readable_file):
         path = readable_file.metadata.path
         fmt = detect_format(path, self._input_format)
