@@ -470,6 +470,7 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
         "text_encoder_attention": ("text encoder uses the transformer's attention setting",
                                    dict(text_encoder_attention=base.attention)),
         "data_parallel": ("one device only", dict(data_parallel=False)),
+        "cpu_compiler_options": ("XLA:CPU default compiler options", dict(cpu_compiler_options=())),
     }
     # Not rows: the persistent cache's effect is the cold/warm compile columns; batch_size is the workload.
     skip = ("reference", "batch_size", "compilation_cache_dir")

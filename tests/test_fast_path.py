@@ -94,6 +94,7 @@ SWITCHES = {
     "context_parallel": dict(context_parallel=True),
     "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
     "compilation_cache_dir": "tmp_cache_dir",
+    "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA:CPU's own defaults
 }
 
 
@@ -305,3 +306,21 @@ def test_analytic_flops_match_xla_cost_analysis(default_gen):
     for stage in ("encode", "denoise", "decode"):
         # XLA also counts elementwise work (norms, softmax, RoPE), which the analytic count leaves out.
         assert analytic[stage] <= xla[stage] * 1.01 and analytic[stage] >= 0.8 * xla[stage], (stage, analytic, xla)
+
+
+def test_cpu_compiler_options_apply_on_cpu_only():
+    """The CPU options reach every CPU program (no YNNPACK dot fusions) and are never given to other platforms."""
+    import types
+
+    import jax
+    import numpy as np
+    from model.engine import EngineOptions, compiler_options_for, make_mesh
+
+    options = EngineOptions()
+    assert compiler_options_for(make_mesh(options), options) == dict(options.cpu_compiler_options)
+    assert compiler_options_for(make_mesh(options), EngineOptions(cpu_compiler_options=())) is None
+    gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
+    assert compiler_options_for(gpu_mesh, options) is None
+    a = jax.numpy.ones((128, 128))
+    compiled = jax.jit(lambda x: x @ x, compiler_options=compiler_options_for(make_mesh(options), options))
+    assert "ynn_fusion" not in compiled.lower(a).compile().as_text()
