@@ -467,8 +467,7 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
         "aot_compile": ("jit on first call instead of AOT", dict(aot_compile=False)),
         "overlap_host": ("no host/device overlap", dict(overlap_host=False)),
         "attention": ("transformer attention 'dot'", dict(attention="dot")),
-        "text_encoder_attention": ("text encoder uses the transformer's attention setting",
-                                   dict(text_encoder_attention=base.attention)),
+        "text_encoder_attention": ("text encoder attention 'xla'", dict(text_encoder_attention="xla")),
         "data_parallel": ("one device only", dict(data_parallel=False)),
         "cpu_compiler_options": ("XLA:CPU default compiler options", dict(cpu_compiler_options=())),
     }

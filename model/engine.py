@@ -43,7 +43,7 @@ class EngineOptions:
     aot_compile: bool = True           # compile each bucket ahead of time, concurrently
     overlap_host: bool = True          # prepare the next batch while the device works on this one
     attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn
-    text_encoder_attention: str = "xla"  # text encoder attention, independent of the transformer's
+    text_encoder_attention: str = "auto"  # text encoder attention (masked): auto = blocked on CPU, xla elsewhere
     data_parallel: bool = True         # shard the batch over all local devices
     context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for

@@ -130,7 +130,7 @@ class Flux2KleinGenerator:
         self.programs = CompiledPrograms(
             text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
             attention=resolve_implementation(options.attention),
-            text_attention=resolve_implementation(options.text_encoder_attention), mesh=self.mesh)
+            text_attention=resolve_implementation(options.text_encoder_attention, masked=True), mesh=self.mesh)
         self._embed_cache: collections.OrderedDict = collections.OrderedDict()
         self._rope_cache: dict = {}
         self._schedule_cache: dict = {}
