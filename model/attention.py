@@ -14,7 +14,7 @@ import jax.numpy as jnp
 logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("auto", "dot", "xla", "cudnn", "blocked")
-KEY_BLOCK = 128  # keys per block of the block-wise attention (a whole sequence when it does not divide)
+KEY_BLOCK = 256  # keys per block of the block-wise attention (a whole sequence when it does not divide)
 
 
 def resolve_implementation(name: str, masked: bool = False) -> str:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 
-@pytest.mark.parametrize("lq,lk,h,hkv,masked", [(256, 256, 4, 4, False), (96, 384, 4, 1, True), (40, 70, 2, 2, True),
+@pytest.mark.parametrize("lq,lk,h,hkv,masked", [(256, 256, 4, 4, False), (96, 512, 4, 1, True), (40, 70, 2, 2, True),
                                                 (768, 768, 4, 4, False)])
 def test_blocked_matches_dot(lq, lk, h, hkv, masked):
     import jax.numpy as jnp
