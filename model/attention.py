@@ -60,13 +60,24 @@ def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK):
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kb = k.reshape(b, n, block, h, d).swapaxes(0, 1)
     vb = v.reshape(b, n, block, h, d).swapaxes(0, 1)
+    skippable = None
     if mask is not None:
-        mask = jnp.broadcast_to(mask, (b, h, lq, lk)).reshape(b, h, lq, n, block).transpose(3, 0, 1, 2, 4)
+        mask = jnp.broadcast_to(mask, (b, h, lq, lk))
+        # A key block masked for every query adds exactly nothing once each row has seen one unmasked key (its
+        # weights are exp(min - max) = 0), so it is skipped: the text encoder's padding keys. Only when no row is
+        # fully masked, whose result (the mean of v, as in `_dot_attention`) needs every block.
+        skippable = jnp.all(jnp.any(mask, axis=-1))
+        mask = mask.reshape(b, h, lq, n, block).transpose(3, 0, 1, 2, 4)
     low = jnp.finfo(jnp.float32).min  # masked logits as in `_dot_attention` (a fully masked row averages v)
 
     def step(carry, blk):
-        m, total, acc = carry
         kk, vv, mm = blk
+        if mm is None:
+            return update(carry, kk, vv, None), None
+        return jax.lax.cond(jnp.any(mm) | ~skippable, lambda c: update(c, kk, vv, mm), lambda c: c, carry), None
+
+    def update(carry, kk, vv, mm):
+        m, total, acc = carry
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, kk, preferred_element_type=jnp.float32,
                             precision=precision) * scale
         if mm is not None:
@@ -76,7 +87,7 @@ def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK):
         corr = jnp.exp(m - m_new)
         pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32,
                         precision=precision)
-        return (m_new, total * corr + p.sum(-1), acc * corr[..., None] + pv), None
+        return m_new, total * corr + p.sum(-1), acc * corr[..., None] + pv
 
     init = (jnp.full((b, h, lq), -jnp.inf, jnp.float32), jnp.zeros((b, h, lq), jnp.float32),
             jnp.zeros((b, h, lq, d), jnp.float32))

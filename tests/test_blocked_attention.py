@@ -35,3 +35,32 @@ def test_auto_is_blocked_on_cpu():
 
     if jax.default_backend() == "cpu":
         assert resolve_implementation("auto") == resolve_implementation("auto", masked=True) == "blocked"
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side):
+    """The text encoder's mask (causal + padding, 512 keys, 20 real tokens): with right padding the key blocks of
+    padding are skipped and the result is bit-identical to computing them; with left padding (fully masked rows)
+    nothing is skipped. Both equal the plain attention."""
+    import jax
+    import jax.numpy as jnp
+
+    from model import attention as attn
+
+    rng = np.random.default_rng(7)
+    lk, real = 512, 20
+    q = jnp.asarray(rng.standard_normal((2, lk, 4, 32), np.float32))
+    k = jnp.asarray(rng.standard_normal((2, lk, 1, 32), np.float32) * 3)
+    v = jnp.asarray(rng.standard_normal((2, lk, 1, 32), np.float32))
+    keep = np.arange(lk) < real if padding_side == "right" else np.arange(lk) >= lk - real
+    mask = jnp.asarray(np.tril(np.ones((lk, lk), bool))[None, None] & keep[None, None, None])
+    scale = 1.0 / np.sqrt(32.0)
+    blocked = jax.jit(lambda q, k, v, m: attn._blocked_attention(q, k, v, m, scale))
+    got = np.asarray(blocked(q, k, v, mask))
+    # the same computation with every block forced to run: a fully masked extra query row disables skipping
+    q1 = jnp.concatenate([q, q[:, :1]], axis=1)
+    m1 = jnp.concatenate([mask, jnp.zeros((1, 1, 1, lk), bool)], axis=2)
+    every_block = np.asarray(blocked(q1, k, v, m1))[:, :lk]
+    np.testing.assert_array_equal(got, every_block)
+    want = np.asarray(attn.attention(q, k, v, mask=mask, implementation="dot"))
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
