@@ -469,7 +469,9 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
         "attention": ("transformer attention 'dot'", dict(attention="dot")),
         "text_encoder_attention": ("text encoder attention 'xla'", dict(text_encoder_attention="xla")),
         "data_parallel": ("one device only", dict(data_parallel=False)),
-        "cpu_compiler_options": ("XLA:CPU default compiler options", dict(cpu_compiler_options=())),
+        # Opt-in (not batch-invariant, see model.engine.EIGEN_DOTS): a row "on" rather than "off".
+        "cpu_compiler_options": ("+ XLA:CPU Eigen dots (opt-in)",
+                                 dict(cpu_compiler_options=(("xla_cpu_experimental_ynn_fusion_type", ""),))),
     }
     # Not rows: the persistent cache's effect is the cold/warm compile columns; batch_size is the workload.
     skip = ("reference", "batch_size", "compilation_cache_dir")

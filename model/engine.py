@@ -24,10 +24,12 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
-# Measured on a 2-core AMD EPYC (small preset, 256x256, fp32): with YNNPACK's per-dot library calls off, XLA:CPU
-# runs dots with Eigen, which is faster for these small matrices (VAE decode ~30% faster, text encoder ~10%,
-# transformer about even). Results change only in float rounding (parity tests pass at their tolerances).
-DEFAULT_CPU_COMPILER_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+# Opt-in XLA:CPU options: YNNPACK's per-dot library calls off, so Eigen runs the dots. Measured on a 2-core AMD EPYC
+# (small preset, 256x256, fp32) it is 10-20% faster (VAE decode ~30%, text encoder ~10%), but an image's rounding
+# then depends on its row in the batch (a pixel off by 1/255 between a batch and the same image alone), and the job
+# promises the same bytes however requests are batched. So it is not the default.
+EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+DEFAULT_CPU_COMPILER_OPTIONS: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,7 @@ SWITCHES = {
     "context_parallel": dict(context_parallel=True),
     "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
     "compilation_cache_dir": "tmp_cache_dir",
-    "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA:CPU's own defaults
+    "cpu_compiler_options": dict(cpu_compiler_options=(("xla_cpu_experimental_ynn_fusion_type", ""),)),  # opt-in
 }
 
 
@@ -316,7 +316,10 @@ def test_cpu_compiler_options_apply_on_cpu_only():
     import numpy as np
     from model.engine import EngineOptions, compiler_options_for, make_mesh
 
-    options = EngineOptions()
+    from model.engine import EIGEN_DOTS
+
+    assert compiler_options_for(make_mesh(EngineOptions()), EngineOptions()) is None  # XLA's defaults by default
+    options = EngineOptions(cpu_compiler_options=EIGEN_DOTS)
     assert compiler_options_for(make_mesh(options), options) == dict(options.cpu_compiler_options)
     assert compiler_options_for(make_mesh(options), EngineOptions(cpu_compiler_options=())) is None
     gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
