@@ -259,23 +259,25 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
 
 
-def _flux2_counters(result) -> dict[str, int]:
-    """The job's `flux2` counters, summed over the steps that report them ({} when the runner has none)."""
+def _query_metrics(result) -> dict | None:
     try:
-        metrics = result.metrics().query()
+        return result.metrics().query()
     except Exception:  # noqa: BLE001 - metrics are informative only
-        return {}
+        return None
+
+
+def _flux2_counters(metrics: dict | None) -> dict[str, int]:
+    """The job's `flux2` counters, summed over the steps that report them ({} when the runner has none)."""
     counters: dict[str, int] = {}
-    for c in metrics["counters"]:  # one name can be reported by several steps: sum them
+    for c in (metrics or {}).get("counters", []):  # one name can be reported by several steps: sum them
         if c.key.metric.namespace == "flux2":
             counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
     return counters
 
 
-def _add_retries(job: JobConfig, summary: dict, result) -> dict:
+def _add_retries(job: JobConfig, summary: dict, counters: dict[str, int]) -> dict:
     """Add what the job retried (GCS requests, inference batches) to summary.json once the job is over: the
     figures are Beam counters, which only the finished job knows (a Dataflow job shows them in its metrics)."""
-    counters = _flux2_counters(result)
     figures = {"gcs": counters.get(retries.GCS_RETRIES, 0) + retries.take_pending(),
                "inference": counters.get("inference_retries", 0)}
     summary = dict(summary, retries=figures)
@@ -283,17 +285,14 @@ def _add_retries(job: JobConfig, summary: dict, result) -> dict:
         write_bytes_atomic(layout.summary_path(job.output), (json.dumps(summary, indent=2) + "\n").encode("utf-8"),
                            mime_type="application/json")
     except Exception as e:  # noqa: BLE001 - the job's outputs are complete; only this addition is lost
-        logger.warning("could not add the retry counts to %s: %s",
-                                            layout.summary_path(job.output), e)
+        logger.warning("could not add the retry counts to %s: %s", layout.summary_path(job.output), e)
     return summary
 
 
-def _print_metrics(result) -> None:
-    try:
-        metrics = result.metrics().query()
-    except Exception:  # noqa: BLE001 - metrics are informative only
+def _print_metrics(metrics: dict | None) -> None:
+    if metrics is None:
         return
-    counters = _flux2_counters(result)
+    counters = _flux2_counters(metrics)
     dists = {d.key.metric.name: d.committed for d in metrics["distributions"] if d.key.metric.namespace == "flux2"}
     if counters:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if "_in_process_" not in k)
@@ -346,11 +345,12 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         if progress_dir:
             shutil.rmtree(progress_dir, ignore_errors=True)
     summary = json.loads(read_bytes(layout.summary_path(job.output)).decode("utf-8"))
-    summary = _add_retries(job, summary, result)
+    metrics = _query_metrics(result)  # once: the retry figures and the printed metrics both come from it
+    summary = _add_retries(job, summary, _flux2_counters(metrics))
     print(f"summary: {format_summary(summary)}")
     print(f"outputs: {layout.join(job.output, layout.IMAGES_DIR)}/, {layout.manifest_prefix(job.output)}-*.jsonl, "
           f"{layout.errors_prefix(job.output)}-*.jsonl, {layout.summary_path(job.output)}")
-    _print_metrics(result)
+    _print_metrics(metrics)
     if job.demo:
         print("demo done: the images are noise (random weights). Use --model with a real FLUX.2 [klein] checkpoint "
               "for real images.")
