@@ -158,6 +158,16 @@ def classify(method: str, raw_path: str, body: bytes = b"", upload_names: dict |
     return RequestInfo(method, path, query, "other", ())
 
 
+def data_path_faults(stats: dict) -> tuple[int, int, list]:
+    """(faults that fail a request, retries seen after them, faults never retried), leaving out delays and
+    bucket-metadata GETs: google-cloud-storage fetches bucket metadata in a background thread that retries on its
+    own clock (default back-off from 1 s), so such a retry may still be asleep when the figures are taken."""
+    failing = sum(n for key, n in stats["injected"].items()
+                  if not key.endswith("/delay") and not key.startswith("bucket/"))
+    retried = stats["retries_total"] - stats["retries"].get("bucket", 0)
+    return failing, retried, [u for u in stats["unretried"] if u[0] != "bucket"]
+
+
 class FaultProxy:
     """A threaded HTTP proxy on 127.0.0.1 in front of `upstream` (e.g. "http://127.0.0.1:9023")."""
 
@@ -182,6 +192,7 @@ class FaultProxy:
         self._forwarded = collections.Counter()       # kind -> requests forwarded to the emulator
         self._upstream_errors = collections.Counter()  # kind -> status >= 500 answered by the emulator itself
         self._pending: collections.Counter = collections.Counter()  # signature -> faults not yet retried
+        self._pending_objects: dict[str, tuple[str, frozenset]] = {}  # signature -> (kind, object names)
         self._retries = collections.Counter()         # kind -> re-sent requests after a fault of ours
         self._log: collections.deque = collections.deque(maxlen=2000)  # last (kind, action, names) injected
         self._total = 0
@@ -220,6 +231,7 @@ class FaultProxy:
                 "retries": dict(self._retries),
                 "retries_total": sum(self._retries.values()),
                 "unretried_faults": sum(self._pending.values()),
+                "unretried": sorted((kind, sorted(names)) for kind, names in self._pending_objects.values()),
                 "upstream_5xx": dict(self._upstream_errors),
                 "requests_total": self._total,
             }
@@ -231,7 +243,7 @@ class FaultProxy:
     def reset_stats(self) -> None:
         with self._lock:
             for c in (self._requests, self._injected, self._forwarded, self._upstream_errors, self._pending,
-                      self._retries):
+                      self._retries, self._pending_objects):
                 c.clear()
             self._log.clear()
             self._total = 0
@@ -276,10 +288,12 @@ class FaultProxy:
         with self._lock:
             self._total += 1
             self._requests[info.kind] += 1
-            if self._pending[signature] > 0:
-                self._pending[signature] -= 1
-                if self._pending[signature] == 0:
-                    del self._pending[signature]
+            retried = self._retried_signature(info, signature)
+            if retried is not None:
+                self._pending[retried] -= 1
+                if self._pending[retried] == 0:
+                    del self._pending[retried]
+                    del self._pending_objects[retried]
                 self._retries[info.kind] += 1
             if self._total > self.max_requests:
                 return "503", 0.0
@@ -291,8 +305,22 @@ class FaultProxy:
                     self._log.append((info.kind, action, info.names))
                     if action != "delay":
                         self._pending[signature] += 1
+                        self._pending_objects[signature] = (info.kind, frozenset(info.names))
                     return action, rule.delay_s
             return None, 0.0
+
+    def _retried_signature(self, info: RequestInfo, signature: str) -> str | None:
+        """The pending fault this request retries: the same request again, or failing that a request of the same
+        kind on one of the same objects (clients may retry differently: a read resumed at another offset, a batch
+        re-sent with only the calls that failed). Called under the lock."""
+        if self._pending[signature] > 0:
+            return signature
+        names = frozenset(info.names)
+        if names:
+            for pending, (kind, pending_names) in self._pending_objects.items():
+                if kind == info.kind and names & pending_names:
+                    return pending
+        return None
 
     def _note_forwarded(self, kind: str, status: int) -> None:
         with self._lock:
