@@ -265,12 +265,14 @@ class JaxEngine:
         import jax
         import jax.numpy as jnp
 
+        from model.engine import per_image_for
         from model.generator import DTYPES
 
         gen, progs = self.gen, self.gen.programs
         tr = gen.config.transformer
         gh, gw = gen.latent_grid(h, w)
-        batch = self._batch(n)
+        # XLA counts a loop body once, so image-by-image programs (a lax.map over the batch) are counted on one image.
+        batch = 1 if per_image_for(progs.mesh, gen.options) else self._batch(n)
         dtype = DTYPES[gen.dtype]
         out = {}
 
@@ -469,9 +471,8 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
         "attention": ("transformer attention 'dot'", dict(attention="dot")),
         "text_encoder_attention": ("text encoder attention 'xla'", dict(text_encoder_attention="xla")),
         "data_parallel": ("one device only", dict(data_parallel=False)),
-        # Opt-in (not batch-invariant, see model.engine.EIGEN_DOTS): a row "on" rather than "off".
-        "cpu_compiler_options": ("+ XLA:CPU Eigen dots (opt-in)",
-                                 dict(cpu_compiler_options=(("xla_cpu_experimental_ynn_fusion_type", ""),))),
+        "cpu_compiler_options": ("XLA:CPU defaults (YNNPACK dots/convs)", dict(cpu_compiler_options=())),
+        "per_image": ("batched programs (not image by image)", dict(per_image=False)),
     }
     # Not rows: the persistent cache's effect is the cold/warm compile columns; batch_size is the workload.
     skip = ("reference", "batch_size", "compilation_cache_dir")

@@ -24,12 +24,13 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
-# Opt-in XLA:CPU options: YNNPACK's per-dot library calls off, so Eigen runs the dots. Measured on a 2-core AMD EPYC
-# (small preset, 256x256, fp32) it is 10-20% faster (VAE decode ~30%, text encoder ~10%), but an image's rounding
-# then depends on its row in the batch (a pixel off by 1/255 between a batch and the same image alone), and the job
-# promises the same bytes however requests are batched. So it is not the default.
+# XLA:CPU options: YNNPACK's fusions off, so Eigen runs the dots and convolutions. Measured on a 2-core AMD EPYC
+# (small preset, 256x256, fp32): VAE decode 165 -> 97 ms, the whole image 886 -> 799 ms at batch 1 and 1419 -> 869
+# ms/img at batch 4 (with `per_image`). Eigen's blocking depends on the matrix sizes, so a batched dot would round an
+# image differently with its batch; the job promises the same bytes however requests are batched, which is why these
+# options go together with `per_image` (every program then sees one image at a time, whatever the batch).
 EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
-DEFAULT_CPU_COMPILER_OPTIONS: tuple = ()
+DEFAULT_CPU_COMPILER_OPTIONS: tuple = EIGEN_DOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ class EngineOptions:
     context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
     compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
+    # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
+    # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
+    per_image: bool | None = None
     # XLA:CPU compiler options (DebugOptions names), applied only when the programs run on CPU; () = XLA's defaults.
     cpu_compiler_options: tuple[tuple[str, str | bool | int], ...] = DEFAULT_CPU_COMPILER_OPTIONS
 
@@ -57,7 +61,7 @@ class EngineOptions:
     def reference_mode(cls, **kw) -> "EngineOptions":
         return cls(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
                    dedupe_prompts=False, embed_cache_size=0, aot_compile=False, overlap_host=False,
-                   attention="dot", text_encoder_attention="dot", cpu_compiler_options=(), **kw)
+                   attention="dot", text_encoder_attention="dot", cpu_compiler_options=(), per_image=False, **kw)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -74,6 +78,16 @@ def compiler_options_for(mesh: Mesh, options: EngineOptions) -> dict | None:
     if not options.cpu_compiler_options or any(d.platform != "cpu" for d in mesh.devices.flat):
         return None
     return dict(options.cpu_compiler_options)
+
+
+def per_image_for(mesh: Mesh, options: EngineOptions) -> bool:
+    """Whether the programs on `mesh` run image by image: as asked, by default on a one-device CPU mesh; never on
+    a mesh of several devices (the batch is split over them instead)."""
+    if mesh.devices.size != 1:
+        return False
+    if options.per_image is None:
+        return all(d.platform == "cpu" for d in mesh.devices.flat)
+    return bool(options.per_image)
 
 
 def make_mesh(options: EngineOptions) -> Mesh:
@@ -120,9 +134,18 @@ class CompiledPrograms:
         self._lock = threading.Lock()
         self._compiled: dict = {}
 
+        per_image = per_image_for(mesh, options)
+
+        def rows(fn, *arrays):
+            """fn over the batch image by image (lax.map, each call on a batch of one) when `per_image`."""
+            if not per_image:
+                return fn(*arrays)
+            out = jax.lax.map(lambda row: fn(*jax.tree.map(lambda a: a[None], row)), arrays)
+            return jax.tree.map(lambda o: o.reshape((-1,) + o.shape[2:]), out)
+
         def encode(state, ids, mask):
             model = nnx.merge(te_graph, state)
-            return model(ids, mask, implementation=text_attention).astype(dtype)
+            return rows(lambda i, m: model(i, m, implementation=text_attention).astype(dtype), ids, mask)
 
         def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale):
             model = nnx.merge(tr_graph, state)
@@ -137,6 +160,10 @@ class CompiledPrograms:
             return (x.astype(jnp.float32) + (sigma_next - sigma) * v.astype(jnp.float32)).astype(x.dtype)
 
         def denoise(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
+            return rows(lambda x, tx, ntx: denoise_batch(state, x, tx, ntx, sigmas, timesteps, cos, sin,
+                                                         guidance_scale), latents, txt, neg_txt)
+
+        def denoise_batch(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
             batch = latents.shape[0]
 
             def step(x, i):
@@ -148,12 +175,15 @@ class CompiledPrograms:
             return out
 
         def single_step(state, x, txt, neg_txt, sigma, sigma_next, timestep, cos, sin, guidance_scale):
-            t = jnp.broadcast_to(timestep.astype(x.dtype), (x.shape[0],)) / 1000
-            return euler(x, velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale), sigma, sigma_next)
+            def one(x, txt, neg_txt):
+                t = jnp.broadcast_to(timestep.astype(x.dtype), (x.shape[0],)) / 1000
+                return euler(x, velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale), sigma, sigma_next)
+
+            return rows(one, x, txt, neg_txt)
 
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
-            image = model.decode_latents(tokens, grid_h, grid_w).astype(jnp.float32)
+            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w).astype(jnp.float32), tokens)
             if not to_uint8:
                 return image
             return jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)

@@ -94,7 +94,8 @@ SWITCHES = {
     "context_parallel": dict(context_parallel=True),
     "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
     "compilation_cache_dir": "tmp_cache_dir",
-    "cpu_compiler_options": dict(cpu_compiler_options=(("xla_cpu_experimental_ynn_fusion_type", ""),)),  # opt-in
+    "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA's defaults (YNNPACK)
+    "per_image": dict(per_image=False),  # batched programs
 }
 
 
@@ -318,7 +319,7 @@ def test_cpu_compiler_options_apply_on_cpu_only():
 
     from model.engine import EIGEN_DOTS
 
-    assert compiler_options_for(make_mesh(EngineOptions()), EngineOptions()) is None  # XLA's defaults by default
+    assert compiler_options_for(make_mesh(EngineOptions()), EngineOptions()) == dict(EIGEN_DOTS)  # the default
     options = EngineOptions(cpu_compiler_options=EIGEN_DOTS)
     assert compiler_options_for(make_mesh(options), options) == dict(options.cpu_compiler_options)
     assert compiler_options_for(make_mesh(options), EngineOptions(cpu_compiler_options=())) is None
@@ -327,3 +328,32 @@ def test_cpu_compiler_options_apply_on_cpu_only():
     a = jax.numpy.ones((128, 128))
     compiled = jax.jit(lambda x: x @ x, compiler_options=compiler_options_for(make_mesh(options), options))
     assert "ynn_fusion" not in compiled.lower(a).compile().as_text()
+
+
+def test_per_image_by_default_on_one_cpu_device_only():
+    import types
+
+    import numpy as np
+    from model.engine import EngineOptions, make_mesh, per_image_for
+
+    mesh = make_mesh(EngineOptions())
+    assert per_image_for(mesh, EngineOptions()) is (mesh.devices.size == 1)
+    assert per_image_for(mesh, EngineOptions(per_image=False)) is False
+    one_gpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
+    assert per_image_for(one_gpu, EngineOptions()) is False
+    assert per_image_for(one_gpu, EngineOptions(per_image=True)) is True
+    four_cpus = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")] * 4))
+    assert per_image_for(four_cpus, EngineOptions(per_image=True)) is False
+
+
+def test_an_image_has_the_same_bytes_whatever_its_batch(tiny_ckpt):
+    """The default CPU path (Eigen dots, image by image) gives each image the same bytes alone, in a batch of three
+    and in a padded batch: the job's promise that batching never changes an output."""
+    import model
+
+    gen = model.load(tiny_ckpt, **KW)
+    batch = gen.generate(PROMPTS[:3], SEEDS[:3], **SIZE)
+    alone = [gen.generate([p], [s], **SIZE)[0] for p, s in zip(PROMPTS[:3], SEEDS[:3])]
+    padded = model.load(tiny_ckpt, batch_size=4, **KW).generate(PROMPTS[1:3], SEEDS[1:3], **SIZE)
+    assert [max_diff(batch[i], alone[i]) for i in range(3)] == [0, 0, 0]
+    assert [max_diff(padded[i], alone[i + 1]) for i in range(2)] == [0, 0]
