@@ -25,7 +25,7 @@ def test_blocked_matches_dot(lq, lk, h, hkv, masked):
         mask = jnp.asarray(mask)
     want = np.asarray(attention(q, k, v, mask=mask, implementation="dot"))
     got = np.asarray(attention(q, k, v, mask=mask, implementation="blocked"))
-    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # the scale is folded into q: other rounding
 
 
 def test_auto_is_blocked_on_cpu():
@@ -63,4 +63,4 @@ def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side):
     every_block = np.asarray(blocked(q1, k, v, m1))[:, :lk]
     np.testing.assert_array_equal(got, every_block)
     want = np.asarray(attn.attention(q, k, v, mask=mask, implementation="dot"))
-    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # the scale is folded into q: other rounding
