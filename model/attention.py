@@ -96,7 +96,8 @@ def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK):
 
     init = (jnp.full((b, hkv, g * lq), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g * lq), jnp.float32),
             jnp.zeros((b, hkv, g * lq, d), jnp.float32))
-    (_, total, acc), _ = jax.lax.scan(step, init, (kb, vb, mask))
+    # Unrolled (a few blocks): bit-identical, and XLA schedules the blocks together (text encoder ~10% faster).
+    (_, total, acc), _ = jax.lax.scan(step, init, (kb, vb, mask), unroll=True)
     out = acc / total[..., None]  # [B, Hkv, G*Lq, D] -> [B, Lq, H, D]
     return out.reshape(b, hkv, g, lq, d).transpose(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
