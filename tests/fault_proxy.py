@@ -191,8 +191,8 @@ class FaultProxy:
         self._injected = collections.Counter()        # (kind, action) -> faults injected
         self._forwarded = collections.Counter()       # kind -> requests forwarded to the emulator
         self._upstream_errors = collections.Counter()  # kind -> status >= 500 answered by the emulator itself
-        self._pending: collections.Counter = collections.Counter()  # signature -> faults not yet retried
-        self._pending_objects: dict[str, tuple[str, frozenset]] = {}  # signature -> (kind, object names)
+        # signature -> (faults not yet retried, kind, object names)
+        self._pending: dict[str, tuple[int, str, frozenset]] = {}
         self._retries = collections.Counter()         # kind -> re-sent requests after a fault of ours
         self._log: collections.deque = collections.deque(maxlen=2000)  # last (kind, action, names) injected
         self._total = 0
@@ -230,8 +230,8 @@ class FaultProxy:
                 "injected_total": sum(self._injected.values()),
                 "retries": dict(self._retries),
                 "retries_total": sum(self._retries.values()),
-                "unretried_faults": sum(self._pending.values()),
-                "unretried": sorted((kind, sorted(names)) for kind, names in self._pending_objects.values()),
+                "unretried_faults": sum(n for n, _, _ in self._pending.values()),
+                "unretried": sorted((kind, sorted(names)) for _, kind, names in self._pending.values()),
                 "upstream_5xx": dict(self._upstream_errors),
                 "requests_total": self._total,
             }
@@ -243,7 +243,7 @@ class FaultProxy:
     def reset_stats(self) -> None:
         with self._lock:
             for c in (self._requests, self._injected, self._forwarded, self._upstream_errors, self._pending,
-                      self._retries, self._pending_objects):
+                      self._retries):
                 c.clear()
             self._log.clear()
             self._total = 0
@@ -290,10 +290,9 @@ class FaultProxy:
             self._requests[info.kind] += 1
             retried = self._retried_signature(info, signature)
             if retried is not None:
-                self._pending[retried] -= 1
-                if self._pending[retried] == 0:
-                    del self._pending[retried]
-                    del self._pending_objects[retried]
+                n, kind, names = self._pending.pop(retried)
+                if n > 1:
+                    self._pending[retried] = (n - 1, kind, names)
                 self._retries[info.kind] += 1
             if self._total > self.max_requests:
                 return "503", 0.0
@@ -304,8 +303,8 @@ class FaultProxy:
                     self._injected[(info.kind, action)] += 1
                     self._log.append((info.kind, action, info.names))
                     if action != "delay":
-                        self._pending[signature] += 1
-                        self._pending_objects[signature] = (info.kind, frozenset(info.names))
+                        n = self._pending.get(signature, (0,))[0]
+                        self._pending[signature] = (n + 1, info.kind, frozenset(info.names))
                     return action, rule.delay_s
             return None, 0.0
 
@@ -313,11 +312,11 @@ class FaultProxy:
         """The pending fault this request retries: the same request again, or failing that a request of the same
         kind on one of the same objects (clients may retry differently: a read resumed at another offset, a batch
         re-sent with only the calls that failed). Called under the lock."""
-        if self._pending[signature] > 0:
+        if signature in self._pending:
             return signature
         names = frozenset(info.names)
         if names:
-            for pending, (kind, pending_names) in self._pending_objects.items():
+            for pending, (_, kind, pending_names) in self._pending.items():
                 if kind == info.kind and names & pending_names:
                     return pending
         return None

@@ -7,8 +7,9 @@ import os
 import subprocess
 import sys
 
-import fault_proxy
 import pytest
+
+import fault_proxy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
