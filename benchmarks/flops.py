@@ -23,8 +23,10 @@ def text_encoder_flops(cfg: TextEncoderConfig, seq_len: int, layers: int, lm_hea
     return float(total)
 
 
-def transformer_flops(cfg: TransformerConfig, text_len: int, image_tokens: int) -> float:
-    """One forward pass of the Flux2 MMDiT for one batch row."""
+def transformer_flops(cfg: TransformerConfig, text_len: int, image_tokens: int,
+                      image_only_last_block: bool = False) -> float:
+    """One forward pass of the Flux2 MMDiT for one batch row (`image_only_last_block`: the last single-stream block
+    computes outputs for the image tokens only, and keys/values for the text tokens)."""
     d, m, t, n = cfg.inner_dim, cfg.mlp_hidden_dim, text_len, image_tokens
     s = t + n
     embed = 2 * n * cfg.in_channels * d + 2 * t * cfg.joint_attention_dim * d
@@ -34,7 +36,11 @@ def transformer_flops(cfg: TransformerConfig, text_len: int, image_tokens: int) 
     double = 2 * s * 4 * d * d + 2 * s * (2 * d * m + m * d) + attention  # img and txt streams: s tokens in all
     single = 2 * s * d * (3 * d + 2 * m) + 2 * s * (d + m) * d + attention
     out = 2 * n * d * cfg.out_channels
-    return float(embed + cond + cfg.num_layers * double + cfg.num_single_layers * single + out)
+    singles = cfg.num_single_layers * single
+    if image_only_last_block and cfg.num_single_layers:
+        last = 2 * t * d * 2 * d + 2 * n * d * (3 * d + 2 * m) + 2 * n * (d + m) * d + 2 * 2 * n * s * d
+        singles += last - single
+    return float(embed + cond + cfg.num_layers * double + singles + out)
 
 
 def _conv(h: int, w: int, cin: int, cout: int, k: int) -> float:
@@ -76,7 +82,8 @@ def encoder_layers_run(cfg: TextEncoderConfig, out_layers=(9, 18, 27), truncated
 
 
 def image_flops(config: PipelineConfig, height: int, width: int, steps: int, *, text_len: int, cfg_guidance: bool,
-                encoder_layers: int, prompts_per_image: float = 1.0, lm_head: bool = False) -> dict:
+                encoder_layers: int, prompts_per_image: float = 1.0, lm_head: bool = False,
+                image_only_last_block: bool = False) -> dict:
     """FLOPs per image by stage: {'encode', 'denoise', 'decode', 'total'}.
 
     `prompts_per_image` is how many text-encoder passes one image costs (1 for distinct prompts; fewer when
@@ -85,6 +92,7 @@ def image_flops(config: PipelineConfig, height: int, width: int, steps: int, *, 
     scale = config.size_multiple
     gh, gw = height // scale, width // scale
     encode = prompts_per_image * text_encoder_flops(config.text_encoder, text_len, encoder_layers, lm_head)
-    denoise = steps * (2 if cfg_guidance else 1) * transformer_flops(config.transformer, text_len, gh * gw)
+    denoise = steps * (2 if cfg_guidance else 1) * transformer_flops(config.transformer, text_len, gh * gw,
+                                                                 image_only_last_block)
     decode = vae_decoder_flops(config.vae, gh, gw)
     return {"encode": encode, "denoise": denoise, "decode": decode, "total": encode + denoise + decode}

@@ -47,6 +47,7 @@ class EngineOptions:
     overlap_host: bool = True          # prepare the next batch while the device works on this one
     attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn
     text_encoder_attention: str = "auto"  # text encoder attention (masked): auto = blocked on CPU, xla elsewhere
+    image_only_last_block: bool = True  # last transformer block: outputs for image tokens only (text ones unused)
     data_parallel: bool = True         # shard the batch over all local devices
     context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
@@ -61,7 +62,8 @@ class EngineOptions:
     def reference_mode(cls, **kw) -> "EngineOptions":
         return cls(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
                    dedupe_prompts=False, embed_cache_size=0, aot_compile=False, overlap_host=False,
-                   attention="dot", text_encoder_attention="dot", cpu_compiler_options=(), per_image=False, **kw)
+                   attention="dot", text_encoder_attention="dot", cpu_compiler_options=(), per_image=False,
+                   image_only_last_block=False, **kw)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -149,10 +151,11 @@ class CompiledPrograms:
 
         def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale):
             model = nnx.merge(tr_graph, state)
+            kw = dict(implementation=attention, image_only_last_block=options.image_only_last_block)
             if neg_txt is None:
-                return model(x, txt, t, cos, sin, implementation=attention)
+                return model(x, txt, t, cos, sin, **kw)
             both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]),
-                         cos, sin, implementation=attention)
+                         cos, sin, **kw)
             pos, neg = jnp.split(both, 2)
             return neg + guidance_scale.astype(pos.dtype) * (pos - neg)
 

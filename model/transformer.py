@@ -16,7 +16,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import TransformerConfig
-from .layers import Linear, RMSNorm, layer_norm
+from .layers import Linear, RMSNorm, layer_norm, precision_for
 
 # ----------------------------------------------------------------------------------------------- positions / RoPE
 
@@ -184,16 +184,24 @@ class ParallelSelfAttention(nnx.Module):
         self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.to_out = Linear(d + m, d, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, implementation):
+    def __call__(self, x, cos, sin, implementation, queries_from: int = 0):
+        """Outputs for the tokens x[:, queries_from:]; keys and values still come from every token. The last block
+        passes the text length, since only the image tokens' outputs are used after it."""
         d = self.inner_dim
-        p = self.to_qkv_mlp_proj(x)
+        p = self.to_qkv_mlp_proj(x[:, queries_from:])
         q, k, v, mlp = p[..., :d], p[..., d:2 * d], p[..., 2 * d:3 * d], p[..., 3 * d:]
-        shape = (*x.shape[:2], self.heads, self.head_dim)
-        q = apply_interleaved_rope(self.norm_q(q.reshape(shape)), cos, sin)
-        k = apply_interleaved_rope(self.norm_k(k.reshape(shape)), cos, sin)
-        out = attention(q, k, v.reshape(shape), implementation=implementation).reshape(*x.shape[:2], d)
+        if queries_from:  # keys and values of the tokens without outputs: only those columns of the projection
+            w = self.to_qkv_mlp_proj.weight[...]
+            kv = jnp.dot(x[:, :queries_from].astype(w.dtype), w[:, d:3 * d], precision=precision_for(w.dtype))
+            k = jnp.concatenate([kv[..., :d], k], axis=1)
+            v = jnp.concatenate([kv[..., d:], v], axis=1)
+        heads = (self.heads, self.head_dim)
+        q = apply_interleaved_rope(self.norm_q(q.reshape(*q.shape[:2], *heads)), cos[queries_from:],
+                                   sin[queries_from:])
+        k = apply_interleaved_rope(self.norm_k(k.reshape(*x.shape[:2], *heads)), cos, sin)
+        out = attention(q, k, v.reshape(*x.shape[:2], *heads), implementation=implementation)
         a, b = jnp.split(mlp, 2, axis=-1)
-        return self.to_out(jnp.concatenate([out, jax.nn.silu(a) * b], axis=-1))
+        return self.to_out(jnp.concatenate([out.reshape(*q.shape[:2], d), jax.nn.silu(a) * b], axis=-1))
 
 
 class SingleStreamBlock(nnx.Module):
@@ -201,9 +209,10 @@ class SingleStreamBlock(nnx.Module):
         self.eps = cfg.eps
         self.attn = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, mod, cos, sin, implementation):
+    def __call__(self, x, mod, cos, sin, implementation, queries_from: int = 0):
         ((shift, scale, gate),) = mod
-        return x + gate * self.attn(layer_norm(x, self.eps) * (1 + scale) + shift, cos, sin, implementation)
+        out = self.attn(layer_norm(x, self.eps) * (1 + scale) + shift, cos, sin, implementation, queries_from)
+        return x[:, queries_from:] + gate * out
 
 
 class AdaLayerNormOut(nnx.Module):
@@ -236,7 +245,9 @@ class Flux2Transformer(nnx.Module):
         self.proj_out = Linear(d, cfg.patch_size ** 2 * cfg.out_channels, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, cos, sin, guidance=None, *,
-                 implementation: str = "xla"):
+                 implementation: str = "xla", image_only_last_block: bool = True):
+        """Velocity for the image tokens. `image_only_last_block`: the last single-stream block computes outputs for
+        the image tokens only (the text tokens' would be discarded); False computes every token, as diffusers."""
         dtype = self.x_embedder.weight.dtype
         # The pipeline passes sigma = t / 1000; the model works on t again, rounded to its own dtype first.
         timestep = timestep.astype(dtype) * 1000
@@ -253,7 +264,8 @@ class Flux2Transformer(nnx.Module):
             img, txt = block(img, txt, mod_img, mod_txt, cos, sin, implementation)
         num_txt = txt.shape[1]
         x = jnp.concatenate([txt, img], axis=1)
-        for block in self.single_transformer_blocks:
-            x = block(x, mod_single, cos, sin, implementation)
-        x = self.norm_out(x[:, num_txt:], temb)
+        last = len(self.single_transformer_blocks) - 1
+        for i, block in enumerate(self.single_transformer_blocks):
+            x = block(x, mod_single, cos, sin, implementation, num_txt if image_only_last_block and i == last else 0)
+        x = self.norm_out(x[:, x.shape[1] - img.shape[1]:], temb)
         return self.proj_out(x)

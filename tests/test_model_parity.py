@@ -116,9 +116,12 @@ def test_transformer_matches_diffusers(which, tiny_ckpt, odd_ckpt):
                        return_dict=False)[0]
     cos, sin = rope_tables(np.concatenate([ids_t, ids_i]), cfg.axes_dims_rope, cfg.rope_theta)
     _, transformer, _ = gen.programs.modules()
-    for impl in ("dot", "xla"):
-        ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation=impl)
-        np.testing.assert_allclose(np.asarray(ours), _np(expected), atol=2e-4, rtol=1e-4, err_msg=impl)
+    for impl in ("dot", "xla", "blocked"):
+        for image_only in (True, False):  # the last block computing image tokens only, or every token
+            ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation=impl,
+                               image_only_last_block=image_only)
+            np.testing.assert_allclose(np.asarray(ours), _np(expected), atol=2e-4, rtol=1e-4,
+                                       err_msg=f"{impl}, image_only_last_block={image_only}")
 
 
 @pytest.mark.parametrize("which", ["tiny", "odd"])
