@@ -471,7 +471,8 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
         "attention": ("transformer attention 'dot'", dict(attention="dot")),
         "text_encoder_attention": ("text encoder attention 'xla'", dict(text_encoder_attention="xla")),
         "data_parallel": ("one device only", dict(data_parallel=False)),
-        "cpu_compiler_options": ("XLA:CPU defaults (YNNPACK dots/convs)", dict(cpu_compiler_options=())),
+        "cpu_compiler_options": ("XLA:CPU defaults in every program (YNNPACK dots/convs)",
+                                 dict(cpu_compiler_options=())),
         "per_image": ("batched programs (not image by image)", dict(per_image=False)),
         "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
     }
@@ -486,6 +487,11 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
             rows.append((f"-{f.name}", what, dataclasses.replace(base, **change)))
         elif isinstance(f.default, bool) and f.default:
             rows.append((f"-{f.name}", f"{f.name}=False", dataclasses.replace(base, **{f.name: False})))
+    from model.engine import EIGEN_DOTS, PROGRAMS
+
+    eigen = tuple((p, EIGEN_DOTS) for p in PROGRAMS)
+    rows.append(("-denoise_ynnpack", "Eigen dots in the transformer too (Eigen everywhere)",
+                 dataclasses.replace(base, cpu_compiler_options=eigen)))
     rows.append(("reference", "everything off (reference mode)", EngineOptions.reference_mode(batch_size=batch)))
     return rows
 

@@ -24,13 +24,17 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
-# XLA:CPU options: YNNPACK's fusions off, so Eigen runs the dots and convolutions. Measured on a 2-core AMD EPYC
-# (small preset, 256x256, fp32): VAE decode 165 -> 97 ms, the whole image 886 -> 799 ms at batch 1 and 1419 -> 869
-# ms/img at batch 4 (with `per_image`). Eigen's blocking depends on the matrix sizes, so a batched dot would round an
-# image differently with its batch; the job promises the same bytes however requests are batched, which is why these
+# XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
+# (YNNPACK dots) for the transformer. Measured on a 2-core AMD EPYC (small preset, 256x256, fp32): Eigen decodes in
+# 97 ms instead of 165; YNNPACK runs the attention dots (contraction over a head dim of 32) about 2x faster than
+# Eigen, one transformer block 4.4 ms instead of 5.3-5.9, and the whole image 786 -> 678 ms at batch 1 and 728 -> 607
+# ms/img at batch 4. Either library's blocking depends on the matrix sizes, so a batched dot may round an image
+# differently with its batch; the job promises the same bytes however requests are batched, which is why these
 # options go together with `per_image` (every program then sees one image at a time, whatever the batch).
 EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
-DEFAULT_CPU_COMPILER_OPTIONS: tuple = EIGEN_DOTS
+PROGRAMS = ("encode", "denoise", "decode")
+# (program, options) pairs; a program not listed compiles with XLA's defaults.
+DEFAULT_CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,15 @@ class EngineOptions:
     # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
     # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
     per_image: bool | None = None
-    # XLA:CPU compiler options (DebugOptions names), applied only when the programs run on CPU; () = XLA's defaults.
-    cpu_compiler_options: tuple[tuple[str, str | bool | int], ...] = DEFAULT_CPU_COMPILER_OPTIONS
+    # XLA:CPU compiler options (DebugOptions names) by program (encode / denoise / decode), applied only when the
+    # programs run on CPU; a program not listed, and () for all, gets XLA's defaults.
+    cpu_compiler_options: tuple[tuple[str, tuple[tuple[str, str | bool | int], ...]], ...] = \
+        DEFAULT_CPU_COMPILER_OPTIONS
+
+    def __post_init__(self):
+        unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
+        if unknown:
+            raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
 
     @classmethod
     def reference_mode(cls, **kw) -> "EngineOptions":
@@ -75,11 +86,14 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def compiler_options_for(mesh: Mesh, options: EngineOptions) -> dict | None:
-    """The XLA compiler options for programs on `mesh`: the CPU options only when every device is a CPU."""
-    if not options.cpu_compiler_options or any(d.platform != "cpu" for d in mesh.devices.flat):
+def compiler_options_for(mesh: Mesh, options: EngineOptions, program: str) -> dict | None:
+    """The XLA compiler options for `program` on `mesh`: its CPU options, only when every device is a CPU."""
+    if program not in PROGRAMS:
+        raise ValueError(f"unknown program {program!r}; choose from {PROGRAMS}")
+    if any(d.platform != "cpu" for d in mesh.devices.flat):
         return None
-    return dict(options.cpu_compiler_options)
+    chosen = dict(options.cpu_compiler_options).get(program)
+    return dict(chosen) if chosen else None
 
 
 def per_image_for(mesh: Mesh, options: EngineOptions) -> bool:
@@ -192,11 +206,13 @@ class CompiledPrograms:
             return jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)
 
         # Compiler options ride on the jitted functions, so AOT `.lower().compile()` and plain jit both get them.
-        copts = compiler_options_for(mesh, options)
-        self._encode = jax.jit(encode, compiler_options=copts)
-        self._denoise = jax.jit(denoise, donate_argnums=(1,), compiler_options=copts)
-        self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts)
-        self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts)
+        def copts(program):
+            return compiler_options_for(mesh, options, program)
+
+        self._encode = jax.jit(encode, compiler_options=copts("encode"))
+        self._denoise = jax.jit(denoise, donate_argnums=(1,), compiler_options=copts("denoise"))
+        self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
+        self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
 
     def modules(self):
         """(text_encoder, transformer, vae) as NNX modules over the device-resident parameters."""

@@ -311,25 +311,39 @@ def test_analytic_flops_match_xla_cost_analysis(default_gen):
         assert analytic[stage] <= xla[stage] * 1.01 and analytic[stage] >= 0.8 * xla[stage], (stage, analytic, xla)
 
 
-def test_cpu_compiler_options_apply_on_cpu_only():
-    """The CPU options reach every CPU program (no YNNPACK dot fusions) and are never given to other platforms."""
+def test_cpu_compiler_options_apply_per_program_and_on_cpu_only():
+    """By default Eigen runs the encoder's and decoder's dots (no YNNPACK fusions) and XLA's defaults (YNNPACK)
+    the transformer's; the options are never given to other platforms, and unknown program names are refused."""
     import types
 
     import jax
     import numpy as np
-    from model.engine import EngineOptions, compiler_options_for, make_mesh
+    from model.engine import EIGEN_DOTS, EngineOptions, compiler_options_for, make_mesh
 
-    from model.engine import EIGEN_DOTS
-
-    assert compiler_options_for(make_mesh(EngineOptions()), EngineOptions()) == dict(EIGEN_DOTS)  # the default
-    options = EngineOptions(cpu_compiler_options=EIGEN_DOTS)
-    assert compiler_options_for(make_mesh(options), options) == dict(options.cpu_compiler_options)
-    assert compiler_options_for(make_mesh(options), EngineOptions(cpu_compiler_options=())) is None
+    default = EngineOptions()
+    mesh = make_mesh(default)
+    assert compiler_options_for(mesh, default, "encode") == dict(EIGEN_DOTS)
+    assert compiler_options_for(mesh, default, "decode") == dict(EIGEN_DOTS)
+    assert compiler_options_for(mesh, default, "denoise") is None
+    everywhere = EngineOptions(cpu_compiler_options=tuple((p, EIGEN_DOTS) for p in ("encode", "denoise", "decode")))
+    assert compiler_options_for(mesh, everywhere, "denoise") == dict(EIGEN_DOTS)
+    assert all(compiler_options_for(mesh, EngineOptions(cpu_compiler_options=()), p) is None
+               for p in ("encode", "denoise", "decode"))
     gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
-    assert compiler_options_for(gpu_mesh, options) is None
-    a = jax.numpy.ones((128, 128))
-    compiled = jax.jit(lambda x: x @ x, compiler_options=compiler_options_for(make_mesh(options), options))
-    assert "ynn_fusion" not in compiled.lower(a).compile().as_text()
+    assert compiler_options_for(gpu_mesh, everywhere, "encode") is None
+    with pytest.raises(ValueError, match="vae"):
+        EngineOptions(cpu_compiler_options=(("vae", EIGEN_DOTS),))
+    with pytest.raises(ValueError, match="vae"):
+        compiler_options_for(mesh, default, "vae")
+    # An attention-shaped dot: YNNPACK takes it under XLA's defaults, Eigen under the encoder's options.
+    q = jax.numpy.ones((4, 768, 32))
+
+    def text(program):
+        fn = jax.jit(lambda a: a @ a.transpose(0, 2, 1), compiler_options=compiler_options_for(mesh, default, program))
+        return fn.lower(q).compile().as_text()
+
+    assert "ynn_fusion" not in text("encode")
+    assert "ynn_fusion" in text("denoise")
 
 
 def test_per_image_by_default_on_one_cpu_device_only():
