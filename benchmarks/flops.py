@@ -54,8 +54,9 @@ def _resnet(h: int, w: int, cin: int, cout: int) -> float:
     return flops
 
 
-def vae_decoder_flops(cfg: VAEConfig, grid_h: int, grid_w: int) -> float:
-    """Decode one image whose packed latent grid is grid_h x grid_w (the transformer's token grid)."""
+def vae_decoder_flops(cfg: VAEConfig, grid_h: int, grid_w: int, fused_upsample: bool = False) -> float:
+    """Decode one image whose packed latent grid is grid_h x grid_w (the transformer's token grid).
+    `fused_upsample`: each upsampling conv runs as a 2x2 conv with 4x the output channels at the low resolution."""
     h, w = grid_h * cfg.patch_size[0], grid_w * cfg.patch_size[1]
     chans = list(cfg.block_out_channels)
     c = chans[-1]
@@ -71,8 +72,11 @@ def vae_decoder_flops(cfg: VAEConfig, grid_h: int, grid_w: int) -> float:
             flops += _resnet(h, w, prev if j == 0 else out_ch, out_ch)
         prev = out_ch
         if i != len(chans) - 1:
+            if fused_upsample:
+                flops += _conv(h + 1, w + 1, out_ch, 4 * out_ch, 2)
+            else:
+                flops += _conv(2 * h, 2 * w, out_ch, out_ch, 3)
             h, w = 2 * h, 2 * w
-            flops += _conv(h, w, out_ch, out_ch, 3)
     flops += _conv(h, w, chans[0], cfg.out_channels, 3)
     return flops
 
@@ -83,7 +87,7 @@ def encoder_layers_run(cfg: TextEncoderConfig, out_layers=(9, 18, 27), truncated
 
 def image_flops(config: PipelineConfig, height: int, width: int, steps: int, *, text_len: int, cfg_guidance: bool,
                 encoder_layers: int, prompts_per_image: float = 1.0, lm_head: bool = False,
-                image_only_last_block: bool = False) -> dict:
+                image_only_last_block: bool = False, fused_upsample: bool = False) -> dict:
     """FLOPs per image by stage: {'encode', 'denoise', 'decode', 'total'}.
 
     `prompts_per_image` is how many text-encoder passes one image costs (1 for distinct prompts; fewer when
@@ -94,5 +98,5 @@ def image_flops(config: PipelineConfig, height: int, width: int, steps: int, *, 
     encode = prompts_per_image * text_encoder_flops(config.text_encoder, text_len, encoder_layers, lm_head)
     denoise = steps * (2 if cfg_guidance else 1) * transformer_flops(config.transformer, text_len, gh * gw,
                                                                  image_only_last_block)
-    decode = vae_decoder_flops(config.vae, gh, gw)
+    decode = vae_decoder_flops(config.vae, gh, gw, fused_upsample)
     return {"encode": encode, "denoise": denoise, "decode": decode, "total": encode + denoise + decode}

@@ -475,6 +475,7 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
                                  dict(cpu_compiler_options=())),
         "per_image": ("batched programs (not image by image)", dict(per_image=False)),
         "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
+        "fused_upsample": ("VAE upsamples, then a 3x3 conv at the high resolution", dict(fused_upsample=False)),
     }
     # Not rows: the persistent cache's effect is the cold/warm compile columns; batch_size is the workload.
     skip = ("reference", "batch_size", "compilation_cache_dir")
@@ -681,7 +682,8 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
     flops = {
         "optimised": F.image_flops(config, wl.height, wl.width, wl.steps,
                                    encoder_layers=F.encoder_layers_run(te_cfg),
-                                   image_only_last_block=gen.options.image_only_last_block, **common),
+                                   image_only_last_block=gen.options.image_only_last_block,
+                                   fused_upsample=gen.options.fused_upsample, **common),
         "reference": F.image_flops(config, wl.height, wl.width, wl.steps,
                                    encoder_layers=te_cfg.num_hidden_layers, **common),
         "diffusers": F.image_flops(config, wl.height, wl.width, wl.steps,

@@ -63,6 +63,12 @@ def layer_norm(x, eps: float):
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(dtype)
 
 
+# Convolutions with fewer output channels (the VAE's RGB conv_out) run with zero channels up to this many: XLA:CPU's
+# convolution measured ~2x faster for 3x3, 16 -> 8 than 16 -> 3 at 256x256; free elsewhere (MXU/tensor-core tiles
+# are wider anyway).
+MIN_CONV_OUT_CHANNELS = 8
+
+
 class Conv2d(nnx.Module):
     """2-D convolution on NHWC tensors; weight stored as [kh, kw, in, out] (torch: [out, in, kh, kw])."""
 
@@ -77,10 +83,13 @@ class Conv2d(nnx.Module):
     def __call__(self, x):
         p = self.padding
         w = self.weight[...]
+        out = w.shape[-1]
+        if out < MIN_CONV_OUT_CHANNELS:  # zero output channels, sliced off below
+            w = jnp.pad(w, ((0, 0),) * 3 + ((0, MIN_CONV_OUT_CHANNELS - out),))
         y = jax.lax.conv_general_dilated(
             x.astype(w.dtype), w, window_strides=(1, 1), padding=((p, p), (p, p)),
             dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision_for(w.dtype))
-        return y + self.bias[...]
+        return y[..., :out] + self.bias[...]
 
 
 class GroupNorm(nnx.Module):
@@ -96,11 +105,20 @@ class GroupNorm(nnx.Module):
         dtype = x.dtype
         b, h, w, c = x.shape
         g = self.num_groups
-        x32 = x.astype(jnp.float32).reshape(b, h, w, g, c // g)
-        mean = jnp.mean(x32, axis=(1, 2, 4), keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=(1, 2, 4), keepdims=True)
-        x32 = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).reshape(b, h, w, c)
-        return (x32 * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(dtype)
+        per_group = c // g
+        count = h * w * per_group
+        x32 = x.astype(jnp.float32).reshape(b, h * w, c)
+
+        def group_mean(v):  # [B, HW, C] -> [B, 1, C], every channel given its group's mean
+            # sums over the positions first (a reduction along the major axis, vectorised over the channels; ~25%
+            # faster on CPU than one reduction over (H, W, channels of the group)), then over the group's channels
+            means = jnp.sum(v, axis=1).reshape(b, g, per_group).sum(-1) / count
+            return jnp.repeat(means, per_group, axis=1)[:, None, :]
+
+        centered = x32 - group_mean(x32)
+        y = centered * jax.lax.rsqrt(group_mean(centered * centered) + self.eps)
+        y = y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(dtype).reshape(b, h, w, c)
 
 
 class Embed(nnx.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .config import VAEConfig
@@ -66,16 +67,35 @@ class MidBlock(nnx.Module):
         return self.resnets[1](x)
 
 
+# Nearest x2 then a 3x3 conv, seen from the low resolution: output row 2i+a reads input rows (i-1, i) with kernel rows
+# (0 | 1+2) when a = 0, and (i, i+1) with (0+1 | 2) when a = 1; columns likewise. _PHASE_TAPS[a, tap, kernel row].
+_PHASE_TAPS = np.array([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], np.float32)
+
+
 class Upsample(nnx.Module):
-    """Nearest-neighbour x2 (broadcast + reshape, no resize kernel) then a 3x3 conv."""
+    """Nearest-neighbour x2 then a 3x3 conv. `fused`: the same map as one 2x2 conv at the low resolution with the
+    four output phases as channels (16 instead of 36 multiply-adds per input pixel and channel pair, and no
+    upsampled copy), then interleaved; otherwise upsample (broadcast + reshape) and convolve."""
 
     def __init__(self, ch: int, *, dtype, rngs: nnx.Rngs):
         self.conv = Conv2d(ch, ch, 3, padding=1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, fused: bool = True):
         b, h, w, c = x.shape
-        x = jnp.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
-        return self.conv(x)
+        if not fused:
+            x = jnp.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
+            return self.conv(x)
+        weight = self.conv.weight[...]
+        co = weight.shape[-1]
+        # kernel[r, s, i, (a, b, o)]: phase (a, b)'s 2x2 kernel, its taps summed in float32
+        kernel = jnp.einsum("arm,bsn,mnio->rsiabo", _PHASE_TAPS, _PHASE_TAPS, weight.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST).reshape(2, 2, c, 4 * co).astype(weight.dtype)
+        xp = jnp.pad(x.astype(weight.dtype), ((0, 0), (1, 1), (1, 1), (0, 0)))
+        y = jax.lax.conv_general_dilated(xp, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                         precision=precision_for(weight.dtype))
+        y = y.reshape(b, h + 1, w + 1, 2, 2, co)  # phase (a, b) of output pixel (i, j) sits at y[i + a, j + b, a, b]
+        rows = [jnp.stack([y[:, a:a + h, bb:bb + w, a, bb] for bb in range(2)], axis=3) for a in range(2)]
+        return jnp.stack(rows, axis=2).reshape(b, 2 * h, 2 * w, co) + self.conv.bias[...]
 
 
 class UpBlock(nnx.Module):
@@ -85,11 +105,11 @@ class UpBlock(nnx.Module):
                                  for i in range(num_resnets)])
         self.upsamplers = nnx.List([Upsample(out_ch, dtype=dtype, rngs=rngs)]) if add_upsample else None
 
-    def __call__(self, x):
+    def __call__(self, x, fused_upsample: bool = True):
         for resnet in self.resnets:
             x = resnet(x)
         if self.upsamplers is not None:
-            x = self.upsamplers[0](x)
+            x = self.upsamplers[0](x, fused_upsample)
         return x
 
 
@@ -110,10 +130,10 @@ class Decoder(nnx.Module):
         self.conv_norm_out = GroupNorm(groups, chans[0], eps=RESNET_EPS, dtype=dtype)
         self.conv_out = Conv2d(chans[0], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, z):
+    def __call__(self, z, fused_upsample: bool = True):
         x = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
-            x = block(x)
+            x = block(x, fused_upsample)
         return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
 
 
@@ -193,13 +213,14 @@ class Flux2VAEDecoder(nnx.Module):
         self.decoder = Decoder(cfg, dtype=dtype, rngs=rngs)
         self.bn = BatchNormStats(cfg.patched_channels)
 
-    def decode(self, z):
-        """z: NHWC latents [B, h, w, latent_channels] -> NHWC image [B, H, W, out_channels] in about [-1, 1]."""
+    def decode(self, z, fused_upsample: bool = True):
+        """z: NHWC latents [B, h, w, latent_channels] -> NHWC image [B, H, W, out_channels] in about [-1, 1].
+        `fused_upsample`: see `Upsample`."""
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
-        return self.decoder(z)
+        return self.decoder(z, fused_upsample)
 
-    def decode_latents(self, tokens, grid_h: int, grid_w: int):
+    def decode_latents(self, tokens, grid_h: int, grid_w: int, fused_upsample: bool = True):
         """Packed tokens [B, grid_h*grid_w, C*p*p] -> image [B, H, W, out]: BN de-norm, unpatchify, decode."""
         cfg = self.config
         ph, pw = cfg.patch_size
@@ -210,4 +231,4 @@ class Flux2VAEDecoder(nnx.Module):
         # patched channel index = c * (ph * pw) + dy * pw + dx
         x = x.reshape(b, grid_h, grid_w, cfg.latent_channels, ph, pw)
         x = x.transpose(0, 1, 4, 2, 5, 3).reshape(b, grid_h * ph, grid_w * pw, cfg.latent_channels)
-        return self.decode(x)
+        return self.decode(x, fused_upsample)

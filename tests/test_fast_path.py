@@ -97,6 +97,7 @@ SWITCHES = {
     "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA's defaults (YNNPACK)
     "per_image": dict(per_image=False),  # batched programs
     "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
+    "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
 }
 
 
@@ -304,7 +305,8 @@ def test_analytic_flops_match_xla_cost_analysis(default_gen):
     cfg = default_gen.config
     analytic = F.image_flops(cfg, h, w, steps, text_len=KW["max_sequence_length"], cfg_guidance=False,
                              encoder_layers=F.encoder_layers_run(cfg.text_encoder),
-                             image_only_last_block=default_gen.options.image_only_last_block)
+                             image_only_last_block=default_gen.options.image_only_last_block,
+                             fused_upsample=default_gen.options.fused_upsample)
     xla = JaxEngine("optimised", default_gen).xla_flops(2, h, w, steps, False)
     for stage in ("encode", "denoise", "decode"):
         # XLA also counts elementwise work (norms, softmax, RoPE), which the analytic count leaves out.
