@@ -47,14 +47,15 @@ class Qwen3Attention(nnx.Module):
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, mask, implementation):
+    def __call__(self, x, cos, sin, key_mask, implementation):
+        """Causal self-attention; `key_mask` [B, L] marks the real (non-padding) tokens."""
         b, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, length, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(b, length, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(b, length, self.num_kv_heads, self.head_dim)
         q = apply_rotate_half(q, cos, sin)
         k = apply_rotate_half(k, cos, sin)
-        out = attention(q, k, v, mask=mask, implementation=implementation)
+        out = attention(q, k, v, causal=True, key_mask=key_mask, implementation=implementation)
         return self.o_proj(out.reshape(b, length, self.num_heads * self.head_dim))
 
 
@@ -75,8 +76,8 @@ class Qwen3DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask, implementation):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, implementation)
+    def __call__(self, x, cos, sin, key_mask, implementation):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_mask, implementation)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -118,12 +119,11 @@ class Qwen3TextEncoder(nnx.Module):
         cfg = self.config
         length = input_ids.shape[1]
         cos, sin = rope_tables(np.arange(length), cfg.head_dim, cfg.rope_theta)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        mask = causal[None, None, :, :] & attention_mask.astype(bool)[:, None, None, :]
+        key_mask = attention_mask.astype(bool)  # causal and key-padding masks, applied by `attention`
         x = self.model.embed_tokens(input_ids)
         states = [x]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, implementation)
+            x = layer(x, cos, sin, key_mask, implementation)
             if i + 1 == cfg.num_hidden_layers:
                 x = self.model.norm(x)  # transformers' last hidden state is the normed one
             states.append(x)

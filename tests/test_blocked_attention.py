@@ -1,4 +1,6 @@
-"""The block-wise (online-softmax) attention equals the plain one: masks, grouped-query heads, odd lengths."""
+"""Every attention implementation equals the plain one: masks (dense, causal, key padding), grouped-query heads, odd
+lengths; the block-wise one also skips padding blocks without changing a bit. The splash kernel runs in Pallas
+interpret mode off TPU."""
 
 from __future__ import annotations
 
@@ -64,3 +66,80 @@ def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side):
     np.testing.assert_array_equal(got, every_block)
     want = np.asarray(attn.attention(q, k, v, mask=mask, implementation="dot"))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # the scale is folded into q: other rounding
+
+
+@pytest.mark.parametrize("impl", ["blocked", "xla", "splash", "dot"])
+@pytest.mark.parametrize("lq,h,hkv,padding", [(40, 4, 2, "right"), (40, 4, 2, "left"), (130, 2, 2, "right"),
+                                              (256, 4, 1, "left"), (512, 4, 1, "left"), (24, 3, 3, None)])
+def test_causal_and_key_masks_match_the_dense_mask(impl, lq, h, hkv, padding):
+    """`causal=True, key_mask=...` (how the text encoder asks) == the same mask written out dense, for every
+    implementation: right padding, left padding (rows before the first real token see no key and average v),
+    lengths that are not a multiple of any block, grouped-query heads; without a key mask, causal alone."""
+    import jax.numpy as jnp
+
+    from model.attention import attention
+
+    rng = np.random.default_rng(lq * 10 + h)
+    q = jnp.asarray(rng.standard_normal((2, lq, h, 16), np.float32))
+    k = jnp.asarray(rng.standard_normal((2, lq, hkv, 16), np.float32) * 3)
+    v = jnp.asarray(rng.standard_normal((2, lq, hkv, 16), np.float32))
+    key_mask = None
+    if padding:
+        real = np.array([lq // 3, lq // 2 - 5])  # a different number of real tokens in each row
+        pos = np.arange(lq)[None]
+        key_mask = pos < real[:, None] if padding == "right" else pos >= lq - real[:, None]
+    dense = np.tril(np.ones((lq, lq), bool))[None, None]
+    if key_mask is not None:
+        dense = dense & key_mask[:, None, None, :]
+    want = np.asarray(attention(q, k, v, mask=jnp.asarray(dense), implementation="dot"))
+    got = np.asarray(attention(q, k, v, causal=True, key_mask=None if key_mask is None else jnp.asarray(key_mask),
+                               implementation=impl))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("lq,lk", [(24, 24), (100, 300)])
+def test_splash_without_masks_matches_dot(lq, lk):
+    """The transformer's case: no mask, lengths padded up to the kernel's block and the padding keys excluded."""
+    import jax.numpy as jnp
+
+    from model.attention import attention
+
+    rng = np.random.default_rng(lq)
+    q = jnp.asarray(rng.standard_normal((2, lq, 4, 16), np.float32))
+    k = jnp.asarray(rng.standard_normal((2, lk, 4, 16), np.float32) * 3)
+    v = jnp.asarray(rng.standard_normal((2, lk, 4, 16), np.float32))
+    want = np.asarray(attention(q, k, v, implementation="dot"))
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, implementation="splash")), want, atol=2e-5, rtol=2e-5)
+
+
+def test_structured_masks_skip_the_same_blocks_bit_for_bit():
+    """The blocked attention given (causal, key_mask) computes exactly what it computes from the dense mask."""
+    import jax
+    import jax.numpy as jnp
+
+    from model import attention as attn
+
+    rng = np.random.default_rng(3)
+    lk, real = 512, 20
+    q = jnp.asarray(rng.standard_normal((2, lk, 4, 32), np.float32))
+    k = jnp.asarray(rng.standard_normal((2, lk, 1, 32), np.float32) * 3)
+    v = jnp.asarray(rng.standard_normal((2, lk, 1, 32), np.float32))
+    keys = jnp.asarray(np.broadcast_to(np.arange(lk) < real, (2, lk)))
+    dense = jnp.tril(jnp.ones((lk, lk), bool))[None, None] & keys[:, None, None, :]
+    scale = 1.0 / np.sqrt(32.0)
+    structured = jax.jit(lambda q, k, v, m: attn._blocked_attention(q, k, v, None, scale, causal=True, key_mask=m))
+    from_dense = jax.jit(lambda q, k, v, m: attn._blocked_attention(q, k, v, m, scale))
+    np.testing.assert_array_equal(np.asarray(structured(q, k, v, keys)), np.asarray(from_dense(q, k, v, dense)))
+
+
+def test_auto_picks_splash_on_one_tpu_chip_only():
+    import jax
+
+    from model.attention import resolve_implementation
+
+    if jax.default_backend() == "tpu":
+        assert resolve_implementation("auto", devices=1) == "splash"
+        assert resolve_implementation("auto", devices=4) == "xla"
+    else:  # elsewhere 'splash' stays what was asked for (Pallas interpret mode), 'auto' never picks it
+        assert resolve_implementation("splash") == "splash"
+        assert "splash" not in {resolve_implementation("auto", masked=m, devices=d) for m in (0, 1) for d in (1, 4)}

@@ -101,6 +101,15 @@ SWITCHES = {
 }
 
 
+
+def test_splash_kernel_gives_default_images(tiny_ckpt, default_images):
+    """The TPU splash kernel (here in Pallas interpret mode) for the transformer and for the masked text encoder."""
+    import model
+    from model.engine import EngineOptions
+
+    gen = model.load(tiny_ckpt, options=EngineOptions(attention="splash", text_encoder_attention="splash"), **KW)
+    assert max_diff(gen.generate(PROMPTS, SEEDS, **SIZE), default_images) <= 1
+
 def test_every_switch_is_covered():
     from model.engine import EngineOptions
 

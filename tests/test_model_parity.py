@@ -58,8 +58,9 @@ def test_text_encoder_matches_transformers(gen32, reference_pipe):
     ours = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation="dot"))
     assert ours.shape == tuple(ref.shape)
     np.testing.assert_allclose(ours, _np(ref), atol=2e-4, rtol=1e-4)
-    ours_xla = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation="xla"))
-    np.testing.assert_allclose(ours_xla, _np(ref), atol=2e-4, rtol=1e-4)
+    for impl in ("xla", "blocked", "splash"):  # causal + padding masks in every implementation
+        other = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation=impl))
+        np.testing.assert_allclose(other, _np(ref), atol=2e-4, rtol=1e-4, err_msg=impl)
 
 
 def test_every_hidden_state_including_the_normed_last(tiny_ckpt, reference_pipe):
@@ -116,7 +117,7 @@ def test_transformer_matches_diffusers(which, tiny_ckpt, odd_ckpt):
                        return_dict=False)[0]
     cos, sin = rope_tables(np.concatenate([ids_t, ids_i]), cfg.axes_dims_rope, cfg.rope_theta)
     _, transformer, _ = gen.programs.modules()
-    for impl in ("dot", "xla", "blocked"):
+    for impl in ("dot", "xla", "blocked", "splash"):
         for image_only in (True, False):  # the last block computing image tokens only, or every token
             ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation=impl,
                                image_only_last_block=image_only)
