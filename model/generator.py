@@ -127,11 +127,12 @@ class Flux2KleinGenerator:
         from .attention import resolve_implementation
 
         self.mesh = make_mesh(options)
+        devices = self.mesh.devices.size
         self.programs = CompiledPrograms(
             text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
-            attention=resolve_implementation(options.attention, devices=self.mesh.devices.size),
-            text_attention=resolve_implementation(options.text_encoder_attention, masked=True,
-                                                  devices=self.mesh.devices.size), mesh=self.mesh)
+            attention=resolve_implementation(options.attention, devices=devices),
+            text_attention=resolve_implementation(options.text_encoder_attention, masked=True, devices=devices),
+            mesh=self.mesh)
         self._embed_cache: collections.OrderedDict = collections.OrderedDict()
         self._rope_cache: dict = {}
         self._schedule_cache: dict = {}
