@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .layers import round_to_dtype
+
 logger = logging.getLogger(__name__)
 # Donation is a no-op on backends that cannot alias the buffers (CPU); that is expected, not worth a warning.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -172,10 +174,21 @@ class CompiledPrograms:
             both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]),
                          cos, sin, **kw)
             pos, neg = jnp.split(both, 2)
-            return neg + guidance_scale.astype(pos.dtype) * (pos - neg)
+            # neg + scale * (pos - neg) with a rounding to the model's dtype after each op, as PyTorch does
+            r = lambda a: round_to_dtype(a, pos.dtype)  # noqa: E731
+            pos, neg = pos.astype(jnp.float32), neg.astype(jnp.float32)
+            return r(neg + r(guidance_scale * r(pos - neg))).astype(pos.dtype)
 
         def euler(x, v, sigma, sigma_next):
-            return (x.astype(jnp.float32) + (sigma_next - sigma) * v.astype(jnp.float32)).astype(x.dtype)
+            """x + (sigma_next - sigma) * v in float32, rounded like diffusers' scheduler step in a low-precision
+            dtype (the step size and its product with v in v's dtype, the sum in float32, then x's dtype)."""
+            r = lambda a: round_to_dtype(a, v.dtype)  # noqa: E731
+            update = r(r(sigma_next - sigma) * v.astype(jnp.float32))
+            return (x.astype(jnp.float32) + update).astype(x.dtype)
+
+        def model_timestep(timestep, dtype, batch):
+            """sigma as the pipeline hands it to the model: t rounded to the model's dtype, then / 1000, rounded."""
+            return jnp.broadcast_to(round_to_dtype(round_to_dtype(timestep, dtype) / 1000, dtype), (batch,))
 
         def denoise(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
             return rows(lambda x, tx, ntx: denoise_batch(state, x, tx, ntx, sigmas, timesteps, cos, sin,
@@ -185,7 +198,7 @@ class CompiledPrograms:
             batch = latents.shape[0]
 
             def step(x, i):
-                t = jnp.broadcast_to(timesteps[i].astype(x.dtype), (batch,)) / 1000
+                t = model_timestep(timesteps[i], x.dtype, batch)
                 v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale)
                 return euler(x, v, sigmas[i], sigmas[i + 1]), None
 
@@ -194,7 +207,7 @@ class CompiledPrograms:
 
         def single_step(state, x, txt, neg_txt, sigma, sigma_next, timestep, cos, sin, guidance_scale):
             def one(x, txt, neg_txt):
-                t = jnp.broadcast_to(timestep.astype(x.dtype), (x.shape[0],)) / 1000
+                t = model_timestep(timestep, x.dtype, x.shape[0])
                 return euler(x, velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale), sigma, sigma_next)
 
             return rows(one, x, txt, neg_txt)

@@ -18,6 +18,16 @@ def precision_for(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def round_to_dtype(x, dtype):
+    """x rounded to `dtype`'s precision, as float32, by an explicit op that compilers keep.
+
+    PyTorch rounds the result of every bfloat16 op; XLA may keep such intermediates in float32 ("excess precision"),
+    and does so inside fused programs. Where a rounding changes the images (the timestep, fed to sinusoids whose
+    fastest frequency turns 1 rad per unit of t), it is made explicit with this. Identity for float32."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     """Placeholder values: modules are only ever built abstractly (nnx.eval_shape) and filled from a checkpoint,
     so a random initialiser would only cost tracing time (about 20 ms per parameter)."""

@@ -16,7 +16,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import TransformerConfig
-from .layers import Linear, RMSNorm, layer_norm, precision_for
+from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype
 
 # ----------------------------------------------------------------------------------------------- positions / RoPE
 
@@ -249,10 +249,12 @@ class Flux2Transformer(nnx.Module):
         """Velocity for the image tokens. `image_only_last_block`: the last single-stream block computes outputs for
         the image tokens only (the text tokens' would be discarded); False computes every token, as diffusers."""
         dtype = self.x_embedder.weight.dtype
-        # The pipeline passes sigma = t / 1000; the model works on t again, rounded to its own dtype first.
-        timestep = timestep.astype(dtype) * 1000
+        # The pipeline passes sigma = t / 1000; the model works on t again: rounded to its own dtype, times 1000,
+        # rounded again (as diffusers' `timestep.to(dtype) * 1000`; explicit, since XLA may skip bfloat16 roundings
+        # and a 1-unit change of t turns the fastest sinusoid by 1 rad).
+        timestep = round_to_dtype(round_to_dtype(timestep, dtype) * 1000, dtype)
         if guidance is not None:
-            guidance = guidance.astype(dtype) * 1000
+            guidance = round_to_dtype(round_to_dtype(guidance, dtype) * 1000, dtype)
         temb = self.time_guidance_embed(timestep, guidance, dtype)
         mod_img = self.double_stream_modulation_img(temb)
         mod_txt = self.double_stream_modulation_txt(temb)
