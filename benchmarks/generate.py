@@ -574,6 +574,23 @@ def run_ablation(base_gen, path, args, wl: Workload, cache_dir, counter) -> list
     return out
 
 
+def render_in_dtype(path: str, args, wl: Workload, run: int, img_root: str) -> str:
+    """The optimised path in `args.compare_dtype` on run `run`'s prompts and seeds, saved as PNGs next to the
+    benchmarked dtype's; returns the folder (for 'bf16 vs fp32' image similarity)."""
+    import model
+    from model.engine import EngineOptions
+
+    folder = os.path.join(img_root, f"b{wl.batch}", f"optimised-{args.compare_dtype}")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    gen = model.load(path, args.compare_dtype, max_sequence_length=args.max_sequence_length,
+                     options=EngineOptions(batch_size=wl.batch))
+    run_e2e(JaxEngine(f"optimised-{args.compare_dtype}", gen), run, wl, folder)
+    del gen
+    gc.collect()
+    return folder
+
+
 def device_memory() -> dict | None:
     import jax
 
@@ -668,6 +685,7 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
             _, rec = run_e2e(eng, run, wl, dirs[eng.name])
             e2e[eng.name].append(rec)
         run += 1
+    saved_run = run - 1  # the PNGs on disk are this repetition's (same prompts and seeds for every engine)
     info["optimised"]["steady_state_compiles"] = counter.since(steady_snap)["compiles"]
     staged = {eng.name: [] for eng in engines}
     for r in range(args.repeats):
@@ -711,6 +729,12 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
         r = compare_folders(dirs["optimised"], dirs[other])
         sim[f"optimised_vs_{other}"] = {k: r[k] for k in ("compared", "mean_ssim", "min_ssim", "max_abs_diff",
                                                             "mean_abs_diff")}
+    if args.compare_dtype and args.compare_dtype != args.dtype:
+        progress(f"batch {wl.batch}: the same prompts and noise in {args.compare_dtype} (image similarity)")
+        dirs[args.compare_dtype] = render_in_dtype(path, args, wl, saved_run, img_root)
+        r = compare_folders(dirs["optimised"], dirs[args.compare_dtype])
+        sim[f"{args.dtype}_vs_{args.compare_dtype}"] = {
+            k: r[k] for k in ("compared", "mean_ssim", "min_ssim", "max_abs_diff", "mean_abs_diff")}
     result["similarity"] = sim
     result["image_dirs"] = dirs
 
@@ -768,7 +792,8 @@ def markdown(res: dict) -> str:
             f"{k.replace('speedup_vs_', 'vs ')} {_f(v, 2)}x ({_f(sp.get(k + '_excl_save'), 2)}x)"
             for k, v in sp.items() if not k.endswith("_excl_save")) + ".")
         for k, s in b.get("similarity", {}).items():
-            lines.append(f"Images {k.replace('_', ' ')}: mean SSIM {_f(s['mean_ssim'], 5)}, min SSIM "
+            what = k.replace("_", " ") + ("" if k.startswith("optimised_") else " (optimised path in both)")
+            lines.append(f"Images {what}: mean SSIM {_f(s['mean_ssim'], 5)}, min SSIM "
                          f"{_f(s['min_ssim'], 5)}, max |diff| {s['max_abs_diff']}, mean |diff| "
                          f"{_f(s['mean_abs_diff'], 4)} ({s['compared']} images).")
         mem = b.get("device_memory")
@@ -822,6 +847,9 @@ def headline(res: dict, key: str) -> dict:
         out["ssim_vs_reference"] = b["similarity"]["optimised_vs_reference"]["min_ssim"]
     if "optimised_vs_diffusers" in b.get("similarity", {}):
         out["ssim_vs_diffusers"] = b["similarity"]["optimised_vs_diffusers"]["min_ssim"]
+    for k, s in b.get("similarity", {}).items():  # the dtype comparison, e.g. bfloat16_vs_float32
+        if not k.startswith("optimised_"):
+            out[f"ssim_vs_{k.split('_vs_')[1]}"] = s["min_ssim"]
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
@@ -858,6 +886,9 @@ def parse_args(argv=None):
     ap.add_argument("--skip-diffusers", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-ablation", action="store_true")
+    ap.add_argument("--compare-dtype", default=None, choices=["float32", "bfloat16", "none"],
+                    help="also render the last repetition's prompts and noise with the optimised path in this dtype "
+                         "and report image similarity against it (default: float32 when --dtype is bfloat16)")
     ap.add_argument("--cache-root", default=None, help="where preset checkpoints are built and kept")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batch).split(",") if b.strip()]
@@ -865,6 +896,10 @@ def parse_args(argv=None):
         ap.error("--batch needs positive integers")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.compare_dtype is None:
+        args.compare_dtype = "float32" if args.dtype != "float32" else "none"
+    if args.compare_dtype == "none":
+        args.compare_dtype = None
     return args
 
 

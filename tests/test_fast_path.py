@@ -305,6 +305,31 @@ def test_similarity_command_line(tmp_path):
     assert out.returncode == 0 and res["compared"] == 1 and res["only_in_a"] == ["01.png"]
 
 
+def test_benchmark_command_reports_bf16_vs_fp32(tiny_ckpt, tmp_path):
+    """The benchmark's one command runs end to end (tiny checkpoint, bf16) and reports, with the similarity tool,
+    how far bf16 images are from fp32 ones on the same prompts and noise; its last line is the documented JSON."""
+    out_dir = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.generate", "--checkpoint", tiny_ckpt, "--preset", "tiny", "--height", "64",
+         "--width", "64", "--dtype", "bfloat16", "--batch", "1", "--repeats", "1", "--skip-ablation",
+         "--skip-diffusers", "--skip-reference", "--out", str(out_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("ms_per_image", "ms_per_image_reference", "ms_per_image_diffusers", "speedup_vs_reference",
+                "speedup_vs_diffusers", "mfu", "preset", "batch", "dtype", "backend"):
+        assert key in final, key
+    assert final["dtype"] == "bfloat16" and final["batch"] == 1 and final["steady_state_compiles"] == 0
+    assert final["ms_per_image"] > 0 and 0 < final["mfu"] < 1
+    assert -1 <= final["ssim_vs_float32"] < 1  # random tiny weights: bf16 rounding shows in the pixels
+    images = out_dir / "images" / "tiny-64x64-bfloat16" / "b1"
+    assert sorted(os.listdir(images / "optimised")) == sorted(os.listdir(images / "optimised-float32")) == ["00.png"]
+    md = (out_dir / "tiny-64x64-bfloat16-b1.md").read_text()
+    assert "Images bfloat16 vs float32 (optimised path in both): mean SSIM" in md
+    results = json.loads((out_dir / "tiny-64x64-bfloat16-b1.json").read_text())
+    assert results["batches"]["1"]["similarity"]["bfloat16_vs_float32"]["compared"] == 1
+
+
 def test_analytic_flops_match_xla_cost_analysis(default_gen):
     """benchmarks/flops.py (used for MFU) agrees with XLA's own count of the compiled programs."""
     from benchmarks import flops as F
