@@ -23,7 +23,11 @@ def round_to_dtype(x, dtype):
 
     PyTorch rounds the result of every bfloat16 op; XLA may keep such intermediates in float32 ("excess precision"),
     and does so inside fused programs. Where a rounding changes the images (the timestep, fed to sinusoids whose
-    fastest frequency turns 1 rad per unit of t), it is made explicit with this. Identity for float32."""
+    fastest frequency turns 1 rad per unit of t), it is made explicit with this. For float32 no op is added (an
+    identity rounding would still keep XLA from fusing a multiply-add, and change float32 images by 1/255 here and
+    there)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jnp.asarray(x, jnp.float32)
     info = jnp.finfo(dtype)
     return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
 

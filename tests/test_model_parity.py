@@ -276,6 +276,9 @@ def test_round_to_dtype_rounds_like_torch_inside_jit():
     print(f"XLA without the explicit rounding differs on {int((np.asarray(plain) != expected).sum())} of 4096")
     x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: round_to_dtype(a, jnp.float32))(x)), x)
+    # float32 adds no op at all (so XLA fuses float32 programs exactly as before)
+    assert "reduce-precision" not in jax.jit(lambda a: round_to_dtype(a, jnp.float32) * 2).lower(x).as_text("hlo")
+    assert "reduce-precision" in jax.jit(lambda a: round_to_dtype(a, jnp.bfloat16) * 2).lower(x).as_text("hlo")
 
 
 def test_base_model_with_guidance_matches(tiny_base_ckpt):
