@@ -236,8 +236,8 @@ def test_end_to_end_matches_flux2_klein_pipeline(gen32, reference_pipe, height, 
     _assert_images_close(ours, ref)
 
 
-@pytest.mark.parametrize("which", ["distilled", "base"])
-def test_bf16_matches_diffusers_bf16(which, tiny_ckpt, tiny_base_ckpt):
+@pytest.mark.parametrize("which", ["distilled", "base", "odd"])
+def test_bf16_matches_diffusers_bf16(which, tiny_ckpt, tiny_base_ckpt, odd_ckpt):
     """In bfloat16 the images follow diffusers' bfloat16 pipeline (not only fp32's): the timestep, the scheduler step
     and the guidance mix are rounded where PyTorch rounds them. XLA otherwise keeps t * 1000 unrounded (957.03 for
     956), which turns the timestep sinusoids by up to 1 rad and moved the images far from diffusers'."""
@@ -245,8 +245,8 @@ def test_bf16_matches_diffusers_bf16(which, tiny_ckpt, tiny_base_ckpt):
 
     from benchmarks.similarity import ssim
 
-    path = tiny_ckpt if which == "distilled" else tiny_base_ckpt
-    guidance = 1.0 if which == "distilled" else 3.7  # 3.7 is not a bfloat16 number: the scale stays float32
+    path = {"distilled": tiny_ckpt, "base": tiny_base_ckpt, "odd": odd_ckpt}[which]
+    guidance = 3.7 if which == "base" else 1.0  # 3.7 is not a bfloat16 number: the scale stays float32
     pipe = Flux2KleinPipeline.from_pretrained(path, torch_dtype=torch.bfloat16)
     gen = model.load(path, dtype="bfloat16", max_sequence_length=MAX_LEN)
     prompts, seeds = ["a red cat on a mat", "an astronaut riding a horse"], [3, 11]
