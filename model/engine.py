@@ -39,6 +39,32 @@ PROGRAMS = ("encode", "denoise", "decode")
 DEFAULT_CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
 
 
+# The pipeline's arithmetic between model calls, rounded where diffusers (PyTorch) rounds in a low-precision dtype;
+# float32 is plain float32 arithmetic (round_to_dtype adds nothing there).
+
+
+def model_timestep(timestep, dtype, batch: int):
+    """The sigma the pipeline hands the model, [batch]: t rounded to the model's dtype, / 1000, rounded again."""
+    return jnp.broadcast_to(round_to_dtype(round_to_dtype(timestep, dtype) / 1000, dtype), (batch,))
+
+
+def euler_step(x, v, sigma, sigma_next):
+    """x + (sigma_next - sigma) * v as diffusers' scheduler step: the step size and its product with v rounded to v's
+    dtype, the sum in float32, then x's dtype."""
+    r = lambda a: round_to_dtype(a, v.dtype)  # noqa: E731
+    update = r(r(sigma_next - sigma) * v.astype(jnp.float32))
+    return (x.astype(jnp.float32) + update).astype(x.dtype)
+
+
+def guidance_mix(pos, neg, scale):
+    """Classifier-free guidance neg + scale * (pos - neg), rounded to the velocities' dtype after each op; the scale
+    (a Python float in diffusers) stays float32."""
+    dtype = pos.dtype
+    r = lambda a: round_to_dtype(a, dtype)  # noqa: E731
+    pos, neg = pos.astype(jnp.float32), neg.astype(jnp.float32)
+    return r(neg + r(scale * r(pos - neg))).astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Switches of the fast path (all on by default); `reference=True` selects the naive path for comparison."""
@@ -174,21 +200,7 @@ class CompiledPrograms:
             both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]),
                          cos, sin, **kw)
             pos, neg = jnp.split(both, 2)
-            # neg + scale * (pos - neg) with a rounding to the model's dtype after each op, as PyTorch does
-            r = lambda a: round_to_dtype(a, pos.dtype)  # noqa: E731
-            pos, neg = pos.astype(jnp.float32), neg.astype(jnp.float32)
-            return r(neg + r(guidance_scale * r(pos - neg))).astype(pos.dtype)
-
-        def euler(x, v, sigma, sigma_next):
-            """x + (sigma_next - sigma) * v in float32, rounded like diffusers' scheduler step in a low-precision
-            dtype (the step size and its product with v in v's dtype, the sum in float32, then x's dtype)."""
-            r = lambda a: round_to_dtype(a, v.dtype)  # noqa: E731
-            update = r(r(sigma_next - sigma) * v.astype(jnp.float32))
-            return (x.astype(jnp.float32) + update).astype(x.dtype)
-
-        def model_timestep(timestep, dtype, batch):
-            """sigma as the pipeline hands it to the model: t rounded to the model's dtype, then / 1000, rounded."""
-            return jnp.broadcast_to(round_to_dtype(round_to_dtype(timestep, dtype) / 1000, dtype), (batch,))
+            return guidance_mix(pos, neg, guidance_scale)
 
         def denoise(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
             return rows(lambda x, tx, ntx: denoise_batch(state, x, tx, ntx, sigmas, timesteps, cos, sin,
@@ -200,7 +212,7 @@ class CompiledPrograms:
             def step(x, i):
                 t = model_timestep(timesteps[i], x.dtype, batch)
                 v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale)
-                return euler(x, v, sigmas[i], sigmas[i + 1]), None
+                return euler_step(x, v, sigmas[i], sigmas[i + 1]), None
 
             out, _ = jax.lax.scan(step, latents, jnp.arange(timesteps.shape[0]))
             return out
@@ -208,7 +220,7 @@ class CompiledPrograms:
         def single_step(state, x, txt, neg_txt, sigma, sigma_next, timestep, cos, sin, guidance_scale):
             def one(x, txt, neg_txt):
                 t = model_timestep(timestep, x.dtype, x.shape[0])
-                return euler(x, velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale), sigma, sigma_next)
+                return euler_step(x, velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale), sigma, sigma_next)
 
             return rows(one, x, txt, neg_txt)
 

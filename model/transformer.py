@@ -59,6 +59,13 @@ def apply_interleaved_rope(x, cos, sin):
     return out.astype(x.dtype)
 
 
+def timestep_from_sigma(sigma, dtype):
+    """t = sigma * 1000 as diffusers' model computes it (`sigma.to(dtype) * 1000`), float32: rounded to the model's
+    dtype before and after the product, explicitly, since XLA may skip bfloat16 roundings and a 1-unit change of t
+    turns the fastest sinusoid by 1 rad."""
+    return round_to_dtype(round_to_dtype(sigma, dtype) * 1000, dtype)
+
+
 def timestep_sinusoid(t, dim: int):
     """[cos | sin] sinusoidal embedding of t [B] (flip_sin_to_cos, no frequency shift), float32."""
     half = dim // 2
@@ -249,12 +256,9 @@ class Flux2Transformer(nnx.Module):
         """Velocity for the image tokens. `image_only_last_block`: the last single-stream block computes outputs for
         the image tokens only (the text tokens' would be discarded); False computes every token, as diffusers."""
         dtype = self.x_embedder.weight.dtype
-        # The pipeline passes sigma = t / 1000; the model works on t again: rounded to its own dtype, times 1000,
-        # rounded again (as diffusers' `timestep.to(dtype) * 1000`; explicit, since XLA may skip bfloat16 roundings
-        # and a 1-unit change of t turns the fastest sinusoid by 1 rad).
-        timestep = round_to_dtype(round_to_dtype(timestep, dtype) * 1000, dtype)
+        timestep = timestep_from_sigma(timestep, dtype)
         if guidance is not None:
-            guidance = round_to_dtype(round_to_dtype(guidance, dtype) * 1000, dtype)
+            guidance = timestep_from_sigma(guidance, dtype)
         temb = self.time_guidance_embed(timestep, guidance, dtype)
         mod_img = self.double_stream_modulation_img(temb)
         mod_txt = self.double_stream_modulation_txt(temb)

@@ -281,6 +281,41 @@ def test_round_to_dtype_rounds_like_torch_inside_jit():
     assert "reduce-precision" in jax.jit(lambda a: round_to_dtype(a, jnp.bfloat16) * 2).lower(x).as_text("hlo")
 
 
+def test_pipeline_arithmetic_in_bf16_equals_pytorch():
+    """The steps between model calls give diffusers' bfloat16 bits inside jit: the sigma handed to the model, the
+    scheduler's Euler step (FlowMatchEulerDiscreteScheduler.step's expression) and the CFG mix."""
+    import jax
+    import jax.numpy as jnp
+
+    from model.engine import euler_step, guidance_mix, model_timestep
+    from model.transformer import timestep_from_sigma
+
+    rng = np.random.default_rng(2)
+    bf = lambda a: torch.from_numpy(a).to(torch.bfloat16)  # noqa: E731
+    a, b, c = (rng.standard_normal((2, 64, 32)).astype(np.float32) * 3 for _ in range(3))
+    ts = rng.uniform(1, 1000, 512).astype(np.float32)
+
+    # the pipeline's `t.to(dtype) / 1000`, then the model's `timestep.to(dtype) * 1000`, in one program
+    ours = jax.jit(lambda t: timestep_from_sigma(model_timestep(t, jnp.bfloat16, t.shape[0]), jnp.bfloat16))(ts)
+    sigma = torch.from_numpy(ts).to(torch.bfloat16) / 1000
+    np.testing.assert_array_equal(np.asarray(ours), (sigma.to(torch.bfloat16) * 1000).float().numpy())
+
+    sigmas = torch.tensor([1.0, 0.9553907, 0.3], dtype=torch.float32)
+    for i in range(2):
+        x, v = bf(a), bf(b)
+        expected = (x.to(torch.float32) + (sigmas[i + 1] - sigmas[i]) * v).to(v.dtype)  # scheduler.step
+        got = jax.jit(euler_step)(jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16), sigmas[i].item(),
+                                  sigmas[i + 1].item())
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), _np(expected))
+
+    pos, neg = bf(b), bf(c)
+    expected = neg + 3.7 * (pos - neg)  # the pipeline's CFG line
+    got = jax.jit(guidance_mix)(jnp.asarray(b, jnp.bfloat16), jnp.asarray(c, jnp.bfloat16), jnp.float32(3.7))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), _np(expected))
+
+
 def test_base_model_with_guidance_matches(tiny_base_ckpt):
     from diffusers import Flux2KleinPipeline
 
