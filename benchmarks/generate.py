@@ -724,17 +724,15 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
     # -- image agreement (the last repetition: same prompts and seeds for every engine)
     from .similarity import compare_folders
 
-    sim = {}
-    for other in [e.name for e in engines if e.name != "optimised"]:
-        r = compare_folders(dirs["optimised"], dirs[other])
-        sim[f"optimised_vs_{other}"] = {k: r[k] for k in ("compared", "mean_ssim", "min_ssim", "max_abs_diff",
-                                                            "mean_abs_diff")}
+    def similarity(a: str, b: str) -> dict:
+        r = compare_folders(dirs[a], dirs[b])
+        return {k: r[k] for k in ("compared", "mean_ssim", "min_ssim", "max_abs_diff", "mean_abs_diff")}
+
+    sim = {f"optimised_vs_{e.name}": similarity("optimised", e.name) for e in engines if e.name != "optimised"}
     if args.compare_dtype and args.compare_dtype != args.dtype:
         progress(f"batch {wl.batch}: the same prompts and noise in {args.compare_dtype} (image similarity)")
         dirs[args.compare_dtype] = render_in_dtype(path, args, wl, saved_run, img_root)
-        r = compare_folders(dirs["optimised"], dirs[args.compare_dtype])
-        sim[f"{args.dtype}_vs_{args.compare_dtype}"] = {
-            k: r[k] for k in ("compared", "mean_ssim", "min_ssim", "max_abs_diff", "mean_abs_diff")}
+        sim[f"{args.dtype}_vs_{args.compare_dtype}"] = similarity("optimised", args.compare_dtype)
     result["similarity"] = sim
     result["image_dirs"] = dirs
 
@@ -843,13 +841,8 @@ def headline(res: dict, key: str) -> dict:
     }
     out.setdefault("speedup_vs_reference", None)
     out.setdefault("speedup_vs_diffusers", None)
-    if "optimised_vs_reference" in b.get("similarity", {}):
-        out["ssim_vs_reference"] = b["similarity"]["optimised_vs_reference"]["min_ssim"]
-    if "optimised_vs_diffusers" in b.get("similarity", {}):
-        out["ssim_vs_diffusers"] = b["similarity"]["optimised_vs_diffusers"]["min_ssim"]
-    for k, s in b.get("similarity", {}).items():  # the dtype comparison, e.g. bfloat16_vs_float32
-        if not k.startswith("optimised_"):
-            out[f"ssim_vs_{k.split('_vs_')[1]}"] = s["min_ssim"]
+    for k, s in b.get("similarity", {}).items():  # optimised_vs_reference -> ssim_vs_reference, bfloat16_vs_float32 ...
+        out[f"ssim_vs_{k.split('_vs_')[1]}"] = s["min_ssim"]
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
