@@ -1,0 +1,126 @@
+"""Open an input file as a stream of bytes, decompressing it by its extension and checking that it is complete.
+
+Beam's own decompression ends a stream silently where the compressed bytes run out, so a cut `.gz` file would be
+read up to the cut (its last line cut too) as if it were whole. Here every compressed stream must reach its end
+marker: a cut or corrupt file raises `InputReadError` after the complete data before the damage has been returned.
+Concatenated streams (several gzip members, bzip2 streams, zstd frames) are read one after the other, as Beam does.
+"""
+
+from __future__ import annotations
+
+import bz2
+import lzma
+import zlib
+
+# Compression by file-name suffix (lower case). Beam knows these except ".gzip", which it would read undecompressed.
+COMPRESSION_BY_SUFFIX = {
+    ".gz": "gzip", ".gzip": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".zstd": "zstd", ".deflate": "deflate",
+    ".xz": "lzma", ".lzma": "lzma",
+}
+_IN_CHUNK = 256 * 1024  # compressed bytes read at a time
+_OUT_CHUNK = 1024 * 1024  # most decompressed bytes produced at a time (a highly compressed file stays bounded)
+_ZSTD_FEED = 64 * 1024  # zstd's decompressobj has no output bound: feed it small pieces instead
+
+
+class InputReadError(Exception):
+    """An input file that cannot be read to its end: cut short, corrupt, or not in the format its name says."""
+
+
+def compression_of(path: str) -> str | None:
+    """The compression of `path` from its suffix (None: not compressed)."""
+    lowered = path.lower()
+    for suffix, kind in COMPRESSION_BY_SUFFIX.items():
+        if lowered.endswith(suffix):
+            return kind
+    return None
+
+
+def _new_decompressor(kind: str):
+    if kind == "gzip":
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if kind == "deflate":
+        return zlib.decompressobj()
+    if kind == "bzip2":
+        return bz2.BZ2Decompressor()
+    if kind == "lzma":
+        return lzma.LZMADecompressor()
+    if kind == "zstd":
+        import zstandard  # a Beam dependency
+
+        return zstandard.ZstdDecompressor(max_window_size=2**31).decompressobj()
+    raise ValueError(f"unknown compression {kind!r}")
+
+
+def _decompress_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [zlib.error, lzma.LZMAError, OSError, EOFError, ValueError]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:  # pragma: no cover - zstandard comes with Beam
+        pass
+    return tuple(errors)
+
+
+class DecompressingReader:
+    """A binary reader over the decompressed bytes of `raw` (a binary file object) compressed as `kind`.
+
+    `read()` returns the next piece of data (at most ~1 MiB, never empty before the end), b"" at the end, and raises
+    InputReadError when the compressed data is cut short or corrupt (everything before that has been returned)."""
+
+    def __init__(self, raw, kind: str):
+        self._raw = raw
+        self._kind = kind
+        self._pieces = self._decompressed()
+        self._done = False
+        self.complete_lines = 0  # line breaks in the data returned so far
+
+
+    def read(self, size: int = -1) -> bytes:  # noqa: ARG002 - pieces are bounded already
+        """The next piece of decompressed data (b"" at the end)."""
+        if self._done:
+            return b""
+        try:
+            piece = next(self._pieces)
+        except StopIteration:
+            self._done = True
+            return b""
+        self.complete_lines += piece.count(b"\n")
+        return piece
+
+    def _step(self, d, data: bytes) -> tuple[bytes, bytes, bool]:
+        """Feed `data`: (output, the input still to feed, whether the decompressor may hold more output)."""
+        if self._kind in ("gzip", "deflate"):
+            out = d.decompress(data, _OUT_CHUNK)
+            rest = d.unused_data if d.eof else d.unconsumed_tail
+            return out, rest, len(out) == _OUT_CHUNK and not d.eof
+        if self._kind in ("bzip2", "lzma"):
+            out = d.decompress(data, _OUT_CHUNK)
+            return out, d.unused_data if d.eof else b"", not d.eof and not d.needs_input
+        piece, later = data[:_ZSTD_FEED], data[_ZSTD_FEED:]
+        out = d.decompress(piece)
+        return out, (d.unused_data + later) if d.eof else later, False
+
+    def _decompressed(self):
+        errors = _decompress_errors()
+        d = None  # the current stream's decompressor (None between streams)
+        data = b""  # compressed bytes not fed yet
+        more_output = False
+        while True:
+            if not data and not more_output:
+                data = self._raw.read(_IN_CHUNK)
+                if not data:
+                    if d is not None:
+                        raise InputReadError(f"the {self._kind} data ends before its end marker: the file is cut "
+                                             f"short (an incomplete upload or copy?)")
+                    return
+            if d is None:
+                d = _new_decompressor(self._kind)
+            try:
+                out, data, more_output = self._step(d, data)
+            except errors as e:
+                raise InputReadError(f"not valid {self._kind} data: {e}") from None
+            if out:
+                yield out
+            if d.eof:
+                d, more_output = None, False
