@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def nearest_valid_sizes(value: int, multiple: int) -> tuple[int, ...]:
@@ -227,9 +228,14 @@ class Flux2KleinGenerator:
         steps = self.default_num_inference_steps if num_inference_steps is None else num_inference_steps
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise RequestError(f"num_inference_steps must be an integer >= 1, got {steps!r}", value=steps)
-        guidance = self.default_guidance_scale if guidance_scale is None else float(guidance_scale)
-        if not np.isfinite(guidance):
-            raise RequestError(f"guidance_scale must be finite, got {guidance_scale!r}", value=guidance_scale)
+        guidance = self.default_guidance_scale if guidance_scale is None else guidance_scale
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float, np.integer, np.floating)):
+            raise RequestError(f"guidance_scale must be a number, got {guidance_scale!r}", value=guidance_scale)
+        guidance = float(guidance)
+        # The programs take it as float32: a larger value would become infinity there (and black images).
+        if not np.isfinite(guidance) or abs(guidance) > FLOAT32_MAX:
+            raise RequestError(f"guidance_scale must be a finite float32 number (|value| <= {FLOAT32_MAX:.7g}), got "
+                               f"{guidance_scale!r}", value=guidance_scale)
         if guidance > 1 and self.is_distilled:
             logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled", guidance)
         use_cfg = guidance > 1 and not self.is_distilled

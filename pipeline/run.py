@@ -52,6 +52,7 @@ LOCAL_RUNNERS = ("fnapirunner", "directrunner", "bundlebaseddirectrunner", "swit
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_PROMPTS = os.path.join(REPO_ROOT, "examples", "prompts.jsonl")
 DEMO_SIZE = 64
+GLOB_CHARACTERS = ("*", "?", "[", "]")  # pattern characters of Beam's file matching (fnmatch / glob)
 
 DEMO_NOTICE = """\
 ==> Running the bundled demo: a tiny RANDOM-WEIGHT FLUX.2 [klein] checkpoint (built once, then reused) at
@@ -128,6 +129,11 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                              f"a gs:// prefix)")
 
     output = o.output or DEFAULT_OUTPUT
+    if any(c in output for c in GLOB_CHARACTERS):
+        # Beam's file sinks find their temporary files by pattern: a '[' in the path would make the job fail after
+        # every image was written, before the manifest.
+        raise UsageError(f"--output={output!r} contains a glob character ({', '.join(GLOB_CHARACTERS)}), which "
+                         f"Beam's file sinks cannot use in a path; choose another output location")
     if not is_local_runner(options) and "://" not in output:
         raise UsageError(f"--output={output!r} is a local path, which the workers of {runner_name(options)} cannot "
                          f"share; give a gs:// location")
@@ -167,6 +173,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
             raise UsageError(f"--input {pattern!r} cannot be read: {e}") from e
         if not matched:
             raise UsageError(f"--input {pattern!r} matches no file")
+        if all("://" not in m.path and os.path.isdir(m.path) for m in matched):
+            raise UsageError(f"--input {pattern!r} is a folder, not a file; give the files in it, e.g. "
+                             f"{os.path.join(pattern, '*.jsonl')!r}")
     return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, model=model_uri,
                      dtype=dtype, defaults=defaults, max_sequence_length=max_len, batch_size=batch_size,
                      skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),

@@ -360,6 +360,13 @@ def test_noise_depends_only_on_seed_and_shape():
             model.initial_noise(bad, (1,))
 
 
+def test_guidance_scale_is_checked_before_it_reaches_float32(gen32):
+    """1e39 would be infinity in the float32 programs (black images); a string is not a number."""
+    for bad in (1e39, float("nan"), "4", True):
+        with pytest.raises(model.RequestError, match="guidance_scale must be"):
+            gen32.generate(prompts=["p"], seeds=[0], height=32, width=32, guidance_scale=bad)
+
+
 def test_bf16_close_to_fp32(tiny_ckpt, gen32):
     from benchmarks.similarity import ssim
 

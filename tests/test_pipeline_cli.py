@@ -47,6 +47,10 @@ def test_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="gs:// location"):
         resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--runner=DataflowRunner",
                                      "--output=/tmp/out"]))
+    with pytest.raises(UsageError, match="is a folder, not a file"):
+        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={tmp_path}"]))
+    with pytest.raises(UsageError, match="contains a glob character"):  # Beam's sinks would fail after the images
+        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", f"--output={tmp_path}/run[1]"]))
     job = resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}"]))
     assert (job.output, job.dtype, job.batch_size, job.max_sequence_length, job.defaults.height, job.demo) == \
         ("./output", "bfloat16", 4, 512, 1024, False)

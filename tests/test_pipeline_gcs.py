@@ -7,6 +7,7 @@ to `model.generate`, the summary and metrics; then a `--skip_existing` rerun tha
 existing image object untouched.
 """
 
+import gzip
 import hashlib
 import json
 
@@ -38,6 +39,10 @@ JSONL = "\n".join([
     '{"prompt": "p", "width": "32"}',                                          # 14 wrong type
 ]).encode() + b'\n{"prompt": "bad \xff byte"}\n'                               # 15 not UTF-8
 JSONL += json.dumps({"id": "long", "prompt": "a very long prompt " * 20, "seed": 4}).encode() + b"\n"  # 16 truncated
+JSONL += b'{"id": "dog-1", "prompt": "names the file of dog\'s image 1"}\n'  # 17 its image name is taken by dog
+
+# A gzip file cut short (an incomplete upload): its complete first line is a record, the rest one error row.
+CUT_GZ = gzip.compress(b'{"id": "gz-a", "prompt": "a kept record", "seed": 8}\n{"id": "gz-b", "prompt": "cut off"}\n')[:-12]
 
 CSV = b"id,prompt,seed\ncsv-ok,a red fox in snow,9\ncsv-bad,a red fox,abc\n"
 TEXT = b"a lighthouse at dusk\n\na mountain lake\n"
@@ -53,7 +58,9 @@ EXPECTED_ERRORS = {  # (file, line) -> words in the reason
     ("prompts.jsonl", 13): "num_inference_steps must be in",
     ("prompts.jsonl", 14): "width must be an integer",
     ("prompts.jsonl", 15): "not valid UTF-8",
+    ("prompts.jsonl", 17): "would overwrite an image of request 'dog'",
     ("prompts.csv", 3): "seed must be an integer",
+    ("cut.jsonl.gz", 2): "the gzip data ends before its end marker",
 }
 
 
@@ -63,8 +70,10 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_
     gcs_emulator.upload_bytes(f"{b}/in/prompts.jsonl", JSONL)
     gcs_emulator.upload_bytes(f"{b}/in/prompts.csv", CSV)
     gcs_emulator.upload_bytes(f"{b}/in/more/prompts.txt", TEXT)
+    gcs_emulator.upload_bytes(f"{b}/in/cut.jsonl.gz", CUT_GZ)
     out = f"{b}/out"
     argv = [f"--model={b}/models/klein-tiny", f"--input={b}/in/*.jsonl,{b}/in/*.csv", f"--input={b}/in/more/*",
+            f"--input={b}/in/*.gz",
             f"--output={out}", *MODEL_ARGS, "--seed=3", f"--checkpoint_cache_dir={tmp_path / 'ckpt-cache'}",
             f"--compilation_cache_dir={xla_cache}", "--runner=FnApiRunner", "--no_progress"]
     result, summary = run(argv)
@@ -73,7 +82,8 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_
     defaults = RequestDefaults(height=HEIGHT, width=WIDTH, seed=3)
     derived = derive_id("no id given", HEIGHT, WIDTH, None, None, 1, None)
     text_ids = [derive_id(p, HEIGHT, WIDTH, None, None, 1, None) for p in ("a lighthouse at dusk", "a mountain lake")]
-    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "sized.png", "csv-ok.png", "long.png"} | \
+    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "sized.png", "csv-ok.png", "long.png",
+                "gz-a.png"} | \
         {f"{i}.png" for i in text_ids}
     assert image_names(out) == expected
 
@@ -95,21 +105,24 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_
         assert words in got[key]["reason"], (key, got[key])
     assert got[("prompts.jsonl", 6)]["id"] == "odd" and "RequestError" in got[("prompts.jsonl", 6)]["reason"]
     assert got[("prompts.jsonl", 7)]["id"] == "cat"
+    assert got[("prompts.jsonl", 17)]["kind"] == "file_name_collision" and got[("prompts.jsonl", 17)]["id"] == "dog-1"
+    assert got[("cut.jsonl.gz", 2)]["kind"] == "unreadable_input"
+    assert by_file["images/dog-1.png"]["prompt"] == "a dog"  # the collision did not overwrite dog's image
 
     # --- summary and metrics
     stored = json.loads(read(f"{out}/summary.json"))
     assert stored == summary
     assert (summary["records_read"], summary["images_generated"], summary["invalid"], summary["failed"],
-            summary["duplicates"], summary["skipped"], summary["prompts_truncated"]) == (20, 9, 10, 1, 1, 0, 1)
+            summary["duplicates"], summary["skipped"], summary["prompts_truncated"]) == (23, 10, 12, 1, 1, 0, 1)
     assert summary["wall_time_s"] > 0 and summary["images_per_s"] > 0
     c = counters(result)
     assert c["model_loads"] == 1
     assert (c["images_generated"], c["records_read"], c["records_invalid"], c["images_failed"], c["records_duplicate"],
-            c["prompts_truncated"]) == (9, 20, 10, 1, 1, 1)
+            c["prompts_truncated"], c["records_file_name_collision"]) == (10, 23, 12, 1, 1, 1, 1)
     dist = {d.key.metric.name: d.committed for d in result.metrics().query()["distributions"]
             if d.key.metric.namespace == "flux2"}
-    assert dist["batch_size"].max <= 2 and dist["batch_size"].sum == 10  # 9 written + 1 failed
-    assert dist["generation_ms_per_image"].count == 9
+    assert dist["batch_size"].max <= 2 and dist["batch_size"].sum == 11  # 10 written + 1 failed
+    assert dist["generation_ms_per_image"].count == 10
 
     # --- the job's pixels are the model's pixels for the same request
     gen = model.load(ckpt32, dtype="float32", max_sequence_length=32, batch_size=2, compilation_cache_dir=xla_cache)
@@ -124,6 +137,6 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_
     after = {name: blob.generation for name, blob in gcs_emulator.list_blobs(f"{out}/images/").items()}
     assert after == before
     assert rows(out, "manifest") == []
-    assert (summary2["images_generated"], summary2["skipped"], summary2["failed"]) == (0, 9, 1)
-    assert counters(result2)["images_skipped"] == 9
+    assert (summary2["images_generated"], summary2["skipped"], summary2["failed"]) == (0, 10, 1)
+    assert counters(result2)["images_skipped"] == 10
     assert hashlib.sha256(read(f"{out}/images/cat.png")).hexdigest() == by_file["images/cat.png"]["sha256"]

@@ -216,3 +216,87 @@ def test_read_and_deduplicate_in_beam(tmp_path):
                     label="duplicates")
 
     _run(build)
+
+
+def test_read_in_beam_reports_unreadable_files_and_keeps_what_precedes_the_damage(tmp_path):
+    """A cut .gz gives its complete lines' records plus one error row; a non-gzip .gz and a folder give one error
+    row each; the same file spelled two ways is read once; nothing stops the job."""
+    import gzip
+
+    whole = b"".join(b'{"id": "g%d", "prompt": "p%d"}\n' % (i, i) for i in range(2000))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(whole)[:-9])  # only the gzip trailer (CRC, size) is cut
+    (tmp_path / "fake.txt.gz").write_bytes(b"plain text, not gzip\n")
+    (tmp_path / "ok.txt").write_bytes(b"one prompt\n")
+    (tmp_path / "sub.txt").mkdir()  # a glob leaves folders out; the folder itself (the launch refuses it) is an error
+
+    def build(p):
+        read = (p | beam.Create([str(tmp_path / "*.gz"), str(tmp_path / "*.txt"), str(tmp_path / "." / "ok.txt"),
+                                 str(tmp_path / "sub.txt")])
+                | ReadRequests("auto", D))
+        assert_that(read["requests"] | beam.combiners.Count.Globally(), equal_to([2001]), label="requests")
+        assert_that(read["invalid"] | "rows" >> beam.Map(lambda row: (row["source"].rsplit("/", 1)[-1], row["line"],
+                                                                      row["kind"], row["reason"][:40].strip())),
+                    equal_to([("cut.jsonl.gz", 2001, layout.UNREADABLE_INPUT, "input file cannot be read to its end:"
+                                                                              " th"),
+                              ("fake.txt.gz", 1, layout.UNREADABLE_INPUT, "input file cannot be read to its end:"
+                                                                          " no"),
+                              ("sub.txt", None, layout.UNREADABLE_INPUT, "input file cannot be opened: [Errno 21]")]),
+                    label="invalid")
+
+    _run(build)
+
+
+def test_file_name_collisions_reject_the_later_request(tmp_path):
+    """Request 'x' with 2 images writes x-0.png and x-1.png; a later request with id 'x-1' would overwrite one."""
+    (tmp_path / "a.jsonl").write_bytes(b'{"id": "x", "prompt": "fox", "num_images": 2}\n'
+                                       b'{"id": "x-1", "prompt": "whale"}\n{"id": "x-2", "prompt": "free"}\n')
+
+    def build(p):
+        dedup = p | beam.Create([str(tmp_path / "a.jsonl")]) | ReadRequests("auto", D)
+        dedup = dedup["requests"] | DeduplicateRequests()
+        assert_that(dedup["requests"] | beam.Map(lambda r: r.id), equal_to(["x", "x-2"]), label="kept")
+        assert_that(dedup["invalid"] | "rows" >> beam.Map(lambda row: (row["id"], row["line"], row["kind"],
+                                                                        "images/x-1.png" in row["reason"])),
+                    equal_to([("x-1", 2, layout.FILE_NAME_COLLISION, True)]), label="invalid")
+
+    _run(build)
+
+
+def test_repeated_json_keys_are_rejected():
+    row = rejected(b'{"prompt": "a", "id": "k", "prompt": "b"}')
+    assert "'prompt' more than once" in row["reason"] and row["field"] == "prompt"
+
+
+def test_text_with_cr_only_line_endings_is_rejected_not_merged():
+    row = rejected(b"one\rtwo\rthree\r", fmt="text")
+    assert "carriage return" in row["reason"]
+    assert isinstance(one(b"crlf line\r\n", fmt="text"), GenerationRequest)
+
+
+def test_csv_row_with_an_undecodable_line_is_rejected_whole():
+    out = parse_lines(b'prompt,id\n"first part\ncaf\xe9\nlast part",q1\nnext,n1\n', "s.csv", "csv", D)
+    assert [(type(o).__name__, o["line"] if isinstance(o, dict) else o.id) for o in out] == \
+        [("dict", 3), ("GenerationRequest", "n1")]
+    assert "not valid UTF-8" in out[0]["reason"]
+
+
+def test_csv_header_problems_are_reported_for_every_row():
+    out = parse_lines(b"prompt,prompt\na,b\nc,d\n", "s.csv", "csv", D)
+    assert len(out) == 3 and all(isinstance(o, dict) and "'prompt' more than once" in o["reason"] for o in out)
+    out = parse_lines(b"pr\xffompt\nx\n", "s.csv", "csv", D)
+    assert [o["line"] for o in out] == [1, 2] and "header (line 1) cannot be read" in out[1]["reason"]
+
+
+def test_csv_prompts_up_to_max_prompt_bytes_are_read():
+    big = "x" * 200_000
+    data = f"prompt,id\n{big},big\nsmall,s\n".encode()
+    out = parse_lines(data, "s.csv", "csv", RequestDefaults(height=64, width=32, max_prompt_bytes=300_000))
+    assert [o.id for o in out] == ["big", "s"] and len(out[0].prompt) == 200_000
+    out = parse_lines(data, "s.csv", "csv", D)  # default limit: a clear reason, the next row still read
+    assert "longer than" in out[0]["reason"] and out[1].id == "s"
+
+
+def test_guidance_must_fit_float32_and_negative_zero_is_zero():
+    row = rejected(b'{"prompt": "p", "guidance_scale": 1e39}')
+    assert row["field"] == "guidance_scale" and "largest float32" in row["reason"]
+    assert one(b'{"prompt": "p", "guidance_scale": -0.0}').id == one(b'{"prompt": "p", "guidance_scale": 0}').id

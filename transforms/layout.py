@@ -31,6 +31,8 @@ MAX_RECORD_CHARS = 1000
 # Kinds of error rows.
 INVALID_RECORD = "invalid_record"
 DUPLICATE_ID = "duplicate_id"
+FILE_NAME_COLLISION = "file_name_collision"  # two requests would write the same image file
+UNREADABLE_INPUT = "unreadable_input"  # an input file that cannot be read (to its end)
 INFERENCE_FAILED = "inference_failed"
 
 MANIFEST_FIELDS = (

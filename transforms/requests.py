@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from . import layout
+from . import input_files, layout
 
 METRICS_NAMESPACE = "flux2"
 
@@ -34,6 +34,7 @@ MAX_STEPS = 1000
 MAX_IMAGES_PER_REQUEST = 64
 # Seeds are numpy PCG64 seeds in [0, 2**63) (model.noise); image j of a request uses seed + j.
 MAX_SEED = 2**63
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 # A prompt is text for a 512-token encoder, a PNG text chunk and a manifest row: 64 KiB of UTF-8 is far more than
 # any real prompt and keeps one record from blowing up every row it is copied into (--max_prompt_bytes).
@@ -146,7 +147,9 @@ class InvalidRecord(ValueError):
 
 # --------------------------------------------------------------------------------------------- validation
 def _type_name(value: Any) -> str:
-    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object",
+    if isinstance(value, dict):
+        return "object"
+    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
@@ -292,6 +295,11 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     guidance = _as_float(fields, "guidance_scale", defaults.guidance_scale, text_values)
     if guidance is not None and guidance < 0:
         raise InvalidRecord(f"guidance_scale must be >= 0, got {guidance}", field="guidance_scale", value=guidance)
+    if guidance is not None and guidance > FLOAT32_MAX:  # the model takes it as float32, where it would be infinite
+        raise InvalidRecord(f"guidance_scale must be at most {FLOAT32_MAX:.7g} (the largest float32), got {guidance}",
+                            field="guidance_scale", value=guidance)
+    if guidance is not None:
+        guidance += 0.0  # -0.0 -> 0.0: the same request, the same derived id
 
     num_images = _as_int(fields, "num_images", defaults.num_images, text_values)
     if not 1 <= num_images <= MAX_IMAGES_PER_REQUEST:
@@ -406,9 +414,11 @@ def _head(pieces: list[bytes]) -> bytes:
     return out
 
 
-def _decoded_lines(stream: Iterable[bytes], source: str) -> Iterator[tuple[int, str | None, RawRecord | None]]:
+def _decoded_lines(stream: Iterable[bytes], source: str, keep_undecodable: bool = False
+                   ) -> Iterator[tuple[int, str | None, RawRecord | None]]:
     """(line number, text without its line break, None) per line; (line, None, error) for a line that is not
-    UTF-8 or is longer than MAX_LINE_BYTES."""
+    UTF-8 or is longer than MAX_LINE_BYTES. `keep_undecodable`: a line that is not UTF-8 also comes with its text,
+    its bad bytes as lone surrogates (for CSV, whose rows may span lines: the row, not the line, is rejected)."""
     for number, (raw, prefix, length) in enumerate(_bounded_lines(stream), 1):
         if raw is None:
             yield number, None, RawRecord(source, number, error=layout.error_row(
@@ -420,7 +430,12 @@ def _decoded_lines(stream: Iterable[bytes], source: str) -> Iterator[tuple[int, 
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            yield number, None, _decode_error(source, number, raw.rstrip(b"\r\n"), e)
+            error = _decode_error(source, number, raw.rstrip(b"\r\n"), e)
+            if not keep_undecodable:
+                yield number, None, error
+                continue
+            text = raw.decode("utf-8", "surrogateescape")
+            yield number, text.rstrip("\r\n") if text.endswith("\n") else text, error
             continue
         yield number, text.rstrip("\r\n") if text.endswith("\n") else text, None
 
@@ -447,6 +462,20 @@ def _nested_deeper_than(obj: Any, limit: int) -> bool:
     return False
 
 
+class _JsonObject(dict):
+    """A decoded JSON object that remembers the keys it was given more than once (JSON keeps the last silently)."""
+
+    repeated: tuple = ()
+
+
+def _object_with_repeats(pairs):
+    obj = _JsonObject(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        obj.repeated = tuple(dict.fromkeys(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
 def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
     for number, text, error in _decoded_lines(stream, source):
         if error is not None:
@@ -455,7 +484,7 @@ def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
         if not text.strip():
             continue
         try:
-            obj = json.loads(text, parse_constant=_reject_constant)
+            obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object_with_repeats)
         except ValueError as e:
             yield RawRecord(source, number, error=layout.error_row(
                 source=source, line=number, reason=f"malformed JSON: {e}", record=text, field="record"))
@@ -472,58 +501,101 @@ def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
                 source=source, line=number, reason=f"record must be a JSON object, got {_type_name(obj)}",
                 record=text, field="record", value=obj))
             continue
-        yield RawRecord(source, number, fields=obj, text=text)
+        if obj.repeated:  # which of the values was meant is unknowable: reject rather than keep the last one
+            names = ", ".join(repr(k) for k in obj.repeated)
+            yield RawRecord(source, number, error=layout.error_row(
+                source=source, line=number, reason=f"record has the key {names} more than once", record=text,
+                field=obj.repeated[0]))
+            continue
+        yield RawRecord(source, number, fields=dict(obj), text=text)
 
 
 def iter_text(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
     for number, text, error in _decoded_lines(stream, source):
         if error is not None:
             yield error
+        elif "\r" in text.strip():
+            # Lines end at LF (or CRLF); a CR inside a line is most likely a file with CR-only (classic Mac) line
+            # endings, whose prompts would otherwise run together into one.
+            yield RawRecord(source, number, error=layout.error_row(
+                source=source, line=number, record=text, field="record",
+                reason="line contains a carriage return (CR) that does not end it: CR-only line endings? Convert the "
+                       "file to LF or CRLF line endings"))
         elif text.strip():
             yield RawRecord(source, number, fields={"prompt": text.strip()}, text_values=True, text=text)
 
 
-def iter_csv(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
-    """CSV with a header row naming the fields; quoted fields may span lines (the row's line is where it starts)."""
-    pending: list[RawRecord] = []
-    state = {"first": None}
+# Python's csv module refuses fields over 131,072 characters by default; a prompt may be up to --max_prompt_bytes.
+_CSV_DEFAULT_FIELD_LIMIT = 131072
+
+
+def csv_field_limit_for(max_prompt_bytes: int) -> int:
+    """The longest CSV field read: room for any prompt --max_prompt_bytes allows (the limit also bounds the memory
+    an unterminated quote can take, so it is not unlimited)."""
+    return max(_CSV_DEFAULT_FIELD_LIMIT, max_prompt_bytes + 1)
+
+
+def iter_csv(stream: Iterable[bytes], source: str, field_limit: int = _CSV_DEFAULT_FIELD_LIMIT
+             ) -> Iterator[RawRecord]:
+    """CSV with a header row naming the fields; quoted fields may span lines (the row's line is where it starts).
+
+    A row with a line that cannot be read (not UTF-8, too long) is rejected whole, with that line's reason: its
+    other lines are not spliced together into a different record."""
+    csv.field_size_limit(field_limit)  # a process-wide setting of the csv module; one job's readers share one value
+    state: dict[str, Any] = {"first": None, "error": None}
 
     def lines():
-        for number, text, error in _decoded_lines(stream, source):
-            if error is not None:
-                pending.append(error)
-                continue
+        for number, text, error in _decoded_lines(stream, source, keep_undecodable=True):
             if state["first"] is None:
                 state["first"] = number
-            yield text + "\n"
+            if error is not None and state["error"] is None:
+                state["error"] = error
+            yield ("" if text is None else text) + "\n"
 
     reader = csv.reader(lines(), strict=True)
     header: list[str] | None = None
+    header_problem: str | None = None  # set when the header row is unusable: every data row says so
     while True:
-        state["first"] = None
+        state["first"], state["error"] = None, None
         try:
             row = next(reader)
         except StopIteration:
+            if state["error"] is not None:
+                yield state["error"]
             break
         except csv.Error as e:
             line = state["first"] or 0
-            pending.append(RawRecord(source, line, error=layout.error_row(
-                source=source, line=line, reason=f"malformed CSV row: {e}", field="record")))
-            yield from pending
-            pending.clear()
+            reason = f"malformed CSV row: {e}"
+            if "field larger than field limit" in str(e):
+                reason = (f"malformed CSV row: a field is longer than {csv.field_size_limit()} characters (the "
+                          f"limit follows --max_prompt_bytes), or a quote is not closed")
+            yield state["error"] or RawRecord(source, line, error=layout.error_row(
+                source=source, line=line, reason=reason, field="record"))
             continue
-        yield from pending
-        pending.clear()
         line = state["first"] or 0
+        if state["error"] is not None:
+            yield state["error"]
+            if header is None:
+                header, header_problem = [], f"the CSV header (line {line}) cannot be read"
+            continue
         if not any(cell.strip() for cell in row):
             continue
         if header is None:
             header = [h.strip() for h in row]
-            if "prompt" not in header:
+            repeated = [name for i, name in enumerate(header) if name and name in header[:i]]
+            if repeated:
+                header_problem = f"the CSV header (line {line}) names the column {repeated[0]!r} more than once"
+                yield RawRecord(source, line, error=layout.error_row(
+                    source=source, line=line, reason=header_problem, record=_csv_line(row), field=repeated[0]))
+            elif "prompt" not in header:
                 yield RawRecord(source, line, error=layout.error_row(
                     source=source, line=line, reason="CSV header has no 'prompt' column", record=_csv_line(row),
                     field="prompt"))
                 # Every data row will also say why it is rejected ("missing prompt"): nothing is silently dropped.
+            continue
+        if header_problem is not None:
+            yield RawRecord(source, line, error=layout.error_row(
+                source=source, line=line, reason=header_problem, record=_csv_line(row), field="record"))
             continue
         if len(row) > len(header):
             yield RawRecord(source, line, error=layout.error_row(
@@ -531,7 +603,6 @@ def iter_csv(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
                 record=_csv_line(row), field="record"))
             continue
         yield RawRecord(source, line, fields=dict(zip(header, row)), text_values=True, text=_csv_line(row))
-    yield from pending
 
 
 def _csv_line(row: list[str]) -> str:
@@ -542,12 +613,13 @@ def _csv_line(row: list[str]) -> str:
     return buf.getvalue()
 
 
-def iter_raw_records(stream: Iterable[bytes], source: str, fmt: str) -> Iterator[RawRecord]:
+def iter_raw_records(stream: Iterable[bytes], source: str, fmt: str,
+                     csv_field_limit: int = _CSV_DEFAULT_FIELD_LIMIT) -> Iterator[RawRecord]:
     """Every record of one file (`stream` yields byte lines, e.g. an open binary file)."""
     if fmt == "jsonl":
         return iter_jsonl(stream, source)
     if fmt == "csv":
-        return iter_csv(stream, source)
+        return iter_csv(stream, source, csv_field_limit)
     if fmt == "text":
         return iter_text(stream, source)
     raise ValueError(f"unknown input format {fmt!r}")
@@ -586,7 +658,8 @@ def parse_lines(data: bytes, source: str, fmt: str, defaults: RequestDefaults) -
     """Convenience for tests and tools: every request or error row of one file's bytes."""
     import io
 
-    return [parse_raw(r, defaults) for r in iter_raw_records(io.BytesIO(data), source, fmt)]
+    limit = csv_field_limit_for(defaults.max_prompt_bytes)
+    return [parse_raw(r, defaults) for r in iter_raw_records(io.BytesIO(data), source, fmt, limit)]
 
 
 # --------------------------------------------------------------------------------------------- Beam transforms
@@ -600,6 +673,7 @@ class _ReadRequestsFn(beam.DoFn):
     def __init__(self, input_format: str | None, defaults: RequestDefaults):
         self._input_format = input_format
         self._defaults = defaults
+        self._csv_field_limit = csv_field_limit_for(defaults.max_prompt_bytes)
         self._read = Metrics.counter(METRICS_NAMESPACE, "records_read")
         self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
         self._files = Metrics.counter(METRICS_NAMESPACE, "input_files")
@@ -615,18 +689,51 @@ class _ReadRequestsFn(beam.DoFn):
         retries.flush_to_metrics()
 
     def process(self, readable_file):
+        from apache_beam.io.filesystem import CompressionTypes
+
         path = readable_file.metadata.path
         fmt = detect_format(path, self._input_format)
         self._files.inc()
-        with readable_file.open() as stream:
-            for raw in iter_raw_records(stream, path, fmt):
-                self._read.inc()
-                parsed = parse_raw(raw, self._defaults)
-                if isinstance(parsed, GenerationRequest):
-                    yield parsed
-                else:
-                    self._invalid.inc()
-                    yield beam.pvalue.TaggedOutput(INVALID_TAG, parsed)
+        try:
+            raw_file = readable_file.open(mime_type="application/octet-stream",
+                                          compression_type=CompressionTypes.UNCOMPRESSED)
+        except (IsADirectoryError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
+            # Deterministic: retrying cannot help (a folder matched by a glob, a file removed since the match).
+            yield self._file_error(path, 0, f"input file cannot be opened: {e}")
+            return
+        with raw_file:
+            kind = input_files.compression_of(path)
+            stream = input_files.DecompressingReader(raw_file, kind) if kind else raw_file
+            try:
+                for raw in iter_raw_records(stream, path, fmt, csv_field_limit=self._csv_field_limit):
+                    self._read.inc()
+                    parsed = parse_raw(raw, self._defaults)
+                    if isinstance(parsed, GenerationRequest):
+                        yield parsed
+                    else:
+                        self._invalid.inc()
+                        yield beam.pvalue.TaggedOutput(INVALID_TAG, parsed)
+            except input_files.InputReadError as e:
+                # The records of the complete lines before the damage are kept; the cut last line is not a record.
+                done = stream.complete_lines
+                yield self._file_error(path, done + 1, f"input file cannot be read to its end: {e}; the records "
+                                                       f"from line {done + 1} on were not read")
+
+    def _file_error(self, path: str, line: int, reason: str):
+        self._read.inc()
+        self._invalid.inc()
+        return beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
+            source=path, line=line or None, reason=reason, field="file", kind=layout.UNREADABLE_INPUT))
+
+
+def canonical_path(path: str) -> str:
+    """One spelling per file, so that a file matched by two patterns is read once: local paths absolute and
+    normalised ('a/./b.txt' and 'a/b.txt' are one file); URIs (gs://...) as they are."""
+    if "://" in path:
+        return path
+    import os
+
+    return os.path.normpath(os.path.abspath(path))
 
 
 class ReadRequests(beam.PTransform):
@@ -645,7 +752,7 @@ class ReadRequests(beam.PTransform):
 
         files = (patterns
                  | "MatchInputs" >> fileio.MatchAll()
-                 | "FilePaths" >> beam.Map(lambda metadata: metadata.path)
+                 | "FilePaths" >> beam.Map(lambda metadata: canonical_path(metadata.path))
                  | "DistinctFiles" >> beam.Distinct()  # a file matched by two patterns is read once
                  | "ReadMatches" >> fileio.ReadMatches()  # compression from the extension (.gz, ...)
                  | "SpreadFiles" >> beam.Reshuffle())
@@ -715,9 +822,45 @@ class _DeduplicateFn(beam.DoFn):
                 field="id", value=request_id))
 
 
+def _name_collisions(element):
+    """(file name, [requests that would write it]) -> (id, (file name, kept request)) for every request but the
+    first (by source, line) when several different requests claim the name."""
+    file_name, claimants = element
+    ordered = sorted(claimants, key=lambda r: (r.source, r.line))
+    for other in ordered[1:]:
+        yield other.id, (file_name, ordered[0])
+
+
+class _DropCollidingFn(beam.DoFn):
+    """(id, {'request': [request], 'collisions': [(file name, kept request)]}) -> the request, or one error row
+    when one of its image names is another request's (`{id}-{j}.png` of a multi-image request vs an id `x-1`)."""
+
+    def __init__(self):
+        self._collisions = Metrics.counter(METRICS_NAMESPACE, "records_file_name_collision")
+        self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
+
+    def process(self, element):
+        request_id, joined = element
+        for request in joined["request"]:
+            if not joined["collisions"]:
+                yield request
+                continue
+            file_name, kept = min(joined["collisions"], key=lambda c: (c[1].source, c[1].line, c[0]))
+            self._collisions.inc()
+            self._invalid.inc()
+            yield beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
+                source=request.source, line=request.line, id=request_id, kind=layout.FILE_NAME_COLLISION,
+                reason=(f"its image {file_name!r} would overwrite an image of request {kept.id!r} ({kept.source}:"
+                        f"{kept.line}), which is kept: {{id}}-{{j}}.png names the images of a request with "
+                        f"num_images > 1, so an id such as 'x-1' collides with request 'x'; choose another id"),
+                record={k: v for k, v in dataclasses.asdict(request).items() if k not in ("source", "line")},
+                field="id", value=request_id))
+
+
 class DeduplicateRequests(beam.PTransform):
-    """Requests -> {'requests': one per id, 'invalid': error rows for conflicting duplicate ids,
-    'duplicates': identical repeats (dropped: generated once)}."""
+    """Requests -> {'requests': one per id, 'invalid': error rows for conflicting duplicate ids and for requests
+    whose image file names another request already writes, 'duplicates': identical repeats (dropped: generated
+    once)}."""
 
     def expand(self, requests):
         out = (requests
@@ -725,4 +868,15 @@ class DeduplicateRequests(beam.PTransform):
                | "GroupById" >> beam.GroupByKey()
                | "PickFirst" >> beam.ParDo(_DeduplicateFn()).with_outputs(INVALID_TAG, DUPLICATE_TAG,
                                                                           main="requests"))
-        return {"requests": out.requests, "invalid": out[INVALID_TAG], DUPLICATE_TAG: out[DUPLICATE_TAG]}
+        # Different ids can still name the same file ("x" with 2 images writes x-1.png, as does id "x-1"): the
+        # later request (by source, line) is rejected whole, so no image is overwritten by another request's.
+        collisions = (out.requests
+                      | "KeyByFileName" >> beam.FlatMap(lambda r: [(t.file_name, r) for t in r.tasks()])
+                      | "GroupByFileName" >> beam.GroupByKey()
+                      | "Collisions" >> beam.FlatMap(_name_collisions))
+        checked = ({"request": out.requests | "KeyKeptById" >> beam.Map(lambda r: (r.id, r)),
+                    "collisions": collisions}
+                   | "JoinCollisions" >> beam.CoGroupByKey()
+                   | "DropColliding" >> beam.ParDo(_DropCollidingFn()).with_outputs(INVALID_TAG, main="requests"))
+        invalid = (out[INVALID_TAG], checked[INVALID_TAG]) | "DedupInvalid" >> beam.Flatten()
+        return {"requests": checked.requests, "invalid": invalid, DUPLICATE_TAG: out[DUPLICATE_TAG]}
