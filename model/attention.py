@@ -5,7 +5,10 @@ and combined (a key is attended only where every one allows it):
 - `mask`: boolean, broadcastable to [B, H, Lq, Lk], True where a query may attend to a key;
 - `causal`: query i attends to keys j <= i (self-attention, Lq == Lk);
 - `key_mask`: [B, Lk], True (or 1) for the keys that may be attended (the text encoder's padding mask).
-A query row that may attend to no key gets the mean of v over all keys, as transformers' additive masks give.
+A query row that may attend to no key gets zeros, as PyTorch's scaled_dot_product_attention gives with a boolean
+mask (transformers' default "sdpa" attention, which diffusers' pipeline loads the text encoder with): the pad
+positions before the first real token of a left-padded prompt. Every implementation goes through `attention`,
+which zeroes such rows.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ def _dot_attention(q, k, v, mask, scale):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=precision)
 
 
-def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK, causal: bool = False, key_mask=None):
+def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK, causal: bool = False, key_mask=None,
+                       skip_masked_blocks: bool = True):
     """Online-softmax attention over key blocks (a lax.scan): logits stay [B, Hkv, G*Lq, block], float32 accumulators.
 
     The layout is made once, outside the loop: queries grouped by the key/value head they share ([B, Hkv, G*Lq, D],
@@ -98,19 +102,17 @@ def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK, causal: bool = Fal
     qg = (q * scale if fold_scale else q).reshape(b, lq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)
     kb = k.reshape(b, n, block, hkv, d).transpose(1, 0, 3, 2, 4)
     vb = v.reshape(b, n, block, hkv, d).transpose(1, 0, 3, 2, 4)
-    # A key block no query may attend adds exactly nothing once each row has seen one allowed key (its weights are
-    # exp(min - max) = 0), so it is skipped: the text encoder's padding keys. Only when no row is fully masked, whose
-    # result (the mean of v, as in `_dot_attention`) needs every block.
-    skippable = None
+    # A key block no query may attend adds exactly nothing to a row that has seen an allowed key (its weights are
+    # exp(min - max) = 0), so it is skipped: the text encoder's padding keys. Rows with no allowed key at all are
+    # zeroed by `attention` whatever they hold here.
+    masked = mask is not None or key_mask is not None
     blocks = {"k": kb, "v": vb, "start": jnp.arange(n) * block}
     if mask is not None:
         mask = jnp.broadcast_to(mask, (b, h, lq, lk))
-        skippable = jnp.all(jnp.any(mask, axis=-1))
         blocks["mask"] = mask.reshape(b, hkv, g * lq, n, block).transpose(3, 0, 1, 2, 4)
     if key_mask is not None:
-        skippable = jnp.all(_rows_with_a_key(causal, key_mask, lq))
         blocks["keys"] = key_mask.reshape(b, n, block).transpose(1, 0, 2)
-    low = jnp.finfo(jnp.float32).min  # masked logits as in `_dot_attention` (a fully masked row averages v)
+    low = jnp.finfo(jnp.float32).min  # masked logits as in `_dot_attention`
 
     def allowed(blk):
         """[B or 1, Hkv or 1, G*Lq, block] booleans for this key block, or None when every key is allowed."""
@@ -127,11 +129,10 @@ def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK, causal: bool = Fal
 
     def step(carry, blk):
         ok = allowed(blk)
-        if skippable is None:  # no mask, or only the causal one (every block has a query to serve)
+        if not masked or not skip_masked_blocks:  # no mask, or only the causal one (every block serves a query)
             return update(carry, blk["k"], blk["v"], ok), None
         any_allowed = jnp.any(ok) if "mask" in blk else jnp.any(blk["keys"])  # key_mask alone: the cheap test
-        return jax.lax.cond(any_allowed | ~skippable, lambda c: update(c, blk["k"], blk["v"], ok), lambda c: c,
-                            carry), None
+        return jax.lax.cond(any_allowed, lambda c: update(c, blk["k"], blk["v"], ok), lambda c: c, carry), None
 
     def update(carry, kk, vv, ok):
         m, total, acc = carry
@@ -151,7 +152,7 @@ def _blocked_attention(q, k, v, mask, scale, block=KEY_BLOCK, causal: bool = Fal
             jnp.zeros((b, hkv, g * lq, d), jnp.float32))
     # Unrolled (a few blocks): bit-identical, and XLA schedules the blocks together (text encoder ~10% faster).
     (_, total, acc), _ = jax.lax.scan(step, init, blocks, unroll=True)
-    out = acc / total[..., None]  # [B, Hkv, G*Lq, D] -> [B, Lq, H, D]
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]  # [B, Hkv, G*Lq, D] -> [B, Lq, H, D]
     return out.reshape(b, hkv, g, lq, d).transpose(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
 
@@ -171,7 +172,7 @@ def _splash_attention(q, k, v, scale, causal: bool, key_mask):
 
     Sequences are padded to a multiple of the kernel's block; padded keys and `key_mask`'s masked keys are excluded
     with kv segment ids (every query is segment 1, allowed keys 1, the others 0), which is exactly "causal and
-    key-mask" (the anchor's folding). Rows with no allowed key get the mean of v, as the other implementations."""
+    key-mask" (the anchor's folding). Rows with no allowed key are zeroed by `attention`."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, lq, h, d = q.shape
@@ -194,12 +195,7 @@ def _splash_attention(q, k, v, scale, causal: bool, key_mask):
         return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=segments))(qr, kr, vr)
 
     out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :, :lq]  # [B, Hkv, G, Lq, D]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, lq, h, d)
-    if key_mask is None:
-        return out
-    has_key = _rows_with_a_key(causal, key_mask, lq)
-    mean_v = jnp.repeat(jnp.mean(v.astype(jnp.float32), axis=1), g, axis=1)  # [B, H, D]
-    return jnp.where(has_key[:, :, None, None], out, mean_v[:, None].astype(out.dtype))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
 
 def attention(q, k, v, *, mask=None, causal: bool = False, key_mask=None, implementation: str = "xla"):
@@ -212,6 +208,24 @@ def attention(q, k, v, *, mask=None, causal: bool = False, key_mask=None, implem
         key_mask = jnp.asarray(key_mask).astype(bool)
     if mask is not None and (causal or key_mask is not None):  # a dense mask given too: fold everything into it
         mask, causal, key_mask = dense_mask(mask, causal, key_mask, lq, lk), False, None
+    out = _attention_rows(q, k, v, mask, causal, key_mask, scale, implementation)
+    has_key = _rows_with_any_key(mask, causal, key_mask, lq)
+    return out if has_key is None else jnp.where(has_key, out, jnp.zeros((), out.dtype))
+
+
+def _rows_with_any_key(mask, causal: bool, key_mask, lq: int):
+    """[B or 1, Lq or 1, H or 1, 1] booleans, True where a query row may attend to some key; None when all may."""
+    if mask is not None:
+        mask = jnp.reshape(mask, (1,) * (4 - jnp.ndim(mask)) + jnp.shape(mask))  # e.g. an [Lq, Lk] mask
+        return jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]
+    if key_mask is not None:
+        return _rows_with_a_key(causal, key_mask, lq)[:, :, None, None]
+    return None  # no mask, or causal alone: every row sees at least its own key
+
+
+def _attention_rows(q, k, v, mask, causal: bool, key_mask, scale, implementation: str):
+    """The chosen implementation's output, [B, Lq, H, D] in q's dtype (rows with no allowed key: anything)."""
+    lq, lk = q.shape[1], k.shape[1]
     if implementation == "blocked":
         return _blocked_attention(q, k, v, mask, scale, causal=causal, key_mask=key_mask).astype(q.dtype)
     if implementation == "splash":

@@ -109,10 +109,39 @@ class TransformerConfig:
         if any(a % 2 for a in cfg.axes_dims_rope):
             raise ConfigError("every RoPE axis width must be even", path=path, key="axes_dims_rope",
                               value=cfg.axes_dims_rope)
-        if cfg.timestep_guidance_channels % 2:
-            raise ConfigError("timestep_guidance_channels must be even", path=path,
-                              key="timestep_guidance_channels", value=cfg.timestep_guidance_channels)
+        if len(cfg.axes_dims_rope) > 4:  # positions have 4 axes (time, height, width, text index)
+            raise ConfigError("axes_dims_rope may have at most 4 entries (one per position axis)", path=path,
+                              key="axes_dims_rope", value=cfg.axes_dims_rope)
         return cfg
+
+
+# transformers' ACT2FN names the Qwen3 MLP may use (the real checkpoints use silu).
+TEXT_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding_windows(d: dict, num_layers: int, path: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers' Qwen3Config derives it: `layer_types`
+    when given, else layers from `max_window_layers` on slide when `use_sliding_window` is set."""
+    use = _get(d, "use_sliding_window", bool, path, False)
+    window = d.get("sliding_window", 4096) if use else None  # transformers' default; null stays None
+    if window is not None:
+        window = _get({"sliding_window": window}, "sliding_window", int, path)
+    if window is not None and window < 1:
+        raise ConfigError("sliding_window must be positive", path=path, key="sliding_window", value=window)
+    types = d.get("layer_types")
+    if types is None:
+        first = _get(d, "max_window_layers", int, path, 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in _LAYER_TYPES for t in types)):
+        raise ConfigError(f"layer_types must list {num_layers} entries, each one of {_LAYER_TYPES}", path=path,
+                          key="layer_types", value=types)
+    if "sliding_attention" in types and window is None:
+        raise ConfigError("layer_types has sliding_attention layers but no sliding window is set (use_sliding_window "
+                          "and sliding_window)", path=path, key="layer_types", value=types)
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +158,12 @@ class TextEncoderConfig:
     rope_theta: float
     rms_norm_eps: float
     attention_bias: bool
+    hidden_act: str = "silu"
+    # Per decoder layer: the sliding-window size of a "sliding_attention" layer, None for full (causal) attention.
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "text_encoder/config.json") -> "TextEncoderConfig":
@@ -155,9 +190,14 @@ class TextEncoderConfig:
             rope_theta=_get({"rope_theta": theta}, "rope_theta", float, path),
             rms_norm_eps=_get(d, "rms_norm_eps", float, path, 1e-6),
             attention_bias=_get(d, "attention_bias", bool, path, False),
+            hidden_act=_get(d, "hidden_act", str, path, "silu"),
         )
         _positive(cfg, path, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim")
+        if cfg.hidden_act not in TEXT_ACTIVATIONS:
+            raise ConfigError(f"unsupported hidden_act; supported: {', '.join(sorted(TEXT_ACTIVATIONS))}", path=path,
+                              key="hidden_act", value=cfg.hidden_act)
+        cfg = dataclasses.replace(cfg, sliding_windows=_sliding_windows(d, cfg.num_hidden_layers, path))
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads", path=path,
                               key="num_key_value_heads", value=cfg.num_key_value_heads)

@@ -34,8 +34,16 @@ def apply_rotate_half(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def sliding_window_mask(length: int, window: int) -> np.ndarray:
+    """[1, 1, L, L] booleans: query i may see key j when i - j < window (transformers' sliding-window overlay; the
+    causal and padding masks are added by `attention`)."""
+    pos = np.arange(length)
+    return (pos[:, None] - pos[None, :] < window)[None, None]
+
+
 class Qwen3Attention(nnx.Module):
-    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs, sliding_window: int | None = None):
+        self.sliding_window = sliding_window
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -55,24 +63,37 @@ class Qwen3Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, length, self.num_kv_heads, self.head_dim)
         q = apply_rotate_half(q, cos, sin)
         k = apply_rotate_half(k, cos, sin)
-        out = attention(q, k, v, causal=True, key_mask=key_mask, implementation=implementation)
+        window = self.sliding_window
+        mask = jnp.asarray(sliding_window_mask(length, window)) if window is not None and window < length else None
+        out = attention(q, k, v, mask=mask, causal=True, key_mask=key_mask, implementation=implementation)
         return self.o_proj(out.reshape(b, length, self.num_heads * self.head_dim))
+
+
+ACTIVATIONS = {  # transformers' ACT2FN by name (gelu: exact erf form; the *_tanh / new / fast ones: tanh form)
+    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
 
 
 class Qwen3MLP(nnx.Module):
     def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
+        self.act = cfg.hidden_act
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen3DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs, sliding_window: int | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Qwen3Attention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = Qwen3Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
 
@@ -81,15 +102,23 @@ class Qwen3DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def normalize_out_layers(cfg: TextEncoderConfig, out_layers) -> tuple[int, ...]:
+    """Hidden-state indices in 0..N; negative ones count from the end as diffusers' `hidden_states[k]` does (-1 is N,
+    the normed last state)."""
+    n = cfg.num_hidden_layers
+    out = tuple(int(k) for k in out_layers)
+    if not out:
+        raise ValueError("text_encoder_out_layers must name at least one hidden state")
+    for k in out:
+        if not -(n + 1) <= k <= n:
+            raise ValueError(f"text encoder hidden state {k} does not exist: the checkpoint's Qwen3 has {n} layers, so "
+                             f"valid indices are 0..{n} (or -{n + 1}..-1 from the end)")
+    return tuple(k % (n + 1) for k in out)
+
+
 def layers_to_run(cfg: TextEncoderConfig, out_layers) -> tuple[int, bool]:
     """(number of decoder layers to run, whether the final norm is needed) for the requested hidden states."""
-    out_layers = tuple(int(k) for k in out_layers)
-    if not out_layers:
-        raise ValueError("text_encoder_out_layers must name at least one hidden state")
-    for k in out_layers:
-        if not 0 <= k <= cfg.num_hidden_layers:
-            raise ValueError(f"text encoder hidden state {k} does not exist: the checkpoint's Qwen3 has "
-                             f"{cfg.num_hidden_layers} layers, so valid indices are 0..{cfg.num_hidden_layers}")
+    out_layers = normalize_out_layers(cfg, out_layers)
     deepest = max(out_layers)
     return deepest, deepest == cfg.num_hidden_layers
 
@@ -99,7 +128,8 @@ class Qwen3Body(nnx.Module):
 
     def __init__(self, cfg: TextEncoderConfig, num_layers: int, with_final_norm: bool, *, dtype, rngs: nnx.Rngs):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Qwen3DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(num_layers)])
+        self.layers = nnx.List([Qwen3DecoderLayer(cfg, dtype=dtype, rngs=rngs, sliding_window=cfg.window_of(i))
+                                for i in range(num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype) if with_final_norm else None
 
 
@@ -109,7 +139,7 @@ class Qwen3TextEncoder(nnx.Module):
     def __init__(self, cfg: TextEncoderConfig, out_layers=(9, 18, 27), *, full_depth: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.config = cfg
-        self.out_layers = tuple(int(k) for k in out_layers)
+        self.out_layers = normalize_out_layers(cfg, out_layers)
         num_layers, with_norm = layers_to_run(cfg, self.out_layers)
         if full_depth:  # reference mode: run the whole stack like transformers does
             num_layers, with_norm = cfg.num_hidden_layers, True

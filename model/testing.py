@@ -61,6 +61,10 @@ class TinySpec:
     text_rope_theta: float = 1e6
     text_out_layers: tuple = (9, 18, 27)
     text_tie_word_embeddings: bool = True
+    text_hidden_act: str = "silu"
+    text_sliding_window: int | None = None  # set: use_sliding_window with this window ...
+    text_max_window_layers: int | None = None  # ... on the layers from this index on (None: the encoder's depth)
+    tokenizer_padding_side: str = "right"
     tokenizer_vocab_size: int = 384  # byte-level BPE size before the special tokens are appended
     # vae (diffusers AutoencoderKLFlux2); 2 ** (len(vae_block_out_channels) - 1) is the VAE scale factor
     vae_block_out_channels: tuple = (8, 16)
@@ -107,11 +111,23 @@ class TinySpec:
             raise ValueError("vae_block_out_channels must be multiples of vae_norm_num_groups")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.tokenizer_padding_side not in ("left", "right"):
+            raise ValueError(f"tokenizer_padding_side must be 'left' or 'right', got {self.tokenizer_padding_side!r}")
         if self.tokenizer_vocab_size < 256 + 8:
             raise ValueError("tokenizer_vocab_size must exceed the 256 byte tokens")
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """The spec as JSON; fields added later are left out while at their defaults, so that the specs written
+        before them keep their hashes (and their cached checkpoints)."""
+        fields = dataclasses.asdict(self)
+        for name, default in _LATER_FIELDS.items():
+            if fields[name] == default:
+                del fields[name]
+        return json.dumps(fields, sort_keys=True)
+
+
+_LATER_FIELDS = {"text_hidden_act": "silu", "text_sliding_window": None, "text_max_window_layers": None,
+                 "tokenizer_padding_side": "right"}
 
 
 DEMO_SPEC = TinySpec()
@@ -177,12 +193,12 @@ def _require_reference_stack():
                           f"(torch and diffusers); missing: {e.name}") from e
 
 
-def build_tiny_tokenizer(vocab_size: int = 384):
+def build_tiny_tokenizer(vocab_size: int = 384, padding_side: str = "right"):
     """A deterministic byte-level BPE with Qwen's pre-tokenizer and special tokens, as a transformers tokenizer.
 
     The BPE is trained on a small built-in corpus; the special tokens are appended after the BPE vocabulary (as in
-    Qwen, where they sit above the byte-level vocabulary) and each encodes to a single id. Padding is on the right
-    with `<|endoftext|>`; the chat template renders Qwen3's prompt format.
+    Qwen, where they sit above the byte-level vocabulary) and each encodes to a single id. Padding is with
+    `<|endoftext|>`, on the right unless asked otherwise; the chat template renders Qwen3's prompt format.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AddedToken, Qwen2Tokenizer
@@ -205,12 +221,12 @@ def build_tiny_tokenizer(vocab_size: int = 384):
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["model"]["merges"]]
 
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-                         pad_token="<|endoftext|>", model_max_length=131072, padding_side="right",
+                         pad_token="<|endoftext|>", model_max_length=131072, padding_side=padding_side,
                          clean_up_tokenization_spaces=False, errors="replace", split_special_tokens=False)
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
     tok.pad_token = "<|endoftext|>"
     tok.eos_token = "<|im_end|>"
-    tok.padding_side = "right"
+    tok.padding_side = padding_side
     tok.chat_template = QWEN3_CHAT_TEMPLATE
     ids = [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
     if ids != list(range(n_bpe, n_bpe + len(SPECIAL_TOKENS))) or len(tok) != len(vocab):
@@ -302,14 +318,15 @@ def _build_components(spec: TinySpec, tokenizer):
         num_attention_heads=spec.text_heads,
         num_key_value_heads=spec.text_kv_heads,
         head_dim=spec.text_head_dim,
-        hidden_act="silu",
+        hidden_act=spec.text_hidden_act,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         tie_word_embeddings=spec.text_tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(spec.text_rope_theta)},
         attention_bias=False,
-        use_sliding_window=False,
-        max_window_layers=spec.text_num_layers,
+        use_sliding_window=spec.text_sliding_window is not None,
+        sliding_window=spec.text_sliding_window,
+        max_window_layers=spec.text_num_layers if spec.text_max_window_layers is None else spec.text_max_window_layers,
         bos_token_id=pad_id,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=None,
@@ -412,7 +429,7 @@ def build_tiny_checkpoint(path: str, spec: TinySpec = TinySpec(), *, overwrite: 
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
-            tokenizer = build_tiny_tokenizer(spec.tokenizer_vocab_size)
+            tokenizer = build_tiny_tokenizer(spec.tokenizer_vocab_size, spec.tokenizer_padding_side)
             scheduler, vae, text_encoder, transformer = _build_components(spec, tokenizer)
         pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                   transformer=transformer, is_distilled=spec.distilled)

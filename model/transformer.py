@@ -67,11 +67,15 @@ def timestep_from_sigma(sigma, dtype):
 
 
 def timestep_sinusoid(t, dim: int):
-    """[cos | sin] sinusoidal embedding of t [B] (flip_sin_to_cos, no frequency shift), float32."""
+    """[cos | sin] sinusoidal embedding of t [B] (flip_sin_to_cos, no frequency shift), float32; an odd `dim` ends
+    with a zero channel, as diffusers pads it."""
     half = dim // 2
     freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
     angles = t.astype(jnp.float32)[:, None] * freqs[None, :]
-    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+    parts = [jnp.cos(angles), jnp.sin(angles)]
+    if dim % 2:
+        parts.append(jnp.zeros_like(angles[:, :1]))
+    return jnp.concatenate(parts, axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------- modules

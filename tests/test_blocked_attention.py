@@ -20,7 +20,7 @@ def test_blocked_matches_dot(lq, lk, h, hkv, masked):
     k = jnp.asarray(rng.standard_normal((2, lk, hkv, 32), np.float32) * 3)
     v = jnp.asarray(rng.standard_normal((2, lk, hkv, 32), np.float32))
     mask = None
-    if masked:  # causal-style plus padding, with one fully masked row (it averages v in both forms)
+    if masked:  # causal-style plus padding, with one fully masked row (zeros in both forms)
         mask = np.tril(np.ones((lq, lk), bool), k=lk - lq)[None, None] & (np.arange(lk) < lk - 7)[None, None, None]
         mask = np.broadcast_to(mask, (2, 1, lq, lk)).copy()
         mask[1, 0, 3] = False
@@ -41,9 +41,9 @@ def test_auto_is_blocked_on_cpu():
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side):
-    """The text encoder's mask (causal + padding, 512 keys, 20 real tokens): with right padding the key blocks of
-    padding are skipped and the result is bit-identical to computing them; with left padding (fully masked rows)
-    nothing is skipped. Both equal the plain attention."""
+    """The text encoder's mask (causal + padding, 512 keys, 20 real tokens): the key blocks of padding are skipped
+    and the result is bit-identical to computing them, with right padding and with left padding (whose rows before
+    the first real token see no key: zeros). Both equal the plain attention."""
     import jax
     import jax.numpy as jnp
 
@@ -58,12 +58,11 @@ def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side):
     mask = jnp.asarray(np.tril(np.ones((lk, lk), bool))[None, None] & keep[None, None, None])
     scale = 1.0 / np.sqrt(32.0)
     blocked = jax.jit(lambda q, k, v, m: attn._blocked_attention(q, k, v, m, scale))
-    got = np.asarray(blocked(q, k, v, mask))
-    # the same computation with every block forced to run: a fully masked extra query row disables skipping
-    q1 = jnp.concatenate([q, q[:, :1]], axis=1)
-    m1 = jnp.concatenate([mask, jnp.zeros((1, 1, 1, lk), bool)], axis=2)
-    every_block = np.asarray(blocked(q1, k, v, m1))[:, :lk]
-    np.testing.assert_array_equal(got, every_block)
+    every_block = jax.jit(lambda q, k, v, m: attn._blocked_attention(q, k, v, m, scale, skip_masked_blocks=False))
+    has_key = np.asarray(attn._rows_with_any_key(mask, False, None, lk))
+    got = np.where(has_key, np.asarray(blocked(q, k, v, mask)), 0)
+    np.testing.assert_array_equal(got, np.where(has_key, np.asarray(every_block(q, k, v, mask)), 0))
+    np.testing.assert_array_equal(got, np.asarray(attn.attention(q, k, v, mask=mask, implementation="blocked")))
     want = np.asarray(attn.attention(q, k, v, mask=mask, implementation="dot"))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # the scale is folded into q: other rounding
 
@@ -73,7 +72,7 @@ def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side):
                                               (256, 4, 1, "left"), (512, 4, 1, "left"), (24, 3, 3, None)])
 def test_causal_and_key_masks_match_the_dense_mask(impl, lq, h, hkv, padding):
     """`causal=True, key_mask=...` (how the text encoder asks) == the same mask written out dense, for every
-    implementation: right padding, left padding (rows before the first real token see no key and average v),
+    implementation: right padding, left padding (rows before the first real token see no key: zeros),
     lengths that are not a multiple of any block, grouped-query heads; without a key mask, causal alone."""
     import jax.numpy as jnp
 
@@ -143,3 +142,25 @@ def test_auto_picks_splash_on_one_tpu_chip_only():
     else:  # elsewhere 'splash' stays what was asked for (Pallas interpret mode), 'auto' never picks it
         assert resolve_implementation("splash") == "splash"
         assert "splash" not in {resolve_implementation("auto", masked=m, devices=d) for m in (0, 1) for d in (1, 4)}
+
+
+@pytest.mark.parametrize("impl", ["blocked", "xla", "splash", "dot"])
+def test_rows_with_no_allowed_key_are_zero_like_torch_sdpa(impl):
+    """A left-padded prompt's pad rows see no key under causal + padding masks: PyTorch's SDPA (transformers'
+    default attention) returns zeros there, and so does every implementation here."""
+    import jax.numpy as jnp
+    import torch
+
+    from model.attention import attention
+
+    rng = np.random.default_rng(5)
+    lq, h = 48, 2
+    q, k, v = (rng.standard_normal((2, lq, h, 16), np.float32) for _ in range(3))
+    key_mask = np.arange(lq)[None] >= np.array([[10], [0]])  # row 0: 10 left pads; row 1: none
+    got = np.asarray(attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True,
+                               key_mask=jnp.asarray(key_mask), implementation=impl))
+    dense = torch.from_numpy(np.tril(np.ones((lq, lq), bool))[None, None] & key_mask[:, None, None, :])
+    t = [torch.from_numpy(a).transpose(1, 2) for a in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=dense).transpose(1, 2).numpy()
+    assert np.all(got[0, :10] == 0) and np.all(want[0, :10] == 0)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

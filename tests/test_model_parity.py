@@ -341,6 +341,49 @@ def test_held_out_config_end_to_end(odd_ckpt):
     _assert_images_close(ours, ref)
 
 
+def test_held_out_text_encoder_variants_end_to_end(tmp_path):
+    """Text-encoder configs the real checkpoints do not use but diffusers supports, together (each alone moved images
+    by 13-42/255 before it was handled): sliding-window layers, a gelu MLP, a left-padding tokenizer (its pad rows
+    see no key: zeros, as transformers' default SDPA attention gives), out layers counted from the end, and an odd
+    number of timestep channels."""
+    from diffusers import Flux2KleinPipeline
+
+    spec = TinySpec(text_num_layers=6, text_out_layers=(2, 4, 6), text_hidden_act="gelu_pytorch_tanh",
+                    text_sliding_window=5, text_max_window_layers=2, tokenizer_padding_side="left",
+                    timestep_guidance_channels=33, seed=11)
+    ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), spec)
+    out_layers = (-5, -3, -1)  # hidden states 2, 4 and 6 (the normed last) of 6 layers
+    gen = model.load(ckpt, dtype="float32", max_sequence_length=MAX_LEN, text_encoder_out_layers=out_layers)
+    assert gen.config.text_encoder.sliding_windows == (None, None, 5, 5, 5, 5)
+    pipe = Flux2KleinPipeline.from_pretrained(ckpt, torch_dtype=torch.float32)
+    prompts, seeds = ["a red cat sitting on a mat by the window", "x"], [4, 5]
+    ours = gen.generate(prompts, seeds, height=32, width=32, num_inference_steps=2)
+    noise = np.stack([model.initial_noise(s, gen.noise_shape(32, 32)) for s in seeds])
+    ref = pipe(prompt=prompts, height=32, width=32, num_inference_steps=2, guidance_scale=1.0,
+               latents=torch.from_numpy(noise), output_type="np", max_sequence_length=MAX_LEN,
+               text_encoder_out_layers=out_layers).images
+    _assert_images_close(ours, ref)
+
+
+def test_text_encoder_config_variants_are_read_or_refused():
+    from model.config import TextEncoderConfig
+
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}
+    assert TextEncoderConfig.from_dict(base).sliding_windows == (None,) * 4
+    assert TextEncoderConfig.from_dict({**base, "use_sliding_window": True, "sliding_window": 3,
+                                        "max_window_layers": 1}).sliding_windows == (None, 3, 3, 3)
+    assert TextEncoderConfig.from_dict({**base, "use_sliding_window": True, "sliding_window": 3, "layer_types": [
+        "sliding_attention", "full_attention", "full_attention", "sliding_attention"]}).sliding_windows == \
+        (3, None, None, 3)
+    for bad, key in [({"hidden_act": "softsign"}, "hidden_act"),
+                     ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+                     ({"layer_types": ["sliding_attention"] * 4}, "layer_types")]:  # no window set
+        with pytest.raises(model.ConfigError) as e:
+            TextEncoderConfig.from_dict({**base, **bad})
+        assert e.value.key == key
+
+
 def test_batch_equals_one_by_one(gen32):
     prompts, seeds = ["one", "two", "three"], [10, 20, 30]
     together = gen32.generate(prompts, seeds, height=32, width=32, num_inference_steps=2)
