@@ -91,6 +91,20 @@ class JobConfig:
     demo: bool = False
     max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
     inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
+    case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
+
+
+def is_case_insensitive_folder(folder: str) -> bool:
+    """Whether file names differing only in case name the same file in `folder` (macOS, Windows; created if needed):
+    a probe file with a lower-case name is looked up under its upper-case name."""
+    os.makedirs(folder, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".case-probe-", dir=folder)
+    os.close(fd)
+    try:
+        head, name = os.path.split(probe)
+        return os.path.exists(os.path.join(head, name.upper()))
+    finally:
+        os.remove(probe)
 
 
 def runner_name(options: PipelineOptions) -> str:
@@ -176,12 +190,18 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         if all("://" not in m.path and os.path.isdir(m.path) for m in matched):
             raise UsageError(f"--input {pattern!r} is a folder, not a file; give the files in it, e.g. "
                              f"{os.path.join(pattern, '*.jsonl')!r}")
+    case_insensitive = False
+    if "://" not in output:
+        try:
+            case_insensitive = is_case_insensitive_folder(output)
+        except OSError as e:
+            raise UsageError(f"--output={output!r} cannot be written: {e}") from e
     return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, model=model_uri,
                      dtype=dtype, defaults=defaults, max_sequence_length=max_len, batch_size=batch_size,
                      skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, checkpoint_cache_dir=o.checkpoint_cache_dir,
                      compilation_cache_dir=o.compilation_cache_dir, demo=demo, max_images=o.max_images,
-                     inference_retries=o.inference_retries)
+                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive)
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:
@@ -200,7 +220,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     """Add the job's transforms to `p`; returns its main PCollections by name."""
     patterns = p | "InputPatterns" >> beam.Create(list(job.patterns))
     read = patterns | "ReadRequests" >> ReadRequests(job.input_format, job.defaults)
-    dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests()
+    dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests(fold_case=job.case_insensitive_output)
     planned = dedup["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None
     if job.skip_existing:

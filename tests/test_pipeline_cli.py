@@ -51,6 +51,10 @@ def test_usage_errors(tmp_path):
         resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={tmp_path}"]))
     with pytest.raises(UsageError, match="contains a glob character"):  # Beam's sinks would fail after the images
         resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", f"--output={tmp_path}/run[1]"]))
+    from pipeline.run import is_case_insensitive_folder
+
+    assert is_case_insensitive_folder(str(tmp_path / "new")) is False  # Linux; created, and the probe removed
+    assert os.listdir(tmp_path / "new") == []
     job = resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}"]))
     assert (job.output, job.dtype, job.batch_size, job.max_sequence_length, job.defaults.height, job.demo) == \
         ("./output", "bfloat16", 4, 512, 1024, False)

@@ -300,3 +300,19 @@ def test_guidance_must_fit_float32_and_negative_zero_is_zero():
     row = rejected(b'{"prompt": "p", "guidance_scale": 1e39}')
     assert row["field"] == "guidance_scale" and "largest float32" in row["reason"]
     assert one(b'{"prompt": "p", "guidance_scale": -0.0}').id == one(b'{"prompt": "p", "guidance_scale": 0}').id
+
+
+def test_file_names_differing_in_case_collide_in_a_case_insensitive_folder(tmp_path):
+    """On macOS/Windows output folders 'Cat.png' and 'cat.png' are one file: the job folds case there."""
+    (tmp_path / "a.jsonl").write_bytes(b'{"id": "Cat", "prompt": "upper"}\n{"id": "cat", "prompt": "lower"}\n')
+
+    def build(p):
+        read = p | beam.Create([str(tmp_path / "a.jsonl")]) | ReadRequests("auto", D)
+        exact = read["requests"] | "exact" >> DeduplicateRequests()
+        folded = read["requests"] | "folded" >> DeduplicateRequests(fold_case=True)
+        assert_that(exact["requests"] | "e" >> beam.Map(lambda r: r.id), equal_to(["Cat", "cat"]), label="exact")
+        assert_that(folded["requests"] | "f" >> beam.Map(lambda r: r.id), equal_to(["Cat"]), label="folded")
+        assert_that(folded["invalid"] | "i" >> beam.Map(lambda row: (row["id"], row["kind"])),
+                    equal_to([("cat", layout.FILE_NAME_COLLISION)]), label="invalid")
+
+    _run(build)

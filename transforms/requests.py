@@ -860,9 +860,15 @@ class _DropCollidingFn(beam.DoFn):
 class DeduplicateRequests(beam.PTransform):
     """Requests -> {'requests': one per id, 'invalid': error rows for conflicting duplicate ids and for requests
     whose image file names another request already writes, 'duplicates': identical repeats (dropped: generated
-    once)}."""
+    once)}. `fold_case`: file names that differ only in case are the same file (a case-insensitive output folder,
+    as on macOS and Windows)."""
+
+    def __init__(self, fold_case: bool = False):
+        super().__init__()
+        self._fold_case = fold_case
 
     def expand(self, requests):
+        fold = (lambda name: name.lower()) if self._fold_case else (lambda name: name)
         out = (requests
                | "KeyById" >> beam.Map(lambda r: (r.id, r))
                | "GroupById" >> beam.GroupByKey()
@@ -871,7 +877,7 @@ class DeduplicateRequests(beam.PTransform):
         # Different ids can still name the same file ("x" with 2 images writes x-1.png, as does id "x-1"): the
         # later request (by source, line) is rejected whole, so no image is overwritten by another request's.
         collisions = (out.requests
-                      | "KeyByFileName" >> beam.FlatMap(lambda r: [(t.file_name, r) for t in r.tasks()])
+                      | "KeyByFileName" >> beam.FlatMap(lambda r: [(fold(t.file_name), r) for t in r.tasks()])
                       | "GroupByFileName" >> beam.GroupByKey()
                       | "Collisions" >> beam.FlatMap(_name_collisions))
         checked = ({"request": out.requests | "KeyKeptById" >> beam.Map(lambda r: (r.id, r)),
