@@ -20,6 +20,7 @@ import base64
 import concurrent.futures
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -100,12 +101,21 @@ def _list_objects(client, uri: str) -> list:
         raise CheckpointError(f"cannot list the checkpoint objects: {type(e).__name__}: {e}", path=uri) from e
     if not blobs:
         raise CheckpointError("no objects under this checkpoint prefix", path=uri)
+    # Pickle weights are never downloaded: next to safetensors in the same folder they are skipped (as the local
+    # loader ignores them), alone they are refused.
+    folders_with_safetensors = {b.name.rsplit("/", 1)[0] for b in blobs if ".safetensors" in b.name.lower()}
+    kept = []
     for blob in blobs:
         if blob.name.lower().endswith(UNSAFE_SUFFIXES):
-            raise UnsafeWeightsError(
-                "pickle-based weight file refused (only safetensors are loaded); remove it from the checkpoint",
-                path=f"gs://{bucket}/{blob.name}")
-    return blobs
+            if blob.name.rsplit("/", 1)[0] not in folders_with_safetensors:
+                raise UnsafeWeightsError(
+                    "pickle-based weight file refused (only safetensors are loaded); remove it from the checkpoint",
+                    path=f"gs://{bucket}/{blob.name}")
+            logger.warning("not downloading pickle weight file gs://%s/%s (the safetensors next to it are used)",
+                           bucket, blob.name)
+            continue
+        kept.append(blob)
+    return kept
 
 
 def _relative(blob_name: str, prefix: str) -> str:
@@ -175,15 +185,28 @@ def _resolve_gcs(uri: str, cache_dir: str | None) -> str:
     rels = {b.name: _relative(b.name, prefix) for b in blobs}
 
     root = os.path.join(cache_dir or default_cache_root(), hashlib.sha256(uri.encode()).hexdigest()[:32])
-    final = os.path.join(root, _fingerprint(uri, blobs))
+    fingerprint = _fingerprint(uri, blobs)
+    final = os.path.join(root, fingerprint)
     if os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
         return final
-    with _file_lock(final + ".lock"):
+    try:
+        lock = _file_lock(final + ".lock")
+        lock.__enter__()
+    except OSError as e:
+        raise CheckpointError(f"the checkpoint cache folder cannot be used: {e}", path=root) from e
+    try:
         if os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
             return final  # another process finished the copy while we waited
         if os.path.exists(final):  # a folder without the marker is not ours to trust: copy again
             shutil.rmtree(final, ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
+        # Copies of this fingerprint left by a process that died mid-copy (killed: no cleanup ran); with the lock
+        # held nobody else is copying it, so they are all stale.
+        for stale in glob.glob(os.path.join(root, f".partial-{fingerprint}-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            tmp = tempfile.mkdtemp(prefix=f".partial-{fingerprint}-", dir=root)
+        except OSError as e:
+            raise CheckpointError(f"the checkpoint cache folder cannot be used: {e}", path=root) from e
         try:
             start = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
@@ -203,4 +226,6 @@ def _resolve_gcs(uri: str, cache_dir: str | None) -> str:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    finally:
+        lock.__exit__(None, None, None)
     return final

@@ -99,7 +99,10 @@ class TransformerConfig:
             guidance_embeds=_get(d, "guidance_embeds", bool, path, True),
         )
         _positive(cfg, path, "in_channels", "out_channels", "num_attention_heads", "attention_head_dim",
-                  "joint_attention_dim", "timestep_guidance_channels")
+                  "joint_attention_dim", "timestep_guidance_channels", "mlp_ratio")
+        for name in ("num_layers", "num_single_layers"):
+            if getattr(cfg, name) < 0:
+                raise ConfigError("config value must not be negative", path=path, key=name, value=getattr(cfg, name))
         if cfg.patch_size != 1:
             raise ConfigError("only patch_size 1 is supported (FLUX.2 patchifies in the VAE)", path=path,
                               key="patch_size", value=cfg.patch_size)

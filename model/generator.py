@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import logging
 import os
+import threading
 import time
 
 import jax
@@ -61,8 +62,9 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
     if batch_size is not None:
         option_overrides["batch_size"] = batch_size
     options = dataclasses.replace(options, **option_overrides)
-    if options.batch_size is not None and options.batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {options.batch_size}")
+    bs = options.batch_size
+    if bs is not None and (isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or bs < 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {bs!r}")
     enable_compilation_cache(options.compilation_cache_dir)
     root = str(path_or_uri)
     if root.startswith("gs://"):
@@ -82,6 +84,10 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
                                                                                        "config.json"),
                           key="joint_attention_dim", value=tr_cfg.joint_attention_dim)
     tokenizer = PromptTokenizer(os.path.join(root, "tokenizer"), max_sequence_length)
+    if len(tokenizer.tokenizer) > te_cfg.vocab_size:  # an id past the embedding table would read NaN: black images
+        raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
+                              f"table only {te_cfg.vocab_size} rows (vocab_size): tokenizer and text encoder do not "
+                              f"belong together", path=os.path.join(root, "tokenizer"))
     rngs = lambda: nnx.Rngs(0)  # noqa: E731  (abstract init only; values come from the checkpoint)
 
     full_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=True, dtype=jdtype, rngs=rngs()))
@@ -138,6 +144,8 @@ class Flux2KleinGenerator:
         self._rope_cache: dict = {}
         self._schedule_cache: dict = {}
         self.stats = collections.Counter()
+        # generate() calls are serialised: they share the embedding cache and the device (which runs one at a time).
+        self._generate_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------------ helpers
 
@@ -209,16 +217,28 @@ class Flux2KleinGenerator:
 
     def generate(self, prompts, seeds, height: int = 1024, width: int = 1024, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None) -> np.ndarray:
-        """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]."""
+        """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]. Safe to call from
+        several threads: calls run one after the other."""
+        with self._generate_lock:
+            return self._generate(prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                                  num_images_per_prompt, sigmas)
+
+    def _generate(self, prompts, seeds, height, width, num_inference_steps, guidance_scale, num_images_per_prompt,
+                  sigmas) -> np.ndarray:
         if isinstance(prompts, str):
             raise RequestError("prompts must be a list of strings, not a single string", value=prompts)
         prompts, seeds = list(prompts), list(seeds)
         for p in prompts:
             if not isinstance(p, str):
                 raise RequestError(f"every prompt must be a string, got {type(p).__name__}", value=p)
+            try:  # checked up front: a bad prompt in a later batch would otherwise discard the batches before it
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"prompt is not valid Unicode text: lone surrogate U+{ord(p[e.start]):04X} at "
+                                   f"character {e.start}", value=p) from None
         if len(prompts) != len(seeds):
             raise RequestError(f"got {len(prompts)} prompts but {len(seeds)} seeds", value=len(seeds))
-        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, int) \
+        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, (int, np.integer)) \
                 or num_images_per_prompt < 1:
             raise RequestError(f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}",
                                value=num_images_per_prompt)
@@ -239,7 +259,7 @@ class Flux2KleinGenerator:
         if guidance > 1 and self.is_distilled:
             logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled", guidance)
         use_cfg = guidance > 1 and not self.is_distilled
-        k = num_images_per_prompt
+        k = int(num_images_per_prompt)
         image_prompts = [p for p in prompts for _ in range(k)]
         image_seeds = [s + j for s in seeds for j in range(k)]
         for s in image_seeds:

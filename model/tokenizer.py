@@ -22,8 +22,9 @@ class PromptTokenizer:
     """Chat-template + tokenize exactly like Flux2KleinPipeline._get_qwen3_prompt_embeds, padded to max_length."""
 
     def __init__(self, folder: str, max_length: int = 512):
-        if max_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_length}")
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+            raise ValueError(f"max_sequence_length must be an integer >= 1, got {max_length!r}")
+        max_length = int(max_length)
         if not os.path.isdir(folder):
             raise CheckpointError("tokenizer folder is missing", path=folder)
         from transformers import AutoTokenizer  # tokenizer only; no model classes
@@ -36,6 +37,11 @@ class PromptTokenizer:
             raise CheckpointError("tokenizer is not a fast tokenizer", path=folder)
         if self.tokenizer.pad_token_id is None:
             raise CheckpointError("tokenizer has no pad token", path=folder)
+        try:  # the pipeline templates every prompt: a tokenizer without a usable chat template fails here, not later
+            self.template("a test prompt")
+        except Exception as e:  # noqa: BLE001 - transformers / jinja raise several types
+            raise CheckpointError(f"tokenizer has no usable chat template: {type(e).__name__}: {e}",
+                                  path=folder) from e
         self.max_length = max_length
 
     def template(self, prompt: str) -> str:

@@ -60,9 +60,13 @@ class SafetensorsFile:
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             try:
-                dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+                dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError("malformed safetensors header entry", path=path, tensor=name) from e
+            if not all(_is_count(v) for v in (*shape, begin, end)) or not isinstance(dtype, str):
+                raise CheckpointError(f"malformed safetensors header entry: shape {shape!r} and data_offsets "
+                                      f"{[begin, end]!r} must be non-negative integers, dtype a string",
+                                      path=path, tensor=name)
             if dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"unsupported safetensors dtype {dtype}", path=path, tensor=name)
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
@@ -73,6 +77,12 @@ class SafetensorsFile:
                 raise CheckpointError(f"safetensors file is truncated: tensor needs bytes up to {end} but the file "
                                       f"holds {data_len} data bytes", path=path, tensor=name)
             self.entries[name] = (dtype, shape, begin, end)
+        # The tensors' byte ranges must not overlap (two weights reading the same bytes), as safetensors requires.
+        ranges = sorted((begin, end, name) for name, (_, _, begin, end) in self.entries.items() if end > begin)
+        for (_, end_a, name_a), (begin_b, _, name_b) in zip(ranges, ranges[1:]):
+            if begin_b < end_a:
+                raise CheckpointError(f"tensor byte ranges overlap: {name_a!r} and {name_b!r} share bytes", path=path,
+                                      tensor=name_b)
 
     def read(self, name: str) -> np.ndarray:
         """The tensor as a fresh numpy array, read with one positioned read (no memory map stays resident)."""
@@ -83,6 +93,10 @@ class SafetensorsFile:
         if array.size != count:
             raise CheckpointError("safetensors file ended before the tensor's data", path=self.path, tensor=name)
         return array.reshape(shape)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def open_component(folder: str) -> dict[str, SafetensorsFile]:
@@ -115,6 +129,9 @@ def open_component(folder: str) -> dict[str, SafetensorsFile]:
                 weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"unreadable safetensors index: {e}", path=index_path) from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError("the index's weight_map must map tensor names to shard file names",
+                                  path=index_path)
         for tensor, shard in weight_map.items():
             shard_path = os.path.join(folder, shard)
             if os.path.basename(shard) != shard:

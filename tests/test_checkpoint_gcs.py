@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -93,9 +94,9 @@ def test_checksum_mismatch_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
         assert not [d for d in dirs if d.startswith(".partial-")]
 
 
-@pytest.mark.parametrize("name", ["text_encoder/pytorch_model.bin", "transformer/weights.pt", "vae/model.ckpt",
-                                  "extra/state.pth"])
+@pytest.mark.parametrize("name", ["text_encoder/pytorch_model.bin", "extra/state.pth"])
 def test_pickle_weights_are_refused_before_copying(gcs_emulator, gcs_bucket, tmp_path, name):
+    """A folder whose only weights are pickles is refused before anything is copied."""
     uri = _upload(gcs_emulator, gcs_bucket, "klein", dict(FILES, **{name: b"pickle"}))
     cache = str(tmp_path / "cache")
     before = checkpoint.copies_made()
@@ -105,6 +106,29 @@ def test_pickle_weights_are_refused_before_copying(gcs_emulator, gcs_bucket, tmp
     assert checkpoint.copies_made() == before
     copied = [f for _r, _d, files in os.walk(cache) for f in files] if os.path.exists(cache) else []
     assert copied == []
+
+
+@pytest.mark.parametrize("name", ["transformer/weights.pt", "vae/model.ckpt", "transformer/pytorch_model.bin"])
+def test_pickle_weights_next_to_safetensors_are_never_downloaded(gcs_emulator, gcs_bucket, tmp_path, name):
+    """As the local loader ignores them: the safetensors beside them are used, the pickle never reaches the disk."""
+    uri = _upload(gcs_emulator, gcs_bucket, "klein-both", dict(FILES, **{name: b"pickle"}))
+    local = checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"))
+    assert not os.path.exists(os.path.join(local, name))
+    assert os.path.isfile(os.path.join(local, "transformer", "diffusion_pytorch_model.safetensors"))
+
+
+def test_cut_copies_of_a_killed_process_are_removed_and_a_bad_cache_dir_is_typed(gcs_emulator, gcs_bucket, tmp_path):
+    uri = _upload(gcs_emulator, gcs_bucket, "klein-kill")
+    cache = tmp_path / "cache"
+    local = checkpoint.resolve_checkpoint(uri, cache_dir=str(cache))
+    root, fingerprint = os.path.split(local)
+    shutil.rmtree(local)  # as if this copy had never finished: a process was killed while copying it
+    os.makedirs(os.path.join(root, f".partial-{fingerprint}-dead"))
+    assert checkpoint.resolve_checkpoint(uri, cache_dir=str(cache)) == local
+    assert [d for d in os.listdir(root) if d.startswith(".partial-")] == []
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CheckpointError, match="cache folder cannot be used"):
+        checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "a-file" / "cache"))
 
 
 def test_empty_prefix_is_an_error(gcs_emulator, gcs_bucket, tmp_path):

@@ -410,6 +410,30 @@ def test_guidance_scale_is_checked_before_it_reaches_float32(gen32):
             gen32.generate(prompts=["p"], seeds=[0], height=32, width=32, guidance_scale=bad)
 
 
+def test_prompts_are_checked_before_any_batch_runs_and_calls_may_come_from_threads(gen32, tiny_ckpt):
+    import concurrent.futures
+
+    before = gen32.stats["prompts_encoded"]
+    with pytest.raises(model.RequestError, match="lone surrogate"):
+        gen32.generate(["fine", "also fine", "a \ud800 cat"], [0, 1, 2], height=32, width=32, num_inference_steps=2)
+    assert gen32.stats["prompts_encoded"] == before  # nothing was computed and thrown away
+    # Concurrent calls share the embedding cache: they are serialised, and each gets its own images.
+    prompts = [f"prompt {i}" for i in range(6)]
+    alone = [gen32.generate([p], [i], height=32, width=32, num_inference_steps=2) for i, p in enumerate(prompts)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda i: gen32.generate([prompts[i]], [i], height=32, width=32,
+                                                          num_inference_steps=2), range(6)))
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a, b)
+    assert gen32.generate(["x"], [0], height=32, width=32, num_inference_steps=2,
+                          num_images_per_prompt=np.int64(2)).shape[0] == 2
+    for bad in (2.0, True, "2"):
+        with pytest.raises(ValueError, match="batch_size must be an integer"):
+            model.load(tiny_ckpt, dtype="float32", max_sequence_length=MAX_LEN, batch_size=bad)
+    with pytest.raises(ValueError, match="max_sequence_length must be an integer"):
+        model.load(tiny_ckpt, dtype="float32", max_sequence_length=32.0)
+
+
 def test_bf16_close_to_fp32(tiny_ckpt, gen32):
     from benchmarks.similarity import ssim
 

@@ -266,3 +266,92 @@ def test_every_component_is_validated_before_any_weight_is_read(ckpt_copy, monke
     with pytest.raises(model.CheckpointError, match="truncated"):
         _load(ckpt_copy)
     assert reads == []
+
+
+def _edit_header(path, edit):
+    """Rewrite a safetensors file's JSON header with `edit(header) -> None`, keeping its data bytes."""
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header, data = json.loads(f.read(n)), f.read()
+    edit(header)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda h, t: h[t].update(data_offsets=[str(v) for v in h[t]["data_offsets"]]), "must be non-negative integers"),
+    (lambda h, t: h[t].update(data_offsets=[float(v) for v in h[t]["data_offsets"]]), "must be non-negative integers"),
+    (lambda h, t: h[t].update(dtype=["F32"]), "must be non-negative integers"),
+    (lambda h, t: h[t].update(data_offsets=h[next(k for k in h if k not in (t, "__metadata__") and h[k]["dtype"] ==
+                                              h[t]["dtype"] and h[k]["shape"] == h[t]["shape"])]["data_offsets"]),
+     "overlap"),
+])
+def test_malformed_safetensors_headers_are_checkpoint_errors(ckpt_copy, edit, words):
+    """Caught while validating headers, before any weight is read: wrong types, and two tensors on the same bytes
+    (one weight silently copying another)."""
+    folder = os.path.join(ckpt_copy, "text_encoder")
+    _, idx = _index(folder)
+    tensor = "model.layers.0.self_attn.q_norm.weight"
+    shard = os.path.join(folder, idx["weight_map"][tensor])
+    _edit_header(shard, lambda h: edit(h, tensor))
+    with pytest.raises(model.CheckpointError, match=words):
+        _load(ckpt_copy)
+
+
+def test_index_weight_map_of_the_wrong_shape_is_a_checkpoint_error(ckpt_copy):
+    path, idx = _index(os.path.join(ckpt_copy, "vae"))
+    with open(path, "w") as f:
+        json.dump({"weight_map": list(idx["weight_map"])}, f)
+    with pytest.raises(model.CheckpointError, match="weight_map must map"):
+        _load(ckpt_copy)
+
+
+def test_tokenizer_and_text_encoder_must_belong_together(ckpt_copy):
+    """A tokenizer with ids past the embedding table gave NaN embeddings and black images, silently."""
+    cfg_path = os.path.join(ckpt_copy, "text_encoder", "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    tok_size = len(model.tokenizer.PromptTokenizer(os.path.join(ckpt_copy, "tokenizer")).tokenizer)
+    folder = os.path.join(ckpt_copy, "text_encoder")
+    _rewrite_embedding = lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:tok_size - 5]})  # noqa: E731
+    from safetensors.numpy import load_file, save_file
+
+    path, idx = _index(folder)
+    shard = idx["weight_map"]["model.embed_tokens.weight"]
+    tensors = load_file(os.path.join(folder, shard))
+    _rewrite_embedding(tensors)
+    save_file(tensors, os.path.join(folder, shard))
+    cfg["vocab_size"] = tok_size - 5
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(model.CheckpointError, match="do not belong together"):
+        _load(ckpt_copy)
+
+
+def test_tokenizer_without_chat_template_is_refused_at_load(ckpt_copy):
+    path = os.path.join(ckpt_copy, "tokenizer", "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.pop("chat_template", None)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        if os.path.exists(os.path.join(ckpt_copy, "tokenizer", extra)):
+            os.remove(os.path.join(ckpt_copy, "tokenizer", extra))
+    with pytest.raises(model.CheckpointError, match="chat template"):
+        _load(ckpt_copy)
+
+
+def test_config_values_that_cannot_build_a_model(ckpt_copy):
+    path = os.path.join(ckpt_copy, "transformer", "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    for key, value in (("mlp_ratio", 0), ("num_single_layers", -1)):
+        with open(path, "w") as f:
+            json.dump(dict(cfg, **{key: value}), f)
+        with pytest.raises(model.ConfigError) as e:
+            _load(ckpt_copy)
+        assert e.value.key == key
