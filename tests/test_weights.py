@@ -309,49 +309,45 @@ def test_index_weight_map_of_the_wrong_shape_is_a_checkpoint_error(ckpt_copy):
         _load(ckpt_copy)
 
 
+def _edit_json(path, edit):
+    """Rewrite a JSON file with `edit(obj) -> None`."""
+    with open(path) as f:
+        obj = json.load(f)
+    edit(obj)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
 def test_tokenizer_and_text_encoder_must_belong_together(ckpt_copy):
     """A tokenizer with ids past the embedding table gave NaN embeddings and black images, silently."""
-    cfg_path = os.path.join(ckpt_copy, "text_encoder", "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    tok_size = len(model.tokenizer.PromptTokenizer(os.path.join(ckpt_copy, "tokenizer")).tokenizer)
-    folder = os.path.join(ckpt_copy, "text_encoder")
-    _rewrite_embedding = lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:tok_size - 5]})  # noqa: E731
     from safetensors.numpy import load_file, save_file
 
-    path, idx = _index(folder)
-    shard = idx["weight_map"]["model.embed_tokens.weight"]
-    tensors = load_file(os.path.join(folder, shard))
-    _rewrite_embedding(tensors)
-    save_file(tensors, os.path.join(folder, shard))
-    cfg["vocab_size"] = tok_size - 5
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
+    rows = len(model.tokenizer.PromptTokenizer(os.path.join(ckpt_copy, "tokenizer")).tokenizer) - 5
+    folder = os.path.join(ckpt_copy, "text_encoder")
+    shard = os.path.join(folder, _index(folder)[1]["weight_map"]["model.embed_tokens.weight"])
+    tensors = load_file(shard)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:rows]
+    save_file(tensors, shard)
+    _edit_json(os.path.join(folder, "config.json"), lambda cfg: cfg.update(vocab_size=rows))
     with pytest.raises(model.CheckpointError, match="do not belong together"):
         _load(ckpt_copy)
 
 
 def test_tokenizer_without_chat_template_is_refused_at_load(ckpt_copy):
-    path = os.path.join(ckpt_copy, "tokenizer", "tokenizer_config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg.pop("chat_template", None)
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    folder = os.path.join(ckpt_copy, "tokenizer")
+    _edit_json(os.path.join(folder, "tokenizer_config.json"), lambda cfg: cfg.pop("chat_template", None))
     for extra in ("chat_template.jinja", "chat_template.json"):
-        if os.path.exists(os.path.join(ckpt_copy, "tokenizer", extra)):
-            os.remove(os.path.join(ckpt_copy, "tokenizer", extra))
+        if os.path.exists(os.path.join(folder, extra)):
+            os.remove(os.path.join(folder, extra))
     with pytest.raises(model.CheckpointError, match="chat template"):
         _load(ckpt_copy)
 
 
 def test_config_values_that_cannot_build_a_model(ckpt_copy):
     path = os.path.join(ckpt_copy, "transformer", "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
     for key, value in (("mlp_ratio", 0), ("num_single_layers", -1)):
-        with open(path, "w") as f:
-            json.dump(dict(cfg, **{key: value}), f)
+        _edit_json(path, lambda cfg: cfg.update({key: value}))
         with pytest.raises(model.ConfigError) as e:
             _load(ckpt_copy)
         assert e.value.key == key
+        _edit_json(path, lambda cfg: cfg.update({key: 3 if key == "mlp_ratio" else 2}))
