@@ -60,14 +60,6 @@ def dense_mask(mask, causal: bool, key_mask, lq: int, lk: int):
     return mask
 
 
-def _rows_with_a_key(causal: bool, key_mask, lq: int):
-    """[B, Lq] (causal) or [B, 1] booleans: whether a query row may attend to at least one key. Causal: row i iff
-    one of keys 0..i is allowed."""
-    if causal:
-        return (jnp.cumsum(key_mask, axis=1) > 0)[:, :lq]
-    return jnp.any(key_mask, axis=1, keepdims=True)
-
-
 def _dot_attention(q, k, v, mask, scale):
     """Plain einsum attention with a float32 softmax; the readable reference implementation."""
     b, lq, h, d = q.shape
@@ -218,8 +210,9 @@ def _rows_with_any_key(mask, causal: bool, key_mask, lq: int):
     if mask is not None:
         mask = jnp.reshape(mask, (1,) * (4 - jnp.ndim(mask)) + jnp.shape(mask))  # e.g. an [Lq, Lk] mask
         return jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]
-    if key_mask is not None:
-        return _rows_with_a_key(causal, key_mask, lq)[:, :, None, None]
+    if key_mask is not None:  # causal: row i iff one of keys 0..i is allowed
+        rows = (jnp.cumsum(key_mask, axis=1) > 0)[:, :lq] if causal else jnp.any(key_mask, axis=1, keepdims=True)
+        return rows[:, :, None, None]
     return None  # no mask, or causal alone: every row sees at least its own key
 
 

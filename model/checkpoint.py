@@ -133,8 +133,12 @@ def _fingerprint(uri: str, blobs: list) -> str:
 
 @contextlib.contextmanager
 def _file_lock(path: str):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a+") as f:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:
+        raise CheckpointError(f"the checkpoint cache folder cannot be used: {e}", path=os.path.dirname(path)) from e
+    with f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -189,12 +193,7 @@ def _resolve_gcs(uri: str, cache_dir: str | None) -> str:
     final = os.path.join(root, fingerprint)
     if os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
         return final
-    try:
-        lock = _file_lock(final + ".lock")
-        lock.__enter__()
-    except OSError as e:
-        raise CheckpointError(f"the checkpoint cache folder cannot be used: {e}", path=root) from e
-    try:
+    with _file_lock(final + ".lock"):
         if os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
             return final  # another process finished the copy while we waited
         if os.path.exists(final):  # a folder without the marker is not ours to trust: copy again
@@ -203,10 +202,7 @@ def _resolve_gcs(uri: str, cache_dir: str | None) -> str:
         # held nobody else is copying it, so they are all stale.
         for stale in glob.glob(os.path.join(root, f".partial-{fingerprint}-*")):
             shutil.rmtree(stale, ignore_errors=True)
-        try:
-            tmp = tempfile.mkdtemp(prefix=f".partial-{fingerprint}-", dir=root)
-        except OSError as e:
-            raise CheckpointError(f"the checkpoint cache folder cannot be used: {e}", path=root) from e
+        tmp = tempfile.mkdtemp(prefix=f".partial-{fingerprint}-", dir=root)
         try:
             start = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
@@ -226,6 +222,4 @@ def _resolve_gcs(uri: str, cache_dir: str | None) -> str:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    finally:
-        lock.__exit__(None, None, None)
     return final

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from .errors import ConfigError
+from .layers import ACTIVATIONS
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -118,8 +119,6 @@ class TransformerConfig:
         return cfg
 
 
-# transformers' ACT2FN names the Qwen3 MLP may use (the real checkpoints use silu).
-TEXT_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -197,8 +196,8 @@ class TextEncoderConfig:
         )
         _positive(cfg, path, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim")
-        if cfg.hidden_act not in TEXT_ACTIVATIONS:
-            raise ConfigError(f"unsupported hidden_act; supported: {', '.join(sorted(TEXT_ACTIVATIONS))}", path=path,
+        if cfg.hidden_act not in ACTIVATIONS:  # the real checkpoints use silu
+            raise ConfigError(f"unsupported hidden_act; supported: {', '.join(sorted(ACTIVATIONS))}", path=path,
                               key="hidden_act", value=cfg.hidden_act)
         cfg = dataclasses.replace(cfg, sliding_windows=_sliding_windows(d, cfg.num_hidden_layers, path))
         if cfg.num_attention_heads % cfg.num_key_value_heads:

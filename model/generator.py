@@ -18,7 +18,7 @@ from . import scheduler as sched
 from .config import PipelineConfig
 from .engine import Bucket, CompiledPrograms, EngineOptions, enable_compilation_cache, make_mesh
 from .errors import CheckpointError, ConfigError, RequestError
-from .noise import initial_noise, validate_seed
+from .noise import initial_noise, is_integer, validate_seed
 from .qwen3 import Qwen3TextEncoder
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, rope_tables, text_ids
@@ -39,8 +39,8 @@ def nearest_valid_sizes(value: int, multiple: int) -> tuple[int, ...]:
 
 def validate_size(name: str, value, multiple: int) -> int:
     """A height/width must be a positive multiple of `multiple`; otherwise RequestError naming value and fixes."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0 or value % multiple:
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0:
+    if not is_integer(value) or value <= 0 or value % multiple:
+        if is_integer(value) and value > 0:
             hint = f"; nearest valid sizes: {list(nearest_valid_sizes(int(value), multiple))}"
         else:
             hint = f"; use a positive multiple of {multiple} such as {multiple * 64}"
@@ -63,7 +63,7 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
         option_overrides["batch_size"] = batch_size
     options = dataclasses.replace(options, **option_overrides)
     bs = options.batch_size
-    if bs is not None and (isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or bs < 1):
+    if bs is not None and (not is_integer(bs) or bs < 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {bs!r}")
     enable_compilation_cache(options.compilation_cache_dir)
     root = str(path_or_uri)
@@ -238,15 +238,14 @@ class Flux2KleinGenerator:
                                    f"character {e.start}", value=p) from None
         if len(prompts) != len(seeds):
             raise RequestError(f"got {len(prompts)} prompts but {len(seeds)} seeds", value=len(seeds))
-        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, (int, np.integer)) \
-                or num_images_per_prompt < 1:
+        if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise RequestError(f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}",
                                value=num_images_per_prompt)
         seeds = [validate_seed(s) for s in seeds]
         height = validate_size("height", height, self.size_multiple)
         width = validate_size("width", width, self.size_multiple)
         steps = self.default_num_inference_steps if num_inference_steps is None else num_inference_steps
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        if not is_integer(steps) or steps < 1:
             raise RequestError(f"num_inference_steps must be an integer >= 1, got {steps!r}", value=steps)
         guidance = self.default_guidance_scale if guidance_scale is None else guidance_scale
         if isinstance(guidance, bool) or not isinstance(guidance, (int, float, np.integer, np.floating)):

@@ -32,6 +32,16 @@ def round_to_dtype(x, dtype):
     return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+ACTIVATIONS = {  # transformers' ACT2FN by name (gelu: exact erf form; the *_tanh / new / fast ones: tanh form)
+    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     """Placeholder values: modules are only ever built abstractly (nnx.eval_shape) and filled from a checkpoint,
     so a random initialiser would only cost tracing time (about 20 ms per parameter)."""

@@ -9,9 +9,14 @@ from .errors import RequestError
 MAX_SEED = 2**63
 
 
+def is_integer(value) -> bool:
+    """A Python or numpy integer, and not a bool (True is an int in Python, never a count or a seed here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def validate_seed(seed) -> int:
     """Return `seed` as int if it is an integer in [0, 2**63), else raise RequestError naming it."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    if not is_integer(seed):
         raise RequestError(f"seed must be an integer in [0, 2**63), got {seed!r}", value=seed)
     seed = int(seed)
     if not 0 <= seed < MAX_SEED:

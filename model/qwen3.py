@@ -7,14 +7,13 @@ requested state are never built or run; no LM head exists here.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from .attention import attention
 from .config import TextEncoderConfig
-from .layers import Embed, Linear, RMSNorm
+from .layers import ACTIVATIONS, Embed, Linear, RMSNorm
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float):
@@ -67,16 +66,6 @@ class Qwen3Attention(nnx.Module):
         mask = jnp.asarray(sliding_window_mask(length, window)) if window is not None and window < length else None
         out = attention(q, k, v, mask=mask, causal=True, key_mask=key_mask, implementation=implementation)
         return self.o_proj(out.reshape(b, length, self.num_heads * self.head_dim))
-
-
-ACTIVATIONS = {  # transformers' ACT2FN by name (gelu: exact erf form; the *_tanh / new / fast ones: tanh form)
-    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-}
 
 
 class Qwen3MLP(nnx.Module):

@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from .errors import CheckpointError
+from .noise import is_integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,7 @@ class PromptTokenizer:
     """Chat-template + tokenize exactly like Flux2KleinPipeline._get_qwen3_prompt_embeds, padded to max_length."""
 
     def __init__(self, folder: str, max_length: int = 512):
-        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+        if not is_integer(max_length) or max_length < 1:
             raise ValueError(f"max_sequence_length must be an integer >= 1, got {max_length!r}")
         max_length = int(max_length)
         if not os.path.isdir(folder):

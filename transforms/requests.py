@@ -15,10 +15,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 from typing import Any, Iterable, Iterator, Mapping
 
 import apache_beam as beam
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.metrics import Metrics
 
 from . import input_files, layout
@@ -689,8 +691,6 @@ class _ReadRequestsFn(beam.DoFn):
         retries.flush_to_metrics()
 
     def process(self, readable_file):
-        from apache_beam.io.filesystem import CompressionTypes
-
         path = readable_file.metadata.path
         fmt = detect_format(path, self._input_format)
         self._files.inc()
@@ -699,7 +699,7 @@ class _ReadRequestsFn(beam.DoFn):
                                           compression_type=CompressionTypes.UNCOMPRESSED)
         except (IsADirectoryError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
             # Deterministic: retrying cannot help (a folder matched by a glob, a file removed since the match).
-            yield self._file_error(path, 0, f"input file cannot be opened: {e}")
+            yield self._file_error(path, None, f"input file cannot be opened: {e}")
             return
         with raw_file:
             kind = input_files.compression_of(path)
@@ -719,11 +719,11 @@ class _ReadRequestsFn(beam.DoFn):
                 yield self._file_error(path, done + 1, f"input file cannot be read to its end: {e}; the records "
                                                        f"from line {done + 1} on were not read")
 
-    def _file_error(self, path: str, line: int, reason: str):
+    def _file_error(self, path: str, line: int | None, reason: str):
         self._read.inc()
         self._invalid.inc()
         return beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
-            source=path, line=line or None, reason=reason, field="file", kind=layout.UNREADABLE_INPUT))
+            source=path, line=line, reason=reason, field="file", kind=layout.UNREADABLE_INPUT))
 
 
 def canonical_path(path: str) -> str:
@@ -731,8 +731,6 @@ def canonical_path(path: str) -> str:
     normalised ('a/./b.txt' and 'a/b.txt' are one file); URIs (gs://...) as they are."""
     if "://" in path:
         return path
-    import os
-
     return os.path.normpath(os.path.abspath(path))
 
 
@@ -790,6 +788,11 @@ class EnforceMaxImages(beam.PTransform):
         return tasks | "CheckMaxImages" >> beam.Map(_within_max_images, beam.pvalue.AsSingleton(count), self._limit)
 
 
+def _request_fields(request: GenerationRequest) -> dict:
+    """A request's parameters for an error row (where it came from is in the row already)."""
+    return {k: v for k, v in dataclasses.asdict(request).items() if k not in ("source", "line")}
+
+
 class _DeduplicateFn(beam.DoFn):
     """(id, [requests]) -> the first request (by source, line), plus an error row for each later record with the
     same id but different parameters. Identical repeats are dropped (generated once) and counted."""
@@ -818,7 +821,7 @@ class _DeduplicateFn(beam.DoFn):
                 source=other.source, line=other.line, id=request_id, kind=layout.DUPLICATE_ID,
                 reason=(f"duplicate id {request_id!r} with conflicting parameters ({', '.join(differing)} differ "
                         f"from {first.source}:{first.line}, which is kept)"),
-                record={k: v for k, v in dataclasses.asdict(other).items() if k not in ("source", "line")},
+                record=_request_fields(other),
                 field="id", value=request_id))
 
 
@@ -853,7 +856,7 @@ class _DropCollidingFn(beam.DoFn):
                 reason=(f"its image {file_name!r} would overwrite an image of request {kept.id!r} ({kept.source}:"
                         f"{kept.line}), which is kept: {{id}}-{{j}}.png names the images of a request with "
                         f"num_images > 1, so an id such as 'x-1' collides with request 'x'; choose another id"),
-                record={k: v for k, v in dataclasses.asdict(request).items() if k not in ("source", "line")},
+                record=_request_fields(request),
                 field="id", value=request_id))
 
 
