@@ -474,6 +474,7 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
         "cpu_compiler_options": ("XLA:CPU defaults in every program (YNNPACK dots/convs)",
                                  dict(cpu_compiler_options=())),
         "per_image": ("batched programs (not image by image)", dict(per_image=False)),
+        "concurrent_images": ("a batch's images one after the other (lax.map)", dict(concurrent_images=1)),
         "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
         "fused_upsample": ("VAE upsamples, then a 3x3 conv at the high resolution", dict(fused_upsample=False)),
     }

@@ -189,7 +189,7 @@ class Flux2KleinGenerator:
             os.path.join(self.root, "tokenizer"), self.max_sequence_length)
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
-            tok = tokenizer(chunk + [""] * (batch - len(chunk)))
+            tok = tokenizer(chunk if self.programs.any_batch else chunk + [""] * (batch - len(chunk)))
             ids = jax.device_put(tok.input_ids, self.programs.batched)
             mask = jax.device_put(tok.attention_mask, self.programs.batched)
             embeds = encode_fn(self.programs.te_state, ids, mask)
@@ -285,13 +285,13 @@ class Flux2KleinGenerator:
             chunk_p = image_prompts[start:start + batch]
             chunk_s = image_seeds[start:start + batch]
             real = len(chunk_p)
-            pad = batch - real
+            pad = 0 if self.programs.any_batch else batch - real  # padding rows would be computed for nothing
             noise = np.stack([initial_noise(s, (tr.in_channels, grid_h, grid_w)) for s in chunk_s]
                              + [np.zeros((tr.in_channels, grid_h, grid_w), np.float32)] * pad)
-            tokens = noise.reshape(batch, tr.in_channels, grid_h * grid_w).transpose(0, 2, 1)
+            tokens = noise.reshape(real + pad, tr.in_channels, grid_h * grid_w).transpose(0, 2, 1)
             latents = jax.device_put(tokens.astype(dtype), self.programs.latents_sharding(grid_h * grid_w))
             txt = self._encode(chunk_p + chunk_p[:1] * pad, batch, encode_fn)
-            neg = self._encode([""] * batch, batch, encode_fn) if use_cfg else None
+            neg = self._encode([""] * (real + pad), batch, encode_fn) if use_cfg else None
             if self.options.fused_loop and not self.options.reference:
                 latents = denoise_fn(self.programs.tr_state, latents, txt, neg, sig, ts, cos, sin, gscale)
             else:

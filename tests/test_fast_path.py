@@ -96,6 +96,7 @@ SWITCHES = {
     "compilation_cache_dir": "tmp_cache_dir",
     "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA's defaults (YNNPACK)
     "per_image": dict(per_image=False),  # batched programs
+    "concurrent_images": dict(concurrent_images=1),  # a batch's images one after the other (lax.map)
     "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
     "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
 }
@@ -409,3 +410,59 @@ def test_an_image_has_the_same_bytes_whatever_its_batch(tiny_ckpt):
     padded = model.load(tiny_ckpt, batch_size=4, **KW).generate(PROMPTS[1:3], SEEDS[1:3], **SIZE)
     assert [max_diff(batch[i], alone[i]) for i in range(3)] == [0, 0, 0]
     assert [max_diff(padded[i], alone[i + 1]) for i in range(2)] == [0, 0]
+
+
+def test_concurrent_images_run_the_one_image_programs_in_threads(tiny_ckpt):
+    """On one CPU device a batch's images run two at a time, each through the one-image programs (compiled once
+    for every batch size): the same bytes as one after the other, and no compilation for a new batch size."""
+    import model
+    from model.engine import EngineOptions
+
+    gen = model.load(tiny_ckpt, **KW)
+    if gen.programs.concurrent_images == 1:
+        pytest.skip("images run side by side on a one-device CPU mesh only")
+    assert gen.programs.concurrent_images == 2
+    images = gen.generate(PROMPTS[:3], SEEDS[:3], **SIZE)
+    assert gen.programs.compile_count == 3  # the batch-1 encode, denoise and decode only
+    assert len(gen.programs._pool._threads) == 2
+    with CompileEvents() as events:
+        pair = gen.generate(PROMPTS[1:3], SEEDS[1:3], **SIZE)  # another batch size: the same programs
+    assert events.count == 0 and gen.programs.compile_count == 3
+    in_turn = model.load(tiny_ckpt, options=EngineOptions(concurrent_images=1), **KW).generate(
+        PROMPTS[:3], SEEDS[:3], **SIZE)
+    assert max_diff(images, in_turn) == 0 and max_diff(pair, images[1:]) == 0
+
+
+def test_concurrent_images_compute_no_padding_rows(tiny_ckpt):
+    """Image by image, a short batch is not padded up to the batch size, nor the prompts to encode: 3 images of 2
+    distinct prompts with batch_size 4 run the encoder twice and the transformer and decoder three times."""
+    import model
+
+    gen = model.load(tiny_ckpt, batch_size=4, **KW)
+    if not gen.programs.any_batch:
+        pytest.skip("images run side by side on a one-device CPU mesh only")
+    images = gen.generate(PROMPTS, SEEDS, **SIZE)
+    assert dict(gen.programs.image_runs) == {"encode": 2, "denoise": 3, "decode": 3}
+    alone = model.load(tiny_ckpt, batch_size=1, **KW).generate(PROMPTS[2:], SEEDS[2:], **SIZE)
+    assert images.shape == (3, 32, 48, 3) and max_diff(images[2:], alone) == 0
+
+
+def test_concurrent_images_option():
+    import types
+
+    import numpy as np
+    from model.engine import EngineOptions, concurrent_images_for, make_mesh
+
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="concurrent_images"):
+            EngineOptions(concurrent_images=bad)
+    one_cpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")]))
+    assert concurrent_images_for(one_cpu, EngineOptions()) == 2
+    assert concurrent_images_for(one_cpu, EngineOptions(concurrent_images=np.int64(3))) == 3
+    assert concurrent_images_for(one_cpu, EngineOptions(per_image=False)) == 1  # a batch is one program
+    one_gpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
+    assert concurrent_images_for(one_gpu, EngineOptions()) == 1
+    four_cpus = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")] * 4))
+    assert concurrent_images_for(four_cpus, EngineOptions(concurrent_images=2)) == 1  # the mesh splits the batch
+    assert concurrent_images_for(make_mesh(EngineOptions()), EngineOptions(concurrent_images=1)) == 1
+
