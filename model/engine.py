@@ -92,8 +92,8 @@ class EngineOptions:
     per_image: bool | None = None
     # Image by image on CPU: how many images of a batch run at once, each an execution of the one-image programs in
     # its own thread. One image leaves the cores partly idle (its many small ops split badly over threads), so two at
-    # once measured ~25-30% more images/s on 2 cores; an image's bytes are those of the one-image programs whatever
-    # the batch. None = 2 where `per_image` applies on CPU (else 1); 1 = one after the other (lax.map).
+    # once measured 20-30% more images/s at batch 4 on 2 cores; an image's bytes are those of the one-image programs
+    # whatever the batch. None = 2 where `per_image` applies on CPU (else 1); 1 = one after the other (lax.map).
     concurrent_images: int | None = None
     # XLA:CPU compiler options (DebugOptions names) by program (encode / denoise / decode), applied only when the
     # programs run on CPU; a program not listed, and () for all, gets XLA's defaults.
