@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -125,11 +126,16 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def on_cpu(mesh: Mesh) -> bool:
+    """Whether every device of `mesh` is a CPU."""
+    return all(d.platform == "cpu" for d in mesh.devices.flat)
+
+
 def compiler_options_for(mesh: Mesh, options: EngineOptions, program: str) -> dict | None:
     """The XLA compiler options for `program` on `mesh`: its CPU options, only when every device is a CPU."""
     if program not in PROGRAMS:
         raise ValueError(f"unknown program {program!r}; choose from {PROGRAMS}")
-    if any(d.platform != "cpu" for d in mesh.devices.flat):
+    if not on_cpu(mesh):
         return None
     chosen = dict(options.cpu_compiler_options).get(program)
     return dict(chosen) if chosen else None
@@ -141,7 +147,7 @@ def per_image_for(mesh: Mesh, options: EngineOptions) -> bool:
     if mesh.devices.size != 1:
         return False
     if options.per_image is None:
-        return all(d.platform == "cpu" for d in mesh.devices.flat)
+        return on_cpu(mesh)
     return bool(options.per_image)
 
 
@@ -151,7 +157,7 @@ def concurrent_images_for(mesh: Mesh, options: EngineOptions) -> int:
     if not per_image_for(mesh, options):
         return 1
     if options.concurrent_images is None:
-        return 2 if all(d.platform == "cpu" for d in mesh.devices.flat) else 1
+        return 2 if on_cpu(mesh) else 1
     return int(options.concurrent_images)
 
 
@@ -203,8 +209,6 @@ class CompiledPrograms:
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
         self._compiled: dict = {}
         self.concurrent_images = concurrent_images_for(mesh, options)
-        # Programs run image by image in threads take any number of rows: a short batch needs no padding rows.
-        self.any_batch = self.concurrent_images > 1
         self.image_runs = collections.Counter()  # one-image program runs by program name (threads only)
         self._pool = None  # the threads that run images at once, started on first use
 
@@ -270,6 +274,11 @@ class CompiledPrograms:
         self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
         self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
 
+    @property
+    def any_batch(self) -> bool:
+        """Whether the programs take any number of rows (run image by image in threads): no padding rows needed."""
+        return self.concurrent_images > 1
+
     def modules(self):
         """(text_encoder, transformer, vae) as NNX modules over the device-resident parameters."""
         states = (self.te_state, self.tr_state, self.vae_state)
@@ -330,8 +339,6 @@ class CompiledPrograms:
                 denoise_lowered = self._single_step.lower(state, x, txt, neg, scalar, scalar, scalar, cos, sin, scale)
             lowered = [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
                        self._decode.lower(*self._decode_args(b, in_channels))]
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(3) as pool:
                 encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered)
             self.compile_count += 3
@@ -350,8 +357,6 @@ class CompiledPrograms:
         different threads side by side, one thread's calls one after the other); outputs concatenated in order."""
         batched = BATCHED_ARGS[name]
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(self.concurrent_images, thread_name_prefix="image")
 
         def run(*args):

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from .errors import CheckpointError, UnsafeWeightsError
+from .noise import is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class SafetensorsFile:
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_integer(value) and value >= 0
 
 
 def open_component(folder: str) -> dict[str, SafetensorsFile]:

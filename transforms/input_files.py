@@ -75,7 +75,6 @@ class DecompressingReader:
         self._done = False
         self.complete_lines = 0  # line breaks in the data returned so far
 
-
     def read(self, size: int = -1) -> bytes:  # noqa: ARG002 - pieces are bounded already
         """The next piece of decompressed data (b"" at the end)."""
         if self._done:

@@ -429,6 +429,7 @@ def _decoded_lines(stream: Iterable[bytes], source: str, keep_undecodable: bool 
             continue
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]
+        error = None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -437,9 +438,7 @@ def _decoded_lines(stream: Iterable[bytes], source: str, keep_undecodable: bool 
                 yield number, None, error
                 continue
             text = raw.decode("utf-8", "surrogateescape")
-            yield number, text.rstrip("\r\n") if text.endswith("\n") else text, error
-            continue
-        yield number, text.rstrip("\r\n") if text.endswith("\n") else text, None
+        yield number, text.rstrip("\r\n") if text.endswith("\n") else text, error
 
 
 def _reject_constant(name: str):
@@ -752,7 +751,7 @@ class ReadRequests(beam.PTransform):
                  | "MatchInputs" >> fileio.MatchAll()
                  | "FilePaths" >> beam.Map(lambda metadata: canonical_path(metadata.path))
                  | "DistinctFiles" >> beam.Distinct()  # a file matched by two patterns is read once
-                 | "ReadMatches" >> fileio.ReadMatches()  # compression from the extension (.gz, ...)
+                 | "ReadMatches" >> fileio.ReadMatches()  # opened uncompressed: input_files decompresses
                  | "SpreadFiles" >> beam.Reshuffle())
         parsed = files | "ParseRecords" >> beam.ParDo(_ReadRequestsFn(self._input_format, self._defaults)) \
             .with_outputs(INVALID_TAG, main="requests")
