@@ -40,17 +40,18 @@ def test_auto_is_blocked_on_cpu():
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side):
-    """The text encoder's mask (causal + padding, 512 keys, 20 real tokens): the key blocks of padding are skipped
-    and the result is bit-identical to computing them, with right padding and with left padding (whose rows before
-    the first real token see no key: zeros). Both equal the plain attention."""
+@pytest.mark.parametrize("lk,real", [(512, 20), (300, 20), (300, 290)])
+def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side, lk, real):
+    """The text encoder's mask (causal + padding, e.g. 512 keys, 20 real tokens): the key blocks of padding are
+    skipped and the result is bit-identical to computing them, with right padding and with left padding (whose rows
+    before the first real token see no key: zeros); a length that is no multiple of the block is padded to whole
+    blocks. All equal the plain attention."""
     import jax
     import jax.numpy as jnp
 
     from model import attention as attn
 
     rng = np.random.default_rng(7)
-    lk, real = 512, 20
     q = jnp.asarray(rng.standard_normal((2, lk, 4, 32), np.float32))
     k = jnp.asarray(rng.standard_normal((2, lk, 1, 32), np.float32) * 3)
     v = jnp.asarray(rng.standard_normal((2, lk, 1, 32), np.float32))
