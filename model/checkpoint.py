@@ -7,7 +7,8 @@ checksums, generations), so a checkpoint re-uploaded under the same URI gets a f
 
 - Every object is verified against the checksum GCS stores for it (crc32c, and md5 when the object has one); a
   mismatch raises CheckpointError naming the object.
-- Pickle weight files (.bin/.pt/.pth/.ckpt) are refused while listing, before anything is copied.
+- Pickle weight files (.bin/.pt/.pth/.ckpt) are refused while listing, before anything is copied; of default and
+  variant weight files side by side (`model.fp16.safetensors`), only the chosen set is copied.
 - Concurrent processes (Beam SDK workers on one VM) coordinate through a file lock: one copies into a temporary
   folder, verifies, then renames it into place atomically; the others wait and reuse the finished copy.
 
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 from .errors import CheckpointError, UnsafeWeightsError
+from .weight_files import select_weight_files, weight_file_variant
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +66,13 @@ def split_gs_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-def resolve_checkpoint(uri: str, cache_dir: str | None = None) -> str:
-    """The local folder holding the checkpoint at `uri` (a local folder, or `gs://bucket/prefix`)."""
+def resolve_checkpoint(uri: str, cache_dir: str | None = None, variant: str | None = None) -> str:
+    """The local folder holding the checkpoint at `uri` (a local folder, or `gs://bucket/prefix`). From GCS only
+    the weight files of `variant` are copied (see `model.weight_files.select_weight_files`)."""
     if not isinstance(uri, str) or not uri:
         raise CheckpointError("checkpoint location must be a non-empty string", path=repr(uri))
     if uri.startswith("gs://"):
-        return _resolve_gcs(uri, cache_dir)
+        return _resolve_gcs(uri, cache_dir, variant)
     if "://" in uri:
         raise CheckpointError("unsupported checkpoint location: use a local folder or a gs:// URI", path=uri)
     if not os.path.exists(uri):
@@ -92,7 +95,7 @@ def _client():
         return storage.Client.create_anonymous_client()
 
 
-def _list_objects(client, uri: str) -> list:
+def _list_objects(client, uri: str, variant: str | None = None) -> list:
     bucket, prefix = split_gs_uri(uri)
     list_prefix = prefix + "/" if prefix else ""
     try:
@@ -115,6 +118,20 @@ def _list_objects(client, uri: str) -> list:
                            bucket, blob.name)
             continue
         kept.append(blob)
+    return _weights_of_variant(kept, variant, bucket)
+
+
+def _weights_of_variant(blobs: list, variant: str | None, bucket: str) -> list:
+    """The blobs without the weight files of other variants, folder by folder (a checkpoint may hold, say, float32
+    weights and `fp16` variant copies side by side: only one set is downloaded)."""
+    by_folder: dict[str, list] = {}
+    for blob in blobs:
+        by_folder.setdefault(blob.name.rsplit("/", 1)[0] if "/" in blob.name else "", []).append(blob)
+    kept = []
+    for folder, folder_blobs in by_folder.items():
+        names = [b.name.rsplit("/", 1)[-1] for b in folder_blobs]
+        chosen = set(select_weight_files(names, variant, f"gs://{bucket}/{folder}"))
+        kept += [b for b, n in zip(folder_blobs, names) if weight_file_variant(n) is None or n in chosen]
     return kept
 
 
@@ -181,11 +198,11 @@ def _download_one(blob, dest: str, object_uri: str) -> int:
     return os.path.getsize(dest)
 
 
-def _resolve_gcs(uri: str, cache_dir: str | None) -> str:
+def _resolve_gcs(uri: str, cache_dir: str | None, variant: str | None = None) -> str:
     uri = uri.rstrip("/")
     bucket, prefix = split_gs_uri(uri)
     client = _client()
-    blobs = _list_objects(client, uri)
+    blobs = _list_objects(client, uri, variant)
     rels = {b.name: _relative(b.name, prefix) for b in blobs}
 
     root = os.path.join(cache_dir or default_cache_root(), hashlib.sha256(uri.encode()).hexdigest()[:32])

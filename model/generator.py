@@ -23,6 +23,7 @@ from .qwen3 import Qwen3TextEncoder
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 from .vae import Flux2VAEDecoder
+from .weight_files import validate_variant
 from .weights import expected_tensors, load_component, validate_component
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,15 @@ def _abstract(factory):
 
 def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int = 512, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         cache_dir: str | None = None, **option_overrides) -> "Flux2KleinGenerator":
-    """Load a checkpoint (local folder or gs:// URI, diffusers layout) in `dtype` and prepare it for generation."""
+         cache_dir: str | None = None, variant: str | None = None, **option_overrides) -> "Flux2KleinGenerator":
+    """Load a checkpoint (local folder or gs:// URI, diffusers layout) in `dtype` and prepare it for generation.
+
+    `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
+    `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
+    others. The weights are cast to `dtype` whatever the files hold."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    validate_variant(variant)
     options = options or EngineOptions()
     if batch_size is not None:
         option_overrides["batch_size"] = batch_size
@@ -70,7 +76,7 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
     if root.startswith("gs://"):
         from .checkpoint import resolve_checkpoint
 
-        root = resolve_checkpoint(root, cache_dir=cache_dir)
+        root = resolve_checkpoint(root, cache_dir=cache_dir, variant=variant)
     elif not os.path.isdir(root):
         raise CheckpointError("checkpoint folder does not exist", path=root)
     start = time.perf_counter()
@@ -105,7 +111,7 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
     ]
     # Validate every component's files, names, shapes and dtypes (headers only) before reading any weight, so a
     # broken shard anywhere fails in seconds, not after minutes of loading the components before it.
-    files = [validate_component(os.path.join(root, name), expected=exp, optional=opt)
+    files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
              for name, _, exp, opt in components]
     text_encoder, transformer, vae = (
         load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f)

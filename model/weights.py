@@ -21,6 +21,7 @@ from flax import nnx
 
 from .errors import CheckpointError, UnsafeWeightsError
 from .noise import is_integer
+from .weight_files import select_weight_files, weight_file_variant
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +101,19 @@ def _is_count(value) -> bool:
     return is_integer(value) and value >= 0
 
 
-def open_component(folder: str) -> dict[str, SafetensorsFile]:
+def open_component(folder: str, variant: str | None = None) -> dict[str, SafetensorsFile]:
     """Map every tensor name of a component folder (e.g. `transformer/`) to the file holding it.
 
-    Accepts one .safetensors file or shards listed by a `*.safetensors.index.json`. Pickle weights are refused.
+    Accepts one .safetensors file or shards listed by a `*.safetensors.index.json`, of the `variant` chosen by
+    `select_weight_files` (other variants' files are ignored). Pickle weights are refused.
     """
     if not os.path.isdir(folder):
         raise CheckpointError("component folder is missing", path=folder)
     names = sorted(os.listdir(folder))
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
-    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
-    singles = [n for n in names if n.endswith(".safetensors")]
+    selected = select_weight_files(names, variant, folder)
+    indexes = [n for n in selected if weight_file_variant(n)[0] == "index"]
+    singles = [n for n in selected if weight_file_variant(n)[0] == "weights"]
     if not singles and not indexes:
         if pickles:
             raise UnsafeWeightsError("only pickle weights found; this loader reads safetensors only (pickle files "
@@ -205,13 +208,15 @@ def expected_tensors(full_abstract, extra: dict[str, tuple[int, ...]] | None = N
     return names
 
 
-def validate_component(folder: str, *, expected: dict[str, tuple[int, ...]], optional: Iterable[str] = ()):
+def validate_component(folder: str, *, expected: dict[str, tuple[int, ...]], optional: Iterable[str] = (),
+                       variant: str | None = None):
     """Check a component folder against the names/shapes a complete checkpoint holds, reading headers only.
 
     Every name of `expected` must be present with its shape, except those in `optional`; any other name in the
-    checkpoint is an error. Returns {tensor name: file} for `load_component`.
+    checkpoint is an error. `variant`: which weight files (see `select_weight_files`). Returns {tensor name: file}
+    for `load_component`.
     """
-    tensor_to_file = open_component(folder)
+    tensor_to_file = open_component(folder, variant)
     optional = set(optional)
     unexpected = sorted(set(tensor_to_file) - set(expected))
     if unexpected:

@@ -60,6 +60,9 @@ class Flux2KleinOptions(PipelineOptions):
         g.add_argument("--model", default=None,
                        help="Diffusers-layout FLUX.2 [klein] checkpoint: local folder or gs:// prefix (copied "
                             "once per worker machine, checksum-verified). Omit with --input for the demo.")
+        g.add_argument("--model_variant", default=None,
+                       help="Weight-file variant of --model, as diffusers' variant= (e.g. fp16 for "
+                            "*.fp16.safetensors). Default: the files without a variant, or a component's only variant.")
         # --- the model API
         g.add_argument("--dtype", default=None, choices=DTYPES,
                        help="Compute dtype of the model (default bfloat16; float32 for the demo).")

@@ -89,6 +89,7 @@ class JobConfig:
     checkpoint_cache_dir: str | None
     compilation_cache_dir: str | None
     demo: bool = False
+    model_variant: str | None = None  # weight-file variant of the checkpoint (--model_variant)
     max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
     inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
     case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
@@ -179,6 +180,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     if o.model_copies is not None and o.model_copies < 1:
         raise UsageError(f"--model_copies must be >= 1, got {o.model_copies}")
     dtype = o.dtype or ("float32" if demo else "bfloat16")
+    if o.model_variant is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", o.model_variant):
+        raise UsageError(f"--model_variant must be a weight-file variant name such as fp16 (letters, digits, _ "
+                         f"and -), got {o.model_variant!r}")
 
     for pattern in patterns:
         try:
@@ -201,7 +205,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, checkpoint_cache_dir=o.checkpoint_cache_dir,
                      compilation_cache_dir=o.compilation_cache_dir, demo=demo, max_images=o.max_images,
-                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive)
+                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
+                     model_variant=o.model_variant)
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:
@@ -211,6 +216,8 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
         load_kwargs["cache_dir"] = job.checkpoint_cache_dir
     if job.compilation_cache_dir:
         load_kwargs["compilation_cache_dir"] = job.compilation_cache_dir
+    if job.model_variant:
+        load_kwargs["variant"] = job.model_variant
     return handler_cls(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
                        batch_size=job.batch_size, large_model=job.large_model, model_copies=job.model_copies,
                        load_kwargs=load_kwargs, inference_retries=job.inference_retries, **extra)

@@ -117,6 +117,24 @@ def test_pickle_weights_next_to_safetensors_are_never_downloaded(gcs_emulator, g
     assert os.path.isfile(os.path.join(local, "transformer", "diffusion_pytorch_model.safetensors"))
 
 
+def test_only_the_chosen_variant_is_downloaded(gcs_emulator, gcs_bucket, tmp_path):
+    """Default and fp16 weight files side by side (sharded fp16 with its index): without a variant only the default
+    files are copied, with variant="fp16" only the fp16 ones; every other file comes along either way."""
+    fp16 = {
+        "transformer/diffusion_pytorch_model.safetensors.index.fp16.json": b'{"weight_map": {}}',
+        "transformer/diffusion_pytorch_model.fp16-00001-of-00002.safetensors": b"a" * 100,
+        "transformer/diffusion_pytorch_model.fp16-00002-of-00002.safetensors": b"b" * 100,
+        "vae/diffusion_pytorch_model.fp16.safetensors": b"c" * 100,
+    }
+    uri = _upload(gcs_emulator, gcs_bucket, "klein-variants", dict(FILES, **fp16))
+    default = _tree(checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache")))
+    assert default == FILES
+    chosen = _tree(checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"), variant="fp16"))
+    assert chosen == {**{k: v for k, v in FILES.items() if ".safetensors" not in k}, **fp16}
+    with pytest.raises(ValueError, match="variant must be"):
+        checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"), variant="../x")
+
+
 def test_cut_copies_of_a_killed_process_are_removed_and_a_bad_cache_dir_is_typed(gcs_emulator, gcs_bucket, tmp_path):
     uri = _upload(gcs_emulator, gcs_bucket, "klein-kill")
     cache = tmp_path / "cache"

@@ -51,6 +51,12 @@ def test_usage_errors(tmp_path):
         resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={tmp_path}"]))
     with pytest.raises(UsageError, match="contains a glob character"):  # Beam's sinks would fail after the images
         resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", f"--output={tmp_path}/run[1]"]))
+    with pytest.raises(UsageError, match="--model_variant must be .* got '../fp16'"):
+        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--model_variant=../fp16"]))
+    from pipeline.run import make_handler
+
+    job = resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--model_variant=fp16"]))
+    assert job.model_variant == "fp16" and make_handler(job)._load_kwargs["variant"] == "fp16"
     from pipeline.run import is_case_insensitive_folder
 
     assert is_case_insensitive_folder(str(tmp_path / "new")) is False  # Linux; created, and the probe removed

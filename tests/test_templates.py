@@ -394,6 +394,7 @@ BAD_VALUES = {
     "input": GS_BAD + ["gs://my-bucket", "gs://my-bucket/", "gs://b/a.jsonl,", "gs://b/a.jsonl,/local/b.txt"],
     "output": GS_BAD,
     "model": ["s3://my-bucket/m", "relative/path", "gs://", "gs://My_Bucket/m"],
+    "model_variant": ["fp16.x", "a/b", "fp 16", "../x"],
     "dtype": ["float16", "bf16", "BFLOAT16", "fp32"],
     "height": INT_BAD,
     "width": INT_BAD,

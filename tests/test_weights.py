@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -351,3 +352,100 @@ def test_config_values_that_cannot_build_a_model(ckpt_copy):
             _load(ckpt_copy)
         assert e.value.key == key
         _edit_json(path, lambda cfg: cfg.update({key: 3 if key == "mlp_ratio" else 2}))
+
+
+# ------------------------------------------------------------------------------------------------ weight variants
+def _save_variant(src: str, dst: str, variant: str) -> str:
+    """The checkpoint at `src` saved again by diffusers itself with `variant` (float32 values, variant file names)."""
+    from diffusers import Flux2KleinPipeline
+
+    Flux2KleinPipeline.from_pretrained(src).save_pretrained(dst, variant=variant, safe_serialization=True,
+                                                            max_shard_size="64KB")
+    return dst
+
+
+def _weight_files(folder):
+    return sorted(n for n in os.listdir(folder) if ".safetensors" in n)
+
+
+def _states_equal(a, b):
+    for x, y in ((a.programs.te_state, b.programs.te_state), (a.programs.tr_state, b.programs.tr_state),
+                 (a.programs.vae_state, b.programs.vae_state)):
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_weight_file_names_of_variants():
+    from model.weight_files import weight_file_variant
+
+    assert weight_file_variant("model.safetensors") == ("weights", None)
+    assert weight_file_variant("model-00001-of-00002.safetensors") == ("weights", None)
+    assert weight_file_variant("model.fp16.safetensors") == ("weights", "fp16")
+    assert weight_file_variant("model.fp16-00001-of-00002.safetensors") == ("weights", "fp16")  # transformers
+    assert weight_file_variant("diffusion_pytorch_model-00001-of-00002.fp16.safetensors") == ("weights", "fp16")
+    assert weight_file_variant("model.safetensors.index.json") == ("index", None)
+    assert weight_file_variant("model.safetensors.index.bf16.json") == ("index", "bf16")
+    assert weight_file_variant("config.json") is None
+
+
+def test_variant_only_checkpoint_loads_the_same_weights(tiny_ckpt, tmp_path):
+    """A checkpoint written with save_pretrained(variant="fp16") (every component sharded with variant names) loads
+    without naming the variant, and with it, to exactly the weights of the original."""
+    dst = _save_variant(tiny_ckpt, str(tmp_path / "v"), "fp16")
+    files = _weight_files(os.path.join(dst, "transformer"))
+    assert files and all(".fp16" in n for n in files) and any(".index.fp16.json" in n for n in files)
+    base = _load(tiny_ckpt)
+    _states_equal(_load(dst), base)
+    _states_equal(model.load(dst, dtype="float32", max_sequence_length=16, variant="fp16"), base)
+    # a variant asked for that is not there falls back to the files without a variant (here: the only ones)
+    _states_equal(model.load(tiny_ckpt, dtype="float32", max_sequence_length=16, variant="fp16"), base)
+
+
+def test_default_and_variant_files_side_by_side(tiny_ckpt, tmp_path):
+    """Default and fp16 files in the same folders: each load reads only its own set (the other set is broken here,
+    so reading any of its files would fail), and several variants without default files need a choice."""
+    both = str(tmp_path / "both")
+    shutil.copytree(tiny_ckpt, both)
+    variant = _save_variant(tiny_ckpt, str(tmp_path / "v"), "fp16")
+    for component in ("transformer", "text_encoder", "vae"):
+        for name in _weight_files(os.path.join(variant, component)):
+            shutil.copy(os.path.join(variant, component, name), os.path.join(both, component, name))
+    base = _load(tiny_ckpt)
+
+    def truncate(folder, keep_variant):
+        for component in ("transformer", "text_encoder", "vae"):
+            for name in _weight_files(os.path.join(folder, component)):
+                if name.endswith(".safetensors") and (".fp16" in name) != keep_variant:
+                    with open(os.path.join(folder, component, name), "r+b") as f:
+                        f.truncate(16)
+
+    broken_variant = str(tmp_path / "broken-variant")
+    shutil.copytree(both, broken_variant)
+    truncate(broken_variant, keep_variant=False)  # the fp16 files cut short
+    _states_equal(_load(broken_variant), base)
+    with pytest.raises(model.CheckpointError, match=r"\.fp16"):
+        model.load(broken_variant, dtype="float32", max_sequence_length=16, variant="fp16")
+
+    broken_default = str(tmp_path / "broken-default")
+    shutil.copytree(both, broken_default)
+    truncate(broken_default, keep_variant=True)  # the default files cut short
+    _states_equal(model.load(broken_default, dtype="float32", max_sequence_length=16, variant="fp16"), base)
+
+    two_variants = str(tmp_path / "two")  # fp16 files and the same values under bf16 names
+    shutil.copytree(variant, two_variants)
+    for component in ("transformer", "text_encoder", "vae"):
+        folder = os.path.join(two_variants, component)
+        for name in _weight_files(folder):
+            with open(os.path.join(folder, name), "rb") as f:
+                data = f.read()
+            if name.endswith(".json"):  # the index names its shards
+                data = data.replace(b".fp16", b".bf16")
+            with open(os.path.join(folder, name.replace("fp16", "bf16")), "wb") as f:
+                f.write(data)
+    with pytest.raises(model.CheckpointError, match=r"several variants \['bf16', 'fp16'\]"):
+        _load(two_variants)
+    with pytest.raises(model.CheckpointError, match=r"variant 'fp8'.*\['bf16', 'fp16'\]"):
+        model.load(two_variants, dtype="float32", max_sequence_length=16, variant="fp8")
+    _states_equal(model.load(two_variants, dtype="float32", max_sequence_length=16, variant="bf16"), base)
+    with pytest.raises(ValueError, match="variant must be"):
+        model.load(two_variants, dtype="float32", variant="fp16.x")
