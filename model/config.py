@@ -11,6 +11,12 @@ from .errors import ConfigError
 from .layers import ACTIVATIONS
 
 
+# The classes Flux2KleinPipeline's model_index.json names (library, class) for the components this package
+# re-implements; another class means other weights or, for the scheduler, other sampling (different images).
+COMPONENT_CLASSES = {"transformer": "Flux2Transformer2DModel", "text_encoder": "Qwen3ForCausalLM",
+                     "vae": "AutoencoderKLFlux2", "scheduler": "FlowMatchEulerDiscreteScheduler"}
+
+
 def read_json(path: str) -> dict[str, Any]:
     """Read a JSON object from `path`, raising ConfigError naming the file when it is absent or malformed."""
     if not os.path.isfile(path):
@@ -329,9 +335,15 @@ class PipelineConfig:
         index = read_json(index_path)
         is_distilled = _get(index, "is_distilled", bool, index_path, False)
         for part in ("transformer", "text_encoder", "vae", "scheduler", "tokenizer"):
-            if part not in index:
+            entry = index.get(part)
+            if entry is None or entry == [None, None]:
                 raise ConfigError("model_index.json does not list a required component", path=index_path,
-                                  key=part, value=None)
+                                  key=part, value=entry)
+            named = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+            if part in COMPONENT_CLASSES and named != COMPONENT_CLASSES[part]:
+                raise ConfigError(f"model_index.json names {named!r} for the {part}, where FLUX.2 [klein] "
+                                  f"(Flux2KleinPipeline) has a {COMPONENT_CLASSES[part]}: this checkpoint is of "
+                                  f"another model", path=index_path, key=part, value=entry)
         sched_path = os.path.join(root, "scheduler", "scheduler_config.json")
         cfg = cls(
             transformer=TransformerConfig.from_dict(read_json(os.path.join(root, "transformer", "config.json")),

@@ -212,6 +212,27 @@ def test_config_with_wrong_type_names_key(ckpt_copy):
     assert e.value.key == "latent_channels"
 
 
+@pytest.mark.parametrize("part,entry,words", [
+    ("text_encoder", ["transformers", "Mistral3ForConditionalGeneration"], "'Mistral3ForConditionalGeneration' for the "
+                                                                           "text_encoder.*Qwen3ForCausalLM"),
+    ("scheduler", ["diffusers", "FlowMatchHeunDiscreteScheduler"], "FlowMatchEulerDiscreteScheduler"),
+    ("transformer", ["diffusers", "FluxTransformer2DModel"], "Flux2Transformer2DModel"),
+    ("vae", [None, None], "does not list a required component"),
+])
+def test_model_index_naming_other_components_is_a_config_error(ckpt_copy, part, entry, words):
+    """A checkpoint of another model (FLUX.2 [dev]'s Mistral encoder, FLUX.1's transformer) or with another
+    sampler is refused by name before any weight is read, not loaded into the wrong model or sampled differently."""
+    path = os.path.join(ckpt_copy, "model_index.json")
+    with open(path) as f:
+        index = json.load(f)
+    index[part] = entry
+    with open(path, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(model.ConfigError, match=words) as e:
+        _load(ckpt_copy)
+    assert (e.value.path, e.value.key) == (path, part)
+
+
 def test_pickle_only_weights_are_refused(ckpt_copy):
     folder = os.path.join(ckpt_copy, "vae")
     for n in os.listdir(folder):
