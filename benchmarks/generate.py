@@ -790,6 +790,11 @@ def markdown(res: dict) -> str:
         lines.append("Speed-up of the optimised path (ms/img incl. PNG; excl. PNG in brackets): " + ", ".join(
             f"{k.replace('speedup_vs_', 'vs ')} {_f(v, 2)}x ({_f(sp.get(k + '_excl_save'), 2)}x)"
             for k, v in sp.items() if not k.endswith("_excl_save")) + ".")
+        paired = b.get("paired_speedups", {})
+        if paired:
+            lines.append("Paired by repetition (excl. PNG; median, min-max over the repetitions): " + ", ".join(
+                f"{k.replace('_', ' ')} {_f(v['median'], 2)}x ({_f(v['min'], 2)}-{_f(v['max'], 2)}x)"
+                for k, v in paired.items()) + ".")
         for k, s in b.get("similarity", {}).items():
             what = k.replace("_", " ") + ("" if k.startswith("optimised_") else " (optimised path in both)")
             lines.append(f"Images {what}: mean SSIM {_f(s['mean_ssim'], 5)}, min SSIM "
@@ -821,6 +826,18 @@ def markdown(res: dict) -> str:
                          "asks for the whole batch from one prompt (de-duplication).")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def paired_speedups(engines: dict) -> dict:
+    """Speed-up repetition by repetition (excl. PNG): the engines of one repetition run back to back, so a slow spell
+    of a shared machine hits both sides of most ratios; their median and range show how far noise moves the result."""
+    opt = engines["optimised"]["generate_s_runs"]
+    out = {}
+    for other in ("reference", "diffusers"):
+        if other in engines:
+            ratios = [o / x for o, x in zip(engines[other]["generate_s_runs"], opt)]
+            out[f"vs_{other}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
 
 
 def headline(res: dict, key: str) -> dict:
@@ -954,6 +971,7 @@ def main(argv=None) -> dict:
                     sp[f"speedup_vs_{other}_excl_save"] = (e[other]["ms_per_image_excl_save"]
                                                            / e["optimised"]["ms_per_image_excl_save"])
             b["speedups"] = sp
+            b["paired_speedups"] = paired_speedups(e)
             res["batches"][str(batch)] = b
             print(f"[bench] batch {batch}: " + json.dumps(headline(res, str(batch))), file=sys.stderr, flush=True)
             res["peak_rss_mb"] = peak_rss_mb()
