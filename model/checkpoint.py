@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import shutil
 import tempfile
 import time
@@ -126,12 +127,12 @@ def _weights_of_variant(blobs: list, variant: str | None, bucket: str) -> list:
     weights and `fp16` variant copies side by side: only one set is downloaded)."""
     by_folder: dict[str, list] = {}
     for blob in blobs:
-        by_folder.setdefault(blob.name.rsplit("/", 1)[0] if "/" in blob.name else "", []).append(blob)
+        folder, name = posixpath.split(blob.name)
+        by_folder.setdefault(folder, []).append((blob, name))
     kept = []
-    for folder, folder_blobs in by_folder.items():
-        names = [b.name.rsplit("/", 1)[-1] for b in folder_blobs]
-        chosen = set(select_weight_files(names, variant, f"gs://{bucket}/{folder}"))
-        kept += [b for b, n in zip(folder_blobs, names) if weight_file_variant(n) is None or n in chosen]
+    for folder, entries in by_folder.items():
+        chosen = set(select_weight_files([n for _, n in entries], variant, f"gs://{bucket}/{folder}"))
+        kept += [b for b, n in entries if n in chosen or weight_file_variant(n) is None]
     return kept
 
 

@@ -38,7 +38,8 @@ def weight_file_variant(name: str) -> tuple[str, str | None] | None:
 
 
 def select_weight_files(names: Iterable[str], variant: str | None, folder: str) -> list[str]:
-    """The safetensors files and index among `names` (one folder's files) that belong to the variant to load.
+    """The safetensors files and index (the one `.json` among them) of `names` (one folder's files) that belong to
+    the variant to load.
 
     `variant` None: the files without a variant, or, when there are none, those of the only variant present. A
     variant asked for that the folder lacks falls back to the files without one (as diffusers does)."""
@@ -61,11 +62,10 @@ def select_weight_files(names: Iterable[str], variant: str | None, folder: str) 
         logger.info("%s has only %r variant weights; loading them", folder, chosen)
     else:
         present = sorted(groups, key=str)
-        raise CheckpointError(f"no weights for variant {variant!r} here, and no default weights; the variants present "
-                              f"are {present}: choose one (model.load(..., variant=...), --model_variant in the job)"
-                              if variant is not None else
-                              f"no default weights here but several variants {present}: choose one "
-                              f"(model.load(..., variant=...))", path=folder)
+        what = (f"no weights for variant {variant!r} here and no default weights; the variants present are {present}"
+                if variant is not None else f"no default weights here but several variants {present}")
+        raise CheckpointError(f"{what}: choose one (model.load(..., variant=...), --model_variant in the job)",
+                              path=folder)
     ignored = sorted(n for v, files in groups.items() if v != chosen for n in files)
     if ignored:
         logger.debug("ignoring the other variants' weight files in %s: %s", folder, ignored)

@@ -21,7 +21,7 @@ from flax import nnx
 
 from .errors import CheckpointError, UnsafeWeightsError
 from .noise import is_integer
-from .weight_files import select_weight_files, weight_file_variant
+from .weight_files import select_weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ def open_component(folder: str, variant: str | None = None) -> dict[str, Safeten
     names = sorted(os.listdir(folder))
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
     selected = select_weight_files(names, variant, folder)
-    indexes = [n for n in selected if weight_file_variant(n)[0] == "index"]
-    singles = [n for n in selected if weight_file_variant(n)[0] == "weights"]
+    indexes = [n for n in selected if n.endswith(".json")]
+    singles = [n for n in selected if n.endswith(".safetensors")]
     if not singles and not indexes:
         if pickles:
             raise UnsafeWeightsError("only pickle weights found; this loader reads safetensors only (pickle files "
