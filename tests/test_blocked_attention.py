@@ -165,3 +165,29 @@ def test_rows_with_no_allowed_key_are_zero_like_torch_sdpa(impl):
     want = torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=dense).transpose(1, 2).numpy()
     assert np.all(got[0, :10] == 0) and np.all(want[0, :10] == 0)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("lk", [512, 300])
+def test_a_short_prompts_padding_blocks_are_never_read(lk):
+    """The text encoder's case (causal + right padding, 20 real tokens): every key block past the first 128 keys is
+    padding and skipped, so even NaN values there cannot reach the output (a computed block would give weight 0 x NaN
+    = NaN). Holds for a length that is no multiple of the block too (padded to whole blocks)."""
+    import jax.numpy as jnp
+
+    from model import attention as attn
+
+    rng = np.random.default_rng(11)
+    real = 20
+    q = jnp.asarray(rng.standard_normal((1, lk, 4, 32), np.float32))
+    k = rng.standard_normal((1, lk, 1, 32), np.float32)
+    v = rng.standard_normal((1, lk, 1, 32), np.float32)
+    k[:, attn.MASKED_KEY_BLOCK:] = np.nan
+    v[:, attn.MASKED_KEY_BLOCK:] = np.nan
+    key_mask = jnp.asarray(np.arange(lk)[None] < real)
+    got = np.asarray(attn.attention(q, jnp.asarray(k), jnp.asarray(v), causal=True, key_mask=key_mask,
+                                    implementation="blocked"))
+    assert np.isfinite(got).all()
+    clean_k, clean_v = np.nan_to_num(k), np.nan_to_num(v)
+    want = np.asarray(attn.attention(q, jnp.asarray(clean_k), jnp.asarray(clean_v), causal=True, key_mask=key_mask,
+                                     implementation="dot"))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
