@@ -7,6 +7,8 @@ checksums, generations), so a checkpoint re-uploaded under the same URI gets a f
 
 - Every object is verified against the checksum GCS stores for it (crc32c, and md5 when the object has one); a
   mismatch raises CheckpointError naming the object.
+- An object stored with `Content-Encoding: gzip` (`gsutil cp -Z` / `-z json`, `gcloud storage cp --gzip-local-all`)
+  is copied as stored, verified, then decompressed: the cache holds the file that was uploaded.
 - Pickle weight files (.bin/.pt/.pth/.ckpt) are refused while listing, before anything is copied; of default and
   variant weight files side by side (`model.fp16.safetensors`), only the chosen set is copied.
 - Concurrent processes (Beam SDK workers on one VM) coordinate through a file lock: one copies into a temporary
@@ -22,6 +24,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import glob
+import gzip
 import hashlib
 import json
 import logging
@@ -30,6 +33,7 @@ import posixpath
 import shutil
 import tempfile
 import time
+import zlib
 
 from .errors import CheckpointError, UnsafeWeightsError
 from .weight_files import select_weight_files, weight_file_variant
@@ -179,6 +183,8 @@ def _file_checksums(path: str) -> tuple[str, str]:
 
 def _download_one(blob, dest: str, object_uri: str) -> int:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
+    # From the listing: a download overwrites the blob's properties with its response headers.
+    gzip_encoded = (blob.content_encoding or "").strip().lower() == "gzip"
     try:
         # Our own verification below covers every object; raw: the stored bytes, exactly what the checksums cover.
         blob.download_to_filename(dest, raw_download=True, checksum=None)
@@ -196,7 +202,21 @@ def _download_one(blob, dest: str, object_uri: str) -> int:
     if blob.size is not None and os.path.getsize(dest) != blob.size:
         raise CheckpointError(f"size mismatch: copy has {os.path.getsize(dest)} bytes, GCS says {blob.size}",
                               path=object_uri)
+    if gzip_encoded:
+        _gunzip_in_place(dest, object_uri)
     return os.path.getsize(dest)
+
+
+def _gunzip_in_place(path: str, object_uri: str) -> None:
+    """Replace the verified gzip bytes of a `Content-Encoding: gzip` object by the data they encode."""
+    unpacked = path + ".gunzip"
+    try:
+        with gzip.open(path, "rb") as src, open(unpacked, "wb") as dst:
+            shutil.copyfileobj(src, dst, _CHUNK)
+    except (OSError, EOFError, zlib.error) as e:  # the partial copy's folder is removed by the caller
+        raise CheckpointError(f"object is stored with Content-Encoding gzip but is not valid gzip data: {e}",
+                              path=object_uri) from e
+    os.replace(unpacked, path)
 
 
 def _resolve_gcs(uri: str, cache_dir: str | None, variant: str | None = None) -> str:

@@ -1,5 +1,6 @@
 """model.checkpoint.resolve_checkpoint against a real local GCS emulator: copy once, verify, refuse pickles."""
 
+import gzip
 import json
 import os
 import shutil
@@ -91,6 +92,38 @@ def test_checksum_mismatch_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
     # Nothing usable (or half-copied) is left in the cache.
     for root, dirs, _files in os.walk(cache):
         assert checkpoint.COMPLETE_MARKER not in _files
+        assert not [d for d in dirs if d.startswith(".partial-")]
+
+
+def _upload_gzip_encoded(emulator, uri, data: bytes):
+    """`data` stored as `gsutil cp -Z` / `-z json` stores it: Content-Encoding gzip, the object's bytes (and so its
+    checksums) those of the gzip stream. `data` that is not gzip-compressed is stored as given."""
+    bucket, name = uri[len("gs://"):].split("/", 1)
+    blob = emulator.client().bucket(bucket).blob(name)
+    blob.content_encoding = "gzip"
+    blob.upload_from_string(data, content_type="application/octet-stream")
+
+
+def test_gzip_content_encoded_objects_are_cached_decompressed(gcs_emulator, gcs_bucket, tmp_path):
+    """Uploaded with gzip transcoding (config JSON and weights alike): the cache holds the original bytes."""
+    uri = _upload(gcs_emulator, gcs_bucket, "klein-z")
+    for rel in ("model_index.json", "vae/diffusion_pytorch_model.safetensors"):
+        _upload_gzip_encoded(gcs_emulator, f"{uri}/{rel}", gzip.compress(FILES[rel], mtime=0))
+    stored = gcs_emulator.list_blobs(f"{uri}/model_index.json")["klein-z/model_index.json"]
+    assert stored.content_encoding == "gzip" and stored.size != len(FILES["model_index.json"])
+    assert _tree(checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"))) == FILES
+
+
+def test_gzip_content_encoding_on_bytes_that_are_not_gzip_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
+    uri = _upload(gcs_emulator, gcs_bucket, "klein-badz")
+    bad = f"{uri}/transformer/config.json"
+    _upload_gzip_encoded(gcs_emulator, bad, FILES["transformer/config.json"])
+    cache = str(tmp_path / "cache")
+    with pytest.raises(CheckpointError, match="Content-Encoding gzip but is not valid gzip") as e:
+        checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    assert bad in str(e.value)
+    for _root, dirs, files in os.walk(cache):
+        assert checkpoint.COMPLETE_MARKER not in files
         assert not [d for d in dirs if d.startswith(".partial-")]
 
 
