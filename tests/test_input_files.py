@@ -10,7 +10,7 @@ import zlib
 import pytest
 import zstandard
 
-from transforms.input_files import DecompressingReader, InputReadError, compression_of
+from transforms.input_files import DecompressingReader, InputReadError, compression_of, open_decompressed
 
 DATA = b"".join(b'{"id": "r%d", "prompt": "prompt number %d"}\n' % (i, i) for i in range(4000))
 COMPRESS = {"gzip": gzip.compress, "bzip2": bz2.compress, "lzma": lzma.compress, "deflate": zlib.compress,
@@ -53,3 +53,40 @@ def test_not_compressed_data_and_empty_file():
 def test_compression_from_suffix():
     assert [compression_of(p) for p in ("a.jsonl.gz", "b.CSV.GZIP", "c.txt.bz2", "d.zst", "e.xz", "f.jsonl")] == \
         ["gzip", "gzip", "bzip2", "zstd", "lzma", None]
+
+
+class _Trickle(io.BytesIO):
+    """A stream that returns at most 3 bytes a read (as a network stream may)."""
+
+    def read(self, size=-1):
+        return super().read(3 if size is None or size < 0 else min(size, 3))
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zstd", "lzma"])
+def test_compressed_data_under_a_plain_name_is_sniffed(kind):
+    """What GCS serves for `gsutil cp -Z prompts.jsonl`: gzip bytes under a name without .gz (and zstd/xz alike)."""
+    packed = COMPRESS[kind](DATA)
+    for stream in (io.BytesIO(packed), _Trickle(packed)):
+        reader, found = open_decompressed(stream, "gs://b/in/prompts.jsonl")
+        assert found == kind and read_all(reader) == DATA
+    cut, _ = open_decompressed(io.BytesIO(packed[:len(packed) // 2]), "prompts.jsonl")
+    with pytest.raises(InputReadError, match="ends before its end marker"):
+        read_all(cut)
+
+
+@pytest.mark.parametrize("data", [DATA, b"", b"\x1f", b"(", "(\u00e9t\u00e9) un prompt\n".encode(), bz2.compress(DATA),
+                                  b"\xef\xbb\xbfwith a BOM\n"])
+def test_plain_data_is_returned_unchanged_whatever_its_length(data):
+    """Text (and bzip2, whose magic 'BZh' is valid text) is not sniffed; the bytes read to sniff are not lost."""
+    for stream in (io.BytesIO(data), _Trickle(data)):
+        reader, found = open_decompressed(stream, "prompts.txt")
+        assert found is None and read_all(reader) == data
+
+
+def test_the_suffix_decides_before_the_bytes():
+    packed = gzip.compress(DATA)
+    reader, found = open_decompressed(io.BytesIO(packed), "p.jsonl.gz")
+    assert found == "gzip" and read_all(reader) == DATA
+    reader, found = open_decompressed(io.BytesIO(b"plain\n"), "p.jsonl.gz")
+    with pytest.raises(InputReadError, match="not valid gzip data"):
+        read_all(reader)

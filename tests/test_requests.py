@@ -246,6 +246,42 @@ def test_read_in_beam_reports_unreadable_files_and_keeps_what_precedes_the_damag
     _run(build)
 
 
+def test_read_in_beam_from_gcs_objects_stored_gzip_encoded(gcs_emulator, gcs_bucket):
+    """`gsutil cp -Z` stores gzip bytes under the plain name with Content-Encoding gzip, and Beam's GCS reader
+    returns them as stored: they are decompressed (a cut one keeps its complete lines), plain objects read as-is,
+    and one Beam will not open is an error row."""
+    import gzip
+
+    def upload(name, data, encoding=None):
+        blob = gcs_emulator.client().bucket(gcs_bucket).blob(name)
+        blob.content_encoding = encoding
+        blob.upload_from_string(data, content_type="text/plain")
+
+    lines = b"".join(b'{"id": "z%d", "prompt": "p%d"}\n' % (i, i) for i in range(300))
+    upload("in/zipped.jsonl", gzip.compress(lines), "gzip")
+    upload("in/cut.jsonl", gzip.compress(lines)[:-9], "gzip")
+    upload("in/plain.txt", "un prompt \u00e9t\u00e9\n".encode())
+    # Beam refuses gzip-encoded objects typed application/gzip ("doubly compressed"): one error row, not a crash.
+    blob = gcs_emulator.client().bucket(gcs_bucket).blob("in/double.jsonl.gz")
+    blob.content_encoding = "gzip"
+    blob.upload_from_string(gzip.compress(gzip.compress(lines)), content_type="application/gzip")
+
+    def build(p):
+        read = p | beam.Create([f"gs://{gcs_bucket}/in/*"]) | ReadRequests("auto", D)
+        assert_that(read["requests"] | beam.Map(lambda r: (r.source.rsplit("/", 1)[-1], r.id)) | beam.Distinct()
+                    | beam.combiners.Count.PerKey(), equal_to([("zipped.jsonl", 300), ("cut.jsonl", 300),
+                                                               ("plain.txt", 1)]), label="requests")
+        assert_that(read["invalid"] | "rows" >> beam.Map(lambda row: (row["source"].rsplit("/", 1)[-1], row["line"],
+                                                                      row["kind"])),
+                    equal_to([("cut.jsonl", 301, layout.UNREADABLE_INPUT),
+                              ("double.jsonl.gz", None, layout.UNREADABLE_INPUT)]), label="invalid")
+        assert_that(read["invalid"] | "why" >> beam.Filter(lambda row: row["line"] is None)
+                    | beam.Map(lambda row: row["reason"]),
+                    equal_to(["input file cannot be opened: Doubly compressed files not supported."]), label="why")
+
+    _run(build)
+
+
 def test_file_name_collisions_reject_the_later_request(tmp_path):
     """Request 'x' with 2 images writes x-0.png and x-1.png; a later request with id 'x-1' would overwrite one."""
     (tmp_path / "a.jsonl").write_bytes(b'{"id": "x", "prompt": "fox", "num_images": 2}\n'

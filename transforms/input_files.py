@@ -4,6 +4,9 @@ Beam's own decompression ends a stream silently where the compressed bytes run o
 read up to the cut (its last line cut too) as if it were whole. Here every compressed stream must reach its end
 marker: a cut or corrupt file raises `InputReadError` after the complete data before the damage has been returned.
 Concatenated streams (several gzip members, bzip2 streams, zstd frames) are read one after the other, as Beam does.
+A file whose name says nothing but whose bytes start with a gzip, zstd or xz magic number (which no UTF-8 text can
+start with) is decompressed too: what GCS serves for an object uploaded with `gsutil cp -Z` (Content-Encoding gzip),
+which Beam reads as stored.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ COMPRESSION_BY_SUFFIX = {
     ".gz": "gzip", ".gzip": "gzip", ".bz2": "bzip2", ".zst": "zstd", ".zstd": "zstd", ".deflate": "deflate",
     ".xz": "lzma", ".lzma": "lzma",
 }
+# Magic numbers of compressed data; none can begin UTF-8 text (0x1f is a control character, 0xb5 after "(" and a
+# leading 0xfd are not UTF-8), so a prompt file is never mistaken for one. bzip2's "BZh" could: not sniffed.
+COMPRESSION_BY_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "lzma"}
+_MAGIC_BYTES = max(len(m) for m in COMPRESSION_BY_MAGIC)
 _IN_CHUNK = 256 * 1024  # compressed bytes read at a time
 _OUT_CHUNK = 1024 * 1024  # most decompressed bytes produced at a time (a highly compressed file stays bounded)
 _ZSTD_FEED = 64 * 1024  # zstd's decompressobj has no output bound: feed it small pieces instead
@@ -33,6 +40,36 @@ def compression_of(path: str) -> str | None:
         if lowered.endswith(suffix):
             return kind
     return None
+
+
+def open_decompressed(raw, path: str):
+    """A binary reader of the data in `raw` (the file at `path`, opened as stored): decompressed by the name's
+    suffix, else by a magic number at its start; as it is otherwise. Returns (reader, compression or None)."""
+    kind = compression_of(path)
+    if kind is None:
+        head = b""
+        while len(head) < _MAGIC_BYTES and (piece := raw.read(_MAGIC_BYTES - len(head))):
+            head += piece  # a network stream may return fewer bytes than asked
+        kind = next((k for magic, k in COMPRESSION_BY_MAGIC.items() if head.startswith(magic)), None)
+        raw = _WithHead(head, raw)
+    return (DecompressingReader(raw, kind) if kind else raw), kind
+
+
+class _WithHead:
+    """`raw` with bytes already read from it put back in front."""
+
+    def __init__(self, head: bytes, raw):
+        self._head = head
+        self._raw = raw
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._raw.read(size)
+        if size is None or size < 0:
+            out, self._head = self._head + self._raw.read(), b""
+            return out
+        out, self._head = self._head[:size], self._head[size:]
+        return out
 
 
 def _new_decompressor(kind: str):

@@ -14,6 +14,7 @@ import csv
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -24,6 +25,8 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.metrics import Metrics
 
 from . import input_files, layout
+
+logger = logging.getLogger(__name__)
 
 METRICS_NAMESPACE = "flux2"
 
@@ -696,13 +699,16 @@ class _ReadRequestsFn(beam.DoFn):
         try:
             raw_file = readable_file.open(mime_type="application/octet-stream",
                                           compression_type=CompressionTypes.UNCOMPRESSED)
-        except (IsADirectoryError, NotADirectoryError, PermissionError, FileNotFoundError) as e:
-            # Deterministic: retrying cannot help (a folder matched by a glob, a file removed since the match).
+        except (IsADirectoryError, NotADirectoryError, PermissionError, FileNotFoundError, NotImplementedError) as e:
+            # Deterministic: retrying cannot help (a folder matched by a glob, a file removed since the match, a GCS
+            # object Beam refuses to read: Content-Encoding gzip with Content-Type application/gzip).
             yield self._file_error(path, None, f"input file cannot be opened: {e}")
             return
         with raw_file:
-            kind = input_files.compression_of(path)
-            stream = input_files.DecompressingReader(raw_file, kind) if kind else raw_file
+            stream, kind = input_files.open_decompressed(raw_file, path)
+            if kind and not input_files.compression_of(path):
+                logger.info("input file %s holds %s data (stored with Content-Encoding %s?): decompressing it",
+                            path, kind, kind)
             try:
                 for raw in iter_raw_records(stream, path, fmt, csv_field_limit=self._csv_field_limit):
                     self._read.inc()
