@@ -13,6 +13,9 @@ checksums, generations), so a checkpoint re-uploaded under the same URI gets a f
   variant weight files side by side (`model.fp16.safetensors`), only the chosen set is copied.
 - Concurrent processes (Beam SDK workers on one VM) coordinate through a file lock: one copies into a temporary
   folder, verifies, then renames it into place atomically; the others wait and reuse the finished copy.
+- Copies of the same URI superseded by a re-upload are deleted once unused for `SUPERSEDED_COPY_AGE_S` (a use
+  touches a copy's marker; the delay spares a process still loading a copy it resolved just before the re-upload),
+  as are the leftovers of copies cut short that long ago; one being copied (its lock held) is left alone.
 
 Uses google-cloud-storage, which honours `STORAGE_EMULATOR_HOST` (tests run against a local emulator).
 """
@@ -45,6 +48,7 @@ UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 COMPLETE_MARKER = ".flux2-complete.json"
 _DOWNLOAD_THREADS = 8
 _CHUNK = 8 * 1024 * 1024
+SUPERSEDED_COPY_AGE_S = 3600.0
 _copies_made = 0  # gs:// checkpoints this process copied (not reused from the cache); see copies_made()
 
 
@@ -229,11 +233,19 @@ def _resolve_gcs(uri: str, cache_dir: str | None, variant: str | None = None) ->
     root = os.path.join(cache_dir or default_cache_root(), hashlib.sha256(uri.encode()).hexdigest()[:32])
     fingerprint = _fingerprint(uri, blobs)
     final = os.path.join(root, fingerprint)
-    if os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
-        return final
+    if not os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
+        _copy_once(uri, bucket, blobs, rels, root, fingerprint)
+    _mark_used(final)
+    _delete_superseded_copies(root, keep=fingerprint)
+    return final
+
+
+def _copy_once(uri: str, bucket: str, blobs: list, rels: dict, root: str, fingerprint: str) -> None:
+    """Copy the objects into `root/fingerprint` unless another process has (under the fingerprint's lock)."""
+    final = os.path.join(root, fingerprint)
     with _file_lock(final + ".lock"):
         if os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
-            return final  # another process finished the copy while we waited
+            return  # another process finished the copy while we waited
         if os.path.exists(final):  # a folder without the marker is not ours to trust: copy again
             shutil.rmtree(final, ignore_errors=True)
         # Copies of this fingerprint left by a process that died mid-copy (killed: no cleanup ran); with the lock
@@ -260,4 +272,45 @@ def _resolve_gcs(uri: str, cache_dir: str | None, variant: str | None = None) ->
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return final
+
+
+def _mark_used(final: str) -> None:
+    """Record a use of the copy (its marker's mtime), which keeps it from being deleted as superseded for a while."""
+    try:
+        os.utime(os.path.join(final, COMPLETE_MARKER))
+    except OSError:  # a read-only cache: nothing is deleted from it either
+        pass
+
+
+def _delete_superseded_copies(root: str, keep: str) -> None:
+    """Delete the other copies (and cut-short leftovers) of this URI unused for SUPERSEDED_COPY_AGE_S, each under
+    its fingerprint's lock taken without waiting (a copy in progress holds it: left alone)."""
+    cutoff = time.time() - SUPERSEDED_COPY_AGE_S
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if name.endswith(".lock") or name == keep:
+            continue
+        path = os.path.join(root, name)
+        fingerprint = name[len(".partial-"):].split("-", 1)[0] if name.startswith(".partial-") else name
+        if fingerprint == keep or not os.path.isdir(path):
+            continue
+        marker = os.path.join(path, COMPLETE_MARKER)
+        try:
+            last_use = os.path.getmtime(marker if os.path.exists(marker) else path)
+        except OSError:
+            continue
+        if last_use > cutoff:
+            continue
+        try:
+            with open(os.path.join(root, fingerprint + ".lock"), "a+") as lock:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                try:
+                    shutil.rmtree(path, ignore_errors=True)
+                finally:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        except OSError:  # locked (being copied) or not ours to delete: left alone
+            continue
+        logger.info("deleted superseded checkpoint copy %s (unused for over %.0f s)", path, SUPERSEDED_COPY_AGE_S)

@@ -81,6 +81,37 @@ def test_reuploaded_checkpoint_gets_a_fresh_copy(gcs_emulator, gcs_bucket, tmp_p
     assert _tree(second) == changed
 
 
+def test_superseded_copies_are_deleted_once_unused_for_a_while(gcs_emulator, gcs_bucket, tmp_path):
+    """After a re-upload the old copy stays while it may still be in use (a process that resolved it just before),
+    and is deleted by a later load once unused for SUPERSEDED_COPY_AGE_S, as is an old cut-short leftover; a copy
+    in progress (its lock held) is never touched."""
+    import fcntl
+
+    uri = _upload(gcs_emulator, gcs_bucket, "klein-old")
+    cache = str(tmp_path / "cache")
+    first = checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    _upload(gcs_emulator, gcs_bucket, "klein-old", dict(FILES, **{"transformer/config.json": b'{"num_layers": 3}'}))
+    second = checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    assert second != first and os.path.isfile(os.path.join(first, "model_index.json"))  # used moments ago: kept
+
+    root = os.path.dirname(first)
+    cut = os.path.join(root, f".partial-{'a' * 16}-x1y2")  # a copy of another listing cut short long ago
+    busy = os.path.join(root, f".partial-{'b' * 16}-z3w4")  # a copy of another listing in progress
+    for folder in (cut, busy):
+        os.makedirs(os.path.join(folder, "vae"))
+    long_ago = time.time() - checkpoint.SUPERSEDED_COPY_AGE_S - 60
+    for path in (os.path.join(first, checkpoint.COMPLETE_MARKER), cut, busy):
+        os.utime(path, (long_ago, long_ago))
+    with open(os.path.join(root, f"{'b' * 16}.lock"), "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        assert checkpoint.resolve_checkpoint(uri, cache_dir=cache) == second
+    assert not os.path.exists(first) and not os.path.exists(cut)
+    assert os.path.isdir(busy) and _tree(second)["transformer/config.json"] == b'{"num_layers": 3}'
+    # The copy in use is never the one deleted, however old its last use.
+    os.utime(os.path.join(second, checkpoint.COMPLETE_MARKER), (long_ago, long_ago))
+    assert checkpoint.resolve_checkpoint(uri, cache_dir=cache) == second and os.path.isdir(second)
+
+
 def test_checksum_mismatch_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
     uri = _upload(gcs_emulator, gcs_bucket, "klein")
     bad = f"{uri}/vae/diffusion_pytorch_model.safetensors"
