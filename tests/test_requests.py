@@ -141,6 +141,15 @@ def test_csv_with_header_multiline_fields_and_bad_rows():
     assert out[0].seed == 1  # CSV numbers are parsed from text; empty cells mean "not given"
 
 
+def test_malformed_csv_rows_cite_their_first_line():
+    """A row the CSV reader cannot parse (text after a closing quote; a quote never closed) names its line and
+    carries that line's text, so the row can be found and fixed."""
+    out = parse_lines(b'id,prompt\nok,fine\nbad,"quoted"tail\nlast,"never closed\nmore text\n', "p.csv", "csv", D)
+    rows = [(o["line"], o["record"], o["reason"][:17]) for o in out if isinstance(o, dict)]
+    assert rows == [(3, 'bad,"quoted"tail', "malformed CSV row"), (4, 'last,"never closed', "malformed CSV row")]
+    assert [o.id for o in out if isinstance(o, GenerationRequest)] == ["ok"]
+
+
 def test_csv_without_prompt_column_rejects_every_row():
     out = parse_lines(b"text,height\nhello,32\n", "p.csv", "csv", D)
     assert [o["line"] for o in out] == [1, 2]

@@ -546,12 +546,12 @@ def iter_csv(stream: Iterable[bytes], source: str, field_limit: int = _CSV_DEFAU
     A row with a line that cannot be read (not UTF-8, too long) is rejected whole, with that line's reason: its
     other lines are not spliced together into a different record."""
     csv.field_size_limit(field_limit)  # a process-wide setting of the csv module; one job's readers share one value
-    state: dict[str, Any] = {"first": None, "error": None}
+    state: dict[str, Any] = {"first": None, "error": None, "first_text": None}
 
     def lines():
         for number, text, error in _decoded_lines(stream, source, keep_undecodable=True):
             if state["first"] is None:
-                state["first"] = number
+                state["first"], state["first_text"] = number, text
             if error is not None and state["error"] is None:
                 state["error"] = error
             yield ("" if text is None else text) + "\n"
@@ -560,7 +560,7 @@ def iter_csv(stream: Iterable[bytes], source: str, field_limit: int = _CSV_DEFAU
     header: list[str] | None = None
     header_problem: str | None = None  # set when the header row is unusable: every data row says so
     while True:
-        state["first"], state["error"] = None, None
+        state["first"], state["error"], state["first_text"] = None, None, None
         try:
             row = next(reader)
         except StopIteration:
@@ -573,8 +573,8 @@ def iter_csv(stream: Iterable[bytes], source: str, field_limit: int = _CSV_DEFAU
             if "field larger than field limit" in str(e):
                 reason = (f"malformed CSV row: a field is longer than {csv.field_size_limit()} characters (the "
                           f"limit follows --max_prompt_bytes), or a quote is not closed")
-            yield state["error"] or RawRecord(source, line, error=layout.error_row(
-                source=source, line=line, reason=reason, field="record"))
+            yield state["error"] or RawRecord(source, line, error=layout.error_row(  # the row's first line as record
+                source=source, line=line, reason=reason, field="record", record=state["first_text"]))
             continue
         line = state["first"] or 0
         if state["error"] is not None:
