@@ -291,7 +291,7 @@ def _delete_superseded_copies(root: str, keep: str) -> None:
     except OSError:
         return
     for name in names:
-        if name.endswith(".lock") or name == keep:
+        if name.endswith(".lock"):
             continue
         path = os.path.join(root, name)
         fingerprint = name[len(".partial-"):].split("-", 1)[0] if name.startswith(".partial-") else name

@@ -707,8 +707,8 @@ class _ReadRequestsFn(beam.DoFn):
         with raw_file:
             stream, kind = input_files.open_decompressed(raw_file, path)
             if kind and not input_files.compression_of(path):
-                logger.info("input file %s holds %s data (stored with Content-Encoding %s?): decompressing it",
-                            path, kind, kind)
+                logger.info("input file %s holds %s data under a name without its suffix (an object uploaded with "
+                            "gsutil cp -Z?): decompressing it", path, kind)
             try:
                 for raw in iter_raw_records(stream, path, fmt, csv_field_limit=self._csv_field_limit):
                     self._read.inc()
