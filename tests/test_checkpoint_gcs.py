@@ -120,9 +120,13 @@ def test_checksum_mismatch_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
     with pytest.raises(CheckpointError, match="checksum mismatch") as e:
         checkpoint.resolve_checkpoint(uri, cache_dir=cache)
     assert bad in str(e.value)
-    # Nothing usable (or half-copied) is left in the cache.
-    for root, dirs, _files in os.walk(cache):
-        assert checkpoint.COMPLETE_MARKER not in _files
+    _assert_nothing_left(cache)
+
+
+def _assert_nothing_left(cache):
+    """No usable (or half-copied) checkpoint copy is in the cache."""
+    for _root, dirs, files in os.walk(cache):
+        assert checkpoint.COMPLETE_MARKER not in files
         assert not [d for d in dirs if d.startswith(".partial-")]
 
 
@@ -153,9 +157,7 @@ def test_gzip_content_encoding_on_bytes_that_are_not_gzip_names_the_object(gcs_e
     with pytest.raises(CheckpointError, match="Content-Encoding gzip but is not valid gzip") as e:
         checkpoint.resolve_checkpoint(uri, cache_dir=cache)
     assert bad in str(e.value)
-    for _root, dirs, files in os.walk(cache):
-        assert checkpoint.COMPLETE_MARKER not in files
-        assert not [d for d in dirs if d.startswith(".partial-")]
+    _assert_nothing_left(cache)
 
 
 @pytest.mark.parametrize("name", ["text_encoder/pytorch_model.bin", "extra/state.pth"])
