@@ -158,14 +158,15 @@ def _fingerprint(uri: str, blobs: list) -> str:
 
 
 @contextlib.contextmanager
-def _file_lock(path: str):
+def _file_lock(path: str, wait: bool = True):
+    """Hold the exclusive lock `path` (created if needed); `wait=False` raises BlockingIOError when it is held."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         f = open(path, "a+")
     except OSError as e:
         raise CheckpointError(f"the checkpoint cache folder cannot be used: {e}", path=os.path.dirname(path)) from e
     with f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             yield
         finally:
@@ -305,12 +306,8 @@ def _delete_superseded_copies(root: str, keep: str) -> None:
         if last_use > cutoff:
             continue
         try:
-            with open(os.path.join(root, fingerprint + ".lock"), "a+") as lock:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                try:
-                    shutil.rmtree(path, ignore_errors=True)
-                finally:
-                    fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-        except OSError:  # locked (being copied) or not ours to delete: left alone
+            with _file_lock(os.path.join(root, fingerprint + ".lock"), wait=False):
+                shutil.rmtree(path, ignore_errors=True)
+        except (BlockingIOError, CheckpointError):  # being copied, or the lock cannot be made: left alone
             continue
         logger.info("deleted superseded checkpoint copy %s (unused for over %.0f s)", path, SUPERSEDED_COPY_AGE_S)

@@ -12,8 +12,11 @@ which Beam reads as stored.
 from __future__ import annotations
 
 import bz2
+import logging
 import lzma
 import zlib
+
+logger = logging.getLogger(__name__)
 
 # Compression by file-name suffix (lower case). Beam knows these except ".gzip", which it would read undecompressed.
 COMPRESSION_BY_SUFFIX = {
@@ -52,6 +55,9 @@ def open_decompressed(raw, path: str):
             head += piece  # a network stream may return fewer bytes than asked
         kind = next((k for magic, k in COMPRESSION_BY_MAGIC.items() if head.startswith(magic)), None)
         raw = _WithHead(head, raw)
+        if kind:
+            logger.info("input file %s holds %s data under a name without its suffix (an object uploaded with "
+                        "gsutil cp -Z?): decompressing it", path, kind)
     return (DecompressingReader(raw, kind) if kind else raw), kind
 
 

@@ -14,7 +14,6 @@ import csv
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 import os
 import re
@@ -25,8 +24,6 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.metrics import Metrics
 
 from . import input_files, layout
-
-logger = logging.getLogger(__name__)
 
 METRICS_NAMESPACE = "flux2"
 
@@ -705,10 +702,7 @@ class _ReadRequestsFn(beam.DoFn):
             yield self._file_error(path, None, f"input file cannot be opened: {e}")
             return
         with raw_file:
-            stream, kind = input_files.open_decompressed(raw_file, path)
-            if kind and not input_files.compression_of(path):
-                logger.info("input file %s holds %s data under a name without its suffix (an object uploaded with "
-                            "gsutil cp -Z?): decompressing it", path, kind)
+            stream, _kind = input_files.open_decompressed(raw_file, path)
             try:
                 for raw in iter_raw_records(stream, path, fmt, csv_field_limit=self._csv_field_limit):
                     self._read.inc()
