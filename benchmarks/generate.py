@@ -478,8 +478,9 @@ def ablation_variants(EngineOptions, batch: int, cache_dir: str | None) -> list[
         "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
         "fused_upsample": ("VAE upsamples, then a 3x3 conv at the high resolution", dict(fused_upsample=False)),
     }
-    # Not rows: the persistent cache's effect is the cold/warm compile columns; batch_size is the workload.
-    skip = ("reference", "batch_size", "compilation_cache_dir")
+    # Not rows: the persistent cache's effect is the cold/warm compile columns; batch_size is the workload;
+    # max_buckets bounds memory over many sizes (one size here).
+    skip = ("reference", "batch_size", "compilation_cache_dir", "max_buckets")
     rows = []
     for f in dataclasses.fields(EngineOptions):
         if f.name in skip:

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .layers import round_to_dtype
+from .lru import LRUCache
 from .noise import is_integer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class EngineOptions:
     context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
     compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
+    # Shape buckets whose compiled programs (and RoPE tables, schedules) a process keeps; beyond it the least recently
+    # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. A
+    # bucket's three CPU executables measured ~16 MB of host memory for the small preset (8 sizes, kept vs 2 kept).
+    max_buckets: int | None = 16
     # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
     # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
     per_image: bool | None = None
@@ -105,6 +110,9 @@ class EngineOptions:
         unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
         if unknown:
             raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
+        m = self.max_buckets
+        if m is not None and (not is_integer(m) or m < 1):
+            raise ValueError(f"max_buckets must be None or an integer >= 1, got {m!r}")
         n = self.concurrent_images
         if n is not None and (not is_integer(n) or n < 1):
             raise ValueError(f"concurrent_images must be None or an integer >= 1, got {n!r}")
@@ -207,7 +215,7 @@ class CompiledPrograms:
         self._graphs = (te_graph, tr_graph, vae_graph)
         self.compile_count = 0
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
-        self._compiled: dict = {}
+        self._compiled: LRUCache = LRUCache(options.max_buckets, "compiled programs")
         self.concurrent_images = concurrent_images_for(mesh, options)
         self.image_runs = collections.Counter()  # one-image program runs by program name (threads only)
         self._pool = None  # the threads that run images at once, started on first use
@@ -315,41 +323,38 @@ class CompiledPrograms:
         return (self.vae_state, self._latents_spec(b, in_channels), b.grid_h, b.grid_w, self.options.device_uint8)
 
     def programs(self, b: Bucket, in_channels, joint_dim, head_dim):
-        """(encode, denoise, decode) callables for a bucket, compiled once (concurrently) and then reused."""
+        """(encode, denoise, decode) callables for a bucket, compiled once (concurrently) and then reused while the
+        bucket is among the `max_buckets` most recently used."""
         with self._lock:
-            if b in self._compiled:
-                return self._compiled[b]
-            if self.concurrent_images > 1 and b.batch > 1:
+            if self.concurrent_images > 1 and b.batch > 1:  # the one-image programs, run image by image
                 one = self.programs(dataclasses.replace(b, batch=1), in_channels, joint_dim, head_dim)
-                progs = tuple(self._image_by_image(name, fn) for name, fn in zip(PROGRAMS, one))
-                self._compiled[b] = progs
-                return progs
-            if not self.options.aot_compile:
-                fused = self.options.fused_loop and not self.options.reference
-                progs = (self._encode, self._denoise if fused else self._single_step, self._decode)
-                self._compiled[b] = progs
-                return progs
-            start = time.perf_counter()
-            denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
-            if self.options.fused_loop and not self.options.reference:
-                denoise_lowered = self._denoise.lower(*denoise_args)
-            else:  # the per-step program: (state, x, txt, neg, sigma, sigma_next, timestep, cos, sin, scale)
-                scalar = self._spec((), jnp.float32, False)
-                state, x, txt, neg, _, _, cos, sin, scale = denoise_args
-                denoise_lowered = self._single_step.lower(state, x, txt, neg, scalar, scalar, scalar, cos, sin, scale)
-            lowered = [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
-                       self._decode.lower(*self._decode_args(b, in_channels))]
-            with ThreadPoolExecutor(3) as pool:
-                encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered)
-            self.compile_count += 3
-            logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
+                return tuple(self._image_by_image(name, fn) for name, fn in zip(PROGRAMS, one))
+            return self._compiled.get(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
 
-            def decode_fn(state, tokens, grid_h, grid_w, to_uint8):
-                return decode_c(state, tokens)
+    def _build(self, b: Bucket, in_channels, joint_dim, head_dim):
+        """The bucket's programs: compiled ahead of time (the three concurrently), or the jitted functions."""
+        if not self.options.aot_compile:
+            fused = self.options.fused_loop and not self.options.reference
+            return (self._encode, self._denoise if fused else self._single_step, self._decode)
+        start = time.perf_counter()
+        denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
+        if self.options.fused_loop and not self.options.reference:
+            denoise_lowered = self._denoise.lower(*denoise_args)
+        else:  # the per-step program: (state, x, txt, neg, sigma, sigma_next, timestep, cos, sin, scale)
+            scalar = self._spec((), jnp.float32, False)
+            state, x, txt, neg, _, _, cos, sin, scale = denoise_args
+            denoise_lowered = self._single_step.lower(state, x, txt, neg, scalar, scalar, scalar, cos, sin, scale)
+        lowered = [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
+                   self._decode.lower(*self._decode_args(b, in_channels))]
+        with ThreadPoolExecutor(3) as pool:
+            encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered)
+        self.compile_count += 3
+        logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
 
-            progs = (encode_c, denoise_c, decode_fn)
-            self._compiled[b] = progs
-            return progs
+        def decode_fn(state, tokens, grid_h, grid_w, to_uint8):
+            return decode_c(state, tokens)
+
+        return (encode_c, denoise_c, decode_fn)
 
     def _image_by_image(self, name: str, fn):
         """`fn`, the one-image program `name`, over any number of images: each image's slice of the per-image

@@ -17,6 +17,7 @@ from flax import nnx
 from . import scheduler as sched
 from .config import PipelineConfig
 from .engine import Bucket, CompiledPrograms, EngineOptions, enable_compilation_cache, make_mesh
+from .lru import LRUCache
 from .errors import CheckpointError, ConfigError, RequestError
 from .noise import initial_noise, is_integer, validate_seed
 from .qwen3 import Qwen3TextEncoder
@@ -147,8 +148,8 @@ class Flux2KleinGenerator:
             text_attention=resolve_implementation(options.text_encoder_attention, masked=True, devices=devices),
             mesh=self.mesh)
         self._embed_cache: collections.OrderedDict = collections.OrderedDict()
-        self._rope_cache: dict = {}
-        self._schedule_cache: dict = {}
+        self._rope_cache: LRUCache = LRUCache(options.max_buckets, "RoPE tables")
+        self._schedule_cache: LRUCache = LRUCache(options.max_buckets, "schedules")
         self.stats = collections.Counter()
         # generate() calls are serialised: they share the embedding cache and the device (which runs one at a time).
         self._generate_lock = threading.Lock()
@@ -168,21 +169,24 @@ class Flux2KleinGenerator:
         return (self.config.transformer.in_channels, gh, gw)
 
     def _rope(self, grid_h, grid_w):
-        key = (grid_h, grid_w)
-        if key not in self._rope_cache:
+        """RoPE cos/sin tables of the [text ; image] sequence for a latent grid, on the devices (cached)."""
+        def make():
             ids = np.concatenate([text_ids(self.max_sequence_length), image_ids(grid_h, grid_w)])
             cos, sin = rope_tables(ids, self.config.transformer.axes_dims_rope, self.config.transformer.rope_theta)
             rep = self.programs.replicated
-            self._rope_cache[key] = (jax.device_put(cos, rep), jax.device_put(sin, rep))
-        return self._rope_cache[key]
+            return jax.device_put(cos, rep), jax.device_put(sin, rep)
+
+        return self._rope_cache.get((grid_h, grid_w), make)
 
     def _schedule(self, steps, grid_h, grid_w, sigmas):
-        key = (steps, grid_h * grid_w, None if sigmas is None else tuple(float(s) for s in sigmas))
-        if key not in self._schedule_cache:
+        """Sigmas and timesteps for (steps, image tokens, custom sigmas), on the devices (cached)."""
+        def make():
             s, t = sched.flow_match_schedule(self.config.scheduler, steps, grid_h * grid_w, sigmas)
             rep = self.programs.replicated
-            self._schedule_cache[key] = (jax.device_put(s, rep), jax.device_put(t, rep))
-        return self._schedule_cache[key]
+            return jax.device_put(s, rep), jax.device_put(t, rep)
+
+        key = (steps, grid_h * grid_w, None if sigmas is None else tuple(float(s) for s in sigmas))
+        return self._schedule_cache.get(key, make)
 
     def _encode(self, prompts: list[str], batch: int, encode_fn):
         """Text embeddings [len(prompts), L, J] on device; unique prompts encoded once, recent ones cached."""

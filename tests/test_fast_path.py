@@ -99,6 +99,7 @@ SWITCHES = {
     "concurrent_images": dict(concurrent_images=1),  # a batch's images one after the other (lax.map)
     "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
     "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
+    "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
 }
 
 
@@ -167,6 +168,54 @@ def test_no_compilation_after_warm_up(tiny_ckpt):
     assert gen.programs.compile_count == compiled
     assert a.shape == (3, 32, 48, 3) and b.shape == (1, 32, 48, 3) and c.shape == (2, 32, 48, 3)
     assert max_diff(a[1:2], c[:1]) <= 1  # padding and the cache change nothing
+
+
+def test_buckets_beyond_max_buckets_are_dropped_least_recently_used_first(tiny_ckpt):
+    """A worker asked for many sizes keeps the programs, RoPE tables and schedules of the `max_buckets` most
+    recently used buckets only; a dropped bucket that comes back is compiled again and gives the same images."""
+    import model
+
+    gen = model.load(tiny_ckpt, max_buckets=2, **KW)
+    sizes = [dict(height=32, width=48), dict(height=48, width=32), dict(height=32, width=32)]
+    first = [gen.generate(PROMPTS[:1], SEEDS[:1], num_inference_steps=2, **hw) for hw in sizes]
+    assert gen.programs.compile_count == 9
+    programs, ropes, schedules = gen.programs._compiled, gen._rope_cache, gen._schedule_cache
+    assert len(programs) == len(ropes) == len(schedules) == 2
+    grids = [gen.latent_grid(hw["height"], hw["width"]) for hw in sizes]
+    assert [(b.grid_h, b.grid_w) for b in programs.keys()] == grids[1:]  # 32x48 was the least recently used
+    assert ropes.keys() == grids[1:] and programs.evictions == ropes.evictions == 1
+    assert schedules.evictions == 0  # schedules depend on the token count only: 32x48 and 48x32 share one
+    with CompileEvents() as events:
+        again = gen.generate(PROMPTS[:1], SEEDS[:1], num_inference_steps=2, **sizes[2])  # kept: no compilation
+    assert events.count == 0 and max_diff(again, first[2]) == 0
+    back = gen.generate(PROMPTS[:1], SEEDS[:1], num_inference_steps=2, **sizes[0])  # dropped: compiled again
+    assert gen.programs.compile_count == 12 and max_diff(back, first[0]) == 0
+    assert [(b.grid_h, b.grid_w) for b in programs.keys()] == [grids[2], grids[0]]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_max_buckets_must_be_a_positive_integer_or_none(tiny_ckpt, bad):
+    import model
+
+    with pytest.raises(ValueError, match=f"max_buckets must be None or an integer >= 1, got {bad!r}"):
+        model.load(tiny_ckpt, max_buckets=bad, **KW)
+
+
+def test_lru_cache_makes_each_value_once_and_drops_the_least_recently_used():
+    from model.lru import LRUCache
+
+    made = []
+    cache = LRUCache(2, "test")
+    get = lambda k: cache.get(k, lambda: made.append(k) or k.upper())  # noqa: E731
+    assert [get("a"), get("b"), get("a"), get("c")] == ["A", "B", "A", "C"]  # "b" is now the least recent
+    assert made == ["a", "b", "c"] and cache.keys() == ["a", "c"] and "b" not in cache and cache.evictions == 1
+    assert get("b") == "B" and made[-1] == "b" and cache.keys() == ["c", "b"]
+    unbounded = LRUCache(None)
+    for i in range(100):
+        unbounded.get(i, lambda: i)
+    assert len(unbounded) == 100 and unbounded.evictions == 0
+    with pytest.raises(ValueError, match="size must be None or an integer >= 1, got 0"):
+        LRUCache(0)
 
 
 def test_compile_events_are_seen(tiny_ckpt):
