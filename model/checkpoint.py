@@ -49,6 +49,7 @@ COMPLETE_MARKER = ".flux2-complete.json"
 _DOWNLOAD_THREADS = 8
 _CHUNK = 8 * 1024 * 1024
 SUPERSEDED_COPY_AGE_S = 3600.0
+PARTIAL_PREFIX = ".partial-"  # a copy in progress: PARTIAL_PREFIX + fingerprint + "-" + random, renamed when complete
 _copies_made = 0  # gs:// checkpoints this process copied (not reused from the cache); see copies_made()
 
 
@@ -251,9 +252,10 @@ def _copy_once(uri: str, bucket: str, blobs: list, rels: dict, root: str, finger
             shutil.rmtree(final, ignore_errors=True)
         # Copies of this fingerprint left by a process that died mid-copy (killed: no cleanup ran); with the lock
         # held nobody else is copying it, so they are all stale.
-        for stale in glob.glob(os.path.join(root, f".partial-{fingerprint}-*")):
+        partial = f"{PARTIAL_PREFIX}{fingerprint}-"
+        for stale in glob.glob(os.path.join(root, partial + "*")):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = tempfile.mkdtemp(prefix=f".partial-{fingerprint}-", dir=root)
+        tmp = tempfile.mkdtemp(prefix=partial, dir=root)
         try:
             start = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
@@ -295,7 +297,7 @@ def _delete_superseded_copies(root: str, keep: str) -> None:
         if name.endswith(".lock"):
             continue
         path = os.path.join(root, name)
-        fingerprint = name[len(".partial-"):].split("-", 1)[0] if name.startswith(".partial-") else name
+        fingerprint = name[len(PARTIAL_PREFIX):].split("-", 1)[0] if name.startswith(PARTIAL_PREFIX) else name
         if fingerprint == keep or not os.path.isdir(path):
             continue
         marker = os.path.join(path, COMPLETE_MARKER)

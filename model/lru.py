@@ -11,6 +11,8 @@ import collections
 import logging
 from typing import Callable, Generic, Hashable, TypeVar
 
+from .noise import is_integer
+
 logger = logging.getLogger(__name__)
 
 V = TypeVar("V")
@@ -21,9 +23,9 @@ class LRUCache(Generic[V]):
     recently used one is dropped. `maxsize=None` keeps everything. Not thread-safe: callers hold their own lock."""
 
     def __init__(self, maxsize: int | None, name: str = "cache"):
-        if maxsize is not None and (isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1):
+        if maxsize is not None and (not is_integer(maxsize) or maxsize < 1):
             raise ValueError(f"{name} size must be None or an integer >= 1, got {maxsize!r}")
-        self.maxsize = maxsize
+        self.maxsize = None if maxsize is None else int(maxsize)
         self.name = name
         self.evictions = 0
         self._items: collections.OrderedDict = collections.OrderedDict()
