@@ -62,31 +62,66 @@ class _Trickle(io.BytesIO):
         return super().read(3 if size is None or size < 0 else min(size, 3))
 
 
-@pytest.mark.parametrize("kind", ["gzip", "zstd", "lzma"])
+@pytest.mark.parametrize("kind", ["gzip", "zstd", "lzma", "bzip2"])
 def test_compressed_data_under_a_plain_name_is_sniffed(kind):
-    """What GCS serves for `gsutil cp -Z prompts.jsonl`: gzip bytes under a name without .gz (and zstd/xz alike)."""
+    """What GCS serves for `gsutil cp -Z prompts.jsonl`: gzip bytes under a name without .gz (and zstd/xz/bzip2)."""
     packed = COMPRESS[kind](DATA)
     for stream in (io.BytesIO(packed), _Trickle(packed)):
-        reader, found = open_decompressed(stream, "gs://b/in/prompts.jsonl")
-        assert found == kind and read_all(reader) == DATA
-    cut, _ = open_decompressed(io.BytesIO(packed[:len(packed) // 2]), "prompts.jsonl")
+        reader = open_decompressed(stream, "gs://b/in/prompts.jsonl")
+        assert read_all(reader) == DATA and reader.compressions == [kind]
+    cut = open_decompressed(io.BytesIO(packed[:len(packed) // 2]), "prompts.jsonl")
     with pytest.raises(InputReadError, match="ends before its end marker"):
         read_all(cut)
 
 
-@pytest.mark.parametrize("data", [DATA, b"", b"\x1f", b"(", "(\u00e9t\u00e9) un prompt\n".encode(), bz2.compress(DATA),
-                                  b"\xef\xbb\xbfwith a BOM\n"])
+@pytest.mark.parametrize("data", [DATA, b"", b"\x1f", b"(", "(\u00e9t\u00e9) un prompt\n".encode(), b"BZh9 is text\n",
+                                  b"BZh91AY&S", b"BZh01AY&SY prompt\n", b"\xef\xbb\xbfwith a BOM\n"])
 def test_plain_data_is_returned_unchanged_whatever_its_length(data):
-    """Text (and bzip2, whose magic 'BZh' is valid text) is not sniffed; the bytes read to sniff are not lost."""
+    """Text is not sniffed (bzip2 only by its whole 10-byte signature, as 'BZh' is text); the bytes read to sniff
+    are not lost."""
     for stream in (io.BytesIO(data), _Trickle(data)):
-        reader, found = open_decompressed(stream, "prompts.txt")
-        assert found is None and read_all(reader) == data
+        reader = open_decompressed(stream, "prompts.txt")
+        assert read_all(reader) == data and reader.compressions == []
 
 
 def test_the_suffix_decides_before_the_bytes():
     packed = gzip.compress(DATA)
-    reader, found = open_decompressed(io.BytesIO(packed), "p.jsonl.gz")
-    assert found == "gzip" and read_all(reader) == DATA
-    reader, found = open_decompressed(io.BytesIO(b"plain\n"), "p.jsonl.gz")
+    reader = open_decompressed(io.BytesIO(packed), "p.jsonl.gz")
+    assert read_all(reader) == DATA and reader.compressions == ["gzip"]
+    reader = open_decompressed(io.BytesIO(b"plain\n"), "p.jsonl.gz")
     with pytest.raises(InputReadError, match="not valid gzip data"):
         read_all(reader)
+
+
+def test_an_empty_bzip2_stream_is_sniffed_by_its_end_of_stream_signature():
+    reader = open_decompressed(io.BytesIO(bz2.compress(b"")), "prompts.txt")
+    assert read_all(reader) == b"" and reader.compressions == ["bzip2"]
+
+
+@pytest.mark.parametrize("name", ["gs://b/in/prompts.jsonl.gz", "gs://b/in/prompts.jsonl"])
+@pytest.mark.parametrize("inner", ["gzip", "zstd", "bzip2"])
+def test_compressed_data_inside_compressed_data_is_read_through(name, inner):
+    """`gsutil cp -Z prompts.jsonl.gz` stores gzip(gzip(text)), and GCS serves it as stored: both layers are read,
+    whether the name says gzip or not; a cut inner stream raises after the complete lines, as a cut outer one."""
+    packed = gzip.compress(COMPRESS[inner](DATA))
+    for stream in (io.BytesIO(packed), _Trickle(packed)):
+        reader = open_decompressed(stream, name)
+        assert read_all(reader) == DATA and reader.compressions == ["gzip", inner]
+    inner_cut = gzip.compress(COMPRESS[inner](DATA)[:-20])
+    reader = open_decompressed(io.BytesIO(inner_cut), name)
+    got = b""
+    with pytest.raises(InputReadError, match=f"the {inner} data ends before its end marker"):
+        while piece := reader.read():
+            got += piece
+    assert DATA.startswith(got) and reader.complete_lines == got.count(b"\n")
+
+
+def test_layers_are_read_up_to_a_bound():
+    """Compression inside compression is undone at most MAX_LAYERS times; deeper bytes come back as they are."""
+    from transforms.input_files import MAX_LAYERS
+
+    packed = DATA
+    for _ in range(MAX_LAYERS + 1):
+        packed = gzip.compress(packed)
+    reader = open_decompressed(io.BytesIO(packed), "p.jsonl")
+    assert gzip.decompress(read_all(reader)) == DATA and reader.compressions == ["gzip"] * MAX_LAYERS

@@ -257,8 +257,8 @@ def test_read_in_beam_reports_unreadable_files_and_keeps_what_precedes_the_damag
 
 def test_read_in_beam_from_gcs_objects_stored_gzip_encoded(gcs_emulator, gcs_bucket):
     """`gsutil cp -Z` stores gzip bytes under the plain name with Content-Encoding gzip, and Beam's GCS reader
-    returns them as stored: they are decompressed (a cut one keeps its complete lines), plain objects read as-is,
-    and one Beam will not open is an error row."""
+    returns them as stored: they are decompressed (a cut one keeps its complete lines; a .gz file uploaded so, gzip
+    inside gzip, both times), plain objects read as-is, and one Beam will not open is an error row."""
     import gzip
 
     def upload(name, data, encoding=None):
@@ -270,6 +270,8 @@ def test_read_in_beam_from_gcs_objects_stored_gzip_encoded(gcs_emulator, gcs_buc
     upload("in/zipped.jsonl", gzip.compress(lines), "gzip")
     upload("in/cut.jsonl", gzip.compress(lines)[:-9], "gzip")
     upload("in/plain.txt", "un prompt \u00e9t\u00e9\n".encode())
+    # `gsutil cp -Z prompts.jsonl.gz`: gzip inside gzip, both layers undone (one by the suffix, one by the bytes)
+    upload("in/twice.jsonl.gz", gzip.compress(gzip.compress(lines)), "gzip")
     # Beam refuses gzip-encoded objects typed application/gzip ("doubly compressed"): one error row, not a crash.
     blob = gcs_emulator.client().bucket(gcs_bucket).blob("in/double.jsonl.gz")
     blob.content_encoding = "gzip"
@@ -279,7 +281,8 @@ def test_read_in_beam_from_gcs_objects_stored_gzip_encoded(gcs_emulator, gcs_buc
         read = p | beam.Create([f"gs://{gcs_bucket}/in/*"]) | ReadRequests("auto", D)
         assert_that(read["requests"] | beam.Map(lambda r: (r.source.rsplit("/", 1)[-1], r.id)) | beam.Distinct()
                     | beam.combiners.Count.PerKey(), equal_to([("zipped.jsonl", 300), ("cut.jsonl", 300),
-                                                               ("plain.txt", 1)]), label="requests")
+                                                               ("plain.txt", 1), ("twice.jsonl.gz", 300)]),
+                    label="requests")
         assert_that(read["invalid"] | "rows" >> beam.Map(lambda row: (row["source"].rsplit("/", 1)[-1], row["line"],
                                                                       row["kind"])),
                     equal_to([("cut.jsonl", 301, layout.UNREADABLE_INPUT),

@@ -5,8 +5,9 @@ read up to the cut (its last line cut too) as if it were whole. Here every compr
 marker: a cut or corrupt file raises `InputReadError` after the complete data before the damage has been returned.
 Concatenated streams (several gzip members, bzip2 streams, zstd frames) are read one after the other, as Beam does.
 A file whose name says nothing but whose bytes start with a gzip, zstd or xz magic number (which no UTF-8 text can
-start with) is decompressed too: what GCS serves for an object uploaded with `gsutil cp -Z` (Content-Encoding gzip),
-which Beam reads as stored.
+start with), or with bzip2's whole stream signature, is decompressed too: what GCS serves for an object uploaded with
+`gsutil cp -Z` (Content-Encoding gzip), which Beam reads as stored. Decompressed data is sniffed again, so a `.gz`
+file uploaded with `-Z` (gzip inside gzip) reads as its text.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import bz2
 import logging
 import lzma
+import re
 import zlib
 
 logger = logging.getLogger(__name__)
@@ -24,9 +26,13 @@ COMPRESSION_BY_SUFFIX = {
     ".xz": "lzma", ".lzma": "lzma",
 }
 # Magic numbers of compressed data; none can begin UTF-8 text (0x1f is a control character, 0xb5 after "(" and a
-# leading 0xfd are not UTF-8), so a prompt file is never mistaken for one. bzip2's "BZh" could: not sniffed.
+# leading 0xfd are not UTF-8), so a prompt file is never mistaken for one.
 COMPRESSION_BY_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "lzma"}
-_MAGIC_BYTES = max(len(m) for m in COMPRESSION_BY_MAGIC)
+# bzip2's "BZh" is text, so only its whole 10-byte signature counts: "BZh", the block size 1-9, then the first block's
+# magic (the digits of pi, "1AY&SY") or, for an empty stream, the end-of-stream magic (those of sqrt(pi)).
+BZIP2_SIGNATURE = re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)")
+_MAGIC_BYTES = 10  # bytes read to sniff: the bzip2 signature, the longest
+MAX_LAYERS = 3  # compressions inside each other read (gzip in gzip: a .gz file uploaded with gsutil cp -Z)
 _IN_CHUNK = 256 * 1024  # compressed bytes read at a time
 _OUT_CHUNK = 1024 * 1024  # most decompressed bytes produced at a time (a highly compressed file stays bounded)
 _ZSTD_FEED = 64 * 1024  # zstd's decompressobj has no output bound: feed it small pieces instead
@@ -45,20 +51,59 @@ def compression_of(path: str) -> str | None:
     return None
 
 
-def open_decompressed(raw, path: str):
+def open_decompressed(raw, path: str) -> "InputStream":
     """A binary reader of the data in `raw` (the file at `path`, opened as stored): decompressed by the name's
-    suffix, else by a magic number at its start; as it is otherwise. Returns (reader, compression or None)."""
-    kind = compression_of(path)
-    if kind is None:
-        head = b""
-        while len(head) < _MAGIC_BYTES and (piece := raw.read(_MAGIC_BYTES - len(head))):
-            head += piece  # a network stream may return fewer bytes than asked
-        kind = next((k for magic, k in COMPRESSION_BY_MAGIC.items() if head.startswith(magic)), None)
-        raw = _WithHead(head, raw)
-        if kind:
-            logger.info("input file %s holds %s data under a name without its suffix (an object uploaded with "
-                        "gsutil cp -Z?): decompressing it", path, kind)
-    return (DecompressingReader(raw, kind) if kind else raw), kind
+    suffix, else by a magic number at its start, then again while the result starts with one (up to MAX_LAYERS in
+    all); as it is otherwise. Nothing is read before the reader's first `read()`."""
+    return InputStream(raw, path)
+
+
+class InputStream:
+    """The data of an input file with its layers of compression undone, found on the first `read()` (so a damaged
+    layer raises InputReadError from `read`, after the complete data before the damage has been returned).
+
+    `compressions`: the layers found, outermost first ([] for plain data; complete after the first read).
+    `complete_lines`: line breaks in the data returned so far."""
+
+    def __init__(self, raw, path: str):
+        self._reader = raw
+        self._path = path
+        self._opened = False
+        self.compressions: list[str] = []
+        self.complete_lines = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._opened:
+            self._opened = True
+            self._undo_layers()
+        piece = self._reader.read(size)
+        self.complete_lines += piece.count(b"\n")
+        return piece
+
+    def _undo_layers(self):
+        kind = compression_of(self._path)
+        while len(self.compressions) < MAX_LAYERS:
+            if kind is None:
+                self._reader, kind = sniff_compression(self._reader)
+                if kind is None:
+                    return
+                where = f"inside its {'+'.join(self.compressions)} data" if self.compressions else \
+                    "under a name without its suffix"
+                logger.info("input file %s holds %s data %s (an object uploaded with gsutil cp -Z?): decompressing "
+                            "it", self._path, kind, where)
+            self.compressions.append(kind)
+            self._reader, kind = DecompressingReader(self._reader, kind), None
+
+
+def sniff_compression(raw):
+    """(`raw` with nothing lost, the compression its first bytes show or None)."""
+    head = b""
+    while len(head) < _MAGIC_BYTES and (piece := raw.read(_MAGIC_BYTES - len(head))):
+        head += piece  # a network stream may return fewer bytes than asked
+    kind = next((k for magic, k in COMPRESSION_BY_MAGIC.items() if head.startswith(magic)), None)
+    if kind is None and BZIP2_SIGNATURE.match(head):
+        kind = "bzip2"
+    return _WithHead(head, raw), kind
 
 
 class _WithHead:

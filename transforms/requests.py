@@ -702,7 +702,7 @@ class _ReadRequestsFn(beam.DoFn):
             yield self._file_error(path, None, f"input file cannot be opened: {e}")
             return
         with raw_file:
-            stream, _kind = input_files.open_decompressed(raw_file, path)
+            stream = input_files.open_decompressed(raw_file, path)
             try:
                 for raw in iter_raw_records(stream, path, fmt, csv_field_limit=self._csv_field_limit):
                     self._read.inc()
