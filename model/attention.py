@@ -177,8 +177,11 @@ def _splash_kernel(group: int, lq: int, lk: int, causal: bool, interpret: bool):
 
     head_mask = splash.CausalMask((lq, lk)) if causal else splash.FullMask((lq, lk))
     sizes = splash.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
-    return splash.make_splash_mqa(splash.MultiHeadMask([head_mask] * group), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, interpret=interpret)
+    # Built inside a trace, the kernel's mask tables would be that trace's tracers, and the cached kernel would leak
+    # them into the next program that uses it (UnexpectedTracerError): they are made as concrete arrays instead.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mqa(splash.MultiHeadMask([head_mask] * group), block_sizes=sizes, head_shards=1,
+                                      q_seq_shards=1, interpret=interpret)
 
 
 def _splash_attention(q, k, v, scale, causal: bool, key_mask):

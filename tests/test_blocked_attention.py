@@ -112,6 +112,25 @@ def test_splash_without_masks_matches_dot(lq, lk):
     np.testing.assert_allclose(np.asarray(attention(q, k, v, implementation="splash")), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_splash_kernel_built_in_one_program_serves_the_next(causal):
+    """The kernel is cached by shape; built while one program was traced (the denoise loop of one bucket), it must
+    hold no tracer of that trace when another program (the next bucket, the encoder) uses it."""
+    import jax
+    import jax.numpy as jnp
+
+    from model.attention import _splash_kernel, attention
+
+    _splash_kernel.cache_clear()  # built here first, inside a trace, whatever ran before
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((1, 40, 2, 8), np.float32))
+    first = jax.jit(lambda x: attention(x, x, x, causal=causal, implementation="splash"))(q)
+    second = jax.jit(lambda x: attention(x, x, x, causal=causal, implementation="splash") + 0)(q)
+    want = attention(q, q, q, causal=causal, implementation="dot")
+    assert _splash_kernel.cache_info().hits >= 1
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+    np.testing.assert_allclose(np.asarray(second), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_structured_masks_skip_the_same_blocks_bit_for_bit():
     """The blocked attention given (causal, key_mask) computes exactly what it computes from the dense mask."""
     import jax
