@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .layers import round_to_dtype
 from .lru import LRUCache
-from .noise import is_integer
+from .noise import optional_count
 
 logger = logging.getLogger(__name__)
 # Donation is a no-op on backends that cannot alias the buffers (CPU); that is expected, not worth a warning.
@@ -110,12 +110,8 @@ class EngineOptions:
         unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
         if unknown:
             raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
-        m = self.max_buckets
-        if m is not None and (not is_integer(m) or m < 1):
-            raise ValueError(f"max_buckets must be None or an integer >= 1, got {m!r}")
-        n = self.concurrent_images
-        if n is not None and (not is_integer(n) or n < 1):
-            raise ValueError(f"concurrent_images must be None or an integer >= 1, got {n!r}")
+        optional_count("max_buckets", self.max_buckets)
+        optional_count("concurrent_images", self.concurrent_images)
 
     @classmethod
     def reference_mode(cls, **kw) -> "EngineOptions":

@@ -17,8 +17,8 @@ from flax import nnx
 from . import scheduler as sched
 from .config import PipelineConfig
 from .engine import Bucket, CompiledPrograms, EngineOptions, enable_compilation_cache, make_mesh
-from .lru import LRUCache
 from .errors import CheckpointError, ConfigError, RequestError
+from .lru import LRUCache
 from .noise import initial_noise, is_integer, validate_seed
 from .qwen3 import Qwen3TextEncoder
 from .tokenizer import PromptTokenizer
@@ -147,7 +147,8 @@ class Flux2KleinGenerator:
             attention=resolve_implementation(options.attention, devices=devices),
             text_attention=resolve_implementation(options.text_encoder_attention, masked=True, devices=devices),
             mesh=self.mesh)
-        self._embed_cache: collections.OrderedDict = collections.OrderedDict()
+        self._embed_cache: LRUCache | None = LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) \
+            if options.embed_cache_size > 0 else None
         self._rope_cache: LRUCache = LRUCache(options.max_buckets, "RoPE tables")
         self._schedule_cache: LRUCache = LRUCache(options.max_buckets, "schedules")
         self.stats = collections.Counter()
@@ -192,7 +193,7 @@ class Flux2KleinGenerator:
         """Text embeddings [len(prompts), L, J] on device; unique prompts encoded once, recent ones cached."""
         opts = self.options
         unique = list(dict.fromkeys(prompts)) if opts.dedupe_prompts else list(prompts)
-        cache = self._embed_cache if opts.embed_cache_size > 0 else None
+        cache = self._embed_cache
         todo = [p for p in unique if cache is None or p not in cache]  # `unique` is de-duplicated only if asked
         fresh = {}
         tokenizer = self.tokenizer if not opts.reference else PromptTokenizer(
@@ -211,16 +212,12 @@ class Flux2KleinGenerator:
             if p in fresh:
                 e = fresh[p]
             else:
-                e = cache[p]
-                cache.move_to_end(p)
+                e = cache[p]  # now the most recently used
                 self.stats["embed_cache_hits"] += 1
             rows.append(e)
         if cache is not None:
             for p, e in fresh.items():
-                cache[p] = e
-                cache.move_to_end(p)
-            while len(cache) > opts.embed_cache_size:
-                cache.popitem(last=False)
+                cache.put(p, e)
         return jax.device_put(jnp.stack(rows), self.programs.batched)
 
     # ------------------------------------------------------------------------------------------------ generate

@@ -14,6 +14,13 @@ def is_integer(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def optional_count(name: str, value) -> int | None:
+    """`value` as int if it is None or an integer >= 1 (a size, a number of things), else ValueError naming it."""
+    if value is not None and (not is_integer(value) or value < 1):
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+    return None if value is None else int(value)
+
+
 def validate_seed(seed) -> int:
     """Return `seed` as int if it is an integer in [0, 2**63), else raise RequestError naming it."""
     if not is_integer(seed):
