@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .layers import round_to_dtype
 from .lru import LRUCache
-from .noise import optional_count
+from .noise import is_integer, optional_count
 
 logger = logging.getLogger(__name__)
 # Donation is a no-op on backends that cannot alias the buffers (CPU); that is expected, not worth a warning.
@@ -112,6 +112,10 @@ class EngineOptions:
             raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
         optional_count("max_buckets", self.max_buckets)
         optional_count("concurrent_images", self.concurrent_images)
+        if self.batch_size is not None and (not is_integer(self.batch_size) or self.batch_size < 1):
+            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if not is_integer(self.embed_cache_size):
+            raise ValueError(f"embed_cache_size must be an integer (0 or less = off), got {self.embed_cache_size!r}")
 
     @classmethod
     def reference_mode(cls, **kw) -> "EngineOptions":

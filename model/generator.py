@@ -69,9 +69,6 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
     if batch_size is not None:
         option_overrides["batch_size"] = batch_size
     options = dataclasses.replace(options, **option_overrides)
-    bs = options.batch_size
-    if bs is not None and (not is_integer(bs) or bs < 1):
-        raise ValueError(f"batch_size must be an integer >= 1, got {bs!r}")
     enable_compilation_cache(options.compilation_cache_dir)
     root = str(path_or_uri)
     if root.startswith("gs://"):
@@ -147,8 +144,9 @@ class Flux2KleinGenerator:
             attention=resolve_implementation(options.attention, devices=devices),
             text_attention=resolve_implementation(options.text_encoder_attention, masked=True, devices=devices),
             mesh=self.mesh)
-        self._embed_cache: LRUCache | None = LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) \
-            if options.embed_cache_size > 0 else None
+        self._embed_cache: LRUCache | None = (
+            LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0
+            else None)
         self._rope_cache: LRUCache = LRUCache(options.max_buckets, "RoPE tables")
         self._schedule_cache: LRUCache = LRUCache(options.max_buckets, "schedules")
         self.stats = collections.Counter()

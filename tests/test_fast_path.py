@@ -201,6 +201,19 @@ def test_max_buckets_must_be_a_positive_integer_or_none(tiny_ckpt, bad):
         model.load(tiny_ckpt, max_buckets=bad, **KW)
 
 
+@pytest.mark.parametrize("bad", [None, 2.5, True, "8"])
+def test_embed_cache_size_must_be_an_integer(tiny_ckpt, bad):
+    """Refused by the options, by their own name, before anything is loaded (0 or less turns the cache off)."""
+    import model
+    from model.engine import EngineOptions
+
+    with pytest.raises(ValueError, match=f"embed_cache_size must be an integer .*, got {bad!r}"):
+        model.load(tiny_ckpt, embed_cache_size=bad, **KW)
+    batch_size = 0 if bad is None else bad  # None is a valid batch size (the number of images asked for)
+    with pytest.raises(ValueError, match=f"batch_size must be an integer >= 1, got {batch_size!r}"):
+        EngineOptions(batch_size=batch_size)  # the options refuse it themselves, not only load()
+
+
 def test_lru_cache_makes_each_value_once_and_drops_the_least_recently_used():
     from model.lru import LRUCache
 
