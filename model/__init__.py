@@ -1,15 +1,17 @@
 """FLUX.2 [klein] in JAX/Flax NNX: load a diffusers-layout checkpoint and generate images.
 
-Public API (fixed):
+Public API:
     gen = model.load(path_or_gs_uri, dtype="bfloat16")
     images = gen.generate(prompts=[...], seeds=[...], height=1024, width=1024, num_inference_steps=None,
                           guidance_scale=None, num_images_per_prompt=1)      # np.uint8 [N, H, W, 3]
     noise = model.initial_noise(seed, shape)                                  # np.float32
+
+Importing the package is cheap and JAX-free (the job's readers and launcher use `model.contract` and
+`model.config`); `load` and the generator class import JAX on first use.
 """
 
 from .errors import CheckpointError, ConfigError, ModelError, RequestError, UnsafeWeightsError
 from .noise import initial_noise
-from .generator import Flux2KleinGenerator, load
 
 __all__ = [
     "load",
@@ -21,3 +23,12 @@ __all__ = [
     "RequestError",
     "UnsafeWeightsError",
 ]
+
+
+def __getattr__(name: str):
+    """`load` and `Flux2KleinGenerator` on first use, so that `import model.contract` never loads JAX."""
+    if name in ("load", "Flux2KleinGenerator"):
+        from . import generator
+
+        return getattr(generator, name)
+    raise AttributeError(f"module 'model' has no attribute {name!r}")

@@ -38,7 +38,8 @@ import tempfile
 import time
 import zlib
 
-from .errors import CheckpointError, UnsafeWeightsError
+from .config import PipelineConfig
+from .errors import CheckpointError, ConfigError, UnsafeWeightsError
 from .weight_files import select_weight_files, weight_file_variant
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,29 @@ def resolve_checkpoint(uri: str, cache_dir: str | None = None, variant: str | No
     if not os.path.isdir(uri):
         raise CheckpointError("checkpoint location is not a folder", path=uri)
     return uri
+
+
+# The JSON files that PipelineConfig reads, relative to the checkpoint root.
+CONFIG_FILES = ("model_index.json", "transformer/config.json", "text_encoder/config.json", "vae/config.json",
+                "scheduler/scheduler_config.json")
+
+
+def read_config(uri: str, variant: str | None = None) -> PipelineConfig:
+    """The checkpoint's configs alone, local or gs:// (no weight is read or copied; each config object is checked
+    against its GCS checksums): what a launcher needs to check requests before any worker starts."""
+    if not (isinstance(uri, str) and uri.startswith("gs://")):
+        return PipelineConfig.from_folder(resolve_checkpoint(uri))
+    uri = uri.rstrip("/")
+    bucket, prefix = split_gs_uri(uri)
+    blobs = {_relative(b.name, prefix): b for b in _list_objects(_client(), uri, variant)}
+    with tempfile.TemporaryDirectory(prefix="flux2-configs-") as tmp:
+        for rel in CONFIG_FILES:
+            if rel in blobs:  # a missing one is named by PipelineConfig below
+                _download_one(blobs[rel], os.path.join(tmp, rel), f"{uri}/{rel}")
+        try:
+            return PipelineConfig.from_folder(tmp)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace(tmp, uri)) from None
 
 
 # --------------------------------------------------------------------------------------------- GCS

@@ -8,7 +8,11 @@ import os
 from typing import Any
 
 from .errors import ConfigError
-from .layers import ACTIVATIONS
+
+# transformers' ACT2FN names this implementation runs, by the function each one is (model.layers implements the
+# forms): gelu is the exact erf form; gelu_new / gelu_pytorch_tanh / gelu_fast the tanh form.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu_erf", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu"}
 
 
 # The classes Flux2KleinPipeline's model_index.json names (library, class) for the components this package

@@ -7,7 +7,6 @@ indexed by the step counter), and the VAE decode with the latents donated, endin
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -21,108 +20,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .layers import round_to_dtype
+from .cpu_images import ImageThreads, compiler_options_for, concurrent_images_for, image_by_image, per_image_for
+from .lab import LabSwitches
 from .lru import LRUCache
-from .noise import is_integer, optional_count
+from .options import PROGRAMS, EngineOptions
+from .scheduler import euler_step, guidance_mix, model_timestep
 
 logger = logging.getLogger(__name__)
 # Donation is a no-op on backends that cannot alias the buffers (CPU); that is expected, not worth a warning.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-
-# XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
-# (YNNPACK dots) for the transformer. Measured on a 2-core AMD EPYC (small preset, 256x256, fp32): Eigen decodes in
-# 97 ms instead of 165; YNNPACK runs the attention dots (contraction over a head dim of 32) about 2x faster than
-# Eigen, one transformer block 4.4 ms instead of 5.3-5.9, and the whole image 786 -> 678 ms at batch 1 and 728 -> 607
-# ms/img at batch 4. Either library's blocking depends on the matrix sizes, so a batched dot may round an image
-# differently with its batch; the job promises the same bytes however requests are batched, which is why these
-# options go together with `per_image` (every program then sees one image at a time, whatever the batch).
-EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
-PROGRAMS = ("encode", "denoise", "decode")
-# (program, options) pairs; a program not listed compiles with XLA's defaults.
-DEFAULT_CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
-
-
-# The pipeline's arithmetic between model calls, rounded where diffusers (PyTorch) rounds in a low-precision dtype;
-# float32 is plain float32 arithmetic (round_to_dtype adds nothing there).
-
-
-def model_timestep(timestep, dtype, batch: int):
-    """The sigma the pipeline hands the model, [batch]: t rounded to the model's dtype, / 1000, rounded again."""
-    return jnp.broadcast_to(round_to_dtype(round_to_dtype(timestep, dtype) / 1000, dtype), (batch,))
-
-
-def euler_step(x, v, sigma, sigma_next):
-    """x + (sigma_next - sigma) * v as diffusers' scheduler step: the step size and its product with v rounded to v's
-    dtype, the sum in float32, then x's dtype."""
-    r = lambda a: round_to_dtype(a, v.dtype)  # noqa: E731
-    update = r(r(sigma_next - sigma) * v.astype(jnp.float32))
-    return (x.astype(jnp.float32) + update).astype(x.dtype)
-
-
-def guidance_mix(pos, neg, scale):
-    """Classifier-free guidance neg + scale * (pos - neg), rounded to the velocities' dtype after each op; the scale
-    (a Python float in diffusers) stays float32."""
-    dtype = pos.dtype
-    r = lambda a: round_to_dtype(a, dtype)  # noqa: E731
-    pos, neg = pos.astype(jnp.float32), neg.astype(jnp.float32)
-    return r(neg + r(scale * r(pos - neg))).astype(dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """Switches of the fast path (all on by default); `reference=True` selects the naive path for comparison."""
-
-    reference: bool = False            # Python step loop, full-depth encoder, host uint8, tokenizer per call
-    fused_loop: bool = True            # all steps in one lax.scan program
-    truncated_encoder: bool = True     # stop the text encoder at the deepest needed layer
-    device_uint8: bool = True          # pixels -> uint8 on device, only uint8 crosses to host
-    dedupe_prompts: bool = True        # encode identical prompts of a batch once
-    embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 = off)
-    aot_compile: bool = True           # compile each bucket ahead of time, concurrently
-    overlap_host: bool = True          # prepare the next batch while the device works on this one
-    attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn
-    text_encoder_attention: str = "auto"  # text encoder attention (masked): auto = blocked on CPU, xla elsewhere
-    image_only_last_block: bool = True  # last transformer block: outputs for image tokens only (text ones unused)
-    fused_upsample: bool = True        # VAE: upsample x2 + 3x3 conv as one 2x2 conv at the low resolution (4/9 FLOPs)
-    data_parallel: bool = True         # shard the batch over all local devices
-    context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
-    batch_size: int | None = None      # compiled batch size; None = the number of images asked for
-    compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
-    # Shape buckets whose compiled programs (and RoPE tables, schedules) a process keeps; beyond it the least recently
-    # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. A
-    # bucket's three CPU executables measured ~16 MB of host memory for the small preset (8 sizes, kept vs 2 kept).
-    max_buckets: int | None = 16
-    # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
-    # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
-    per_image: bool | None = None
-    # Image by image on CPU: how many images of a batch run at once, each an execution of the one-image programs in
-    # its own thread. One image leaves the cores partly idle (its many small ops split badly over threads), so two at
-    # once measured 20-30% more images/s at batch 4 on 2 cores; an image's bytes are those of the one-image programs
-    # whatever the batch. None = 2 where `per_image` applies on CPU (else 1); 1 = one after the other (lax.map).
-    concurrent_images: int | None = None
-    # XLA:CPU compiler options (DebugOptions names) by program (encode / denoise / decode), applied only when the
-    # programs run on CPU; a program not listed, and () for all, gets XLA's defaults.
-    cpu_compiler_options: tuple[tuple[str, tuple[tuple[str, str | bool | int], ...]], ...] = \
-        DEFAULT_CPU_COMPILER_OPTIONS
-
-    def __post_init__(self):
-        unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
-        if unknown:
-            raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
-        optional_count("max_buckets", self.max_buckets)
-        optional_count("concurrent_images", self.concurrent_images)
-        if self.batch_size is not None and (not is_integer(self.batch_size) or self.batch_size < 1):
-            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
-        if not is_integer(self.embed_cache_size):
-            raise ValueError(f"embed_cache_size must be an integer (0 or less = off), got {self.embed_cache_size!r}")
-
-    @classmethod
-    def reference_mode(cls, **kw) -> "EngineOptions":
-        return cls(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
-                   dedupe_prompts=False, embed_cache_size=0, aot_compile=False, overlap_host=False,
-                   attention="dot", text_encoder_attention="dot", cpu_compiler_options=(), per_image=False,
-                   image_only_last_block=False, fused_upsample=False, **kw)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -132,45 +38,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def on_cpu(mesh: Mesh) -> bool:
-    """Whether every device of `mesh` is a CPU."""
-    return all(d.platform == "cpu" for d in mesh.devices.flat)
-
-
-def compiler_options_for(mesh: Mesh, options: EngineOptions, program: str) -> dict | None:
-    """The XLA compiler options for `program` on `mesh`: its CPU options, only when every device is a CPU."""
-    if program not in PROGRAMS:
-        raise ValueError(f"unknown program {program!r}; choose from {PROGRAMS}")
-    if not on_cpu(mesh):
-        return None
-    chosen = dict(options.cpu_compiler_options).get(program)
-    return dict(chosen) if chosen else None
-
-
-def per_image_for(mesh: Mesh, options: EngineOptions) -> bool:
-    """Whether the programs on `mesh` run image by image: as asked, by default on a one-device CPU mesh; never on
-    a mesh of several devices (the batch is split over them instead)."""
-    if mesh.devices.size != 1:
-        return False
-    if options.per_image is None:
-        return on_cpu(mesh)
-    return bool(options.per_image)
-
-
-def concurrent_images_for(mesh: Mesh, options: EngineOptions) -> int:
-    """How many images of a batch run at once (threads over the one-image programs): as asked where the programs run
-    image by image, by default 2 there on CPU; 1 (the batch in one program) everywhere else."""
-    if not per_image_for(mesh, options):
-        return 1
-    if options.concurrent_images is None:
-        return 2 if on_cpu(mesh) else 1
-    return int(options.concurrent_images)
-
-
-# Positions of the per-image arguments of each program (the rest are shared: parameters, schedule, RoPE tables).
-BATCHED_ARGS = {"encode": (1, 2), "denoise": (1, 2, 3), "decode": (1,)}
 
 
 def make_mesh(options: EngineOptions) -> Mesh:
@@ -195,9 +62,10 @@ class CompiledPrograms:
     """Builds and caches the three jitted/AOT-compiled programs for each bucket."""
 
     def __init__(self, text_encoder, transformer, vae, *, dtype, options: EngineOptions, text_len: int,
-                 attention: str, text_attention: str, mesh: Mesh):
+                 attention: str, text_attention: str, mesh: Mesh, lab: LabSwitches = LabSwitches()):
         self.dtype = dtype
         self.options = options
+        self.lab = lab
         self.text_len = text_len
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
@@ -217,17 +85,8 @@ class CompiledPrograms:
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
         self._compiled: LRUCache = LRUCache(options.max_buckets, "compiled programs")
         self.concurrent_images = concurrent_images_for(mesh, options)
-        self.image_runs = collections.Counter()  # one-image program runs by program name (threads only)
-        self._pool = None  # the threads that run images at once, started on first use
-
-        per_image = per_image_for(mesh, options)
-
-        def rows(fn, *arrays):
-            """fn over the batch image by image (lax.map, each call on a batch of one) when `per_image`."""
-            if not per_image:
-                return fn(*arrays)
-            out = jax.lax.map(lambda row: fn(*jax.tree.map(lambda a: a[None], row)), arrays)
-            return jax.tree.map(lambda o: o.reshape((-1,) + o.shape[2:]), out)
+        self.threads = ImageThreads(self.concurrent_images)  # used when concurrent_images > 1
+        rows = image_by_image(per_image_for(mesh, options))
 
         def encode(state, ids, mask):
             model = nnx.merge(te_graph, state)
@@ -235,7 +94,7 @@ class CompiledPrograms:
 
         def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale):
             model = nnx.merge(tr_graph, state)
-            kw = dict(implementation=attention, image_only_last_block=options.image_only_last_block)
+            kw = dict(implementation=attention, image_only_last_block=lab.image_only_last_block)
             if neg_txt is None:
                 return model(x, txt, t, cos, sin, **kw)
             both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]),
@@ -267,7 +126,7 @@ class CompiledPrograms:
 
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
-            fused = options.fused_upsample
+            fused = lab.fused_upsample
             image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, fused).astype(jnp.float32), tokens)
             if not to_uint8:
                 return image
@@ -281,6 +140,11 @@ class CompiledPrograms:
         self._denoise = jax.jit(denoise, donate_argnums=(1,), compiler_options=copts("denoise"))
         self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
         self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
+
+    @property
+    def image_runs(self):
+        """One-image program runs by program name (when images run in threads)."""
+        return self.threads.runs
 
     @property
     def any_batch(self) -> bool:
@@ -320,7 +184,7 @@ class CompiledPrograms:
                 self._spec((seq, head_dim), jnp.float32, False), self._spec((), jnp.float32, False))
 
     def _decode_args(self, b: Bucket, in_channels):
-        return (self.vae_state, self._latents_spec(b, in_channels), b.grid_h, b.grid_w, self.options.device_uint8)
+        return (self.vae_state, self._latents_spec(b, in_channels), b.grid_h, b.grid_w, self.lab.device_uint8)
 
     def programs(self, b: Bucket, in_channels, joint_dim, head_dim):
         """(encode, denoise, decode) callables for a bucket, compiled once (concurrently) and then reused while the
@@ -328,17 +192,16 @@ class CompiledPrograms:
         with self._lock:
             if self.concurrent_images > 1 and b.batch > 1:  # the one-image programs, run image by image
                 one = self.programs(dataclasses.replace(b, batch=1), in_channels, joint_dim, head_dim)
-                return tuple(self._image_by_image(name, fn) for name, fn in zip(PROGRAMS, one))
+                return tuple(self.threads.wrap(name, fn) for name, fn in zip(PROGRAMS, one))
             return self._compiled.get(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
 
     def _build(self, b: Bucket, in_channels, joint_dim, head_dim):
         """The bucket's programs: compiled ahead of time (the three concurrently), or the jitted functions."""
-        if not self.options.aot_compile:
-            fused = self.options.fused_loop and not self.options.reference
-            return (self._encode, self._denoise if fused else self._single_step, self._decode)
+        if not self.lab.aot_compile:
+            return (self._encode, self._denoise if self.lab.fused else self._single_step, self._decode)
         start = time.perf_counter()
         denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
-        if self.options.fused_loop and not self.options.reference:
+        if self.lab.fused:
             denoise_lowered = self._denoise.lower(*denoise_args)
         else:  # the per-step program: (state, x, txt, neg, sigma, sigma_next, timestep, cos, sin, scale)
             scalar = self._spec((), jnp.float32, False)
@@ -355,24 +218,3 @@ class CompiledPrograms:
             return decode_c(state, tokens)
 
         return (encode_c, denoise_c, decode_fn)
-
-    def _image_by_image(self, name: str, fn):
-        """`fn`, the one-image program `name`, over any number of images: each image's slice of the per-image
-        arguments in its own call, `concurrent_images` calls at once in threads (a CPU device runs calls from
-        different threads side by side, one thread's calls one after the other); outputs concatenated in order."""
-        batched = BATCHED_ARGS[name]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrent_images, thread_name_prefix="image")
-
-        def run(*args):
-            count = args[batched[0]].shape[0]
-            self.image_runs[name] += count
-
-            def one(i):
-                row = [a[i:i + 1] if k in batched and a is not None else a for k, a in enumerate(args)]
-                return jax.block_until_ready(fn(*row))
-
-            outs = list(self._pool.map(one, range(count)))
-            return jax.tree.map(lambda *o: jnp.concatenate(o), *outs)
-
-        return run

@@ -39,8 +39,10 @@ class ConfigError(ModelError):
 
 
 class RequestError(ModelError, ValueError):
-    """A generate() argument is invalid (size, seed, prompt count...)."""
+    """A generate() argument or a job's request is invalid (size, seed, prompt count...); `field` names the
+    parameter when there is one, `value` is what it was given."""
 
-    def __init__(self, message: str, *, value=None):
+    def __init__(self, message: str, *, value=None, field: str | None = None):
         self.value = value
+        self.field = field
         super().__init__(message)

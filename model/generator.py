@@ -1,4 +1,9 @@
-"""`load()` a diffusers-layout FLUX.2 [klein] checkpoint and `generate()` images from prompts and seeds."""
+"""`load()` a diffusers-layout FLUX.2 [klein] checkpoint and `generate()` images from prompts and seeds.
+
+A call runs in named stages, as diffusers' pipelines do: `check_inputs` (the request contract), `plan_bucket`
+(the compiled programs, RoPE tables and schedule for its shape), then per batch `encode_prompts`,
+`prepare_latents`, `denoise`, `decode` and `to_host`. Benchmarks time the stages one by one through these methods.
+"""
 
 from __future__ import annotations
 
@@ -14,80 +19,74 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import contract
 from . import scheduler as sched
 from .config import PipelineConfig
-from .engine import Bucket, CompiledPrograms, EngineOptions, enable_compilation_cache, make_mesh
+from .engine import Bucket, CompiledPrograms, enable_compilation_cache, make_mesh
 from .errors import CheckpointError, ConfigError, RequestError
+from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
-from .noise import initial_noise, is_integer, validate_seed
+from .noise import initial_noise
+from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
 from .qwen3 import Qwen3TextEncoder
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 from .vae import Flux2VAEDecoder
-from .weight_files import validate_variant
 from .weights import expected_tensors, load_component, validate_component
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def nearest_valid_sizes(value: int, multiple: int) -> tuple[int, ...]:
-    low = (value // multiple) * multiple
-    return tuple(v for v in (low, low + multiple) if v > 0)
-
-
-def validate_size(name: str, value, multiple: int) -> int:
-    """A height/width must be a positive multiple of `multiple`; otherwise RequestError naming value and fixes."""
-    if not is_integer(value) or value <= 0 or value % multiple:
-        if is_integer(value) and value > 0:
-            hint = f"; nearest valid sizes: {list(nearest_valid_sizes(int(value), multiple))}"
-        else:
-            hint = f"; use a positive multiple of {multiple} such as {multiple * 64}"
-        raise RequestError(f"{name} must be a positive multiple of {multiple}, got {value!r}{hint}", value=value)
-    return int(value)
 
 
 def _abstract(factory):
     return nnx.eval_shape(factory)
 
 
-def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int = 512, batch_size: int | None = None,
+def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
+         max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         cache_dir: str | None = None, variant: str | None = None, **option_overrides) -> "Flux2KleinGenerator":
+         lab: LabSwitches | None = None, cache_dir: str | None = None, variant: str | None = None,
+         **overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder or gs:// URI, diffusers layout) in `dtype` and prepare it for generation.
 
+    `settings` is a `LoadSettings` (as the job passes it), or the checkpoint's path with the other arguments.
     `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
     `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
-    others. The weights are cast to `dtype` whatever the files hold."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    validate_variant(variant)
-    options = options or EngineOptions()
-    if batch_size is not None:
-        option_overrides["batch_size"] = batch_size
-    options = dataclasses.replace(options, **option_overrides)
+    others. The weights are cast to `dtype` whatever the files hold. `overrides` name fields of
+    `EngineOptions` (deployment) or of `model.lab.LabSwitches` (benchmarks and tests)."""
+    engine_overrides, lab_overrides = split_overrides(overrides)
+    lab = dataclasses.replace(lab or LabSwitches(), **lab_overrides)
+    if not isinstance(settings, LoadSettings):
+        settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
+                                       batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
+                                       options=options, cache_dir=cache_dir, variant=variant, **engine_overrides)
+    elif engine_overrides:
+        settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
+    return _load(settings, lab)
+
+
+def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
+    options, variant = settings.engine, settings.variant
     enable_compilation_cache(options.compilation_cache_dir)
-    root = str(path_or_uri)
+    root = settings.model
     if root.startswith("gs://"):
         from .checkpoint import resolve_checkpoint
 
-        root = resolve_checkpoint(root, cache_dir=cache_dir, variant=variant)
+        root = resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=variant)
     elif not os.path.isdir(root):
         raise CheckpointError("checkpoint folder does not exist", path=root)
     start = time.perf_counter()
     config = PipelineConfig.from_folder(root)
-    jdtype = DTYPES[dtype]
-    out_layers = tuple(int(k) for k in text_encoder_out_layers)
+    jdtype = DTYPES[settings.dtype]
+    out_layers = settings.text_encoder_out_layers
     te_cfg, tr_cfg, vae_cfg = config.text_encoder, config.transformer, config.vae
     if len(out_layers) * te_cfg.hidden_size != tr_cfg.joint_attention_dim:
         raise ConfigError(f"{len(out_layers)} text-encoder hidden states of width {te_cfg.hidden_size} do not match "
                           f"the transformer's joint_attention_dim", path=os.path.join(root, "transformer",
                                                                                        "config.json"),
                           key="joint_attention_dim", value=tr_cfg.joint_attention_dim)
-    tokenizer = PromptTokenizer(os.path.join(root, "tokenizer"), max_sequence_length)
+    tokenizer = PromptTokenizer(os.path.join(root, "tokenizer"), settings.max_sequence_length)
     if len(tokenizer.tokenizer) > te_cfg.vocab_size:  # an id past the embedding table would read NaN: black images
         raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
                               f"table only {te_cfg.vocab_size} rows (vocab_size): tokenizer and text encoder do not "
@@ -95,8 +94,8 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
     rngs = lambda: nnx.Rngs(0)  # noqa: E731  (abstract init only; values come from the checkpoint)
 
     full_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=True, dtype=jdtype, rngs=rngs()))
-    run_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not options.truncated_encoder
-                                                or options.reference, dtype=jdtype, rngs=rngs()))
+    run_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not lab.truncated_encoder
+                                                or lab.reference, dtype=jdtype, rngs=rngs()))
     transformer_abs = _abstract(lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs()))
     full_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, with_encoder=True, dtype=jdtype, rngs=rngs()))
     run_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs()))
@@ -114,20 +113,65 @@ def load(path_or_uri: str, dtype: str = "bfloat16", *, max_sequence_length: int 
     text_encoder, transformer, vae = (
         load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f)
         for (name, module, exp, opt), f in zip(components, files))
-    logger.info("loaded %s (%s) in %.1f s", path_or_uri, dtype, time.perf_counter() - start)
-    return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=dtype, options=options,
-                               model_id=str(path_or_uri), root=root)
+    logger.info("loaded %s (%s) in %.1f s", settings.model, settings.dtype, time.perf_counter() - start)
+    return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
+                               options=options, model_id=settings.model, root=root, lab=lab)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationInputs:
+    """A call's validated inputs, one entry per image (image j of prompt i uses seed seeds[i] + j)."""
+
+    prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    use_cfg: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """What a shape bucket runs with: its compiled programs, RoPE tables and schedule, on the devices."""
+
+    bucket: Bucket
+    encode_fn: object
+    denoise_fn: object
+    decode_fn: object
+    cos: object
+    sin: object
+    sigmas: object
+    timesteps: object
+    guidance: object  # float32 scalar
+
+    @property
+    def batch(self) -> int:
+        return self.bucket.batch
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """What `generate_result` returns: the images and the facts a caller reports with them."""
+
+    images: np.ndarray                 # uint8 [N, H, W, 3]
+    prompt_truncated: tuple[bool, ...]  # per image: its prompt was longer than max_sequence_length tokens
+    num_inference_steps: int           # as resolved (the checkpoint's default when not given)
+    guidance_scale: float
+    model: str
+    seconds: float                     # wall time of the call (the lock's wait not counted)
 
 
 class Flux2KleinGenerator:
     """A loaded FLUX.2 [klein] model: text encoder, transformer, VAE decoder, scheduler and tokenizer."""
 
     def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
-                 dtype: str, options: EngineOptions, model_id: str, root: str):
+                 dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches()):
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.options = options
+        self.lab = lab
         self.model_id = model_id
         self.root = root
         self.max_sequence_length = tokenizer.max_length
@@ -135,6 +179,7 @@ class Flux2KleinGenerator:
         self.default_num_inference_steps = 4 if config.is_distilled else 50
         self.default_guidance_scale = 1.0 if config.is_distilled else 4.0
         self.size_multiple = config.size_multiple
+        self.limits = contract.Limits(size_multiple=config.size_multiple)
         from .attention import resolve_implementation
 
         self.mesh = make_mesh(options)
@@ -143,7 +188,8 @@ class Flux2KleinGenerator:
             text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
             attention=resolve_implementation(options.attention, devices=devices),
             text_attention=resolve_implementation(options.text_encoder_attention, masked=True, devices=devices),
-            mesh=self.mesh)
+            mesh=self.mesh, lab=lab)
+        # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (
             LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0
             else None)
@@ -167,7 +213,7 @@ class Flux2KleinGenerator:
         gh, gw = self.latent_grid(height, width)
         return (self.config.transformer.in_channels, gh, gw)
 
-    def _rope(self, grid_h, grid_w):
+    def rope(self, grid_h: int, grid_w: int):
         """RoPE cos/sin tables of the [text ; image] sequence for a latent grid, on the devices (cached)."""
         def make():
             ids = np.concatenate([text_ids(self.max_sequence_length), image_ids(grid_h, grid_w)])
@@ -177,7 +223,7 @@ class Flux2KleinGenerator:
 
         return self._rope_cache.get((grid_h, grid_w), make)
 
-    def _schedule(self, steps, grid_h, grid_w, sigmas):
+    def schedule(self, steps: int, grid_h: int, grid_w: int, sigmas=None):
         """Sigmas and timesteps for (steps, image tokens, custom sigmas), on the devices (cached)."""
         def make():
             s, t = sched.flow_match_schedule(self.config.scheduler, steps, grid_h * grid_w, sigmas)
@@ -187,14 +233,63 @@ class Flux2KleinGenerator:
         key = (steps, grid_h * grid_w, None if sigmas is None else tuple(float(s) for s in sigmas))
         return self._schedule_cache.get(key, make)
 
-    def _encode(self, prompts: list[str], batch: int, encode_fn):
-        """Text embeddings [len(prompts), L, J] on device; unique prompts encoded once, recent ones cached."""
-        opts = self.options
-        unique = list(dict.fromkeys(prompts)) if opts.dedupe_prompts else list(prompts)
+    # ------------------------------------------------------------------------------------------------ stages
+
+    def check_inputs(self, prompts, seeds, height, width, num_inference_steps=None, guidance_scale=None,
+                     num_images_per_prompt=1) -> GenerationInputs:
+        """Validate a call by the request contract (model.contract) and resolve the checkpoint's defaults; one
+        entry per image. Every prompt is checked up front: a bad one in a later batch would otherwise discard the
+        batches computed before it."""
+        if isinstance(prompts, str):
+            raise RequestError("prompts must be a list of strings, not a single string", value=prompts)
+        prompts, seeds = list(prompts), list(seeds)
+        if len(prompts) != len(seeds):
+            raise RequestError(f"got {len(prompts)} prompts but {len(seeds)} seeds", value=len(seeds))
+        k = contract.validate_num_images(num_images_per_prompt, name="num_images_per_prompt")
+        valid = [contract.validate(prompt=p, seed=s, height=height, width=width, num_inference_steps=num_inference_steps,
+                                   guidance_scale=guidance_scale, num_images=k, limits=self.limits)
+                 for p, s in zip(prompts, seeds)]
+        if not valid:  # no prompt: the sizes and parameters are still checked
+            contract.validate(prompt="", height=height, width=width, num_inference_steps=num_inference_steps,
+                              guidance_scale=guidance_scale, limits=self.limits)
+        steps = self.default_num_inference_steps if num_inference_steps is None else int(num_inference_steps)
+        guidance = self.default_guidance_scale if guidance_scale is None else float(guidance_scale)
+        if guidance > 1 and self.is_distilled:
+            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled", guidance)
+        return GenerationInputs(prompts=tuple(v.prompt for v in valid for _ in range(k)),
+                                seeds=tuple(v.seed + j for v in valid for j in range(k)),
+                                height=int(height), width=int(width), num_inference_steps=steps,
+                                guidance_scale=guidance, use_cfg=guidance > 1 and not self.is_distilled)
+
+    def plan_bucket(self, inputs: GenerationInputs, sigmas=None) -> BucketPlan:
+        """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule."""
+        grid_h, grid_w = self.latent_grid(inputs.height, inputs.width)
+        n_dev = self.mesh.devices.size
+        batch = self.options.batch_size or len(inputs.prompts)
+        if not self.options.context_parallel:
+            batch = -(-batch // n_dev) * n_dev  # a multiple of the device count
+        bucket = Bucket(batch, grid_h, grid_w, inputs.num_inference_steps, inputs.use_cfg)
+        tr = self.config.transformer
+        encode_fn, denoise_fn, decode_fn = self.programs.programs(
+            bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
+        cos, sin = self.rope(grid_h, grid_w)
+        sig, ts = self.schedule(inputs.num_inference_steps, grid_h, grid_w, sigmas)
+        return BucketPlan(bucket, encode_fn, denoise_fn, decode_fn, cos, sin, sig, ts,
+                          jnp.float32(inputs.guidance_scale))
+
+    def padding(self, plan: BucketPlan, real: int) -> int:
+        """Rows added to a short batch: none when the programs take any number of rows (image by image)."""
+        return 0 if self.programs.any_batch else plan.batch - real
+
+    def encode_prompts(self, prompts: list[str], plan: BucketPlan):
+        """(text embeddings [len(prompts), L, J] on the devices, truncated flags per prompt); unique prompts encoded
+        once (de-duplication), recent ones taken from the embedding cache."""
+        batch, encode_fn = plan.batch, plan.encode_fn
+        unique = list(dict.fromkeys(prompts)) if self.lab.dedupe_prompts else list(prompts)
         cache = self._embed_cache
         todo = [p for p in unique if cache is None or p not in cache]  # `unique` is de-duplicated only if asked
         fresh = {}
-        tokenizer = self.tokenizer if not opts.reference else PromptTokenizer(
+        tokenizer = self.tokenizer if not self.lab.reference else PromptTokenizer(
             os.path.join(self.root, "tokenizer"), self.max_sequence_length)
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
@@ -203,20 +298,54 @@ class Flux2KleinGenerator:
             mask = jax.device_put(tok.attention_mask, self.programs.batched)
             embeds = encode_fn(self.programs.te_state, ids, mask)
             for i, p in enumerate(chunk):
-                fresh[p] = embeds[i]
+                fresh[p] = (embeds[i], bool(tok.truncated[i]))
             self.stats["prompts_encoded"] += len(chunk)
         rows = []
         for p in prompts:
             if p in fresh:
-                e = fresh[p]
+                entry = fresh[p]
             else:
-                e = cache[p]  # now the most recently used
+                entry = cache[p]  # now the most recently used
                 self.stats["embed_cache_hits"] += 1
-            rows.append(e)
+            rows.append(entry)
         if cache is not None:
-            for p, e in fresh.items():
-                cache.put(p, e)
-        return jax.device_put(jnp.stack(rows), self.programs.batched)
+            for p, entry in fresh.items():
+                cache.put(p, entry)
+        embeds = jax.device_put(jnp.stack([e for e, _ in rows]), self.programs.batched)
+        return embeds, tuple(t for _, t in rows)
+
+    def prepare_latents(self, seeds: list[int], plan: BucketPlan, pad: int = 0):
+        """The initial noise of each image (model.initial_noise of its seed) as patchified latent tokens on the
+        devices, plus `pad` zero rows."""
+        tr, b = self.config.transformer, plan.bucket
+        shape = (tr.in_channels, b.grid_h, b.grid_w)
+        noise = np.stack([initial_noise(s, shape) for s in seeds] + [np.zeros(shape, np.float32)] * pad)
+        tokens = noise.reshape(len(seeds) + pad, tr.in_channels, b.grid_h * b.grid_w).transpose(0, 2, 1)
+        return jax.device_put(tokens.astype(DTYPES[self.dtype]),
+                              self.programs.latents_sharding(b.grid_h * b.grid_w))
+
+    def denoise(self, latents, txt, neg, plan: BucketPlan):
+        """Every denoising step: one fused program, or (reference and the fused_loop ablation) one call per step."""
+        if self.lab.fused:
+            return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, plan.sigmas, plan.timesteps, plan.cos,
+                                   plan.sin, plan.guidance)
+        sig_host, ts_host = np.asarray(plan.sigmas), np.asarray(plan.timesteps)
+        for i in range(plan.bucket.steps):
+            latents = plan.denoise_fn(self.programs.tr_state, latents, txt, neg, sig_host[i], sig_host[i + 1],
+                                      ts_host[i], plan.cos, plan.sin, plan.guidance)
+        return latents
+
+    def decode(self, latents, plan: BucketPlan):
+        """Pixels on the devices: uint8 [B, H, W, 3] (float in [-1, 1] with the device_uint8 ablation)."""
+        b = plan.bucket
+        return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w, self.lab.device_uint8)
+
+    def to_host(self, pixels, real: int) -> np.ndarray:
+        """The first `real` images as host uint8 (converted on the host as diffusers does when they are floats)."""
+        host = np.asarray(jax.device_get(pixels))[:real]
+        if host.dtype != np.uint8:  # reference path: convert on the host like diffusers' postprocess
+            host = np.round(np.clip(host / 2 + 0.5, 0.0, 1.0) * 255.0).astype(np.uint8)
+        return host
 
     # ------------------------------------------------------------------------------------------------ generate
 
@@ -224,102 +353,50 @@ class Flux2KleinGenerator:
                  guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None) -> np.ndarray:
         """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]. Safe to call from
         several threads: calls run one after the other."""
+        return self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                                    num_images_per_prompt, sigmas).images
+
+    def generate_result(self, prompts, seeds, height: int = 1024, width: int = 1024,
+                        num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                        num_images_per_prompt: int = 1, sigmas=None) -> GenerationResult:
+        """`generate`, with the facts a caller reports beside the images: the resolved steps and guidance and
+        whether each image's prompt was truncated (from the same tokenization that encoded it)."""
         with self._generate_lock:
-            return self._generate(prompts, seeds, height, width, num_inference_steps, guidance_scale,
-                                  num_images_per_prompt, sigmas)
+            start = time.perf_counter()
+            inputs = self.check_inputs(prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                                       num_images_per_prompt)
+            images, truncated = self._run(inputs, sigmas)
+            return GenerationResult(images=images, prompt_truncated=truncated,
+                                    num_inference_steps=inputs.num_inference_steps,
+                                    guidance_scale=inputs.guidance_scale, model=self.model_id,
+                                    seconds=time.perf_counter() - start)
 
-    def _generate(self, prompts, seeds, height, width, num_inference_steps, guidance_scale, num_images_per_prompt,
-                  sigmas) -> np.ndarray:
-        if isinstance(prompts, str):
-            raise RequestError("prompts must be a list of strings, not a single string", value=prompts)
-        prompts, seeds = list(prompts), list(seeds)
-        for p in prompts:
-            if not isinstance(p, str):
-                raise RequestError(f"every prompt must be a string, got {type(p).__name__}", value=p)
-            try:  # checked up front: a bad prompt in a later batch would otherwise discard the batches before it
-                p.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise RequestError(f"prompt is not valid Unicode text: lone surrogate U+{ord(p[e.start]):04X} at "
-                                   f"character {e.start}", value=p) from None
-        if len(prompts) != len(seeds):
-            raise RequestError(f"got {len(prompts)} prompts but {len(seeds)} seeds", value=len(seeds))
-        if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
-            raise RequestError(f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}",
-                               value=num_images_per_prompt)
-        seeds = [validate_seed(s) for s in seeds]
-        height = validate_size("height", height, self.size_multiple)
-        width = validate_size("width", width, self.size_multiple)
-        steps = self.default_num_inference_steps if num_inference_steps is None else num_inference_steps
-        if not is_integer(steps) or steps < 1:
-            raise RequestError(f"num_inference_steps must be an integer >= 1, got {steps!r}", value=steps)
-        guidance = self.default_guidance_scale if guidance_scale is None else guidance_scale
-        if isinstance(guidance, bool) or not isinstance(guidance, (int, float, np.integer, np.floating)):
-            raise RequestError(f"guidance_scale must be a number, got {guidance_scale!r}", value=guidance_scale)
-        guidance = float(guidance)
-        # The programs take it as float32: a larger value would become infinity there (and black images).
-        if not np.isfinite(guidance) or abs(guidance) > FLOAT32_MAX:
-            raise RequestError(f"guidance_scale must be a finite float32 number (|value| <= {FLOAT32_MAX:.7g}), got "
-                               f"{guidance_scale!r}", value=guidance_scale)
-        if guidance > 1 and self.is_distilled:
-            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled", guidance)
-        use_cfg = guidance > 1 and not self.is_distilled
-        k = int(num_images_per_prompt)
-        image_prompts = [p for p in prompts for _ in range(k)]
-        image_seeds = [s + j for s in seeds for j in range(k)]
-        for s in image_seeds:
-            validate_seed(s)
-        if not image_prompts:
-            return np.zeros((0, height, width, 3), np.uint8)
-        grid_h, grid_w = self.latent_grid(height, width)
-        n_dev = self.mesh.devices.size
-        batch = self.options.batch_size or len(image_prompts)
-        if not self.options.context_parallel:
-            batch = -(-batch // n_dev) * n_dev  # a multiple of the device count
-        bucket = Bucket(batch, grid_h, grid_w, int(steps), use_cfg)
-        tr = self.config.transformer
-        encode_fn, denoise_fn, decode_fn = self.programs.programs(
-            bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
-        cos, sin = self._rope(grid_h, grid_w)
-        sig, ts = self._schedule(int(steps), grid_h, grid_w, sigmas)
-        gscale = jnp.float32(guidance)
-        dtype = DTYPES[self.dtype]
-
+    def _run(self, inputs: GenerationInputs, sigmas) -> tuple[np.ndarray, tuple[bool, ...]]:
+        if not inputs.prompts:
+            return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), ()
+        plan = self.plan_bucket(inputs, sigmas)
         outputs: list[np.ndarray] = []
+        truncated: list[bool] = []
         pending = None
-        for start in range(0, len(image_prompts), batch):
-            chunk_p = image_prompts[start:start + batch]
-            chunk_s = image_seeds[start:start + batch]
+        for start in range(0, len(inputs.prompts), plan.batch):
+            chunk_p = list(inputs.prompts[start:start + plan.batch])
+            chunk_s = list(inputs.seeds[start:start + plan.batch])
             real = len(chunk_p)
-            pad = 0 if self.programs.any_batch else batch - real  # padding rows would be computed for nothing
-            noise = np.stack([initial_noise(s, (tr.in_channels, grid_h, grid_w)) for s in chunk_s]
-                             + [np.zeros((tr.in_channels, grid_h, grid_w), np.float32)] * pad)
-            tokens = noise.reshape(real + pad, tr.in_channels, grid_h * grid_w).transpose(0, 2, 1)
-            latents = jax.device_put(tokens.astype(dtype), self.programs.latents_sharding(grid_h * grid_w))
-            txt = self._encode(chunk_p + chunk_p[:1] * pad, batch, encode_fn)
-            neg = self._encode([""] * (real + pad), batch, encode_fn) if use_cfg else None
-            if self.options.fused_loop and not self.options.reference:
-                latents = denoise_fn(self.programs.tr_state, latents, txt, neg, sig, ts, cos, sin, gscale)
-            else:
-                sig_host, ts_host = np.asarray(sig), np.asarray(ts)
-                for i in range(int(steps)):  # one dispatch per step, the naive path kept for comparison
-                    latents = denoise_fn(self.programs.tr_state, latents, txt, neg, sig_host[i], sig_host[i + 1],
-                                         ts_host[i], cos, sin, gscale)
-            pixels = decode_fn(self.programs.vae_state, latents, grid_h, grid_w, self.options.device_uint8)
+            pad = self.padding(plan, real)  # padding rows would be computed for nothing
+            latents = self.prepare_latents(chunk_s, plan, pad)
+            txt, flags = self.encode_prompts(chunk_p + chunk_p[:1] * pad, plan)
+            truncated.extend(flags[:real])
+            neg = self.encode_prompts([""] * (real + pad), plan)[0] if inputs.use_cfg else None
+            pixels = self.decode(self.denoise(latents, txt, neg, plan), plan)
             # Dispatch is asynchronous: with overlap on, the previous batch's pixels are copied to the host (and
             # the next batch tokenized) while the device works on this one.
             if pending is not None:
-                outputs.append(self._to_host(*pending))
+                outputs.append(self.to_host(*pending))
             pending = (pixels, real)
-            if not self.options.overlap_host:
-                outputs.append(self._to_host(*pending))
+            if not self.lab.overlap_host:
+                outputs.append(self.to_host(*pending))
                 pending = None
         if pending is not None:
-            outputs.append(self._to_host(*pending))
-        self.stats["images"] += len(image_prompts)
-        return np.concatenate(outputs)
-
-    def _to_host(self, pixels, real: int) -> np.ndarray:
-        host = np.asarray(jax.device_get(pixels))[:real]
-        if host.dtype != np.uint8:  # reference path: convert on the host like diffusers' postprocess
-            host = np.round(np.clip(host / 2 + 0.5, 0.0, 1.0) * 255.0).astype(np.uint8)
-        return host
+            outputs.append(self.to_host(*pending))
+        self.stats["images"] += len(inputs.prompts)
+        return np.concatenate(outputs), tuple(truncated)

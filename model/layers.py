@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .config import ACTIVATIONS as CONFIG_ACTIVATIONS
+
 
 def precision_for(dtype):
     """Full-precision matmuls for float32 models (GPUs/TPUs would otherwise use TF32/bf16 passes)."""
@@ -32,14 +34,14 @@ def round_to_dtype(x, dtype):
     return jax.lax.reduce_precision(jnp.asarray(x, jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-ACTIVATIONS = {  # transformers' ACT2FN by name (gelu: exact erf form; the *_tanh / new / fast ones: tanh form)
-    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+_ACTIVATION_FORMS = {
+    "silu": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu_erf": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
 }
+# transformers' ACT2FN by name, for the names the configs accept (model.config.ACTIVATIONS).
+ACTIVATIONS = {name: _ACTIVATION_FORMS[form] for name, form in CONFIG_ACTIVATIONS.items()}
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):

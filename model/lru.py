@@ -11,7 +11,7 @@ import collections
 import logging
 from typing import Callable, Generic, Hashable, Iterator, TypeVar
 
-from .noise import optional_count
+from .contract import optional_count
 
 logger = logging.getLogger(__name__)
 

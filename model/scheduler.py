@@ -1,13 +1,16 @@
-"""Flow-match Euler schedule as pure numpy functions, bit-for-bit with diffusers' FlowMatchEulerDiscreteScheduler
-as Flux2KleinPipeline drives it (float32 arithmetic, dynamic exponential shift with the empirical mu)."""
+"""Flow-match Euler sampling, bit-for-bit with diffusers' FlowMatchEulerDiscreteScheduler as Flux2KleinPipeline
+drives it: the schedule as pure numpy functions (float32 arithmetic, dynamic exponential shift with the empirical
+mu), then the per-step arithmetic the compiled programs run between model calls (Euler step, guidance mix)."""
 
 from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from .config import SchedulerConfig
+from .layers import round_to_dtype
 
 
 def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
@@ -60,3 +63,29 @@ def flow_match_schedule(cfg: SchedulerConfig, num_steps: int, image_seq_len: int
     else:
         s = np.concatenate([s, np.zeros(1, np.float32)])
     return s.astype(np.float32), timesteps
+
+
+# The pipeline's arithmetic between model calls, rounded where diffusers (PyTorch) rounds in a low-precision dtype;
+# float32 is plain float32 arithmetic (round_to_dtype adds nothing there).
+
+
+def model_timestep(timestep, dtype, batch: int):
+    """The sigma the pipeline hands the model, [batch]: t rounded to the model's dtype, / 1000, rounded again."""
+    return jnp.broadcast_to(round_to_dtype(round_to_dtype(timestep, dtype) / 1000, dtype), (batch,))
+
+
+def euler_step(x, v, sigma, sigma_next):
+    """x + (sigma_next - sigma) * v as diffusers' scheduler step: the step size and its product with v rounded to v's
+    dtype, the sum in float32, then x's dtype."""
+    r = lambda a: round_to_dtype(a, v.dtype)  # noqa: E731
+    update = r(r(sigma_next - sigma) * v.astype(jnp.float32))
+    return (x.astype(jnp.float32) + update).astype(x.dtype)
+
+
+def guidance_mix(pos, neg, scale):
+    """Classifier-free guidance neg + scale * (pos - neg), rounded to the velocities' dtype after each op; the scale
+    (a Python float in diffusers) stays float32."""
+    dtype = pos.dtype
+    r = lambda a: round_to_dtype(a, dtype)  # noqa: E731
+    pos, neg = pos.astype(jnp.float32), neg.astype(jnp.float32)
+    return r(neg + r(scale * r(pos - neg))).astype(dtype)

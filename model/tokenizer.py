@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from .errors import CheckpointError
-from .noise import is_integer
+from .contract import is_integer
 
 
 @dataclasses.dataclass(frozen=True)

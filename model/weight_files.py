@@ -17,10 +17,11 @@ _SHARD_NUMBER = re.compile(r"-\d+-of-\d+$")
 _INDEX_NAME = re.compile(r".+\.safetensors\.index(?:\.([^/]+))?\.json")
 
 
-def validate_variant(variant) -> None:
-    """A variant is None or a name that can sit between dots in a file name (fp16, bf16, ...)."""
+def validate_variant(variant, name: str = "variant") -> None:
+    """A variant is None or a name that can sit between dots in a file name (fp16, bf16, ...); `name` is what the
+    caller calls it in the error (the job: --model_variant)."""
     if variant is not None and (not isinstance(variant, str) or not VARIANT_NAME.fullmatch(variant)):
-        raise ValueError(f"variant must be a weight-file variant name such as 'fp16' (letters, digits, _ and -), "
+        raise ValueError(f"{name} must be a weight-file variant name such as 'fp16' (letters, digits, _ and -), "
                          f"got {variant!r}")
 
 

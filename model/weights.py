@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from .errors import CheckpointError, UnsafeWeightsError
-from .noise import is_integer
+from .contract import is_integer
 from .weight_files import select_weight_files
 
 logger = logging.getLogger(__name__)

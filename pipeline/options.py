@@ -13,15 +13,16 @@ import argparse
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from model.contract import DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_SEQUENCE_LENGTH
+from model.options import DTYPE_NAMES as DTYPES
+from transforms.inference import DEFAULT_INFERENCE_RETRIES
+from transforms.requests import FORMATS
+
 DEFAULT_OUTPUT = "./output"
 DEFAULT_SIZE = 1024
 DEFAULT_BATCH_SIZE = 4
-DEFAULT_MAX_SEQUENCE_LENGTH = 512
-DTYPES = ("bfloat16", "float32")
-INPUT_FORMATS = ("auto", "jsonl", "csv", "text")
-DEFAULT_MAX_PROMPT_BYTES = 64 * 1024
+INPUT_FORMATS = ("auto",) + FORMATS
 DEFAULT_MAX_IMAGES = 10_000_000
-DEFAULT_INFERENCE_RETRIES = 2  # as transforms.inference's default (not imported: options stay light to import)
 
 
 def str2bool(value) -> bool:
@@ -67,10 +68,12 @@ class Flux2KleinOptions(PipelineOptions):
         g.add_argument("--dtype", default=None, choices=DTYPES,
                        help="Compute dtype of the model (default bfloat16; float32 for the demo).")
         g.add_argument("--height", type=int, default=None,
-                       help=f"Image height for records that do not give one (multiple of 16; default "
+                       help=f"Image height for records that do not give one (a multiple of the checkpoint's size "
+                            f"multiple: 16 for FLUX.2 [klein]; default "
                             f"{DEFAULT_SIZE}, 64 for the demo).")
         g.add_argument("--width", type=int, default=None,
-                       help=f"Image width for records that do not give one (multiple of 16; default "
+                       help=f"Image width for records that do not give one (a multiple of the checkpoint's size "
+                            f"multiple: 16 for FLUX.2 [klein]; default "
                             f"{DEFAULT_SIZE}, 64 for the demo).")
         g.add_argument("--num_inference_steps", type=int, default=None,
                        help="Denoising steps for records that do not say (default: the checkpoint's, 4 for "
@@ -87,7 +90,7 @@ class Flux2KleinOptions(PipelineOptions):
                        help="Compiled batch size (images per generate call); short batches are padded.")
         g.add_argument("--seed", type=int, default=0,
                        help="Base seed: a record without a seed gets one derived from this and its id.")
-        g.add_argument("--max_pixels", type=int, default=2048 * 2048,
+        g.add_argument("--max_pixels", type=int, default=DEFAULT_MAX_PIXELS,
                        help="Largest height x width accepted (default 4 megapixels).")
         g.add_argument("--max_prompt_bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
                        help="Largest prompt accepted, in UTF-8 bytes (default 64 KiB); a longer prompt is an "

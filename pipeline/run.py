@@ -35,6 +35,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 
 from transforms import layout, retries
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
+from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
     SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
 )
@@ -43,7 +44,13 @@ from transforms.requests import (
     DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests, RequestDefaults,
 )
 
-from .options import DEFAULT_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
+from model.checkpoint import read_config
+from model.contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, optional_count
+from model.errors import ModelError
+from model.options import EngineOptions, LoadSettings
+from model.weight_files import validate_variant
+
+from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
 
 logger = logging.getLogger("pipeline.run")
 
@@ -78,21 +85,35 @@ class JobConfig:
     patterns: tuple[str, ...]
     input_format: str
     output: str
-    model: str
-    dtype: str
+    load: LoadSettings  # goes unchanged through the handler to model.load
     defaults: RequestDefaults
-    max_sequence_length: int
-    batch_size: int
     skip_existing: bool
     large_model: bool
     model_copies: int | None
-    checkpoint_cache_dir: str | None
-    compilation_cache_dir: str | None
     demo: bool = False
-    model_variant: str | None = None  # weight-file variant of the checkpoint (--model_variant)
     max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
     inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
     case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
+
+    @property
+    def model(self) -> str:
+        return self.load.model
+
+    @property
+    def dtype(self) -> str:
+        return self.load.dtype
+
+    @property
+    def model_variant(self) -> str | None:
+        return self.load.variant
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.load.max_sequence_length
+
+    @property
+    def batch_size(self) -> int:
+        return self.load.engine.batch_size
 
 
 def is_case_insensitive_folder(folder: str) -> bool:
@@ -153,6 +174,28 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         raise UsageError(f"--output={output!r} is a local path, which the workers of {runner_name(options)} cannot "
                          f"share; give a gs:// location")
     size = DEMO_SIZE if demo else DEFAULT_SIZE
+    if o.max_images is not None and o.max_images < 1:
+        raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
+    if o.inference_retries is None or o.inference_retries < 0:
+        raise UsageError(f"--inference_retries must be >= 0, got {o.inference_retries}")
+    try:
+        optional_count("--model_copies", o.model_copies)
+        validate_variant(o.model_variant, name="--model_variant")
+        load = LoadSettings(
+            model=model_uri, dtype=o.dtype or ("float32" if demo else "bfloat16"), variant=o.model_variant,
+            max_sequence_length=count("--max_sequence_length", o.max_sequence_length
+                                      if o.max_sequence_length is not None else DEFAULT_MAX_SEQUENCE_LENGTH),
+            cache_dir=o.checkpoint_cache_dir,
+            engine=EngineOptions(batch_size=count("--batch_size", o.batch_size if o.batch_size is not None
+                                                  else DEFAULT_BATCH_SIZE),
+                                 compilation_cache_dir=o.compilation_cache_dir))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:  # the configs alone: the job must accept exactly the sizes that generate() accepts
+        size_multiple = read_config(model_uri, load.variant).size_multiple
+    except ModelError as e:
+        raise UsageError(f"--model={model_uri!r} cannot be read as a FLUX.2 [klein] checkpoint: "
+                         f"{type(e).__name__}: {e}") from e
     defaults = RequestDefaults(
         height=o.height if o.height is not None else size,
         width=o.width if o.width is not None else size,
@@ -162,27 +205,12 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         seed=o.seed,
         max_pixels=o.max_pixels,
         max_prompt_bytes=o.max_prompt_bytes,
+        size_multiple=size_multiple,
     )
     try:
         defaults.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    batch_size = o.batch_size if o.batch_size is not None else DEFAULT_BATCH_SIZE
-    if batch_size < 1:
-        raise UsageError(f"--batch_size must be >= 1, got {batch_size}")
-    max_len = o.max_sequence_length if o.max_sequence_length is not None else DEFAULT_MAX_SEQUENCE_LENGTH
-    if max_len < 1:
-        raise UsageError(f"--max_sequence_length must be >= 1, got {max_len}")
-    if o.max_images is not None and o.max_images < 1:
-        raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
-    if o.inference_retries is None or o.inference_retries < 0:
-        raise UsageError(f"--inference_retries must be >= 0, got {o.inference_retries}")
-    if o.model_copies is not None and o.model_copies < 1:
-        raise UsageError(f"--model_copies must be >= 1, got {o.model_copies}")
-    dtype = o.dtype or ("float32" if demo else "bfloat16")
-    if o.model_variant is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", o.model_variant):
-        raise UsageError(f"--model_variant must be a weight-file variant name such as fp16 (letters, digits, _ "
-                         f"and -), got {o.model_variant!r}")
 
     for pattern in patterns:
         try:
@@ -200,27 +228,16 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
             case_insensitive = is_case_insensitive_folder(output)
         except OSError as e:
             raise UsageError(f"--output={output!r} cannot be written: {e}") from e
-    return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, model=model_uri,
-                     dtype=dtype, defaults=defaults, max_sequence_length=max_len, batch_size=batch_size,
-                     skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
-                     model_copies=o.model_copies, checkpoint_cache_dir=o.checkpoint_cache_dir,
-                     compilation_cache_dir=o.compilation_cache_dir, demo=demo, max_images=o.max_images,
-                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
-                     model_variant=o.model_variant)
+    return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, load=load,
+                     defaults=defaults, skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
+                     model_copies=o.model_copies, demo=demo, max_images=o.max_images,
+                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive)
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:
     """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
-    load_kwargs = {}
-    if job.checkpoint_cache_dir:
-        load_kwargs["cache_dir"] = job.checkpoint_cache_dir
-    if job.compilation_cache_dir:
-        load_kwargs["compilation_cache_dir"] = job.compilation_cache_dir
-    if job.model_variant:
-        load_kwargs["variant"] = job.model_variant
-    return handler_cls(job.model, dtype=job.dtype, max_sequence_length=job.max_sequence_length,
-                       batch_size=job.batch_size, large_model=job.large_model, model_copies=job.model_copies,
-                       load_kwargs=load_kwargs, inference_retries=job.inference_retries, **extra)
+    return handler_cls(job.load, large_model=job.large_model, model_copies=job.model_copies,
+                       inference_retries=job.inference_retries, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
@@ -306,7 +323,7 @@ def _flux2_counters(metrics: dict | None) -> dict[str, int]:
     """The job's `flux2` counters, summed over the steps that report them ({} when the runner has none)."""
     counters: dict[str, int] = {}
     for c in (metrics or {}).get("counters", []):  # one name can be reported by several steps: sum them
-        if c.key.metric.namespace == "flux2":
+        if c.key.metric.namespace == METRICS_NAMESPACE:
             counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
     return counters
 
@@ -329,7 +346,7 @@ def _print_metrics(metrics: dict | None) -> None:
     if metrics is None:
         return
     counters = _flux2_counters(metrics)
-    dists = {d.key.metric.name: d.committed for d in metrics["distributions"] if d.key.metric.namespace == "flux2"}
+    dists = {d.key.metric.name: d.committed for d in metrics["distributions"] if d.key.metric.namespace == METRICS_NAMESPACE}
     if counters:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if "_in_process_" not in k)
         print(f"metrics: {shown}")

@@ -31,7 +31,7 @@ _MODELS_LOCK = threading.Lock()
 
 class CachedHandler(Flux2KleinModelHandler):
     def _key(self):
-        return (self._model_uri, self._dtype, self._max_sequence_length, self._batch_size)
+        return self.settings
 
     def load_model(self):
         with _MODELS_LOCK:

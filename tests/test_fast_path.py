@@ -78,7 +78,7 @@ def restore_compilation_cache():
 
 # ------------------------------------------------------------------------------------------------ every switch
 
-# Each EngineOptions field -> the options that turn it off (or change it) for the equality test.
+# Each EngineOptions and LabSwitches field -> the options that turn it off (or change it) for the equality test.
 SWITCHES = {
     "reference": "reference_mode",
     "fused_loop": dict(fused_loop=False),
@@ -112,28 +112,33 @@ def test_splash_kernel_gives_default_images(tiny_ckpt, default_images):
     gen = model.load(tiny_ckpt, options=EngineOptions(attention="splash", text_encoder_attention="splash"), **KW)
     assert max_diff(gen.generate(PROMPTS, SEEDS, **SIZE), default_images) <= 1
 
-def test_every_switch_is_covered():
-    from model.engine import EngineOptions
+def _switch_fields():
+    from model.lab import LabSwitches
+    from model.options import EngineOptions
 
-    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    return {f.name for f in dataclasses.fields(EngineOptions) + dataclasses.fields(LabSwitches)}
+
+
+def test_every_switch_is_covered():
+    fields = _switch_fields()
     assert fields <= set(SWITCHES), f"add the new EngineOptions switches to SWITCHES: {sorted(fields - set(SWITCHES))}"
 
 
 @pytest.mark.parametrize("switch", sorted(SWITCHES))
 def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path, restore_compilation_cache):
     import model
-    from model.engine import EngineOptions
+    from model.lab import reference_mode
 
-    if switch not in {f.name for f in dataclasses.fields(EngineOptions)}:
+    if switch not in _switch_fields():
         pytest.skip(f"EngineOptions has no {switch!r} switch")
     change = SWITCHES[switch]
     if change == "reference_mode":
-        options = EngineOptions.reference_mode()
+        options = reference_mode()
     elif change == "tmp_cache_dir":
-        options = EngineOptions(compilation_cache_dir=str(tmp_path / "xla-cache"))
+        options = dict(compilation_cache_dir=str(tmp_path / "xla-cache"))
     else:
-        options = EngineOptions(**change)
-    gen = model.load(tiny_ckpt, options=options, **KW)
+        options = change
+    gen = model.load(tiny_ckpt, **options, **KW)
     images = gen.generate(PROMPTS, SEEDS, **SIZE)
     assert max_diff(images, default_images) <= 1, f"{switch}: images differ from the default by more than 1/255"
     if change == "tmp_cache_dir":
@@ -143,11 +148,11 @@ def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path
 def test_reference_mode_equals_default_with_cfg(tiny_base_ckpt):
     """Classifier-free guidance (base checkpoint): fused loop with CFG vs the reference Python loop."""
     import model
-    from model.engine import EngineOptions
+    from model.lab import reference_mode
 
     args = dict(prompts=["a red fox", "a lighthouse"], seeds=[5, 6], guidance_scale=4.0, **SIZE)
     fast = model.load(tiny_base_ckpt, **KW).generate(**args)
-    ref = model.load(tiny_base_ckpt, options=EngineOptions.reference_mode(), **KW).generate(**args)
+    ref = model.load(tiny_base_ckpt, **reference_mode(), **KW).generate(**args)
     assert max_diff(fast, ref) <= 1
 
 
@@ -402,8 +407,8 @@ def test_analytic_flops_match_xla_cost_analysis(default_gen):
     cfg = default_gen.config
     analytic = F.image_flops(cfg, h, w, steps, text_len=KW["max_sequence_length"], cfg_guidance=False,
                              encoder_layers=F.encoder_layers_run(cfg.text_encoder),
-                             image_only_last_block=default_gen.options.image_only_last_block,
-                             fused_upsample=default_gen.options.fused_upsample)
+                             image_only_last_block=default_gen.lab.image_only_last_block,
+                             fused_upsample=default_gen.lab.fused_upsample)
     xla = JaxEngine("optimised", default_gen).xla_flops(2, h, w, steps, False)
     for stage in ("encode", "denoise", "decode"):
         # XLA also counts elementwise work (norms, softmax, RoPE), which the analytic count leaves out.
@@ -417,7 +422,9 @@ def test_cpu_compiler_options_apply_per_program_and_on_cpu_only():
 
     import jax
     import numpy as np
-    from model.engine import EIGEN_DOTS, EngineOptions, compiler_options_for, make_mesh
+    from model.cpu_images import compiler_options_for
+    from model.engine import make_mesh
+    from model.options import EIGEN_DOTS, EngineOptions
 
     default = EngineOptions()
     mesh = make_mesh(default)
@@ -449,7 +456,8 @@ def test_per_image_by_default_on_one_cpu_device_only():
     import types
 
     import numpy as np
-    from model.engine import EngineOptions, make_mesh, per_image_for
+    from model.cpu_images import per_image_for
+    from model.engine import EngineOptions, make_mesh
 
     mesh = make_mesh(EngineOptions())
     assert per_image_for(mesh, EngineOptions()) is (mesh.devices.size == 1)
@@ -486,7 +494,7 @@ def test_concurrent_images_run_the_one_image_programs_in_threads(tiny_ckpt):
     assert gen.programs.concurrent_images == 2
     images = gen.generate(PROMPTS[:3], SEEDS[:3], **SIZE)
     assert gen.programs.compile_count == 3  # the batch-1 encode, denoise and decode only
-    assert len(gen.programs._pool._threads) == 2
+    assert len(gen.programs.threads._pool._threads) == 2
     with CompileEvents() as events:
         pair = gen.generate(PROMPTS[1:3], SEEDS[1:3], **SIZE)  # another batch size: the same programs
     assert events.count == 0 and gen.programs.compile_count == 3
@@ -513,7 +521,8 @@ def test_concurrent_images_option():
     import types
 
     import numpy as np
-    from model.engine import EngineOptions, concurrent_images_for, make_mesh
+    from model.cpu_images import concurrent_images_for
+    from model.engine import EngineOptions, make_mesh
 
     for bad in (0, -1, True, 1.5, "2"):
         with pytest.raises(ValueError, match="concurrent_images"):

@@ -27,9 +27,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from model.contract import DEFAULT_SIZE_MULTIPLE as SIZE_MULTIPLE
 from transforms import layout
 from transforms.requests import (
-    ID_PATTERN, MAX_IMAGES_PER_REQUEST, MAX_JSON_DEPTH, MAX_SEED, MAX_STEPS, SIZE_MULTIPLE, GenerationRequest, RequestDefaults,
+    ID_PATTERN, MAX_IMAGES_PER_REQUEST, MAX_JSON_DEPTH, MAX_SEED, MAX_STEPS, GenerationRequest, RequestDefaults,
     derive_id, derive_seed, parse_lines,
 )
 

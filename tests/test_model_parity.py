@@ -287,7 +287,7 @@ def test_pipeline_arithmetic_in_bf16_equals_pytorch():
     import jax
     import jax.numpy as jnp
 
-    from model.engine import euler_step, guidance_mix, model_timestep
+    from model.scheduler import euler_step, guidance_mix, model_timestep
     from model.transformer import timestep_from_sigma
 
     rng = np.random.default_rng(2)

@@ -31,37 +31,37 @@ def test_option_parsing():
     assert all(name in all_options for name in OPTION_NAMES)
 
 
-def test_usage_errors(tmp_path):
+def test_usage_errors(tmp_path, tiny_ckpt):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     with pytest.raises(UsageError, match="--model is required"):
         resolve_job(PipelineOptions([f"--input={prompts}"]))
     with pytest.raises(UsageError, match="--input is required"):
-        resolve_job(PipelineOptions([f"--model={tmp_path}"]))
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}"]))
     with pytest.raises(UsageError, match="matches no file"):
-        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={tmp_path / 'nope*.jsonl'}"]))
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={tmp_path / 'nope*.jsonl'}"]))
     with pytest.raises(UsageError, match="is not a folder"):
         resolve_job(PipelineOptions([f"--model={tmp_path / 'missing'}", f"--input={prompts}"]))
     with pytest.raises(UsageError, match="height"):
-        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--height=100"]))
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--height=101"]))
     with pytest.raises(UsageError, match="gs:// location"):
-        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--runner=DataflowRunner",
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--runner=DataflowRunner",
                                      "--output=/tmp/out"]))
     with pytest.raises(UsageError, match="is a folder, not a file"):
-        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={tmp_path}"]))
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={tmp_path}"]))
     with pytest.raises(UsageError, match="contains a glob character"):  # Beam's sinks would fail after the images
-        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", f"--output={tmp_path}/run[1]"]))
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", f"--output={tmp_path}/run[1]"]))
     with pytest.raises(UsageError, match="--model_variant must be .* got '../fp16'"):
-        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--model_variant=../fp16"]))
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--model_variant=../fp16"]))
     from pipeline.run import make_handler
 
-    job = resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--model_variant=fp16"]))
-    assert job.model_variant == "fp16" and make_handler(job)._load_kwargs["variant"] == "fp16"
+    job = resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--model_variant=fp16"]))
+    assert job.model_variant == "fp16" and make_handler(job).settings.variant == "fp16"
     from pipeline.run import is_case_insensitive_folder
 
     assert is_case_insensitive_folder(str(tmp_path / "new")) is False  # Linux; created, and the probe removed
     assert os.listdir(tmp_path / "new") == []
-    job = resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}"]))
+    job = resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}"]))
     assert (job.output, job.dtype, job.batch_size, job.max_sequence_length, job.defaults.height, job.demo) == \
         ("./output", "bfloat16", 4, 512, 1024, False)
 
@@ -73,9 +73,10 @@ def test_command_line_reports_usage_errors(tmp_path):
     assert "error: --model is required" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket):
+def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket, tiny_ckpt):
     """The job translates for Dataflow (runner v2 proto, everything pickles) without any network access."""
     b = f"gs://{gcs_bucket}"
+    gcs_emulator.upload_dir(tiny_ckpt, f"{b}/models/klein")  # the launcher reads its configs
     gcs_emulator.upload_bytes(f"{b}/in/p.jsonl", b'{"prompt": "x"}\n')
     result, summary = run([f"--model={b}/models/klein", f"--input={b}/in/p.jsonl", f"--output={b}/out",
                            "--runner=DataflowRunner", "--dry_run=True", "--project=test-project",

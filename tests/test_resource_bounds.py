@@ -38,12 +38,12 @@ def test_max_pixels_is_enforced_per_record_with_the_limit_in_the_reason():
     assert isinstance(row, dict) and "max_pixels" in row["reason"]
 
 
-def test_max_pixels_option_reaches_validation_and_checks_the_defaults(tmp_path):
+def test_max_pixels_option_reaches_validation_and_checks_the_defaults(tmp_path, tiny_ckpt):
     from pipeline.run import UsageError, resolve_job
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
-    base = [f"--model={tmp_path}", f"--input={prompts}"]
+    base = [f"--model={tiny_ckpt}", f"--input={prompts}"]
     job = resolve_job(PipelineOptions(base + ["--max_pixels=4096", "--height=64", "--width=64"]))
     assert job.defaults.max_pixels == 4096
     assert isinstance(_one({"prompt": "p", "height": 80, "width": 64}, job.defaults), dict)
@@ -53,7 +53,7 @@ def test_max_pixels_option_reaches_validation_and_checks_the_defaults(tmp_path):
         resolve_job(PipelineOptions(base + ["--max_pixels=0"]))
 
 
-def test_images_per_request_steps_and_seeds_are_bounded(tmp_path):
+def test_images_per_request_steps_and_seeds_are_bounded(tmp_path, tiny_ckpt):
     from pipeline.run import UsageError, resolve_job
 
     d = RequestDefaults(height=32, width=32)
@@ -66,7 +66,7 @@ def test_images_per_request_steps_and_seeds_are_bounded(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     with pytest.raises(UsageError, match="num_images"):
-        resolve_job(PipelineOptions([f"--model={tmp_path}", f"--input={prompts}", "--num_images=65"]))
+        resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--num_images=65"]))
 
 
 def test_a_request_for_many_images_is_generated_batch_size_at_a_time():

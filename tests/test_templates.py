@@ -557,9 +557,11 @@ def test_launcher_argv_defaults(tmp_path):
 
 # ------------------------------------------------------------------------------------------- Dataflow dry run
 @pytest.fixture(scope="module")
-def dataflow_bucket(gcs_emulator):
-    """An emulator bucket holding a prompts file: the job checks at construction that --input matches files."""
+def dataflow_bucket(gcs_emulator, tiny_ckpt):
+    """An emulator bucket holding a prompts file and a checkpoint: the launcher checks that --input matches files
+    and reads the checkpoint's configs."""
     bucket = gcs_emulator.new_bucket("dataflow")
+    gcs_emulator.upload_dir(tiny_ckpt, f"gs://{bucket}/models/FLUX.2-klein-4B")
     gcs_emulator.upload_bytes(f"gs://{bucket}/prompts/prompts.jsonl",
                               b'{"id": "cat", "prompt": "a cat"}\n{"id": "dog", "prompt": "a dog"}\n')
     return bucket

@@ -26,7 +26,8 @@ import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from .requests import METRICS_NAMESPACE, ImageTask
+from .metrics import NAMESPACE as METRICS_NAMESPACE
+from .requests import ImageTask
 
 LOGGER = logging.getLogger(__name__)
 DEFAULT_INFERENCE_RETRIES = 2
@@ -81,60 +82,51 @@ class GeneratedImage:
 
 class LoadedGenerator:
     """What `load_model` returns: the generator behind one method, so that a model shared across processes (served
-    through a Beam proxy, which forwards method calls only) costs one round trip per batch and returns numpy."""
+    through a Beam proxy, which forwards method calls only) costs one round trip per batch and returns numpy. The
+    generator serialises its own calls (Beam runs bundles on several threads of a process)."""
 
     def __init__(self, generator: Any):
         self._gen = generator
         self.loader_pid = os.getpid()
-        # One generate at a time per model copy: Beam runs bundles on several threads of a process (and a shared
-        # model serves several processes), and concurrent calls would only compete for the same accelerator memory.
-        # PNG encoding and uploads of other batches still overlap with generation.
-        self._lock = threading.Lock()
 
     def generate_batch(self, prompts: list[str], seeds: list[int], height: int, width: int,
                        num_inference_steps: int | None, guidance_scale: float | None) -> dict:
-        gen = self._gen
-        steps = gen.default_num_inference_steps if num_inference_steps is None else int(num_inference_steps)
-        guidance = gen.default_guidance_scale if guidance_scale is None else float(guidance_scale)
-        with self._lock:
-            truncated = [bool(t) for t in gen.prompt_truncated(prompts)]
-            start = time.perf_counter()
-            images = gen.generate(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
-                                  num_inference_steps=steps, guidance_scale=guidance, num_images_per_prompt=1)
-            images = np.asarray(images)  # host memory, never a device array
-            seconds = time.perf_counter() - start
-        return {"images": images, "truncated": truncated, "num_inference_steps": int(steps),
-                "guidance_scale": float(guidance), "model": str(gen.model_id), "seconds": seconds,
-                "loader_pid": self.loader_pid}
+        """One image per prompt; None steps/guidance take the checkpoint's defaults (generate resolves them)."""
+        out = self._gen.generate_result(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
+                                        num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+        return {"images": np.asarray(out.images), "truncated": list(out.prompt_truncated),
+                "num_inference_steps": out.num_inference_steps, "guidance_scale": out.guidance_scale,
+                "model": str(out.model), "seconds": out.seconds, "loader_pid": self.loader_pid}
 
 
 class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult, LoadedGenerator]):
     """RunInference handler: one element = one batch of same-shape ImageTasks -> one PredictionResult per task
     whose `inference` is a GeneratedImage. Use it as `RunInference(handler.with_no_batching())`."""
 
-    def __init__(self, model_uri: str, *, dtype: str = "bfloat16", max_sequence_length: int = 512,
-                 batch_size: int | None = None, large_model: bool = False, model_copies: int | None = None,
-                 load_kwargs: dict | None = None, env_vars: dict | None = None,
-                 inference_retries: int = DEFAULT_INFERENCE_RETRIES, retry_backoff_s: float = 1.0):
-        """`load_kwargs` go to `model.load` as well (e.g. `cache_dir` for gs:// checkpoint copies,
-        `compilation_cache_dir` for a persistent XLA cache). A failed batch is run again up to `inference_retries`
-        times (backoff `retry_backoff_s`, doubling) unless the failure is deterministic (see `is_retriable`)."""
+    def __init__(self, settings, *, large_model: bool = False, model_copies: int | None = None,
+                 env_vars: dict | None = None, inference_retries: int = DEFAULT_INFERENCE_RETRIES,
+                 retry_backoff_s: float = 1.0, load_kwargs: dict | None = None, **load_args):
+        """`settings` is the `model.options.LoadSettings` that `model.load` receives unchanged, or a checkpoint path
+        with `model.load`'s keyword arguments (`dtype=`, `batch_size=`, ...; `load_kwargs` adds more of them). A
+        failed batch is run again up to `inference_retries` times (backoff `retry_backoff_s`, doubling) unless the
+        failure is deterministic (see `is_retriable`)."""
         super().__init__(large_model=large_model, model_copies=model_copies, env_vars=env_vars or {})
+        from model.options import LoadSettings  # JAX-free
+
+        if not isinstance(settings, LoadSettings):
+            settings = LoadSettings.create(settings, **load_args, **(load_kwargs or {}))
+        elif load_args or load_kwargs:
+            raise TypeError("give either LoadSettings or a path with load arguments, not both")
         if inference_retries < 0:
             raise ValueError(f"inference_retries must be >= 0, got {inference_retries}")
         self._inference_retries = int(inference_retries)
         self._retry_backoff_s = float(retry_backoff_s)
-        self._model_uri = model_uri
-        self._dtype = dtype
-        self._max_sequence_length = max_sequence_length
-        self._batch_size = batch_size
-        self._load_kwargs = dict(load_kwargs or {})
+        self.settings = settings
 
     def load_model(self) -> LoadedGenerator:
         import model  # lazy: JAX and the model code load only on workers, when the model is needed
 
-        gen = model.load(self._model_uri, dtype=self._dtype, max_sequence_length=self._max_sequence_length,
-                         batch_size=self._batch_size, **self._load_kwargs)
+        gen = model.load(self.settings)
         _note_model_load()
         return LoadedGenerator(gen)
 
@@ -196,7 +188,7 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def update_model_path(self, model_path: str | None = None):
         if model_path:
-            self._model_uri = model_path
+            self.settings = dataclasses.replace(self.settings, model=model_path)
 
 
 class BatchByShape(beam.PTransform):

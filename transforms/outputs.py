@@ -24,7 +24,8 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from . import layout, retries
-from .requests import METRICS_NAMESPACE, ImageTask
+from .metrics import NAMESPACE as METRICS_NAMESPACE
+from .requests import ImageTask
 
 PNG_SOFTWARE = "flux2-klein-beam"
 LOGGER = logging.getLogger(__name__)

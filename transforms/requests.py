@@ -23,24 +23,17 @@ import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.metrics import Metrics
 
-from . import input_files, layout
+from model import contract
+from model.contract import (  # noqa: F401  (the limits, re-exported for the job's callers)
+    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST, MAX_SEED, MAX_STEPS,
+    show,
+)
+from model.errors import RequestError
 
-METRICS_NAMESPACE = "flux2"
+from . import input_files, layout, retries
+from .metrics import NAMESPACE as METRICS_NAMESPACE
 
-# Heights and widths are positive multiples of this: the VAE downsamples 8x and the transformer patchifies 2x2.
-SIZE_MULTIPLE = 16
-# 4 megapixels (2048 x 2048), the largest output FLUX.2 is documented for.
-DEFAULT_MAX_PIXELS = 2048 * 2048
-# The flow-matching schedule has 1000 training timesteps; more sampling steps than that is never meaningful.
-MAX_STEPS = 1000
-MAX_IMAGES_PER_REQUEST = 64
-# Seeds are numpy PCG64 seeds in [0, 2**63) (model.noise); image j of a request uses seed + j.
-MAX_SEED = 2**63
-FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
-# A prompt is text for a 512-token encoder, a PNG text chunk and a manifest row: 64 KiB of UTF-8 is far more than
-# any real prompt and keeps one record from blowing up every row it is copied into (--max_prompt_bytes).
-DEFAULT_MAX_PROMPT_BYTES = 64 * 1024
 # A line longer than this is one error row; it is read in bounded chunks and never held whole in memory.
 MAX_LINE_BYTES = 16 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
@@ -72,22 +65,30 @@ class RequestDefaults:
     seed: int = 0
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    # Heights and widths are multiples of this: the checkpoint's (PipelineConfig.size_multiple), which the launcher
+    # reads from its configs, so that the job accepts exactly the sizes generate() accepts.
+    size_multiple: int = DEFAULT_SIZE_MULTIPLE
+
+    @property
+    def limits(self) -> contract.Limits:
+        return contract.Limits(size_multiple=self.size_multiple, max_pixels=self.max_pixels,
+                               max_prompt_bytes=self.max_prompt_bytes, max_images=MAX_IMAGES_PER_REQUEST)
 
     def validate(self) -> "RequestDefaults":
         """Raise ValueError naming the option when a default could never give a valid request."""
+        smallest = self.size_multiple * self.size_multiple
+        if not contract.is_integer(self.max_pixels) or self.max_pixels < smallest:
+            raise ValueError(f"--max_pixels must be an integer >= {smallest}, got {self.max_pixels!r}")
+        contract.count("--max_prompt_bytes", self.max_prompt_bytes)
         probe = {"prompt": "x"}
         try:
             validate_record(probe, self, source="<options>", line=0)
         except InvalidRecord as e:
             raise ValueError(f"invalid default for --{e.field}: {e.reason}") from None
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < MAX_SEED:
-            raise ValueError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if not isinstance(self.max_pixels, int) or self.max_pixels < SIZE_MULTIPLE * SIZE_MULTIPLE:
-            raise ValueError(f"--max_pixels must be an integer >= {SIZE_MULTIPLE * SIZE_MULTIPLE}, "
-                             f"got {self.max_pixels!r}")
-        if (not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool)
-                or self.max_prompt_bytes < 1):
-            raise ValueError(f"--max_prompt_bytes must be an integer >= 1, got {self.max_prompt_bytes!r}")
+        try:
+            contract.validate_seed(self.seed)
+        except RequestError as e:
+            raise ValueError(f"--{e}") from None
         return self
 
 
@@ -155,17 +156,6 @@ def _type_name(value: Any) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _show(value: Any, limit: int = 200) -> str:
-    """A value for a reason string: repr, cut to `limit` characters (never huge, never raising)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
-        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
-    try:
-        text = repr(value)
-    except (RecursionError, ValueError):
-        text = f"<{_type_name(value)}>"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _absent(value: Any, text_values: bool) -> bool:
     return value is None or (text_values and isinstance(value, str) and value.strip() == "")
 
@@ -186,18 +176,18 @@ def _as_int(fields: Mapping, name: str, default, text_values: bool):
         try:
             f = float(s)
         except ValueError:
-            raise InvalidRecord(f"{name} must be an integer, got {_show(value)}", field=name,
+            raise InvalidRecord(f"{name} must be an integer, got {show(value)}", field=name,
                                     value=value) from None
         if math.isfinite(f) and f.is_integer() and abs(f) < 2**53:
             return int(f)
-        raise InvalidRecord(f"{name} must be an integer, got {_show(value)}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be an integer, got {show(value)}", field=name, value=value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRecord(f"{name} must be an integer, got {_type_name(value)} {_show(value)}", field=name,
+        raise InvalidRecord(f"{name} must be an integer, got {_type_name(value)} {show(value)}", field=name,
                             value=value)
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer() and abs(value) < 2**53:
             return int(value)
-        raise InvalidRecord(f"{name} must be an integer, got {_show(value)}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be an integer, got {show(value)}", field=name, value=value)
     return value
 
 
@@ -209,14 +199,14 @@ def _as_float(fields: Mapping, name: str, default, text_values: bool):
         try:
             f = float(value.strip())
         except ValueError:
-            raise InvalidRecord(f"{name} must be a number, got {_show(value)}", field=name, value=value) from None
+            raise InvalidRecord(f"{name} must be a number, got {show(value)}", field=name, value=value) from None
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRecord(f"{name} must be a number, got {_type_name(value)} {_show(value)}", field=name,
+        raise InvalidRecord(f"{name} must be a number, got {_type_name(value)} {show(value)}", field=name,
                             value=value)
     else:
         f = float(value)
     if not math.isfinite(f):
-        raise InvalidRecord(f"{name} must be a finite number, got {_show(value)}", field=name, value=value)
+        raise InvalidRecord(f"{name} must be a finite number, got {show(value)}", field=name, value=value)
     return f
 
 
@@ -242,13 +232,21 @@ def derive_seed(base_seed: int, request_id: str) -> int:
 
 def validate_id(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InvalidRecord(f"id must be a string, got {_type_name(value)} {_show(value)}", field="id", value=value)
+        raise InvalidRecord(f"id must be a string, got {_type_name(value)} {show(value)}", field="id", value=value)
     text = str(value)
     if not ID_PATTERN.match(text):
-        raise InvalidRecord(f"id must match [A-Za-z0-9._-]{{1,128}}, got {_show(text)}", field="id", value=value)
+        raise InvalidRecord(f"id must match [A-Za-z0-9._-]{{1,128}}, got {show(text)}", field="id", value=value)
     if text.startswith("."):
         raise InvalidRecord(f"id must not start with a dot, got {text!r}", field="id", value=value)
     return text
+
+
+def contract_or_invalid(check, *args):
+    """`check(*args)` (a model.contract validation), its RequestError turned into an InvalidRecord."""
+    try:
+        return check(*args)
+    except RequestError as e:
+        raise InvalidRecord(str(e), field=e.field, value=e.value) from None
 
 
 def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, source: str, line: int,
@@ -258,60 +256,21 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     prompt = fields.get("prompt")
     if prompt is None or (text_values and prompt == ""):
         raise InvalidRecord("missing prompt", field="prompt", value=prompt)
-    if not isinstance(prompt, str):
-        raise InvalidRecord(f"prompt must be a string, got {_type_name(prompt)} {_show(prompt)}", field="prompt",
-                            value=prompt)
+    contract_or_invalid(contract.validate_prompt, prompt, defaults.max_prompt_bytes)  # before the id, as before
     if not prompt.strip():
         raise InvalidRecord("prompt is empty", field="prompt", value=prompt)
-    try:
-        size = len(prompt.encode("utf-8"))
-    except UnicodeEncodeError as e:  # JSON can spell a lone surrogate ("\ud800"); it has no UTF-8 form
-        raise InvalidRecord(f"prompt is not valid Unicode text: lone surrogate U+{ord(prompt[e.start]):04X} at "
-                            f"character {e.start}", field="prompt",
-                            value=prompt.encode("utf-8", "backslashreplace").decode("utf-8")) from None
-    if size > defaults.max_prompt_bytes:
-        raise InvalidRecord(f"prompt is {size} bytes (UTF-8), above --max_prompt_bytes={defaults.max_prompt_bytes}",
-                            field="prompt", value=prompt)
-
     raw_id = fields.get("id")
     request_id = None if _absent(raw_id, text_values) else validate_id(raw_id.strip() if text_values else raw_id)
-
-    height = _as_int(fields, "height", defaults.height, text_values)
-    width = _as_int(fields, "width", defaults.width, text_values)
-    for name, v in (("height", height), ("width", width)):
-        if v <= 0 or v % SIZE_MULTIPLE:
-            raise InvalidRecord(f"{name} must be a positive multiple of {SIZE_MULTIPLE}, got {_show(v)}", field=name,
-                                value=v)
-        if v > defaults.max_pixels:  # checked alone first: the product of two huge values is not even printable
-            raise InvalidRecord(f"{name} = {_show(v)} is above --max_pixels={defaults.max_pixels}", field=name,
-                                value=v)
-    if height * width > defaults.max_pixels:
-        raise InvalidRecord(f"height x width = {height}x{width} = {height * width} pixels is above --max_pixels="
-                            f"{defaults.max_pixels}", field="height", value=[height, width])
-
-    steps = _as_int(fields, "num_inference_steps", defaults.num_inference_steps, text_values)
-    if steps is not None and not 1 <= steps <= MAX_STEPS:
-        raise InvalidRecord(f"num_inference_steps must be in [1, {MAX_STEPS}], got {_show(steps)}",
-                            field="num_inference_steps", value=steps)
-
-    guidance = _as_float(fields, "guidance_scale", defaults.guidance_scale, text_values)
-    if guidance is not None and guidance < 0:
-        raise InvalidRecord(f"guidance_scale must be >= 0, got {guidance}", field="guidance_scale", value=guidance)
-    if guidance is not None and guidance > FLOAT32_MAX:  # the model takes it as float32, where it would be infinite
-        raise InvalidRecord(f"guidance_scale must be at most {FLOAT32_MAX:.7g} (the largest float32), got {guidance}",
-                            field="guidance_scale", value=guidance)
-    if guidance is not None:
-        guidance += 0.0  # -0.0 -> 0.0: the same request, the same derived id
-
-    num_images = _as_int(fields, "num_images", defaults.num_images, text_values)
-    if not 1 <= num_images <= MAX_IMAGES_PER_REQUEST:
-        raise InvalidRecord(f"num_images must be in [1, {MAX_IMAGES_PER_REQUEST}], got {_show(num_images)}",
-                            field="num_images", value=num_images)
-
-    seed = _as_int(fields, "seed", None, text_values)
-    if seed is not None and not 0 <= seed <= MAX_SEED - num_images:
-        raise InvalidRecord(f"seed must be a non-negative integer below 2**63 - num_images + 1, got {_show(seed)}",
-                            field="seed", value=seed)
+    values = dict(height=_as_int(fields, "height", defaults.height, text_values),
+                  width=_as_int(fields, "width", defaults.width, text_values),
+                  num_inference_steps=_as_int(fields, "num_inference_steps", defaults.num_inference_steps,
+                                              text_values),
+                  guidance_scale=_as_float(fields, "guidance_scale", defaults.guidance_scale, text_values),
+                  num_images=_as_int(fields, "num_images", defaults.num_images, text_values),
+                  seed=_as_int(fields, "seed", None, text_values))
+    valid = contract_or_invalid(lambda: contract.validate(prompt=prompt, limits=defaults.limits, **values))
+    prompt, height, width = valid.prompt, valid.height, valid.width
+    steps, guidance, num_images, seed = valid.num_inference_steps, valid.guidance_scale, valid.num_images, valid.seed
 
     if request_id is None:
         request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed)
@@ -680,13 +639,9 @@ class _ReadRequestsFn(beam.DoFn):
         self._files = Metrics.counter(METRICS_NAMESPACE, "input_files")
 
     def setup(self):
-        from . import retries  # lazy: retries imports this module
-
         retries.install()
 
     def finish_bundle(self):
-        from . import retries
-
         retries.flush_to_metrics()
 
     def process(self, readable_file):

@@ -14,7 +14,7 @@ import threading
 
 from apache_beam.metrics import Metrics
 
-from .requests import METRICS_NAMESPACE
+from .metrics import NAMESPACE as METRICS_NAMESPACE
 
 GCS_RETRIES = "gcs_retries"
 _RETRY_MESSAGE = "Retrying due to"

@@ -1,0 +1,50 @@
+"""The fast path's switches that only benchmarks and tests turn off: each one an optimisation that can be measured
+against its absence (the benchmark's ablation rows), and all of them off at once in the reference mode, the naive
+path that the fast one is compared with. A deployment never sets these; it sets `model.options.EngineOptions`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .options import EngineOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class LabSwitches:
+    """Optimisations of the fast path (all on by default); `reference=True` selects the naive path."""
+
+    reference: bool = False            # tokenizer made per call (and every switch below off, see reference_mode)
+    fused_loop: bool = True            # all steps in one lax.scan program
+    truncated_encoder: bool = True     # stop the text encoder at the deepest needed layer
+    device_uint8: bool = True          # pixels -> uint8 on device, only uint8 crosses to host
+    dedupe_prompts: bool = True        # encode identical prompts of a batch once
+    aot_compile: bool = True           # compile each bucket ahead of time, concurrently
+    overlap_host: bool = True          # prepare the next batch while the device works on this one
+    image_only_last_block: bool = True  # last transformer block: outputs for image tokens only (text ones unused)
+    fused_upsample: bool = True        # VAE: upsample x2 + 3x3 conv as one 2x2 conv at the low resolution (4/9 FLOPs)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the denoising loop runs as one program (the reference mode always steps from Python)."""
+        return self.fused_loop and not self.reference
+
+
+LAB_FIELDS = frozenset(f.name for f in dataclasses.fields(LabSwitches))
+
+
+def reference_mode(**engine_overrides) -> dict:
+    """`model.load` keyword arguments for the naive path: every switch off, plain attention, no caches, XLA's CPU
+    defaults, batched programs. Use as `model.load(path, **reference_mode())`."""
+    engine = dict(embed_cache_size=0, attention="dot", text_encoder_attention="dot", cpu_compiler_options=(),
+                  per_image=False)
+    engine.update(engine_overrides)
+    lab = LabSwitches(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
+                      dedupe_prompts=False, aot_compile=False, overlap_host=False, image_only_last_block=False,
+                      fused_upsample=False)
+    return {"options": EngineOptions(**engine), "lab": lab}
+
+
+def split_overrides(overrides: dict) -> tuple[dict, dict]:
+    """`model.load`'s keyword overrides -> (EngineOptions fields, LabSwitches fields)."""
+    lab = {k: v for k, v in overrides.items() if k in LAB_FIELDS}
+    return {k: v for k, v in overrides.items() if k not in LAB_FIELDS}, lab

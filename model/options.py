@@ -1,0 +1,102 @@
+"""What a deployment sets when it loads the model: the engine's options and the one load-settings object.
+
+`LoadSettings` goes unchanged from the job's options (pipeline) through the RunInference handler (transforms) to
+`model.load`; every value is checked when the object is made, so a bad option fails at launch, not on a worker.
+JAX-free, like `model.contract`. The switches that only benchmarks and tests turn off live in `model.lab`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, is_integer, optional_count
+from .weight_files import validate_variant
+
+DTYPE_NAMES = ("bfloat16", "float32")
+PROGRAMS = ("encode", "denoise", "decode")
+DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
+
+# XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
+# (YNNPACK dots) for the transformer. Measured on a 2-core AMD EPYC (small preset, 256x256, fp32): Eigen decodes in
+# 97 ms instead of 165; YNNPACK runs the attention dots (contraction over a head dim of 32) about 2x faster than
+# Eigen, one transformer block 4.4 ms instead of 5.3-5.9, and the whole image 786 -> 678 ms at batch 1 and 728 -> 607
+# ms/img at batch 4. Either library's blocking depends on the matrix sizes, so a batched dot may round an image
+# differently with its batch; the job promises the same bytes however requests are batched, which is why these
+# options go together with `per_image` (every program then sees one image at a time, whatever the batch).
+EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+# (program, options) pairs; a program not listed compiles with XLA's defaults.
+DEFAULT_CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the compiled programs are laid out on the machine: batch, attention kernels, caches, parallelism."""
+
+    batch_size: int | None = None      # compiled batch size; None = the number of images asked for
+    attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn | blocked | splash
+    text_encoder_attention: str = "auto"  # text encoder attention (masked): auto = blocked on CPU, xla elsewhere
+    embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)
+    data_parallel: bool = True         # shard the batch over all local devices
+    context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
+    compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
+    # Shape buckets whose compiled programs (and RoPE tables, schedules) a process keeps; beyond it the least recently
+    # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. A
+    # bucket's three CPU executables measured ~16 MB of host memory for the small preset (8 sizes, kept vs 2 kept).
+    max_buckets: int | None = 16
+    # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
+    # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
+    per_image: bool | None = None
+    # Image by image on CPU: how many images of a batch run at once, each an execution of the one-image programs in
+    # its own thread. One image leaves the cores partly idle (its many small ops split badly over threads), so two at
+    # once measured 20-30% more images/s at batch 4 on 2 cores; an image's bytes are those of the one-image programs
+    # whatever the batch. None = 2 where `per_image` applies on CPU (else 1); 1 = one after the other (lax.map).
+    concurrent_images: int | None = None
+    # XLA:CPU compiler options (DebugOptions names) by program (encode / denoise / decode), applied only when the
+    # programs run on CPU; a program not listed, and () for all, gets XLA's defaults.
+    cpu_compiler_options: tuple[tuple[str, tuple[tuple[str, str | bool | int], ...]], ...] = \
+        DEFAULT_CPU_COMPILER_OPTIONS
+
+    def __post_init__(self):
+        unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
+        if unknown:
+            raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
+        optional_count("max_buckets", self.max_buckets)
+        optional_count("concurrent_images", self.concurrent_images)
+        if self.batch_size is not None:
+            count("batch_size", self.batch_size)
+        if not is_integer(self.embed_cache_size):
+            raise ValueError(f"embed_cache_size must be an integer (0 or less = off), got {self.embed_cache_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSettings:
+    """Everything `model.load` needs: where the checkpoint is, which files and dtype, and the engine's options."""
+
+    model: str
+    dtype: str = "bfloat16"
+    variant: str | None = None         # weight-file variant (diffusers' variant=, e.g. fp16); None = default files
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH
+    text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
+    cache_dir: str | None = None       # local cache for copies of gs:// checkpoints
+    engine: EngineOptions = EngineOptions()
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        validate_variant(self.variant)
+        count("max_sequence_length", self.max_sequence_length)
+        object.__setattr__(self, "model", str(self.model))
+        object.__setattr__(self, "text_encoder_out_layers", tuple(int(k) for k in self.text_encoder_out_layers))
+
+    @classmethod
+    def create(cls, model: str, dtype: str = "bfloat16", *, max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+               batch_size: int | None = None, text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS,
+               options: EngineOptions | None = None, cache_dir: str | None = None, variant: str | None = None,
+               **engine_overrides) -> "LoadSettings":
+        """Settings from `model.load`'s keyword arguments: `batch_size` and any EngineOptions field override
+        `options`."""
+        if batch_size is not None:
+            engine_overrides["batch_size"] = batch_size
+        engine = dataclasses.replace(options or EngineOptions(), **engine_overrides)
+        return cls(model=model, dtype=dtype, variant=variant, max_sequence_length=max_sequence_length,
+                   text_encoder_out_layers=text_encoder_out_layers, cache_dir=cache_dir, engine=engine)
