@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from .errors import CheckpointError
-from .contract import is_integer
+from .contract import DEFAULT_MAX_SEQUENCE_LENGTH, count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +22,8 @@ class TokenizedPrompts:
 class PromptTokenizer:
     """Chat-template + tokenize exactly like Flux2KleinPipeline._get_qwen3_prompt_embeds, padded to max_length."""
 
-    def __init__(self, folder: str, max_length: int = 512):
-        if not is_integer(max_length) or max_length < 1:
-            raise ValueError(f"max_sequence_length must be an integer >= 1, got {max_length!r}")
-        max_length = int(max_length)
+    def __init__(self, folder: str, max_length: int = DEFAULT_MAX_SEQUENCE_LENGTH):
+        max_length = count("max_sequence_length", max_length)
         if not os.path.isdir(folder):
             raise CheckpointError("tokenizer folder is missing", path=folder)
         from transformers import AutoTokenizer  # tokenizer only; no model classes

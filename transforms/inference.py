@@ -197,9 +197,9 @@ class BatchByShape(beam.PTransform):
 
     def __init__(self, batch_size: int):
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self._batch_size = batch_size
+        from model.contract import count  # JAX-free
+
+        self._batch_size = count("batch_size", batch_size)
 
     def expand(self, tasks):
         return (tasks
