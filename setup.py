@@ -19,7 +19,7 @@ RUNTIME_REQUIREMENTS = [
 
 # Test-only reference stack: diffusers/transformers on PyTorch CPU give the numbers we must match and build
 # the tiny random checkpoints with their own save_pretrained (the bundled demo needs only that part: [demo]).
-# Never imported by model/, transforms/ or pipeline/ at runtime.
+# Never imported by model/, transforms/ or pipeline/ at runtime; tiny_klein/ (the checkpoint builder) uses them.
 DEMO_REQUIREMENTS = [
     "torch==2.13.0",
     "diffusers==0.42.1",
@@ -40,7 +40,7 @@ setup(
     description=__doc__,
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
-                                    "benchmarks", "benchmarks.*"]),
+                                    "benchmarks", "benchmarks.*", "tiny_klein", "tiny_klein.*"]),
     include_package_data=True,
     install_requires=RUNTIME_REQUIREMENTS,
     extras_require={"demo": DEMO_REQUIREMENTS, "test": TEST_REQUIREMENTS},

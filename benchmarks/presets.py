@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from model.testing import TinySpec, build_tiny_checkpoint, default_cache_root, spec_hash
+from model.cache_paths import cache_root
+from tiny_klein import TinySpec, build_tiny_checkpoint, spec_hash
 
 SMALL_SPEC = TinySpec(
     num_layers=5, num_single_layers=20, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8),
@@ -34,7 +35,8 @@ PRESETS = {
 
 
 def bench_cache_root() -> str:
-    return os.path.join(default_cache_root(), "bench")
+    """Where the presets' checkpoints are cached: `bench/` in the project's cache folder (model/cache_paths.py)."""
+    return os.path.join(cache_root(), "bench")
 
 
 def ensure_checkpoint(preset: str, *, distilled: bool = True, cache_root: str | None = None) -> str:

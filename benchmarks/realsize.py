@@ -100,7 +100,7 @@ def write_safetensors_component(folder: str, tensors: dict[str, tuple], file_ste
 
 def build_realsize_checkpoint(path: str, preset: str = "klein-4b") -> str:
     """A complete diffusers-layout folder with the preset's real shapes (random weights, tiny tokenizer)."""
-    from model.testing import build_tiny_tokenizer
+    from tiny_klein import build_tiny_tokenizer
 
     tcfg, qcfg = PRESETS[preset]
     transformer_cfg = {**TRANSFORMER_COMMON, **tcfg}

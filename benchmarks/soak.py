@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     emulator = start_emulator()  # sets STORAGE_EMULATOR_HOST, NO_GCE_CHECK and the workers' sitecustomize
     import fault_jobs
     from fault_proxy import FaultProxy, FaultRule
-    from model.testing import ensure_demo_checkpoint
+    from tiny_klein import ensure_demo_checkpoint
     from pipeline.run import run
 
     bucket = emulator.new_bucket("soak")

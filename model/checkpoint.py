@@ -1,9 +1,11 @@
 """Find the diffusers-layout checkpoint folder: a local folder as-is, or a `gs://` copy in a local cache.
 
 A `gs://bucket/prefix` checkpoint is copied once per machine into
-`~/.cache/flux2-klein-beam/checkpoints/<sha256 of the uri>/<fingerprint>/` (root overridable with the
-`FLUX2_KLEIN_CACHE` environment variable or `cache_dir`). The fingerprint hashes the object listing (names, sizes,
-checksums, generations), so a checkpoint re-uploaded under the same URI gets a fresh copy instead of a stale one.
+`<cache>/checkpoints/<sha256 of the uri>/<fingerprint>/`, `<cache>` being the project's cache folder
+(model/cache_paths.py: `$FLUX2_KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2-klein-beam`, else
+`~/.cache/flux2-klein-beam`); `cache_dir` replaces `<cache>/checkpoints`. The fingerprint hashes the object listing
+(names, sizes, checksums, generations), so a checkpoint re-uploaded under the same URI gets a fresh copy instead of a
+stale one.
 
 - Every object is verified against the checksum GCS stores for it (crc32c, and md5 when the object has one); a
   mismatch raises CheckpointError naming the object.
@@ -38,13 +40,13 @@ import tempfile
 import time
 import zlib
 
+from .cache_paths import cache_root
 from .config import PipelineConfig
 from .errors import CheckpointError, ConfigError, UnsafeWeightsError
 from .weight_files import select_weight_files, weight_file_variant
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "FLUX2_KLEIN_CACHE"
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 COMPLETE_MARKER = ".flux2-complete.json"
 _DOWNLOAD_THREADS = 8
@@ -60,10 +62,8 @@ def copies_made() -> int:
 
 
 def default_cache_root() -> str:
-    root = os.environ.get(CACHE_ENV)
-    if root:
-        return os.path.join(root, "checkpoints")
-    return os.path.join(os.path.expanduser("~"), ".cache", "flux2-klein-beam", "checkpoints")
+    """Where gs:// checkpoints are copied when no `cache_dir` is given: `checkpoints/` in the project's cache."""
+    return os.path.join(cache_root(), "checkpoints")
 
 
 def split_gs_uri(uri: str) -> tuple[str, str]:

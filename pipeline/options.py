@@ -110,8 +110,8 @@ class Flux2KleinOptions(PipelineOptions):
                             f"(default {DEFAULT_INFERENCE_RETRIES}); out-of-memory and bad-input failures are not "
                             f"retried.")
         g.add_argument("--checkpoint_cache_dir", default=None,
-                       help="Local folder for copies of gs:// checkpoints (default "
-                            "$FLUX2_KLEIN_CACHE/checkpoints or ~/.cache/flux2-klein-beam/checkpoints).")
+                       help="Local folder for copies of gs:// checkpoints (default checkpoints/ in "
+                            "$FLUX2_KLEIN_CACHE, else $XDG_CACHE_HOME/flux2-klein-beam or ~/.cache/flux2-klein-beam).")
         g.add_argument("--compilation_cache_dir", default=None,
                        help="Persistent XLA compilation cache (local folder or gs://) so workers skip recompiling.")
         _flag(g, "--no_progress", "Do not print the live progress line (local runners).")

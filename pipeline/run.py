@@ -50,32 +50,15 @@ from model.errors import ModelError
 from model.options import EngineOptions, LoadSettings
 from model.weight_files import validate_variant
 
+from .demo import DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
+from .errors import UsageError
 from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
 
 logger = logging.getLogger("pipeline.run")
 
 DEFAULT_RUNNER = "FnApiRunner"
 LOCAL_RUNNERS = ("fnapirunner", "directrunner", "bundlebaseddirectrunner", "switchingdirectrunner")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO_PROMPTS = os.path.join(REPO_ROOT, "examples", "prompts.jsonl")
-DEMO_SIZE = 64
 GLOB_CHARACTERS = ("*", "?", "[", "]")  # pattern characters of Beam's file matching (fnmatch / glob)
-
-DEMO_NOTICE = """\
-==> Running the bundled demo: a tiny RANDOM-WEIGHT FLUX.2 [klein] checkpoint (built once, then reused) at
-      {model}
-    on the prompts in {input}, writing to {output}.
-    Random weights give noise images: this shows the job end to end (layout, manifest, errors, metrics), not the
-    model's quality. To generate real images, point --model at a real FLUX.2 [klein] checkpoint in diffusers
-    layout: a local folder or a gs:// copy of a published repository (black-forest-labs/FLUX.2-klein-4B,
-    FLUX.2-klein-9B, FLUX.2-klein-base-4B, FLUX.2-klein-base-9B), for example
-      python -m pipeline.run --model=gs://my-bucket/FLUX.2-klein-4B --input='gs://my-bucket/prompts/*.jsonl' \\
-          --output=gs://my-bucket/out
-"""
-
-
-class UsageError(ValueError):
-    """A bad combination of options, reported without a traceback."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +129,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     patterns = o.input_patterns()
     demo = not patterns and o.model is None
     if demo:
-        from model.testing import ensure_demo_checkpoint
-
-        try:
-            model_uri = ensure_demo_checkpoint()
-        except ImportError as e:
-            raise UsageError(f"the demo builds its tiny checkpoint with the reference libraries ({e}); install them "
-                             f"with: pip install -e '.[demo]'") from e
+        model_uri = demo_checkpoint()
         patterns = [DEMO_PROMPTS]
     else:
         if not patterns:
@@ -182,7 +159,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         optional_count("--model_copies", o.model_copies)
         validate_variant(o.model_variant, name="--model_variant")
         load = LoadSettings(
-            model=model_uri, dtype=o.dtype or ("float32" if demo else "bfloat16"), variant=o.model_variant,
+            model=model_uri, dtype=o.dtype or (DEMO_DTYPE if demo else "bfloat16"), variant=o.model_variant,
             max_sequence_length=count("--max_sequence_length", o.max_sequence_length
                                       if o.max_sequence_length is not None else DEFAULT_MAX_SEQUENCE_LENGTH),
             cache_dir=o.checkpoint_cache_dir,
@@ -370,7 +347,7 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     local = is_local_runner(options)
     wait = local if wait is None else wait
     if job.demo:
-        print(DEMO_NOTICE.format(model=job.model, input=job.patterns[0], output=job.output), flush=True)
+        print(demo_notice(job.model, job.patterns[0], job.output), flush=True)
 
     progress_dir = None
     show_progress = wait and local and not options.view_as(Flux2KleinOptions).no_progress
@@ -405,8 +382,7 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
           f"{layout.errors_prefix(job.output)}-*.jsonl, {layout.summary_path(job.output)}")
     _print_metrics(metrics)
     if job.demo:
-        print("demo done: the images are noise (random weights). Use --model with a real FLUX.2 [klein] checkpoint "
-              "for real images.")
+        print(DEMO_DONE)
     return result, summary
 
 

@@ -1,6 +1,6 @@
 """Shared pytest fixtures. JAX runs on CPU unless the caller chose a platform.
 
-Checkpoint fixtures build tiny random-weight FLUX.2 [klein] folders (model/testing.py) once per session. Heavy
+Checkpoint fixtures build tiny random-weight FLUX.2 [klein] folders (tiny_klein/) once per session. Heavy
 imports (torch, diffusers, the model package) happen inside the fixtures, so collecting tests stays cheap.
 Add new fixtures in their own section below.
 """
@@ -28,7 +28,7 @@ def tiny_checkpoint_factory(tmp_path_factory):
 
     `make()` is the default spec; `make(num_layers=2)` or `make(TinySpec(...))` give other configurations.
     """
-    from model.testing import TinySpec, build_tiny_checkpoint, spec_hash
+    from tiny_klein import TinySpec, build_tiny_checkpoint, spec_hash
 
     built: dict[str, str] = {}
 

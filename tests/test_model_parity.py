@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import model
-from model.testing import TinySpec, build_tiny_checkpoint
+from tiny_klein import TinySpec, build_tiny_checkpoint
 
 MAX_LEN = 32
 

@@ -8,8 +8,9 @@ deterministic generator so that nothing is zero and no layer is an identity. The
 BPE trained here with `tokenizers`, wrapped as a Qwen2 tokenizer with Qwen3's chat template.
 
 torch, diffusers and transformers are imported lazily inside the builder: importing this module needs only the
-standard library, so the runtime package never depends on the reference stack. `ensure_demo_checkpoint()` builds
-the demo checkpoint once into a cache folder and reuses it.
+standard library. It lives outside the runtime packages (model/, transforms/, pipeline/), which never import it;
+only the demo (pipeline/demo.py) does, when it runs. `ensure_demo_checkpoint()` builds the demo checkpoint once
+into the project's cache folder (model.cache_paths.cache_root) and reuses it.
 """
 
 from __future__ import annotations
@@ -21,18 +22,6 @@ import os
 import shutil
 import tempfile
 import zlib
-
-__all__ = [
-    "TinySpec",
-    "DEMO_SPEC",
-    "QWEN3_CHAT_TEMPLATE",
-    "SPECIAL_TOKENS",
-    "build_tiny_checkpoint",
-    "build_tiny_tokenizer",
-    "ensure_demo_checkpoint",
-    "default_cache_root",
-    "spec_hash",
-]
 
 # Bump when the builder's output changes for an unchanged spec, so cached demo checkpoints are rebuilt.
 BUILD_FORMAT = 1
@@ -445,11 +434,6 @@ def build_tiny_checkpoint(path: str, spec: TinySpec = TinySpec(), *, overwrite: 
     return path
 
 
-def default_cache_root() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flux2-klein-beam")
-
-
 def spec_hash(spec: TinySpec) -> str:
     return hashlib.sha256(f"{BUILD_FORMAT}:{spec.to_json()}".encode()).hexdigest()[:16]
 
@@ -457,11 +441,15 @@ def spec_hash(spec: TinySpec) -> str:
 def ensure_demo_checkpoint(cache_dir: str | None = None, spec: TinySpec = DEMO_SPEC) -> str:
     """Path of the demo checkpoint `<cache_dir>/demo-<hash of spec>`, building it on first use.
 
-    `cache_dir` defaults to `$XDG_CACHE_HOME/flux2-klein-beam` (`~/.cache/flux2-klein-beam`). Concurrent callers
-    are safe: each builds into its own temporary folder and renames it into place; a loser of that race discards
-    its copy and uses the winner's, so no caller ever sees a partial checkpoint.
+    `cache_dir` defaults to the project's cache folder, `model.cache_paths.cache_root()`. Concurrent callers are
+    safe: each builds into its own temporary folder and renames it into place; a loser of that race discards its
+    copy and uses the winner's, so no caller ever sees a partial checkpoint.
     """
-    root = os.path.abspath(cache_dir or default_cache_root())
+    if not cache_dir:
+        from model.cache_paths import cache_root
+
+        cache_dir = cache_root()
+    root = os.path.abspath(cache_dir)
     final = os.path.join(root, f"demo-{spec_hash(spec)}")
     if os.path.isfile(os.path.join(final, "model_index.json")):
         return final

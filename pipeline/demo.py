@@ -1,0 +1,50 @@
+"""The bundled demo: what `python -m pipeline.run` runs when given neither --model nor --input.
+
+A tiny random-weight FLUX.2 [klein] checkpoint, built on first use by the fixture builder `tiny_klein` (outside the
+runtime packages; building needs the `[demo]` extra, torch and diffusers) into the project's cache folder
+(model/cache_paths.py) and reused, run on the bundled prompts at 64x64 in float32. Everything the job does only for
+the demo is here; pipeline/run.py calls in. `tiny_klein` is imported only when the demo runs, so importing the
+pipeline never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import UsageError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_PROMPTS = os.path.join(REPO_ROOT, "examples", "prompts.jsonl")
+DEMO_SIZE = 64  # image height and width unless --height / --width say otherwise
+DEMO_DTYPE = "float32"  # unless --dtype says otherwise
+
+DEMO_NOTICE = """\
+==> Running the bundled demo: a tiny RANDOM-WEIGHT FLUX.2 [klein] checkpoint (built once, then reused) at
+      {model}
+    on the prompts in {input}, writing to {output}.
+    Random weights give noise images: this shows the job end to end (layout, manifest, errors, metrics), not the
+    model's quality. To generate real images, point --model at a real FLUX.2 [klein] checkpoint in diffusers
+    layout: a local folder or a gs:// copy of a published repository (black-forest-labs/FLUX.2-klein-4B,
+    FLUX.2-klein-9B, FLUX.2-klein-base-4B, FLUX.2-klein-base-9B), for example
+      python -m pipeline.run --model=gs://my-bucket/FLUX.2-klein-4B --input='gs://my-bucket/prompts/*.jsonl' \\
+          --output=gs://my-bucket/out
+"""
+
+DEMO_DONE = ("demo done: the images are noise (random weights). Use --model with a real FLUX.2 [klein] checkpoint "
+             "for real images.")
+
+
+def demo_checkpoint() -> str:
+    """The demo checkpoint's folder, built on first use; UsageError when the reference libraries are missing."""
+    try:
+        from tiny_klein import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
+    except ImportError as e:
+        raise UsageError(f"the demo builds its tiny checkpoint with the reference libraries ({e}); install them "
+                         f"with: pip install -e '.[demo]'") from e
+
+
+def demo_notice(model: str, prompts: str, output: str) -> str:
+    """What the demo prints before it starts: which checkpoint, prompts and output, and how to run a real model."""
+    return DEMO_NOTICE.format(model=model, input=prompts, output=output)
