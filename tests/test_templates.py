@@ -693,10 +693,8 @@ def test_sizing_arithmetic():
 
 # ------------------------------------------------------------------------------------------- the docs
 def dataflow_docs() -> str:
-    """The "Run on Dataflow" section: in README.md once merged there, else templates/README_DATAFLOW.md."""
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"^## Run on Dataflow\n.*?(?=^## |\Z)", readme, re.M | re.S)
-    return m.group(0) if m else (TEMPLATES / "README_DATAFLOW.md").read_text()
+    """The Dataflow runbook: templates/README.md (the main README only points to it)."""
+    return (TEMPLATES / "README.md").read_text()
 
 
 def bash_blocks(text: str) -> list[str]:
