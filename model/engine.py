@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -24,6 +23,7 @@ from .cpu_images import ImageThreads, compiler_options_for, concurrent_images_fo
 from .lab import LabSwitches
 from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
+from . import attention as attention_lib, sharding
 from .scheduler import euler_step, guidance_mix, model_timestep
 
 logger = logging.getLogger(__name__)
@@ -40,11 +40,16 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def make_mesh(options: EngineOptions) -> Mesh:
-    """One mesh axis over the local devices (all of them for data or context parallelism, else the first)."""
-    use_all = options.data_parallel or options.context_parallel
-    devices = jax.local_devices() if use_all else jax.local_devices()[:1]
-    return Mesh(np.array(devices), ("data",))
+def make_mesh(options: EngineOptions, devices=None) -> Mesh:
+    """The (data, model) mesh of the programs: over `devices` (default: all local devices for data, context or model
+    parallelism, else the first), `options.model_shards` of them holding one copy of the weights."""
+    if devices is None:  # data_parallel=False: one data replica (the first model_shards devices)
+        use_all = options.data_parallel or options.context_parallel
+        devices = jax.local_devices() if use_all else jax.local_devices()[:options.model_shards]
+    if len(devices) % options.model_shards:
+        raise ValueError(f"model_shards={options.model_shards} must divide the number of devices, {len(devices)} "
+                         f"({devices[0].device_kind})")
+    return sharding.make_mesh(devices, options.model_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +67,10 @@ class CompiledPrograms:
     """Builds and caches the three jitted/AOT-compiled programs for each bucket."""
 
     def __init__(self, text_encoder, transformer, vae, *, dtype, options: EngineOptions, text_len: int,
-                 attention: str, text_attention: str, mesh: Mesh, lab: LabSwitches = LabSwitches()):
+                 attention: str, text_attention: str, mesh: Mesh, lab: LabSwitches = LabSwitches(),
+                 abstract: bool = False):
+        """`abstract`: the modules hold shapes only (nnx.eval_shape) and the programs are only lowered and compiled
+        (`lowered`), never run: how the preflight compiles for a TPU topology this machine does not have."""
         self.dtype = dtype
         self.options = options
         self.lab = lab
@@ -76,10 +84,11 @@ class CompiledPrograms:
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
-        # Parameters are placed on the devices once (replicated); every program takes them as arguments.
-        self.te_state = jax.device_put(te_state, self.replicated)
-        self.tr_state = jax.device_put(tr_state, self.replicated)
-        self.vae_state = jax.device_put(vae_state, self.replicated)
+        # Parameters are placed on the devices once, split over the model axis (model.sharding); every program takes
+        # them as arguments.
+        self.te_state, self.tr_state, self.vae_state = (
+            self._place(state, abstract, split) for state, split in ((te_state, True), (tr_state, True),
+                                                                    (vae_state, False)))
         self._graphs = (te_graph, tr_graph, vae_graph)
         self.compile_count = 0
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
@@ -88,6 +97,15 @@ class CompiledPrograms:
         self.threads = ImageThreads(self.concurrent_images)  # used when concurrent_images > 1
         rows = image_by_image(per_image_for(mesh, options))
 
+        def on_mesh(fn):
+            """`fn` traced for this mesh (the attention kernels partition themselves over it)."""
+            def traced(*args):
+                with attention_lib.mesh_context(mesh):
+                    return fn(*args)
+
+            return traced
+
+        @on_mesh
         def encode(state, ids, mask):
             model = nnx.merge(te_graph, state)
             return rows(lambda i, m: model(i, m, implementation=text_attention).astype(dtype), ids, mask)
@@ -102,6 +120,7 @@ class CompiledPrograms:
             pos, neg = jnp.split(both, 2)
             return guidance_mix(pos, neg, guidance_scale)
 
+        @on_mesh
         def denoise(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
             return rows(lambda x, tx, ntx: denoise_batch(state, x, tx, ntx, sigmas, timesteps, cos, sin,
                                                          guidance_scale), latents, txt, neg_txt)
@@ -117,6 +136,7 @@ class CompiledPrograms:
             out, _ = jax.lax.scan(step, latents, jnp.arange(timesteps.shape[0]))
             return out
 
+        @on_mesh
         def single_step(state, x, txt, neg_txt, sigma, sigma_next, timestep, cos, sin, guidance_scale):
             def one(x, txt, neg_txt):
                 t = model_timestep(timestep, x.dtype, x.shape[0])
@@ -141,6 +161,19 @@ class CompiledPrograms:
         self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
         self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
 
+    def _place(self, state, abstract: bool, split: bool):
+        """A module's parameters on the mesh, split by model.sharding (shapes with shardings when `abstract`)."""
+        shardings = sharding.state_shardings(state, self.mesh, split)
+        if abstract:
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+        return jax.device_put(state, shardings)
+
+    def parameter_bytes_per_device(self) -> dict:
+        """Bytes of each module's parameters one device holds: {'text_encoder', 'transformer', 'vae'}."""
+        states = {"text_encoder": self.te_state, "transformer": self.tr_state, "vae": self.vae_state}
+        return {name: sharding.bytes_per_device(state, jax.tree.map(lambda x: x.sharding, state))
+                for name, state in states.items()}
+
     @property
     def image_runs(self):
         """One-image program runs by program name (when images run in threads)."""
@@ -163,7 +196,7 @@ class CompiledPrograms:
 
     def latents_sharding(self, num_tokens: int) -> NamedSharding:
         """Sharding of latent tokens [B, N, C]: over N in context-parallel mode when N divides evenly."""
-        if self.context_parallel and num_tokens % self.mesh.devices.size == 0:
+        if self.context_parallel and num_tokens % sharding.data_replicas(self.mesh) == 0:
             return NamedSharding(self.mesh, P(None, "data"))
         return self.batched
 
@@ -195,11 +228,8 @@ class CompiledPrograms:
                 return tuple(self.threads.wrap(name, fn) for name, fn in zip(PROGRAMS, one))
             return self._compiled.get(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
 
-    def _build(self, b: Bucket, in_channels, joint_dim, head_dim):
-        """The bucket's programs: compiled ahead of time (the three concurrently), or the jitted functions."""
-        if not self.lab.aot_compile:
-            return (self._encode, self._denoise if self.lab.fused else self._single_step, self._decode)
-        start = time.perf_counter()
+    def lowered(self, b: Bucket, in_channels, joint_dim, head_dim) -> dict:
+        """The bucket's three programs lowered for the mesh, by name (encode, denoise, decode); not compiled."""
         denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
         if self.lab.fused:
             denoise_lowered = self._denoise.lower(*denoise_args)
@@ -207,10 +237,17 @@ class CompiledPrograms:
             scalar = self._spec((), jnp.float32, False)
             state, x, txt, neg, _, _, cos, sin, scale = denoise_args
             denoise_lowered = self._single_step.lower(state, x, txt, neg, scalar, scalar, scalar, cos, sin, scale)
-        lowered = [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
-                   self._decode.lower(*self._decode_args(b, in_channels))]
+        return {"encode": self._encode.lower(*self._encode_args(b.batch)), "denoise": denoise_lowered,
+                "decode": self._decode.lower(*self._decode_args(b, in_channels))}
+
+    def _build(self, b: Bucket, in_channels, joint_dim, head_dim):
+        """The bucket's programs: compiled ahead of time (the three concurrently), or the jitted functions."""
+        if not self.lab.aot_compile:
+            return (self._encode, self._denoise if self.lab.fused else self._single_step, self._decode)
+        start = time.perf_counter()
+        lowered = self.lowered(b, in_channels, joint_dim, head_dim)
         with ThreadPoolExecutor(3) as pool:
-            encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered)
+            encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered.values())
         self.compile_count += 3
         logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
 

@@ -29,6 +29,7 @@ from .lru import LRUCache
 from .noise import initial_noise
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
 from .qwen3 import Qwen3TextEncoder
+from .sharding import data_replicas
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 from .vae import Flux2VAEDecoder
@@ -183,11 +184,11 @@ class Flux2KleinGenerator:
         from .attention import resolve_implementation
 
         self.mesh = make_mesh(options)
-        devices = self.mesh.devices.size
+        platform = self.mesh.devices.flat[0].platform
         self.programs = CompiledPrograms(
             text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
-            attention=resolve_implementation(options.attention, devices=devices),
-            text_attention=resolve_implementation(options.text_encoder_attention, masked=True, devices=devices),
+            attention=resolve_implementation(options.attention, platform=platform),
+            text_attention=resolve_implementation(options.text_encoder_attention, masked=True, platform=platform),
             mesh=self.mesh, lab=lab)
         # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (
@@ -264,10 +265,10 @@ class Flux2KleinGenerator:
     def plan_bucket(self, inputs: GenerationInputs, sigmas=None) -> BucketPlan:
         """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule."""
         grid_h, grid_w = self.latent_grid(inputs.height, inputs.width)
-        n_dev = self.mesh.devices.size
+        replicas = data_replicas(self.mesh)
         batch = self.options.batch_size or len(inputs.prompts)
         if not self.options.context_parallel:
-            batch = -(-batch // n_dev) * n_dev  # a multiple of the device count
+            batch = -(-batch // replicas) * replicas  # a multiple of the data replicas
         bucket = Bucket(batch, grid_h, grid_w, inputs.num_inference_steps, inputs.use_cfg)
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(

@@ -38,6 +38,9 @@ class EngineOptions:
     embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)
     data_parallel: bool = True         # shard the batch over all local devices
     context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
+    # Chips that hold one copy of the weights between them (tensor parallel, model.sharding): the local devices form
+    # a (data, model) mesh of len(devices) / model_shards data replicas. 1 = every chip holds all the weights.
+    model_shards: int = 1
     compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
     # Shape buckets whose compiled programs (and RoPE tables, schedules) a process keeps; beyond it the least recently
     # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. A
@@ -60,6 +63,7 @@ class EngineOptions:
         unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
         if unknown:
             raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
+        count("model_shards", self.model_shards)
         optional_count("max_buckets", self.max_buckets)
         optional_count("concurrent_images", self.concurrent_images)
         if self.batch_size is not None:

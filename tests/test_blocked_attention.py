@@ -157,8 +157,7 @@ def test_auto_picks_splash_on_one_tpu_chip_only():
     from model.attention import resolve_implementation
 
     if jax.default_backend() == "tpu":
-        assert resolve_implementation("auto", devices=1) == "splash"
-        assert resolve_implementation("auto", devices=4) == "xla"
+        assert resolve_implementation("auto") == "splash"  # on any mesh: partitioned with shard_map
     else:  # elsewhere 'splash' stays what was asked for (Pallas interpret mode), 'auto' never picks it
         assert resolve_implementation("splash") == "splash"
         assert "splash" not in {resolve_implementation("auto", masked=m, devices=d) for m in (0, 1) for d in (1, 4)}

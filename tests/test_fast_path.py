@@ -92,6 +92,7 @@ SWITCHES = {
     "text_encoder_attention": dict(text_encoder_attention="dot"),
     "data_parallel": dict(data_parallel=False),
     "context_parallel": dict(context_parallel=True),
+    "model_shards": dict(model_shards=1),  # one device here; 2 and 4 shards: the four-device tests
     "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
     "compilation_cache_dir": "tmp_cache_dir",
     "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA's defaults (YNNPACK)
@@ -318,6 +319,50 @@ def test_data_and_context_parallel_on_four_cpu_devices_equal_one_device(tiny_ckp
     # context parallel: the image-token axis is split over the 4 devices, images as on one device
     assert result["cp_spec"] in ("P(None, 'data')", "PartitionSpec(None, 'data')")
     assert result["cp_max_diff"] <= 1
+
+
+MODEL_SHARDS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np, jax, model
+    assert len(jax.devices()) == 4, jax.devices()
+    ckpt, cfg_scale = sys.argv[1], float(sys.argv[2])
+    kw = dict(dtype="float32", max_sequence_length=32)
+    args = dict(prompts=["a red fox", "a lighthouse", "a kite"], seeds=[1, 2, 3], height=32, width=48,
+                num_inference_steps=2, guidance_scale=cfg_scale)
+    one = model.load(ckpt, data_parallel=False, **kw)
+    ref = one.generate(**args)
+    out = {"one": one.programs.parameter_bytes_per_device()}
+    cases = {"1x2": dict(data_parallel=False, model_shards=2), "2x2": dict(model_shards=2),
+             "1x4": dict(model_shards=4),
+             "1x2-splash": dict(data_parallel=False, model_shards=2, attention="splash",
+                                text_encoder_attention="splash")}
+    for name, options in cases.items():
+        gen = model.load(ckpt, **options, **kw)
+        out[name] = {"max_diff": int(np.abs(ref.astype(int) - gen.generate(**args)).max()),
+                     "mesh": {k: int(v) for k, v in gen.mesh.shape.items()},
+                     "bytes": gen.programs.parameter_bytes_per_device()}
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("base", [False, True], ids=["distilled", "base-cfg"])
+def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, base):
+    """Tensor parallel weights (model.sharding) over 2 and 4 devices, and data x model = 2 x 2: the images of one
+    device within 1/255, and each device holds less of the transformer and text encoder as the shards grow."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    ckpt, scale = (tiny_base_ckpt, "4.0") if base else (tiny_ckpt, "1.0")
+    out = subprocess.run([sys.executable, "-c", MODEL_SHARDS_SCRIPT, ckpt, scale], env=env, capture_output=True,
+                         text=True, timeout=900, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["1x2"]["mesh"] == {"data": 1, "model": 2} and result["2x2"]["mesh"] == {"data": 2, "model": 2}
+    assert result["1x4"]["mesh"] == {"data": 1, "model": 4}
+    for name in ("1x2", "2x2", "1x4", "1x2-splash"):
+        assert result[name]["max_diff"] <= 1, (name, result[name])
+    for module in ("transformer", "text_encoder"):
+        one, two, four = result["one"][module], result["1x2"]["bytes"][module], result["1x4"]["bytes"][module]
+        assert four < two < one, (module, one, two, four)
+    assert result["1x2"]["bytes"]["vae"] == result["one"]["vae"]  # small: replicated
 
 
 # ------------------------------------------------------------------------------------------------ benchmark tools

@@ -1,0 +1,88 @@
+"""Where parameters and activations live on a (data, model) mesh: tensor parallelism over the model axis.
+
+The scheme is Megatron's, expressed as GSPMD shardings and left to XLA's partitioner: every projection that fans
+out (attention q/k/v, the MLP's input, the single blocks' fused qkv+MLP input) is split by output features
+(column-parallel, P(None, "model")), every projection that fans back in (attention output, the MLP's output) by input
+features (row-parallel, P("model", None)); the text encoder's embedding table is split by vocabulary rows. Attention
+heads therefore live on the chip that computed them, and each block costs one all-reduce of its output per stream.
+Norms, modulation, embedders and the VAE are small and stay replicated, as does any dimension the shard count does
+not divide (correct, only less memory saved). The batch is split over the data axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+
+# Layer names (the diffusers/transformers module names) by how their [in, out] weight is split.
+COLUMN_PARALLEL = frozenset({"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "linear_in",
+                             "to_qkv_mlp_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+ROW_PARALLEL = frozenset({"to_out", "to_add_out", "linear_out", "o_proj", "down_proj"})
+VOCAB_PARALLEL = frozenset({"embed_tokens"})
+
+
+def make_mesh(devices, model_shards: int = 1) -> Mesh:
+    """A (data, model) mesh over `devices`: `model_shards` chips hold one copy of the weights between them, and the
+    batch is split over the len(devices) / model_shards copies."""
+    devices = list(devices)
+    if model_shards < 1 or len(devices) % model_shards:
+        raise ValueError(f"model_shards={model_shards} must divide the {len(devices)} devices of the mesh")
+    return Mesh(np.array(devices).reshape(len(devices) // model_shards, model_shards), (DATA, MODEL))
+
+
+def layer_name(path) -> str | None:
+    """The module a parameter belongs to: the last name before 'weight'/'bias', list indices skipped
+    (('transformer_blocks', 0, 'attn', 'to_out', 0, 'weight') -> 'to_out')."""
+    names = [str(p) for p in path if not isinstance(p, int) and not str(p).isdigit()]
+    return names[-2] if len(names) >= 2 else None
+
+
+def partition_spec(path, shape, shards: int) -> P:
+    """The PartitionSpec of one parameter on a mesh whose model axis has `shards` devices."""
+    if shards <= 1 or not shape:
+        return P()
+    name, leaf = layer_name(path), str(path[-1])
+    dims = len(shape)
+    if name in COLUMN_PARALLEL:
+        split = dims - 1 if leaf == "weight" or dims == 1 else None  # [in, out] weight or [out] bias: out
+    elif name in ROW_PARALLEL and leaf == "weight" and dims == 2:
+        split = 0  # [in, out]: in (the bias is added once, after the all-reduce: replicated)
+    elif name in VOCAB_PARALLEL and dims == 2:
+        split = 0  # [vocab, hidden]
+    else:
+        return P()
+    if split is None or shape[split] % shards:
+        return P()
+    return P(*[MODEL if d == split else None for d in range(dims)])
+
+
+def model_shards(mesh: Mesh) -> int:
+    return int(mesh.shape.get(MODEL, 1))
+
+
+def data_replicas(mesh: Mesh) -> int:
+    return int(mesh.shape.get(DATA, 1))
+
+
+def state_shardings(state, mesh: Mesh, split: bool = True):
+    """NamedShardings for every leaf of an NNX state (same tree structure); `split=False` replicates every leaf
+    (the VAE: small, and its mid-block attention is not worth a collective)."""
+    shards = model_shards(mesh) if split else 1
+
+    def one(path, leaf):
+        keys = tuple(k.key if hasattr(k, "key") else k.idx for k in path if not hasattr(k, "name"))  # no `.value`
+        return NamedSharding(mesh, partition_spec(keys, getattr(leaf, "shape", ()), shards))
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def bytes_per_device(state, shardings) -> int:
+    """Bytes one device holds of `state` laid out by `shardings` (its shard of every leaf)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        shard = sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
