@@ -228,26 +228,27 @@ class CompiledPrograms:
                 return tuple(self.threads.wrap(name, fn) for name, fn in zip(PROGRAMS, one))
             return self._compiled.get(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
 
-    def lowered(self, b: Bucket, in_channels, joint_dim, head_dim) -> dict:
-        """The bucket's three programs lowered for the mesh, by name (encode, denoise, decode); not compiled."""
+    def lower(self, b: Bucket, in_channels, joint_dim, head_dim, *, fused: bool):
+        """[encode, denoise, decode] lowered for the bucket's shapes; denoise is the whole loop when `fused`, else
+        one step."""
         denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
-        if self.lab.fused:
+        if fused:
             denoise_lowered = self._denoise.lower(*denoise_args)
         else:  # the per-step program: (state, x, txt, neg, sigma, sigma_next, timestep, cos, sin, scale)
             scalar = self._spec((), jnp.float32, False)
             state, x, txt, neg, _, _, cos, sin, scale = denoise_args
             denoise_lowered = self._single_step.lower(state, x, txt, neg, scalar, scalar, scalar, cos, sin, scale)
-        return {"encode": self._encode.lower(*self._encode_args(b.batch)), "denoise": denoise_lowered,
-                "decode": self._decode.lower(*self._decode_args(b, in_channels))}
+        return [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
+                self._decode.lower(*self._decode_args(b, in_channels))]
 
     def _build(self, b: Bucket, in_channels, joint_dim, head_dim):
         """The bucket's programs: compiled ahead of time (the three concurrently), or the jitted functions."""
         if not self.lab.aot_compile:
             return (self._encode, self._denoise if self.lab.fused else self._single_step, self._decode)
         start = time.perf_counter()
-        lowered = self.lowered(b, in_channels, joint_dim, head_dim)
+        lowered = self.lower(b, in_channels, joint_dim, head_dim, fused=self.lab.fused)
         with ThreadPoolExecutor(3) as pool:
-            encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered.values())
+            encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered)
         self.compile_count += 3
         logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
 

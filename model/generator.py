@@ -1,8 +1,9 @@
 """`load()` a diffusers-layout FLUX.2 [klein] checkpoint and `generate()` images from prompts and seeds.
 
 A call runs in named stages, as diffusers' pipelines do: `check_inputs` (the request contract), `plan_bucket`
-(the compiled programs, RoPE tables and schedule for its shape), then per batch `encode_prompts`,
-`prepare_latents`, `denoise`, `decode` and `to_host`. Benchmarks time the stages one by one through these methods.
+(the compiled programs, RoPE tables and schedule for its shape), then per batch `encode_prompts` (`tokenize`, then
+`encode_tokens`), `prepare_latents`, `denoise`, `decode` and `to_host`. Benchmarks time the stages one by one through
+these methods, and read XLA's cost analysis of a bucket's programs through `lower`.
 """
 
 from __future__ import annotations
@@ -282,24 +283,35 @@ class Flux2KleinGenerator:
         """Rows added to a short batch: none when the programs take any number of rows (image by image)."""
         return 0 if self.programs.any_batch else plan.batch - real
 
+    def tokenize(self, prompts: list[str], plan: BucketPlan):
+        """(token ids, attention masks) of at most one batch of prompts on the devices, padded with empty prompts to
+        the bucket's batch unless the programs take any number of rows, and whether each prompt was truncated."""
+        tokenizer = self.tokenizer if not self.lab.reference else PromptTokenizer(  # reference: made per call
+            os.path.join(self.root, "tokenizer"), self.max_sequence_length)
+        pad = 0 if self.programs.any_batch else plan.batch - len(prompts)
+        tok = tokenizer(list(prompts) + [""] * pad)
+        ids = jax.device_put(tok.input_ids, self.programs.batched)
+        mask = jax.device_put(tok.attention_mask, self.programs.batched)
+        return ids, mask, tuple(bool(t) for t in tok.truncated[:len(prompts)])
+
+    def encode_tokens(self, ids, mask, plan: BucketPlan):
+        """Text embeddings [B, L, J] of tokenized prompts (the bucket's encode program)."""
+        return plan.encode_fn(self.programs.te_state, ids, mask)
+
     def encode_prompts(self, prompts: list[str], plan: BucketPlan):
         """(text embeddings [len(prompts), L, J] on the devices, truncated flags per prompt); unique prompts encoded
         once (de-duplication), recent ones taken from the embedding cache."""
-        batch, encode_fn = plan.batch, plan.encode_fn
+        batch = plan.batch
         unique = list(dict.fromkeys(prompts)) if self.lab.dedupe_prompts else list(prompts)
         cache = self._embed_cache
         todo = [p for p in unique if cache is None or p not in cache]  # `unique` is de-duplicated only if asked
         fresh = {}
-        tokenizer = self.tokenizer if not self.lab.reference else PromptTokenizer(
-            os.path.join(self.root, "tokenizer"), self.max_sequence_length)
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
-            tok = tokenizer(chunk if self.programs.any_batch else chunk + [""] * (batch - len(chunk)))
-            ids = jax.device_put(tok.input_ids, self.programs.batched)
-            mask = jax.device_put(tok.attention_mask, self.programs.batched)
-            embeds = encode_fn(self.programs.te_state, ids, mask)
+            ids, mask, truncated = self.tokenize(chunk, plan)
+            embeds = self.encode_tokens(ids, mask, plan)
             for i, p in enumerate(chunk):
-                fresh[p] = (embeds[i], bool(tok.truncated[i]))
+                fresh[p] = (embeds[i], truncated[i])
             self.stats["prompts_encoded"] += len(chunk)
         rows = []
         for p in prompts:
@@ -340,6 +352,14 @@ class Flux2KleinGenerator:
         """Pixels on the devices: uint8 [B, H, W, 3] (float in [-1, 1] with the device_uint8 ablation)."""
         b = plan.bucket
         return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w, self.lab.device_uint8)
+
+    def lower(self, plan: BucketPlan, fused: bool | None = None):
+        """The bucket's (encode, denoise, decode) programs lowered for its shapes, not compiled (jax.stages.Lowered:
+        HLO, XLA's cost analysis). Denoise is the whole loop when `fused`, else one step; default: as this generator
+        runs it."""
+        tr = self.config.transformer
+        return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim,
+                                   fused=self.lab.fused if fused is None else fused)
 
     def to_host(self, pixels, real: int) -> np.ndarray:
         """The first `real` images as host uint8 (converted on the host as diffusers does when they are floats)."""

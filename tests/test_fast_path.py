@@ -1,5 +1,6 @@
 """The fast path: every EngineOptions switch gives the default's images, no compilation in steady state, prompt
-de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices, and the benchmark's tools."""
+de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices (the benchmark's tools: in
+tests/test_benchmarks.py)."""
 
 from __future__ import annotations
 
@@ -363,101 +364,6 @@ def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_
         one, two, four = result["one"][module], result["1x2"]["bytes"][module], result["1x4"]["bytes"][module]
         assert four < two < one, (module, one, two, four)
     assert result["1x2"]["bytes"]["vae"] == result["one"]["vae"]  # small: replicated
-
-
-# ------------------------------------------------------------------------------------------------ benchmark tools
-
-
-def _write_pngs(folder, images):
-    from PIL import Image
-
-    os.makedirs(folder, exist_ok=True)
-    for i, img in enumerate(images):
-        Image.fromarray(img).save(os.path.join(folder, f"{i:02d}.png"))
-
-
-def test_similarity_identical_and_different_folders(tmp_path):
-    from benchmarks.similarity import compare_folders, ssim
-
-    rng = np.random.default_rng(0)
-    base = rng.integers(0, 256, (3, 40, 36, 3), dtype=np.uint8)
-    noisy = np.clip(base.astype(int) + rng.integers(-40, 41, base.shape), 0, 255).astype(np.uint8)
-    _write_pngs(tmp_path / "a", base)
-    _write_pngs(tmp_path / "b", base)
-    _write_pngs(tmp_path / "c", noisy)
-    same = compare_folders(str(tmp_path / "a"), str(tmp_path / "b"))
-    assert same["compared"] == 3 and same["mean_ssim"] == pytest.approx(1.0) and same["min_ssim"] == 1.0
-    assert same["max_abs_diff"] == 0 and same["mean_abs_diff"] == 0
-    diff = compare_folders(str(tmp_path / "a"), str(tmp_path / "c"))
-    assert diff["compared"] == 3 and diff["mean_ssim"] < 0.99 and diff["max_abs_diff"] > 0
-    assert all(r["ssim"] < 1 for r in diff["images"])
-    # SSIM properties: symmetric, 1 only for equal images, lower for stronger distortion.
-    assert ssim(base[0], noisy[0]) == pytest.approx(ssim(noisy[0], base[0]))
-    stronger = np.clip(base[0].astype(int) + rng.integers(-120, 121, base[0].shape), 0, 255).astype(np.uint8)
-    assert ssim(base[0], stronger) < ssim(base[0], noisy[0]) < 1
-    tiny = base[0, :5, :5]  # smaller than the 11x11 window
-    assert ssim(tiny, tiny) == pytest.approx(1.0)
-
-
-def test_similarity_command_line(tmp_path):
-    rng = np.random.default_rng(1)
-    imgs = rng.integers(0, 256, (2, 24, 24, 3), dtype=np.uint8)
-    _write_pngs(tmp_path / "a", imgs)
-    _write_pngs(tmp_path / "b", imgs[::-1])
-    _write_pngs(tmp_path / "b2", imgs)
-    os.remove(tmp_path / "b2" / "01.png")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "benchmarks.similarity", *map(str, a)],  # noqa: E731
-                                    capture_output=True, text=True, cwd=REPO, timeout=120)
-    out = run(tmp_path / "a", tmp_path / "a")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["mean_ssim"] == pytest.approx(1.0)
-    out = run(tmp_path / "a", tmp_path / "b", "--min-ssim", "0.99")
-    assert out.returncode == 1 and json.loads(out.stdout)["mean_ssim"] < 0.5
-    out = run(tmp_path / "a", tmp_path / "b2")
-    res = json.loads(out.stdout)
-    assert out.returncode == 0 and res["compared"] == 1 and res["only_in_a"] == ["01.png"]
-
-
-def test_benchmark_command_reports_bf16_vs_fp32(tiny_ckpt, tmp_path):
-    """The benchmark's one command runs end to end (tiny checkpoint, bf16) and reports, with the similarity tool,
-    how far bf16 images are from fp32 ones on the same prompts and noise; its last line is the documented JSON."""
-    out_dir = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.generate", "--checkpoint", tiny_ckpt, "--preset", "tiny", "--height", "64",
-         "--width", "64", "--dtype", "bfloat16", "--batch", "1", "--repeats", "1", "--skip-ablation",
-         "--skip-diffusers", "--skip-reference", "--out", str(out_dir)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    final = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("ms_per_image", "ms_per_image_reference", "ms_per_image_diffusers", "speedup_vs_reference",
-                "speedup_vs_diffusers", "mfu", "preset", "batch", "dtype", "backend"):
-        assert key in final, key
-    assert final["dtype"] == "bfloat16" and final["batch"] == 1 and final["steady_state_compiles"] == 0
-    assert final["ms_per_image"] > 0 and 0 < final["mfu"] < 1
-    assert -1 <= final["ssim_vs_float32"] < 1  # random tiny weights: bf16 rounding shows in the pixels
-    images = out_dir / "images" / "tiny-64x64-bfloat16" / "b1"
-    assert sorted(os.listdir(images / "optimised")) == sorted(os.listdir(images / "optimised-float32")) == ["00.png"]
-    md = (out_dir / "tiny-64x64-bfloat16-b1.md").read_text()
-    assert "Images bfloat16 vs float32 (optimised path in both): mean SSIM" in md
-    results = json.loads((out_dir / "tiny-64x64-bfloat16-b1.json").read_text())
-    assert results["batches"]["1"]["similarity"]["bfloat16_vs_float32"]["compared"] == 1
-
-
-def test_analytic_flops_match_xla_cost_analysis(default_gen):
-    """benchmarks/flops.py (used for MFU) agrees with XLA's own count of the compiled programs."""
-    from benchmarks import flops as F
-    from benchmarks.generate import JaxEngine
-
-    h, w, steps = SIZE["height"], SIZE["width"], SIZE["num_inference_steps"]
-    cfg = default_gen.config
-    analytic = F.image_flops(cfg, h, w, steps, text_len=KW["max_sequence_length"], cfg_guidance=False,
-                             encoder_layers=F.encoder_layers_run(cfg.text_encoder),
-                             image_only_last_block=default_gen.lab.image_only_last_block,
-                             fused_upsample=default_gen.lab.fused_upsample)
-    xla = JaxEngine("optimised", default_gen).xla_flops(2, h, w, steps, False)
-    for stage in ("encode", "denoise", "decode"):
-        # XLA also counts elementwise work (norms, softmax, RoPE), which the analytic count leaves out.
-        assert analytic[stage] <= xla[stage] * 1.01 and analytic[stage] >= 0.8 * xla[stage], (stage, analytic, xla)
 
 
 def test_cpu_compiler_options_apply_per_program_and_on_cpu_only():
