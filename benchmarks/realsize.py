@@ -1,6 +1,6 @@
 """Write FLUX.2-klein checkpoints with the REAL 4B/9B shapes and random bf16 weights, without torch.
 
-Tensor names and shapes come from the model's own abstract modules, which tests/test_weights.py proves equal to
+Tensor names and shapes come from the model's own abstract modules, which tests/model/test_weights.py proves equal to
 diffusers'/transformers' state dicts for the published configs. Used to measure loading memory and speed.
 """
 

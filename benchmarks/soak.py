@@ -5,9 +5,9 @@
 
 What runs: `pipeline.run.run()` (FnApiRunner, --direct_running_mode=multi_processing) on the tiny random-weight
 checkpoint (copied from gs:// once per machine, like a real worker), prompts in several JSONL files on gs://,
-images/manifest/errors written back to gs://, every GCS request through tests/fault_proxy.py at --gcs_fault_rate
+images/manifest/errors written back to gs://, every GCS request through tests/support/fault_proxy.py at --gcs_fault_rate
 (503/429/connection reset/delay, by request kind), a fraction of inference batches failing with an injected
-transient error (tests/fault_jobs.py FaultyHandler), and planted invalid records.
+transient error (tests/support/fault_jobs.py FaultyHandler), and planted invalid records.
 
 Reports (stdout and <out>.json):
 - throughput: images/s over the whole job and over the inference phase (first to last image);
@@ -19,7 +19,7 @@ Reports (stdout and <out>.json):
 - faults injected per request kind and action, the retries the proxy saw, and the retries the job reported.
 Exits 1 when the count check fails.
 
-Not part of CI (tests/test_soak.py runs a small one and is marked slow).
+Not part of CI (tests/pipeline/test_soak.py runs a small one and is marked slow).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(REPO, "tests")
+TESTS = os.path.join(REPO, "tests", "support")  # fault_proxy, fault_jobs, gcs_emulator
 for _p in (REPO, TESTS):
     if _p not in sys.path:
         sys.path.insert(0, _p)

@@ -1,12 +1,17 @@
 """Shared pytest fixtures. JAX runs on CPU unless the caller chose a platform.
 
+Test files sit by package (tests/model, tests/transforms, tests/pipeline, tests/templates, tests/benchmarks,
+tests/tiny_klein); the helpers they share are modules in tests/support, importable by name from every test.
 Checkpoint fixtures build tiny random-weight FLUX.2 [klein] folders (tiny_klein/) once per session. Heavy
 imports (torch, diffusers, the model package) happen inside the fixtures, so collecting tests stays cheap.
 Add new fixtures in their own section below.
 """
 
 import os
+import sys
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA cache for the whole session (subprocesses inherit it): the many generators the suite loads
@@ -60,7 +65,7 @@ def tiny_base_ckpt(tiny_checkpoint_factory) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Local GCS emulator (tests/gcs_emulator.py)
+# Local GCS emulator (tests/support/gcs_emulator.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

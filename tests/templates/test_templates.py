@@ -13,7 +13,7 @@
   minimal dry-run job (cheaper than translating the whole graph again).
 
 Nothing here reaches the network: the dry run stays offline (it neither stages nor calls the Dataflow API), and any
-gs:// access goes to the local GCS emulator with NO_GCE_CHECK=true and no credentials (tests/gcs_emulator.py).
+gs:// access goes to the local GCS emulator with NO_GCE_CHECK=true and no credentials (tests/support/gcs_emulator.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
 METADATA = TEMPLATES / "metadata.json"
 DOCKERFILE = TEMPLATES / "Dockerfile"

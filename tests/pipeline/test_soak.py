@@ -1,6 +1,6 @@
 """A small soak (benchmarks/soak.py): the multi-process DirectRunner against the GCS emulator with GCS and inference
 faults on; the count check must hold (requests = images + errors, nothing lost, zero duplicates). Slow (~3 min):
-not for CI; run with `pytest -m slow tests/test_soak.py`."""
+not for CI; run with `pytest -m slow tests/pipeline/test_soak.py`."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 
 import fault_proxy
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO  # noqa: E402
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The whole job under injected faults, on the local GCS emulator, with the end-to-end tests' tiny checkpoint, image shape
-and XLA cache (tests/pipeline_helpers.py: 32x64, the checkpoint's 4 steps).
+and XLA cache (tests/support/pipeline_helpers.py: 32x64, the checkpoint's 4 steps).
 
 (a) + (e) Inference raises in some bundles (transient) and always for one shape bucket (out-of-memory-like).
     Without retries the failed images land in the errors output (one row each, with the exception), every other
@@ -18,9 +18,9 @@ and XLA cache (tests/pipeline_helpers.py: 32x64, the checkpoint's 4 steps).
 (d) A broken gs:// checkpoint (truncated shard, shard missing, wrong dtype, checksum mismatch, corrupted
     config.json) fails fast, before any image is generated, with an error naming the file; through the job too.
 
-Runs reuse one in-process model (tests/fault_jobs.py CachedHandler) except (c)'s subprocess and (d), which load for
+Runs reuse one in-process model (tests/support/fault_jobs.py CachedHandler) except (c)'s subprocess and (d), which load for
 real.
-All of them run in CI (the 5,000-request soak, tests/test_soak.py, is the only slow-marked fault test).
+All of them run in CI (the 5,000-request soak, tests/pipeline/test_soak.py, is the only slow-marked fault test).
 In-process runs use Beam's own GCS retry policy with short back-off (fault_jobs.fast_gcs_retries).
 """
 
@@ -45,7 +45,7 @@ from pipeline_helpers import HEIGHT, WIDTH, ckpt32, xla_cache  # noqa: F401 - ck
 from transforms import layout
 from transforms.requests import GenerationRequest, RequestDefaults, parse_lines
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO  # noqa: E402
 SECRET = "SECRET-PROMPT " + "lighthouse " * 20 + "END"
 STEPS, SEED = None, 3  # the checkpoint's default steps (4), as in the end-to-end tests
 

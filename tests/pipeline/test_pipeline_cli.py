@@ -11,7 +11,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.options import OPTION_NAMES, Flux2KleinOptions
 from pipeline.run import UsageError, resolve_job, run
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO  # noqa: E402
 
 
 def options(*argv):

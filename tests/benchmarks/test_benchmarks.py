@@ -15,7 +15,7 @@ import pytest
 
 KW = dict(dtype="float32", max_sequence_length=32)
 SIZE = dict(height=32, width=48, num_inference_steps=2)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO  # noqa: E402
 
 
 @pytest.fixture(scope="module")

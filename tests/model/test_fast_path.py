@@ -1,6 +1,6 @@
 """The fast path: every EngineOptions switch gives the default's images, no compilation in steady state, prompt
 de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices (the benchmark's tools: in
-tests/test_benchmarks.py)."""
+tests/benchmarks/test_benchmarks.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ KW = dict(dtype="float32", max_sequence_length=32)
 PROMPTS = ["a red fox in the snow", "a lighthouse at night", "a red fox in the snow"]  # one repeated prompt
 SEEDS = [1, 2, 3]
 SIZE = dict(height=32, width=48, num_inference_steps=2)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO  # noqa: E402
 
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> int:

@@ -21,7 +21,7 @@ import tempfile
 import uuid
 
 _SITECUSTOMIZE = '''\
-# Written by tests/gcs_emulator.py: when a process talks to the local GCS emulator, seed Beam's credential cache
+# Written by tests/support/gcs_emulator.py: when a process talks to the local GCS emulator, seed Beam's credential cache
 # as soon as Beam's auth module is imported (lazily, so processes that never import Beam pay nothing).
 import os
 import sys

@@ -1,4 +1,4 @@
-"""Shared by the pipeline-level fault tests (tests/test_fault_pipeline.py) and the soak (benchmarks/soak.py).
+"""Shared by the pipeline-level fault tests (tests/pipeline/test_fault_pipeline.py) and the soak (benchmarks/soak.py).
 
 - `CachedHandler`: the job's real ModelHandler, except that a model loaded once in this process is reused by the
   next job run in it (key: checkpoint, dtype, text length, batch size). Fault tests run the job several times
@@ -48,7 +48,7 @@ _CALLS = {"n": 0}
 _ATTEMPTS: dict = {}
 
 OOM_MESSAGE = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes. "
-               "(injected by tests/fault_jobs.py for shape bucket {key})")
+               "(injected by tests/support/fault_jobs.py for shape bucket {key})")
 
 
 def reset_faults() -> None:

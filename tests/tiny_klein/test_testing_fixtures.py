@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tiny_klein import (DEMO_SPEC, QWEN3_CHAT_TEMPLATE, SPECIAL_TOKENS, TinySpec, build_tiny_checkpoint,
                         ensure_demo_checkpoint, spec_hash)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO  # noqa: E402
 COMPONENT_FILES = {
     "transformer": ("config.json", "diffusion_pytorch_model.safetensors.index.json"),
     "vae": ("config.json", "diffusion_pytorch_model.safetensors.index.json"),

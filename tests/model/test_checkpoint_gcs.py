@@ -232,7 +232,7 @@ def test_concurrent_processes_copy_once(gcs_emulator, gcs_bucket, tmp_path):
             "exec('while not os.path.exists(os.path.join(gate, \"go\")): time.sleep(0.01)'); "
             "p = checkpoint.resolve_checkpoint(sys.argv[1], cache_dir=sys.argv[2]); "
             "print(json.dumps({'path': p, 'copies': checkpoint.copies_made()}))")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from paths import REPO as repo
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, "-c", code, uri, cache, str(gate)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env, cwd=repo) for _ in range(3)]

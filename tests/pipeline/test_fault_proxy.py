@@ -1,4 +1,4 @@
-"""The fault-injecting proxy (tests/fault_proxy.py) itself: it classifies GCS requests, is transparent without rules,
+"""The fault-injecting proxy (tests/support/fault_proxy.py) itself: it classifies GCS requests, is transparent without rules,
 injects each fault the way a client sees it, and the real clients (google-cloud-storage through Beam's GCS
 filesystem) ride over a 30% fault rate with every byte intact while the proxy counts faults and retries."""
 

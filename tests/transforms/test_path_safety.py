@@ -11,7 +11,7 @@ weights are read only from safetensors.
 - The runtime code (model/, transforms/, pipeline/) never starts a process or a shell, never evaluates text and
   never unpickles; the loader reads safetensors only.
 - Reading and validating hostile records in Beam logs no prompt in full at INFO (caplog); the whole job is checked
-  the same way in tests/test_fault_pipeline.py.
+  the same way in tests/pipeline/test_fault_pipeline.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from transforms import layout
 from transforms.requests import ID_PATTERN, GenerationRequest, InvalidRecord, RequestDefaults, parse_lines, validate_id
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO  # noqa: E402
 RUNTIME_PACKAGES = ("model", "transforms", "pipeline")
 D = RequestDefaults(height=32, width=32, seed=1)
 SAFE_FILE = re.compile(r"images/[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}(-\d{1,2})?\.png\Z")
