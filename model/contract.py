@@ -22,6 +22,8 @@ MAX_STEPS = 1000
 # The published klein VAE (8x) with the transformer's 2x2 latent patch; a checkpoint's own value comes from its
 # configs (PipelineConfig.size_multiple). This default only serves callers that have no checkpoint at hand.
 DEFAULT_SIZE_MULTIPLE = 16
+# Height and width when none is given: FLUX.2 [klein]'s native resolution.
+DEFAULT_SIZE = 1024
 # 4 megapixels (2048 x 2048), the largest output FLUX.2 is documented for.
 DEFAULT_MAX_PIXELS = 2048 * 2048
 # A prompt is text for a 512-token encoder, a PNG text chunk and a manifest row: 64 KiB of UTF-8 is far more than

@@ -370,14 +370,15 @@ class Flux2KleinGenerator:
 
     # ------------------------------------------------------------------------------------------------ generate
 
-    def generate(self, prompts, seeds, height: int = 1024, width: int = 1024, num_inference_steps: int | None = None,
+    def generate(self, prompts, seeds, height: int = contract.DEFAULT_SIZE, width: int = contract.DEFAULT_SIZE,
+                 num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None) -> np.ndarray:
         """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]. Safe to call from
         several threads: calls run one after the other."""
         return self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
                                     num_images_per_prompt, sigmas).images
 
-    def generate_result(self, prompts, seeds, height: int = 1024, width: int = 1024,
+    def generate_result(self, prompts, seeds, height: int = contract.DEFAULT_SIZE, width: int = contract.DEFAULT_SIZE,
                         num_inference_steps: int | None = None, guidance_scale: float | None = None,
                         num_images_per_prompt: int = 1, sigmas=None) -> GenerationResult:
         """`generate`, with the facts a caller reports beside the images: the resolved steps and guidance and

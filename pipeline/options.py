@@ -13,13 +13,16 @@ import argparse
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from model.contract import DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_SEQUENCE_LENGTH
+from model.contract import (
+    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
+)
 from model.options import DTYPE_NAMES as DTYPES
 from transforms.inference import DEFAULT_INFERENCE_RETRIES
 from transforms.requests import FORMATS
 
+from .demo import DEMO_DTYPE, DEMO_SIZE
+
 DEFAULT_OUTPUT = "./output"
-DEFAULT_SIZE = 1024
 DEFAULT_BATCH_SIZE = 4
 INPUT_FORMATS = ("auto",) + FORMATS
 DEFAULT_MAX_IMAGES = 10_000_000
@@ -66,15 +69,13 @@ class Flux2KleinOptions(PipelineOptions):
                             "*.fp16.safetensors). Default: the files without a variant, or a component's only variant.")
         # --- the model API
         g.add_argument("--dtype", default=None, choices=DTYPES,
-                       help="Compute dtype of the model (default bfloat16; float32 for the demo).")
+                       help=f"Compute dtype of the model (default bfloat16; {DEMO_DTYPE} for the demo).")
         g.add_argument("--height", type=int, default=None,
                        help=f"Image height for records that do not give one (a multiple of the checkpoint's size "
-                            f"multiple: 16 for FLUX.2 [klein]; default "
-                            f"{DEFAULT_SIZE}, 64 for the demo).")
+                            f"multiple: 16 for FLUX.2 [klein]; default {DEFAULT_SIZE}, {DEMO_SIZE} for the demo).")
         g.add_argument("--width", type=int, default=None,
                        help=f"Image width for records that do not give one (a multiple of the checkpoint's size "
-                            f"multiple: 16 for FLUX.2 [klein]; default "
-                            f"{DEFAULT_SIZE}, 64 for the demo).")
+                            f"multiple: 16 for FLUX.2 [klein]; default {DEFAULT_SIZE}, {DEMO_SIZE} for the demo).")
         g.add_argument("--num_inference_steps", type=int, default=None,
                        help="Denoising steps for records that do not say (default: the checkpoint's, 4 for "
                             "the distilled klein models, 50 for the base ones).")

@@ -25,8 +25,8 @@ from apache_beam.metrics import Metrics
 
 from model import contract
 from model.contract import (  # noqa: F401  (the limits, re-exported for the job's callers)
-    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST, MAX_SEED, MAX_STEPS,
-    show,
+    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST,
+    MAX_SEED, MAX_STEPS, show,
 )
 from model.errors import RequestError
 
@@ -57,8 +57,8 @@ class RequestDefaults:
     """What a record that does not say gets; from the pipeline options. `None` steps/guidance mean "the model's
     own default" (4 steps / no guidance for the distilled klein, 50 / 4.0 for the base), resolved at inference."""
 
-    height: int = 1024
-    width: int = 1024
+    height: int = DEFAULT_SIZE
+    width: int = DEFAULT_SIZE
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     num_images: int = 1
