@@ -31,7 +31,22 @@ KEY_BLOCK = 256  # keys per block of the block-wise attention without masks (a w
 # prompt for the small preset's encoder on 2 CPU cores (128 instead of 256), and a 512-token prompt the same; 64 was
 # slower for long prompts. Masked keys longer than a block are padded up to whole blocks (the padding masked too).
 MASKED_KEY_BLOCK = 128
-SPLASH_BLOCK = 128  # the splash kernel's block (its minimum); sequences are padded to a multiple of it
+SPLASH_BLOCK = 128  # the splash kernel's smallest block; sequences are padded to a multiple of it
+# The largest splash block (queries and keys) by TPU generation (device_kind): a multiple of the MXU's width (128 on
+# v5e/v5p, 256 on v6e and TPU v7) that keeps a block's float32 logits well inside VMEM. Not measured on a TPU here:
+# the preflight compiles them for each generation (Mosaic refuses a block that does not fit). Interpret mode (off
+# TPU, tests) uses the smallest.
+SPLASH_MAX_BLOCK = {"TPU v5 lite": 512, "TPU v5": 512, "TPU v6 lite": 1024, "TPU7x": 1024}
+
+
+def splash_block(device_kind: str | None, lq: int, lk: int) -> int:
+    """The splash block for padded lengths lq, lk on `device_kind`: the largest power-of-two multiple of SPLASH_BLOCK
+    up to the generation's maximum that divides both (SPLASH_BLOCK off TPU)."""
+    block = SPLASH_BLOCK
+    top = SPLASH_MAX_BLOCK.get(device_kind or "", SPLASH_BLOCK if device_kind is None else 512)
+    while block * 2 <= top and lq % (block * 2) == 0 and lk % (block * 2) == 0:
+        block *= 2
+    return block
 
 
 # The mesh the programs being traced run on (set by the engine around each program body): the splash kernel is
@@ -190,12 +205,12 @@ def _pad_keys(k, v, mask, key_mask, pad: int, h: int, lq: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(group: int, lq: int, lk: int, causal: bool, interpret: bool):
+def _splash_kernel(group: int, lq: int, lk: int, causal: bool, interpret: bool, block: int = SPLASH_BLOCK):
     """A splash kernel for one key/value head shared by `group` query heads (built once per shape)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     head_mask = splash.CausalMask((lq, lk)) if causal else splash.FullMask((lq, lk))
-    sizes = splash.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
     # Built inside a trace, the kernel's mask tables would be that trace's tracers, and the cached kernel would leak
     # them into the next program that uses it (UnexpectedTracerError): they are made as concrete arrays instead.
     with jax.ensure_compile_time_eval():
@@ -208,22 +223,23 @@ def _splash_attention(q, k, v, scale, causal: bool, key_mask):
     axis, the heads over its model axis (each chip attends with the heads its q/k/v projections computed); an axis
     that does not divide stays whole."""
     mesh = _MESH.get()
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    interpret = platform != "tpu"
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    interpret = device.platform != "tpu"
+    kind = None if interpret else device.device_kind
     if mesh is None or mesh.devices.size == 1:
-        return _splash_local(q, k, v, scale, causal, key_mask, interpret)
+        return _splash_local(q, k, v, scale, causal, key_mask, interpret, kind)
     data = "data" if "data" in mesh.shape and q.shape[0] % mesh.shape["data"] == 0 else None
     shards = mesh.shape.get("model", 1)
     heads = "model" if shards > 1 and q.shape[2] % shards == 0 and k.shape[2] % shards == 0 else None
     keys = jnp.ones(k.shape[:2], bool) if key_mask is None else jnp.broadcast_to(key_mask, k.shape[:2])
     qkv_spec = P(data, None, heads, None)
-    local = functools.partial(_splash_local, scale=scale, causal=causal, interpret=interpret)
+    local = functools.partial(_splash_local, scale=scale, causal=causal, interpret=interpret, device_kind=kind)
     return jax.shard_map(lambda qq, kk, vv, km: local(qq, kk, vv, key_mask=km), mesh=mesh,
                          in_specs=(qkv_spec, qkv_spec, qkv_spec, P(data, None)), out_specs=qkv_spec,
                          check_vma=False)(q, k, v, keys)
 
 
-def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool):
+def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, device_kind: str | None = None):
     """The Pallas splash (flash) kernel for TPU, one call per batch row and key/value head (vmapped).
 
     Sequences are padded to a multiple of the kernel's block; padded keys and `key_mask`'s masked keys are excluded
@@ -244,7 +260,7 @@ def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool):
     kh = jnp.pad(k.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, pk), (0, 0)))
     vh = jnp.pad(v.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, pk), (0, 0)))
     # causal over the padded lengths is the same triangle (pad queries come after every real key)
-    kernel = _splash_kernel(g, lq + pq, lk + pk, causal, interpret)
+    kernel = _splash_kernel(g, lq + pq, lk + pk, causal, interpret, splash_block(device_kind, lq + pq, lk + pk))
 
     def one_row(qr, kr, vr, qs, ks):  # qr [Hkv, G, Lq, D]; kr, vr [Hkv, Lk, D]
         segments = splash.SegmentIds(q=qs, kv=ks)
