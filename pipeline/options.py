@@ -10,6 +10,7 @@ Every option takes `--name=value`, which is how Dataflow Flex Templates pass par
 from __future__ import annotations
 
 import argparse
+import re
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -26,6 +27,8 @@ DEFAULT_OUTPUT = "./output"
 DEFAULT_BATCH_SIZE = 4
 INPUT_FORMATS = ("auto",) + FORMATS
 DEFAULT_MAX_IMAGES = 10_000_000
+ACCELERATORS = ("tpu", "gpu")  # JAX platform names that --require_accelerator accepts
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 def str2bool(value) -> bool:
@@ -116,6 +119,14 @@ class Flux2KleinOptions(PipelineOptions):
         g.add_argument("--compilation_cache_dir", default=None,
                        help="Persistent XLA compilation cache (local folder or gs://) so workers skip recompiling.")
         _flag(g, "--no_progress", "Do not print the live progress line (local runners).")
+        # --- the accelerator (set by templates/settings/*.flags)
+        g.add_argument("--require_accelerator", default=None, choices=ACCELERATORS,
+                       help="Stop at model load, with an error naming the cause, when JAX on a worker finds another "
+                            "platform (e.g. CPU because libtpu or the NVIDIA driver is missing) instead of "
+                            "generating at CPU speed.")
+        g.add_argument("--worker_env", default=None,
+                       help="Environment variables the model handler sets on each worker before loading the model, "
+                            "as NAME=value pairs separated by ';' (the TPU runtime's TPU_* variables, for example).")
 
     # ------------------------------------------------------------------------------------------------------------
     def input_patterns(self) -> list[str]:
@@ -125,11 +136,22 @@ class Flux2KleinOptions(PipelineOptions):
             patterns.extend(p.strip() for p in str(value).split(",") if p.strip())
         return patterns
 
+    def worker_env_vars(self) -> dict[str, str]:
+        """--worker_env as {NAME: value}; ValueError naming the entry that is not NAME=value."""
+        env: dict[str, str] = {}
+        for entry in filter(None, (self.worker_env or "").split(";")):
+            name, sep, value = entry.partition("=")
+            if not sep or not _ENV_NAME.fullmatch(name) or name in env:
+                raise ValueError(f"--worker_env entry {entry!r} is not a new NAME=value pair (NAME in capitals, "
+                                 f"digits and '_'; pairs separated by ';')")
+            env[name] = value
+        return env
+
 
 # Names of the options defined above, in order (for tooling such as the Flex Template metadata).
 OPTION_NAMES = (
     "input", "input_format", "output", "model", "dtype", "height", "width", "num_inference_steps", "guidance_scale",
     "num_images", "max_sequence_length", "batch_size", "seed", "max_pixels", "max_prompt_bytes", "max_images",
     "skip_existing", "large_model", "model_copies", "inference_retries", "checkpoint_cache_dir",
-    "compilation_cache_dir", "no_progress",
+    "compilation_cache_dir", "no_progress", "require_accelerator", "worker_env",
 )

@@ -77,6 +77,8 @@ class JobConfig:
     max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
     inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
     case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
+    require_accelerator: str | None = None  # 'tpu' or 'gpu': a worker whose JAX finds another platform stops at load
+    worker_env: tuple[tuple[str, str], ...] = ()  # (NAME, value) set on each worker before the model loads
 
     @property
     def model(self) -> str:
@@ -158,6 +160,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     try:
         optional_count("--model_copies", o.model_copies)
         validate_variant(o.model_variant, name="--model_variant")
+        worker_env = tuple(o.worker_env_vars().items())
         load = LoadSettings(
             model=model_uri, dtype=o.dtype or (DEMO_DTYPE if demo else "bfloat16"), variant=o.model_variant,
             max_sequence_length=count("--max_sequence_length", o.max_sequence_length
@@ -208,13 +211,15 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, load=load,
                      defaults=defaults, skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, demo=demo, max_images=o.max_images,
-                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive)
+                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
+                     require_accelerator=o.require_accelerator, worker_env=worker_env)
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:
     """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
     return handler_cls(job.load, large_model=job.large_model, model_copies=job.model_copies,
-                       inference_retries=job.inference_retries, **extra)
+                       inference_retries=job.inference_retries, require_accelerator=job.require_accelerator,
+                       env_vars=dict(job.worker_env), **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:

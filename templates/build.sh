@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# Build the worker/launcher container image and the Flex Template spec that points at it.
+# Build the two container images of one build (the SDK worker image and the slim Flex Template launcher image) and
+# the Flex Template spec that points at them. Prints the worker image reference (IMAGE:TAG) on stdout, everything
+# else on stderr, so that `TPU_IMAGE=$(templates/build.sh ...)` keeps it for templates/run.sh.
 #
 #   templates/build.sh [--dry-run] PROJECT REGION BUCKET IMAGE tpu|gpu [options]
 #
 #   PROJECT   Google Cloud project id
 #   REGION    region of the Artifact Registry repository and of the jobs (e.g. us-central1)
-#   BUCKET    bucket name (no gs://) that receives the template spec: gs://BUCKET/templates/flux2-klein-VARIANT.json
-#   IMAGE     full image reference, e.g. us-central1-docker.pkg.dev/PROJECT/flux2/flux2-klein:tpu
-#   tpu|gpu   image variant: jax[tpu] for TPU workers, jax[cuda13] for NVIDIA workers
+#   BUCKET    bucket name (no gs://) that receives the template spec: gs://BUCKET/templates/flux2-klein-TAG.json
+#   IMAGE     image name without a tag, e.g. us-central1-docker.pkg.dev/PROJECT/flux2/flux2-klein; the build pushes
+#             IMAGE:TAG (worker) and IMAGE-launcher:TAG (launcher), TAG new for every build (VARIANT-YYYYMMDD-HHMMSS)
+#   tpu|gpu   image variant: jax[tpu] for TPU workers, jax[cuda12] for NVIDIA workers
 #
 # options:
-#   --weights DIR|gs://URI   bake a diffusers-layout checkpoint into the image at /opt/flux2-klein/weights
-#   --gpu-jax-extra EXTRA    cuda13 (default; NVIDIA driver >= 580) or cuda12 (driver >= 525)
-#   --local-docker           build with the local Docker engine and push, instead of Cloud Build
+#   --weights DIR|gs://URI   bake a diffusers-layout checkpoint into the worker image at /opt/flux2-klein/weights
+#                            (the launcher image gets only its JSON configs)
+#   --gpu-jax-extra EXTRA    cuda12 (default; NVIDIA driver 525.60.13+) or cuda13 (driver 580+, not documented
+#                            for Dataflow's install-nvidia-driver)
+#   --tag TAG                this build's tag (default VARIANT-<UTC time>); must start with VARIANT-
+#   --local-docker           build with the local Docker engine (BuildKit) and push, instead of Cloud Build
 #   --template GCS_PATH      where to write the template spec (default above)
-#   --dry-run                print the commands instead of running them
+#   --dry-run                print the commands (on stderr) instead of running them
 #
 # Needs: gcloud (authenticated, with the project's Cloud Build, Artifact Registry and Dataflow APIs enabled).
 set -euo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
 
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
@@ -28,11 +34,12 @@ case "${1:-}" in -h|--help) usage 0 ;; esac
 PROJECT=$1 REGION=$2 BUCKET=${3#gs://} IMAGE=$4 VARIANT=$5
 shift 5
 
-WEIGHTS="" GPU_JAX_EXTRA=cuda13 LOCAL_DOCKER=0 TEMPLATE=""
+WEIGHTS="" GPU_JAX_EXTRA=cuda12 LOCAL_DOCKER=0 TEMPLATE="" TAG=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --weights) WEIGHTS=${2:?--weights needs a value}; shift 2 ;;
     --gpu-jax-extra) GPU_JAX_EXTRA=${2:?--gpu-jax-extra needs a value}; shift 2 ;;
+    --tag) TAG=${2:?--tag needs a value}; shift 2 ;;
     --local-docker) LOCAL_DOCKER=1; shift ;;
     --template) TEMPLATE=${2:?--template needs a value}; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
@@ -42,11 +49,26 @@ done
 
 case "$VARIANT" in tpu|gpu) ;; *) echo "build.sh: variant must be tpu or gpu, got '$VARIANT'" >&2; exit 2 ;; esac
 case "$GPU_JAX_EXTRA" in cuda12|cuda13) ;; *) echo "build.sh: --gpu-jax-extra must be cuda12 or cuda13" >&2; exit 2 ;; esac
-case "$IMAGE" in *[[:space:]]*|"") echo "build.sh: bad image reference '$IMAGE'" >&2; exit 2 ;; esac
-TEMPLATE=${TEMPLATE:-gs://$BUCKET/templates/flux2-klein-$VARIANT.json}
+case "$IMAGE" in *[[:space:]]*|"") echo "build.sh: bad image name '$IMAGE'" >&2; exit 2 ;; esac
+case "${IMAGE##*/}" in
+  *:*|*@*) echo "build.sh: give IMAGE without a tag or digest, got '$IMAGE': every build gets its own tag" >&2
+           exit 2 ;;
+esac
+# A tag per build, never reused: a running job keeps the images it started with whatever is built later.
+TAG=${TAG:-$VARIANT-$(date -u +%Y%m%d-%H%M%S)}
+case "$TAG" in
+  "$VARIANT"-*) ;;
+  *) echo "build.sh: --tag must start with $VARIANT- (run.sh checks it against the settings), got '$TAG'" >&2; exit 2 ;;
+esac
+if ! [[ "$TAG" =~ ^[A-Za-z0-9_][-A-Za-z0-9_.]{0,127}$ ]]; then
+  echo "build.sh: '$TAG' is not a valid image tag" >&2; exit 2
+fi
+WORKER_IMAGE="$IMAGE:$TAG"
+LAUNCHER_IMAGE="$IMAGE-launcher:$TAG"
+TEMPLATE=${TEMPLATE:-gs://$BUCKET/templates/flux2-klein-$TAG.json}
 
-run() {
-  if [ "$DRY_RUN" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
+run() {  # stdout is kept for the image reference: commands and their output go to stderr
+  if [ "$DRY_RUN" = 1 ]; then printf '%q ' "$@" >&2; echo >&2; else "$@" >&2; fi
 }
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -77,23 +99,28 @@ esac
 
 if [ "$LOCAL_DOCKER" = 1 ]; then
   if [ -n "$WEIGHTS_URI" ]; then run gcloud storage rsync --recursive "$WEIGHTS_URI" "$CTX/weights"; fi
-  run docker build \
+  run env DOCKER_BUILDKIT=1 docker build --target launcher --tag "$LAUNCHER_IMAGE" "$CTX"
+  run env DOCKER_BUILDKIT=1 docker build --target worker \
     --build-arg "ACCELERATOR=$VARIANT" \
     --build-arg "GPU_JAX_EXTRA=$GPU_JAX_EXTRA" \
-    --tag "$IMAGE" "$CTX"
-  run docker push "$IMAGE"
+    --tag "$WORKER_IMAGE" "$CTX"
+  run docker push "$LAUNCHER_IMAGE"
+  run docker push "$WORKER_IMAGE"
 else
   run gcloud builds submit "$CTX" \
     --project "$PROJECT" \
     --config "$CTX/cloudbuild.yaml" \
-    --substitutions "^~^_IMAGE=$IMAGE~_ACCELERATOR=$VARIANT~_GPU_JAX_EXTRA=$GPU_JAX_EXTRA~_WEIGHTS_URI=$WEIGHTS_URI"
+    --substitutions "^~^_IMAGE=$WORKER_IMAGE~_LAUNCHER_IMAGE=$LAUNCHER_IMAGE~_ACCELERATOR=$VARIANT~_GPU_JAX_EXTRA=$GPU_JAX_EXTRA~_WEIGHTS_URI=$WEIGHTS_URI"
 fi
 
+# The spec names the launcher image; the worker image travels with each launch (sdk_container_image).
 run gcloud dataflow flex-template build "$TEMPLATE" \
   --project "$PROJECT" \
-  --image "$IMAGE" \
+  --image "$LAUNCHER_IMAGE" \
   --sdk-language PYTHON \
   --metadata-file "$HERE/metadata.json"
 
-echo "Built $IMAGE ($VARIANT) and the template spec $TEMPLATE (region $REGION)." >&2
-echo "Launch: templates/run.sh $PROJECT $REGION $BUCKET $IMAGE SETTINGS INPUT OUTPUT [MODEL]" >&2
+echo "Built $WORKER_IMAGE (worker, $VARIANT), $LAUNCHER_IMAGE (launcher) and the template spec $TEMPLATE" \
+  "(region $REGION)." >&2
+echo "Launch: templates/run.sh $PROJECT $REGION $BUCKET $WORKER_IMAGE SETTINGS INPUT OUTPUT [MODEL]" >&2
+echo "$WORKER_IMAGE"

@@ -1,4 +1,4 @@
-"""Flex Template entry point (FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py in the image).
+"""Flex Template entry point (FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py in the launcher image).
 
 Dataflow's template launcher runs `python main.py --runner=DataflowRunner --project=... --<parameter>=<value> ...`.
 This hands those arguments to the job's own entry point (`pipeline.run.main`, what `python -m pipeline.run` runs)
@@ -8,7 +8,8 @@ wait_until_finish raises); `--no_wait_until_finish`, Beam's standard option for 
 
 Two defaults for launches from the image:
 - `--no_wait_until_finish` is added when absent;
-- `--model=$FLUX2_WEIGHTS_DIR` is added when the job names no checkpoint and the image has one baked in there.
+- `--model=$FLUX2_WEIGHTS_DIR` is added when the job names no checkpoint and the build baked one in: the worker
+  image holds the checkpoint there, the launcher image only its JSON configs, enough to check the launch.
 """
 
 from __future__ import annotations

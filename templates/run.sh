@@ -1,26 +1,40 @@
 #!/usr/bin/env bash
 # Launch a FLUX.2 [klein] batch job from the Flex Template; returns once Dataflow has accepted the job.
 #
-#   templates/run.sh [--dry-run] PROJECT REGION BUCKET IMAGE SETTINGS INPUT OUTPUT [MODEL] [-- GCLOUD_FLAGS...]
+#   templates/run.sh [--dry-run] [--use-reservation] [--template GCS_PATH] \
+#       PROJECT REGION BUCKET IMAGE SETTINGS INPUT OUTPUT [MODEL] [-- GCLOUD_FLAGS...]
 #
 #   PROJECT    Google Cloud project id
 #   REGION     Dataflow region (e.g. us-central1); TPU/GPU capacity must exist in one of its zones
 #   BUCKET     bucket name (no gs://): template spec, staging and temp files live there
-#   IMAGE      the image built by templates/build.sh for this settings' variant (tpu or gpu)
-#   SETTINGS   worker settings name: tpu-v5e, tpu-v6e, gpu-l4, gpu-h100 (python3 templates/settings.py --list)
+#   IMAGE      the worker image templates/build.sh printed (IMAGE:VARIANT-YYYYMMDD-HHMMSS), or IMAGE@sha256:...
+#              with --template; the template spec of the same build is gs://BUCKET/templates/flux2-klein-TAG.json
+#   SETTINGS   worker settings name, e.g. tpu-v5e, tpu-v6e-2x2, gpu-l4 (python3 templates/settings.py --list)
 #   INPUT      gs:// prompts file or glob (.jsonl, .csv or .txt)
 #   OUTPUT     gs:// folder for images/, manifest/, errors/ and summary.json
 #   MODEL      checkpoint: gs:// folder (diffusers layout); default: the weights baked into the image
-#   GCLOUD_FLAGS  passed through, e.g. --parameters=height=768 --worker-zone=us-central1-a --max-workers=16
+#   GCLOUD_FLAGS  passed through, e.g. --parameters=height=768 --worker-zone=us-central1-a --max-workers=16;
+#              --additional-experiments=OPTION adds Dataflow service options to the settings' accelerator one
+#
+#   --use-reservation  consume matching Compute Engine reservations (service option
+#                      automatically_use_created_reservation); pair it with --worker-zone=ZONE of the reservation
+#   --template         the template spec to launch (default: the one build.sh wrote for IMAGE's tag)
 #
 # Needs: gcloud (authenticated) and python3 (3.8+, standard library only) to read the settings file.
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
 
-DRY_RUN=0
-if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-case "${1:-}" in -h|--help) usage 0 ;; esac
+DRY_RUN=0 USE_RESERVATION=0 TEMPLATE=""
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    --use-reservation) USE_RESERVATION=1; shift ;;
+    --template) TEMPLATE=${2:?--template needs a value}; shift 2 ;;
+    -h|--help) usage 0 ;;
+    *) break ;;
+  esac
+done
 [ "$#" -ge 7 ] || usage
 PROJECT=$1 REGION=$2 BUCKET=${3#gs://} IMAGE=$4 SETTINGS=$5 INPUT=$6 OUTPUT=$7
 shift 7
@@ -30,7 +44,25 @@ if [ "$#" -gt 0 ]; then
   [ "$1" = "--" ] || { echo "run.sh: extra gcloud flags go after --" >&2; usage; }
   shift
 fi
-EXTRA=("$@")
+
+# Service options the caller adds join the settings' accelerator option in one --additional-experiments flag
+# (the documented way for Flex Templates), so none of them can replace or drop it. The worker zone fills in the
+# settings' ${ZONE}.
+EXTRA=() SERVICE_OPTIONS=() ZONE=""
+for flag in "$@"; do
+  case "$flag" in
+    --additional-experiments=*)
+      IFS=, read -r -a opts <<< "${flag#--additional-experiments=}"
+      SERVICE_OPTIONS+=("${opts[@]}") ;;
+    --additional-experiments|--worker-zone)
+      echo "run.sh: write $flag=VALUE (one argument)" >&2; exit 2 ;;
+    --parameters=dataflow_service_options=*|--parameters=^*^dataflow_service_options=*)
+      echo "run.sh: pass service options as --additional-experiments=OPTION (Dataflow's way for Flex Templates)," \
+        "not as a template parameter" >&2; exit 2 ;;
+    --worker-zone=*) ZONE=${flag#--worker-zone=}; EXTRA+=("$flag") ;;
+    *) EXTRA+=("$flag") ;;
+  esac
+done
 
 for uri in "$INPUT" "$OUTPUT"; do
   case "$uri" in gs://?*) ;; *) echo "run.sh: INPUT and OUTPUT must be gs:// locations, got '$uri'" >&2; exit 2 ;; esac
@@ -39,15 +71,22 @@ done
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHON=${PYTHON:-python3}
 
-# The settings file decides the image variant (and so the template spec) and the worker flags.
-VARIANT=$("$PYTHON" "$HERE/settings.py" "$SETTINGS" --format variant)
-FLAGS_TEXT=$("$PYTHON" "$HERE/settings.py" "$SETTINGS" --image "$IMAGE" --format gcloud)
+# The settings file decides the worker flags; settings.py also rejects an image of the other variant or one that
+# names no build, and finds the build's template spec.
+SETTINGS_ARGS=("$SETTINGS" --image "$IMAGE" --project "$PROJECT")
+if [ -n "$ZONE" ]; then SETTINGS_ARGS+=(--zone "$ZONE"); fi
+if [ "$USE_RESERVATION" = 1 ]; then SETTINGS_ARGS+=(--use-reservation); fi
+for option in "${SERVICE_OPTIONS[@]+"${SERVICE_OPTIONS[@]}"}"; do SETTINGS_ARGS+=(--service-option "$option"); done
+FLAGS_TEXT=$("$PYTHON" "$HERE/settings.py" "${SETTINGS_ARGS[@]}" --format gcloud)
+if [ -z "$TEMPLATE" ]; then
+  TEMPLATE=$("$PYTHON" "$HERE/settings.py" "${SETTINGS_ARGS[@]}" --bucket "$BUCKET" --format template)
+fi
 SETTINGS_FLAGS=()
 while IFS= read -r line; do
   [ -n "$line" ] && SETTINGS_FLAGS+=("$line")
 done <<< "$FLAGS_TEXT"
 
-# A flag in GCLOUD_FLAGS replaces the settings' flag of the same name (or the same --parameters key), so
+# Any other flag in GCLOUD_FLAGS replaces the settings' flag of the same name (or the same --parameters key), so
 # `-- --max-workers=16` or `-- --parameters=disk_size_gb=300` override the settings file.
 flag_key() {  # --max-workers=4 -> --max-workers ; --parameters=^~^a=1 or --parameters=a=1 -> --parameters=a
   local f=${1#--parameters=}
@@ -62,7 +101,6 @@ for flag in "${SETTINGS_FLAGS[@]}"; do
   if [ "$overridden" = 0 ]; then KEPT+=("$flag"); fi
 done
 
-TEMPLATE="gs://$BUCKET/templates/flux2-klein-$VARIANT.json"
 JOB_NAME="flux2-klein-$SETTINGS-$(date -u +%Y%m%d-%H%M%S)"
 
 param() {  # one --parameters flag; values with commas use gcloud's alternate delimiter

@@ -14,6 +14,10 @@ The arithmetic (one model per worker, batches back to back once the worker is wa
 
 `startup` is what a new worker spends before its first image: VM and accelerator start, image pull, weights copy
 (none when baked in), model load and XLA compilation (less with a warm --compilation_cache_dir).
+
+TPU workers bill per chip-hour: Dataflow charges TPU chip-hours and no worker CPU or memory ("Dataflow support for
+TPUs", Pricing), so a worker-hour of ct5lp-hightpu-4t costs 4 chip-hours. Give `--price-per-chip-hour` and
+`--chips-per-worker` for TPU settings, `--price-per-worker-hour` (VM + GPU + disk) for GPU settings.
 Standard library only.
 """
 
@@ -59,13 +63,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="steady-state seconds per image on ONE worker, from the benchmark on its accelerator")
     ap.add_argument("--deadline-hours", type=float, required=True)
     ap.add_argument("--startup-minutes", type=float, default=15.0)
-    ap.add_argument("--price-per-worker-hour", type=float, default=None,
-                    help="VM + accelerator (+ disk) price of one worker for an hour, in your currency")
+    price = ap.add_mutually_exclusive_group()
+    price.add_argument("--price-per-worker-hour", type=float, default=None,
+                       help="GPU workers: VM + accelerator (+ disk) price of one worker for an hour, in your currency")
+    price.add_argument("--price-per-chip-hour", type=float, default=None,
+                       help="TPU workers: the TPU chip-hour price (Dataflow bills TPU jobs per chip-hour)")
+    ap.add_argument("--chips-per-worker", type=int, default=1,
+                    help="TPU chips per worker with --price-per-chip-hour: 1 for *-1t machines, 4 for *-4t")
     ap.add_argument("--quota-workers", type=int, default=None, help="cap from your accelerator quota")
     args = ap.parse_args(argv)
+    worker_price = args.price_per_worker_hour
+    if args.price_per_chip_hour is not None:
+        worker_price = args.price_per_chip_hour * args.chips_per_worker
     try:
+        if args.chips_per_worker < 1:
+            raise ValueError(f"--chips-per-worker must be >= 1, got {args.chips_per_worker}")
         p = plan(args.images, args.seconds_per_image, args.deadline_hours, args.startup_minutes,
-                 args.price_per_worker_hour, args.quota_workers)
+                 worker_price, args.quota_workers)
     except ValueError as e:
         print(f"sizing.py: {e}", file=sys.stderr)
         return 2
@@ -74,6 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     late = " (past the deadline: quota-capped)" if p.wall_hours > args.deadline_hours + 1e-9 else ""
     print(f"wall time: {p.wall_hours:.2f} h{late}")
     print(f"worker-hours: {p.worker_hours:,.1f}")
+    if args.price_per_chip_hour is not None:
+        print(f"chip-hours: {p.worker_hours * args.chips_per_worker:,.1f} (TPU jobs bill per chip-hour)")
     if p.cost is not None:
         print(f"cost: {p.cost:,.2f}  ({p.cost_per_1000_images:.3f} per 1000 images once warm)")
     return 0

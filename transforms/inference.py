@@ -43,6 +43,62 @@ def is_retriable(error: BaseException) -> bool:
     text = f"{type(error).__name__}: {error}"
     return not any(marker in text for marker in _DETERMINISTIC_MARKERS)
 
+# Why JAX on a worker may find no accelerator of the kind the job asked for (shown in AcceleratorError).
+_LIKELY_CAUSES = {
+    "tpu": "libtpu missing from the image (build the tpu variant, jax[tpu]); the VM has no TPU (check the "
+           "worker_accelerator service option and the machine type); the TPU_* runtime variables of --worker_env do "
+           "not match the host (TPU_ACCELERATOR_TYPE, TPU_CHIPS_PER_HOST_BOUNDS); or another process holds "
+           "/dev/vfio (run one SDK process per VM)",
+    "gpu": "no NVIDIA driver on the VM (install-nvidia-driver missing from the worker_accelerator service option); "
+           "a driver older than the image's CUDA wheels need (cuda12: 525.60.13 or newer, cuda13: 580 or newer); or "
+           "an image built without jax[cuda12]",
+}
+
+
+class AcceleratorError(RuntimeError):
+    """JAX on this worker found another platform than --require_accelerator names. Raised at model load, so that a
+    job meant for TPU/GPU stops with the cause instead of generating at CPU speed for hours."""
+
+    def __init__(self, expected: str, found: str, devices: str, reason: str):
+        self.expected = expected
+        self.found = found
+        self.devices = devices
+        self.reason = reason
+        super().__init__(f"--require_accelerator={expected}, but JAX on this worker uses {found!r} ({devices}); "
+                         f"JAX says: {reason}. Likely causes: {_LIKELY_CAUSES.get(expected, 'unknown platform')}")
+
+
+def describe_devices(devices: Sequence[Any]) -> str:
+    """'4 x TPU v5 lite (tpu, 15.8 GiB each)': the chips a model load will use, for the worker log."""
+    if not devices:
+        return "no devices"
+    first = devices[0]
+    try:
+        limit = (first.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - some backends have no memory statistics
+        limit = None
+    memory = f", {limit / 2**30:.1f} GiB each" if limit else ""
+    return f"{len(devices)} x {first.device_kind} ({first.platform}{memory})"
+
+
+def check_accelerator(required: str | None) -> str:
+    """Log the local devices JAX found and return their description; AcceleratorError when `required` ('tpu' or
+    'gpu') is not JAX's platform here. Call it before the model loads: it is what the model's mesh will use."""
+    import jax
+
+    found = jax.default_backend()
+    devices = describe_devices(jax.local_devices())
+    LOGGER.info("model load on %s (JAX backend %s)", devices, found)
+    if required is None or found == required:
+        return devices
+    try:  # the missing backend's own error names the cause (libtpu not found, no CUDA driver, ...)
+        jax.local_devices(backend=required)
+        reason = f"the {required} backend exists but is not JAX's default"
+    except RuntimeError as e:
+        reason = str(e)
+    raise AcceleratorError(required, found, devices, reason)
+
+
 # Loads are counted in a Beam counter, but a model is loaded in DoFn.setup (or in whichever process serves a shared
 # model), where Beam has no metrics context; so loads are noted here and reported from the next bundle of the
 # same process (run_inference, or the fused image writer's finish_bundle).
@@ -105,12 +161,19 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def __init__(self, settings, *, large_model: bool = False, model_copies: int | None = None,
                  env_vars: dict | None = None, inference_retries: int = DEFAULT_INFERENCE_RETRIES,
-                 retry_backoff_s: float = 1.0, load_kwargs: dict | None = None, **load_args):
+                 retry_backoff_s: float = 1.0, load_kwargs: dict | None = None,
+                 require_accelerator: str | None = None, **load_args):
         """`settings` is the `model.options.LoadSettings` that `model.load` receives unchanged, or a checkpoint path
         with `model.load`'s keyword arguments (`dtype=`, `batch_size=`, ...; `load_kwargs` adds more of them). A
         failed batch is run again up to `inference_retries` times (backoff `retry_backoff_s`, doubling) unless the
-        failure is deterministic (see `is_retriable`)."""
+        failure is deterministic (see `is_retriable`). `env_vars` are set before the model loads (Beam's
+        RunInference does it in setup); `require_accelerator` ('tpu' or 'gpu') makes the load fail on another
+        platform (see `check_accelerator`)."""
         super().__init__(large_model=large_model, model_copies=model_copies, env_vars=env_vars or {})
+        if require_accelerator not in (None, *_LIKELY_CAUSES):
+            raise ValueError(f"require_accelerator must be one of {sorted(_LIKELY_CAUSES)} or None, got "
+                             f"{require_accelerator!r}")
+        self._require_accelerator = require_accelerator
         from model.options import LoadSettings  # JAX-free
 
         if not isinstance(settings, LoadSettings):
@@ -126,6 +189,8 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
     def load_model(self) -> LoadedGenerator:
         import model  # lazy: JAX and the model code load only on workers, when the model is needed
 
+        # Before the checkpoint is copied or read: a worker without its accelerator stops here, with the cause.
+        check_accelerator(self._require_accelerator)
         gen = model.load(self.settings)
         _note_model_load()
         return LoadedGenerator(gen)

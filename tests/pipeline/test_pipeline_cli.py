@@ -66,6 +66,42 @@ def test_usage_errors(tmp_path, tiny_ckpt):
         ("./output", "bfloat16", 4, 512, 1024, False)
 
 
+def test_accelerator_options(tmp_path, tiny_ckpt):
+    """--worker_env and --require_accelerator (set by the Dataflow settings files) reach the job's model handler."""
+    from pipeline.run import make_handler
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    base = [f"--model={tiny_ckpt}", f"--input={prompts}"]
+    job = resolve_job(PipelineOptions([*base, "--require_accelerator=tpu",
+                                       "--worker_env=TPU_SKIP_MDS_QUERY=1;TPU_HOST_BOUNDS=1,1,1;EMPTY="]))
+    assert job.require_accelerator == "tpu"
+    assert dict(job.worker_env) == {"TPU_SKIP_MDS_QUERY": "1", "TPU_HOST_BOUNDS": "1,1,1", "EMPTY": ""}
+    handler = make_handler(job)
+    assert handler._env_vars == dict(job.worker_env) and handler._require_accelerator == "tpu"
+    plain = make_handler(resolve_job(PipelineOptions(base)))
+    assert plain._env_vars == {} and plain._require_accelerator is None
+    for bad in ("tpu_skip=1", "A=1;A=2", "A"):
+        with pytest.raises(UsageError, match=f"--worker_env entry '{bad.split(';')[-1]}'"):
+            resolve_job(PipelineOptions([*base, f"--worker_env={bad}"]))
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        resolve_job(PipelineOptions([*base, "--require_accelerator=cuda"]))
+
+
+def test_required_accelerator_stops_a_cpu_job_at_model_load(tmp_path, tiny_ckpt):
+    """On this CPU-only machine a job that requires a GPU fails at model load, naming the platforms, and writes no
+    image: it never generates at CPU speed."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    out = tmp_path / "out"
+    with pytest.raises(Exception) as e:
+        run([f"--model={tiny_ckpt}", f"--input={prompts}", f"--output={out}", "--no_progress",
+             "--require_accelerator=gpu"])
+    assert "AcceleratorError" in f"{type(e.value).__name__}: {e.value}"
+    assert "--require_accelerator=gpu" in str(e.value) and "'cpu'" in str(e.value)
+    assert not list(out.glob("images/*.png"))
+
+
 def test_command_line_reports_usage_errors(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline.run", f"--input={tmp_path}/p.jsonl"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

@@ -1,16 +1,20 @@
 """CI checks for templates/ (Dataflow Flex Template, worker image, worker settings), all without cloud access.
 
-- The worker settings files parse, agree with Dataflow's accelerator/machine-type rules and say what the README says.
-- The Dockerfile's pinned versions equal setup.py's; the Dockerfile lints clean (hadolint, from PyPI); every file it
-  COPYs is in the build context that build.sh stages.
-- build.sh and run.sh run end to end against a stub `gcloud` that records its arguments (and shellcheck cleanly).
+- The worker settings files parse, agree with Dataflow's accelerator/machine-type rules and say what the README says;
+  each TPU file carries the TPU runtime's environment for its chip and host size, each file requires its accelerator.
+- The Dockerfile's pinned versions equal setup.py's; it builds a slim launcher and a worker target; it lints clean
+  (hadolint, from PyPI); every file it COPYs is in the build context that build.sh stages.
+- build.sh and run.sh run end to end against a stub `gcloud` that records its arguments (and shellcheck cleanly):
+  one unique tag per build, service options through --additional-experiments that a caller cannot drop.
 - metadata.json: well formed; every regex accepts the examples its help text documents and rejects bad values;
   it agrees both ways with the pipeline options; the settings' template parameters are all declared in it.
 - The job graph builds for the DataflowRunner without submission (`--dry_run=True`) through the template's own
   entry point (templates/main.py) for a TPU and a GPU settings file, and the job environment carries the settings'
-  accelerator service option, machine type, container image, disk size, thread count and worker cap; the entry
-  point returns without waiting for the job. Every settings file is also checked against the environment of a
-  minimal dry-run job (cheaper than translating the whole graph again).
+  accelerator service option, machine type, container image, disk size and type, thread count and worker cap; the
+  entry point returns without waiting for the job, and the job's model handler carries the worker environment and
+  the accelerator requirement. Every settings file is also checked against the environment of a minimal dry-run job
+  (cheaper than translating the whole graph again) and against the environment its model handler sets on a worker.
+- A worker that must have a TPU or GPU stops at model load when JAX finds only the CPU (this machine).
 
 Nothing here reaches the network: the dry run stays offline (it neither stages nor calls the Dataflow API), and any
 gs:// access goes to the local GCS emulator with NO_GCE_CHECK=true and no credentials (tests/support/gcs_emulator.py).
@@ -47,23 +51,42 @@ def _load_module(name: str, path: Path):
 
 settings = _load_module("flux2_templates_settings", TEMPLATES / "settings.py")
 
-IMAGES = {
-    "tpu": "us-central1-docker.pkg.dev/test-project/flux2/flux2-klein:tpu",
-    "gpu": "us-central1-docker.pkg.dev/test-project/flux2/flux2-klein:gpu",
-}
+# One build's images: build.sh tags every build uniquely (never :tpu / :gpu, which the next build would move).
+IMAGE_NAME = "us-central1-docker.pkg.dev/test-project/flux2/flux2-klein"
+IMAGES = {"tpu": f"{IMAGE_NAME}:tpu-20260101-120000", "gpu": f"{IMAGE_NAME}:gpu-20260101-120000"}
+PROJECT, ZONE = "test-project", "us-central1-b"
 
 # What the README and the issue promise for each ready-made settings file.
 EXPECTED_SETTINGS = {
     "tpu-v5e": ("ct5lp-hightpu-1t", "worker_accelerator=type:tpu-v5-lite-podslice;topology:1x1", "tpu"),
+    "tpu-v5e-2x2": ("ct5lp-hightpu-4t", "worker_accelerator=type:tpu-v5-lite-podslice;topology:2x2", "tpu"),
     "tpu-v6e": ("ct6e-standard-1t", "worker_accelerator=type:tpu-v6e-slice;topology:1x1", "tpu"),
+    "tpu-v6e-2x2": ("ct6e-standard-4t", "worker_accelerator=type:tpu-v6e-slice;topology:2x2", "tpu"),
     "gpu-l4": ("g2-standard-8", "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver", "gpu"),
     "gpu-h100": ("a3-highgpu-1g", "worker_accelerator=type:nvidia-h100-80gb;count:1;install-nvidia-driver", "gpu"),
 }
 
+# The TPU runtime's environment for a custom image on a single-host Dataflow TPU worker (Dataflow's TPU
+# troubleshooting page), written out here rather than computed: TPU_ACCELERATOR_TYPE and TPU_CHIPS_PER_HOST_BOUNDS
+# differ by chip and host size.
+TPU_COMMON = {"TPU_SKIP_MDS_QUERY": "1", "TPU_HOST_BOUNDS": "1,1,1", "TPU_WORKER_HOSTNAMES": "localhost",
+              "TPU_WORKER_ID": "0"}
+EXPECTED_WORKER_ENV = {
+    "tpu-v5e": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1"},
+    "tpu-v5e-2x2": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"},
+    "tpu-v6e": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1"},
+    "tpu-v6e-2x2": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v6e-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"},
+    "gpu-l4": {},
+    "gpu-h100": {},
+}
+# v6e VMs take Hyperdisk only (Cloud TPU: "Attach durable block storage to a TPU VM"); a disk type is zonal.
+HYPERDISK = f"compute.googleapis.com/projects/{PROJECT}/zones/{ZONE}/diskTypes/hyperdisk-balanced"
+EXPECTED_DISK_TYPE = {"tpu-v6e": HYPERDISK, "tpu-v6e-2x2": HYPERDISK}
+
 
 def load_settings(name: str):
     s = settings.load(name)
-    return s.with_image(IMAGES[s.variant])
+    return s.with_image(IMAGES[s.variant], PROJECT, ZONE)
 
 
 def metadata() -> dict:
@@ -92,6 +115,11 @@ def test_settings_say_what_the_docs_say(name):
     assert s.get("machine_type") == machine
     assert s.values("dataflow_service_options") == [accelerator]
     assert s.variant == variant
+    assert s.get("require_accelerator") == variant
+    assert settings.parse_env(s.get("worker_env", "")) == EXPECTED_WORKER_ENV[name]
+    assert s.get("disk_type") == EXPECTED_DISK_TYPE.get(name)
+    if s.get("disk_type"):
+        assert s.get("worker_zone") == ZONE  # the disk type's zone is the workers' zone
     assert "no_use_multiple_sdk_containers" in s.values("experiments")
     assert 1 <= int(s.get("number_of_worker_harness_threads")) <= 4
     assert int(s.get("disk_size_gb")) >= 100  # image (3-8 GB) + klein weights (16-35 GB) + cache, with headroom
@@ -104,16 +132,18 @@ def test_settings_say_what_the_docs_say(name):
 @pytest.mark.parametrize("name", settings.available())
 def test_every_settings_file_validates(name):
     s = settings.load(name)  # validates
-    with pytest.raises(settings.SettingsError, match=r"\$\{IMAGE\}"):
-        s.beam_args()  # the image placeholder must be filled in before use
-    args = s.with_image(IMAGES[s.variant]).beam_args()
+    with pytest.raises(settings.SettingsError, match=r"\$\{(IMAGE|PROJECT|ZONE)\}"):
+        s.beam_args()  # the placeholders must be filled in before use
+    args = s.with_image(IMAGES[s.variant], PROJECT, ZONE).beam_args()
     assert all(re.fullmatch(r"--[a-z_]+=\S+", a) for a in args), args
+    assert not any("${" in a for a in args)
 
 
 GOOD = """\
 # A test worker.
 --machine_type=g2-standard-8
 --dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver
+--require_accelerator=gpu
 --experiments=no_use_multiple_sdk_containers
 --number_of_worker_harness_threads=1
 --disk_size_gb=150
@@ -136,6 +166,13 @@ GOOD = """\
     ("--max_num_workers=4\n", "", "missing --max_num_workers"),
     ("--max_num_workers=4", "--max_num_workers=4\n--max_num_workers=8", "given twice"),
     ("--disk_size_gb=150", "disk_size_gb 150", "expected --name=value"),
+    ("--require_accelerator=gpu", "--require_accelerator=tpu", "--require_accelerator must be gpu"),
+    ("--require_accelerator=gpu\n", "", "missing --require_accelerator"),
+    ("--disk_size_gb=150", "--disk_size_gb=150\n--worker_env=TPU_WORKER_ID=0", "TPU_WORKER_ID in --worker_env of GPU"),
+    ("--disk_size_gb=150", "--disk_size_gb=150\n--worker_env=tpu_id", "must be NAME=value"),
+    ("--disk_size_gb=150", "--disk_size_gb=150\n--disk_type=pd-ssd", "compute.googleapis.com/projects/P"),
+    ("--disk_size_gb=150", "--disk_size_gb=150\n--disk_type=compute.googleapis.com/projects/p/zones/${ZONE}/"
+                           "diskTypes/pd-ssd", "--worker_zone must be ${ZONE}"),
 ])
 def test_settings_validator_rejects(old, new, message):
     assert old in GOOD
@@ -144,10 +181,41 @@ def test_settings_validator_rejects(old, new, message):
         settings.parse(GOOD.replace(old, new))
 
 
+def tpu_text(kind: str, topology: str, machine: str, env: dict, extra: str = "") -> str:
+    """GOOD turned into TPU settings with the given --worker_env."""
+    return GOOD.replace("g2-standard-8", machine).replace(
+        "type:nvidia-l4;count:1;install-nvidia-driver", f"type:{kind};topology:{topology}").replace(
+        "--require_accelerator=gpu", "--require_accelerator=tpu\n--worker_env=" +
+        ";".join(f"{k}={v}" for k, v in env.items()) + extra)
+
+
+V6E_DISK = "\n--disk_type=compute.googleapis.com/projects/${PROJECT}/zones/${ZONE}/diskTypes/hyperdisk-balanced" \
+           "\n--worker_zone=${ZONE}"
+
+
 def test_settings_tpu_topologies_match_machine_types():
-    text = GOOD.replace("g2-standard-8", "ct6e-standard-4t").replace(
-        "type:nvidia-l4;count:1;install-nvidia-driver", "type:tpu-v6e-slice;topology:2x2")
+    text = tpu_text("tpu-v6e-slice", "2x2", "ct6e-standard-4t", EXPECTED_WORKER_ENV["tpu-v6e-2x2"], V6E_DISK)
     assert settings.parse(text).variant == "tpu"
+    # 2x4 hosts: eight chips on one host
+    text = tpu_text("tpu-v5-lite-podslice", "2x4", "ct5lp-hightpu-8t",
+                    {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1"})
+    assert settings.parse(text).accelerator["topology"] == "2x4"
+
+
+@pytest.mark.parametrize("env, extra, message", [
+    ({**EXPECTED_WORKER_ENV["tpu-v6e-2x2"], "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1"}, V6E_DISK,
+     "needs TPU_CHIPS_PER_HOST_BOUNDS=2,2,1 in --worker_env"),
+    ({**EXPECTED_WORKER_ENV["tpu-v6e-2x2"], "TPU_ACCELERATOR_TYPE": "v6e-1"}, V6E_DISK,
+     "needs TPU_ACCELERATOR_TYPE=v6e-4"),
+    ({k: v for k, v in EXPECTED_WORKER_ENV["tpu-v6e-2x2"].items() if k != "TPU_SKIP_MDS_QUERY"}, V6E_DISK,
+     "needs TPU_SKIP_MDS_QUERY=1"),
+    (EXPECTED_WORKER_ENV["tpu-v6e-2x2"], "", "take only hyperdisk-balanced or hyperdisk-ml disks"),
+    (EXPECTED_WORKER_ENV["tpu-v6e-2x2"], V6E_DISK.replace("hyperdisk-balanced", "pd-balanced"),
+     "take only hyperdisk-balanced or hyperdisk-ml disks, got 'pd-balanced'"),
+])
+def test_settings_tpu_runtime_env_and_disk_are_checked(env, extra, message):
+    with pytest.raises(settings.SettingsError, match=re.escape(message)):
+        settings.parse(tpu_text("tpu-v6e-slice", "2x2", "ct6e-standard-4t", env, extra))
 
 
 def test_settings_gcloud_rendering():
@@ -155,21 +223,61 @@ def test_settings_gcloud_rendering():
     args = s.gcloud_args()
     assert "--worker-machine-type=g2-standard-8" in args
     assert "--max-workers=4" in args
-    assert ("--parameters=dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"
-            in args)
+    # Flex Templates take service options through --additional-experiments (the service-options page), not as a
+    # template parameter
+    assert "--additional-experiments=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver" in args
+    assert not any("dataflow_service_options" in a for a in args)
+    assert "--parameters=require_accelerator=gpu" in args
     assert f"--parameters=sdk_container_image={IMAGES['gpu']}" in args
     assert not any(a.startswith("--parameters=machine_type") for a in args)
     # a value with a comma switches gcloud's dict delimiter so it arrives whole
     assert settings.gcloud_parameter("experiments", "a,b") == "--parameters=^~^experiments=a,b"
 
 
+def test_settings_service_options_keep_the_accelerator():
+    s = settings.parse(GOOD).with_image(IMAGES["gpu"])
+    more = s.with_service_options([settings.RESERVATION_OPTION, "enable_prime", settings.RESERVATION_OPTION])
+    (flag,) = [a for a in more.gcloud_args() if a.startswith("--additional-experiments=")]
+    assert flag == ("--additional-experiments=worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver,"
+                    "automatically_use_created_reservation,enable_prime")
+    assert more.beam_args().count("--dataflow_service_options=automatically_use_created_reservation") == 1
+    for bad, message in [("worker_accelerator=type:nvidia-l4;count:2", "already sets the accelerator"),
+                         ("a,b", "not a Dataflow service option"), ("has space", "not a Dataflow service option")]:
+        with pytest.raises(settings.SettingsError, match=message):
+            s.with_service_options([bad])
+
+
+@pytest.mark.parametrize("image, message", [
+    (f"{IMAGE_NAME}:tpu", "names no build"),
+    (f"{IMAGE_NAME}:latest", "names no build"),
+    (IMAGE_NAME, "names no build"),
+    (f"{IMAGE_NAME}@sha256:abc", "64 hex digits"),
+    (IMAGES["gpu"], "is a gpu image, but these settings need the tpu image"),
+    ("my image", "not a container image reference"),
+])
+def test_settings_refuse_images_that_name_no_build(image, message):
+    with pytest.raises(settings.SettingsError, match=re.escape(message)):
+        settings.load("tpu-v5e").with_image(image)
+    # a digest or a build's unique tag is fine, and finds the build's template spec
+    settings.load("tpu-v5e").with_image(f"{IMAGE_NAME}@sha256:{'ab' * 32}")
+    assert settings.template_spec_path("b", IMAGES["tpu"]) == "gs://b/templates/flux2-klein-tpu-20260101-120000.json"
+
+
 def test_settings_cli():
-    out = subprocess.run([sys.executable, str(TEMPLATES / "settings.py"), "tpu-v5e", "--image", IMAGES["tpu"]],
+    cli = [sys.executable, str(TEMPLATES / "settings.py")]
+    out = subprocess.run([*cli, "tpu-v5e", "--image", IMAGES["tpu"]],
                          check=True, capture_output=True, text=True).stdout.splitlines()
     assert out == load_settings("tpu-v5e").beam_args()
-    bad = subprocess.run([sys.executable, str(TEMPLATES / "settings.py"), "no-such-settings", "--format", "variant"],
-                         capture_output=True, text=True)
+    bad = subprocess.run([*cli, "no-such-settings", "--format", "variant"], capture_output=True, text=True)
     assert bad.returncode == 2 and "available" in bad.stderr
+    # v6e's disk type is zonal: without --zone the settings do not render
+    bad = subprocess.run([*cli, "tpu-v6e", "--image", IMAGES["tpu"], "--project", PROJECT], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "${ZONE}" in bad.stderr and "--zone" in bad.stderr
+    out = subprocess.run([*cli, "tpu-v6e", "--image", IMAGES["tpu"], "--project", PROJECT, "--zone", ZONE,
+                          "--use-reservation"], check=True, capture_output=True, text=True).stdout.splitlines()
+    assert f"--disk_type={HYPERDISK}" in out and f"--worker_zone={ZONE}" in out
+    assert "--dataflow_service_options=automatically_use_created_reservation" in out
 
 
 # ------------------------------------------------------------------------------------------- Dockerfile
@@ -212,22 +320,75 @@ def test_dockerfile_pins_equal_setup_py():
     assert "FROM apache/beam_python${PYTHON_VERSION}_sdk:${BEAM_VERSION}" in text
     assert "python" + args["PYTHON_VERSION"].replace(".", "") + "-template-launcher-base" in args["LAUNCHER_IMAGE"]
     assert "FROM python:${PYTHON_VERSION}-" in text
-    # the two variants: jax[tpu] and jax[cuda13] at the pinned jax version
+    # the two variants: jax[tpu] and, by default, jax[cuda12] at the pinned jax version. CUDA 12 wheels need NVIDIA
+    # driver 525.60.13+, the line Dataflow documents for its GPUs; cuda13 (driver 580+) is an opt-in build argument.
     assert 'jax_req="jax[tpu]==${JAX_VERSION}"' in text
-    assert args["ACCELERATOR"] == "tpu" and args["GPU_JAX_EXTRA"] == "cuda13"
+    assert args["ACCELERATOR"] == "tpu" and args["GPU_JAX_EXTRA"] == "cuda12"
     assert 'jax_req="jax[${GPU_JAX_EXTRA}]==${JAX_VERSION}"' in text
+    assert "_GPU_JAX_EXTRA: cuda12" in (TEMPLATES / "cloudbuild.yaml").read_text()
+    assert "GPU_JAX_EXTRA=cuda12" in (TEMPLATES / "build.sh").read_text()
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """{stage name: its instructions} of the Dockerfile's multi-stage build."""
+    stages, name = {}, None
+    for line in DOCKERFILE.read_text().splitlines():
+        m = re.match(r"FROM \S+ AS (\w+)$", line)
+        if m:
+            name = m.group(1)
+            stages[name] = ""
+        elif name:
+            stages[name] += line + "\n"
+    return stages
 
 
 def test_dockerfile_launcher_and_worker_wiring():
-    text = DOCKERFILE.read_text()
-    assert re.search(r"^ENTRYPOINT \[\"/opt/apache/beam/boot\"\]$", text, re.M)
-    assert "COPY --from=beam_sdk /opt/apache/beam /opt/apache/beam" in text
-    assert "/opt/google/dataflow/python_template_launcher" in text
-    assert re.search(r"FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main\.py", text)
+    stages = dockerfile_stages()
+    launcher, worker = stages["launcher"], stages["worker"]
+    assert list(stages)[-1] == "worker"  # a plain `docker build` gives the worker image
+    # the worker: Beam's boot, the accelerator's jax, the weights
+    assert re.search(r"^ENTRYPOINT \[\"/opt/apache/beam/boot\"\]$", worker, re.M)
+    assert "COPY --from=beam_sdk /opt/apache/beam /opt/apache/beam" in worker
+    assert "jax_req" in worker and "COPY weights/" in worker and "pip check" in worker
+    assert "useradd" in worker and re.search(r"^USER \$\{CONTAINER_USER\}$", worker, re.M)
+    # the launcher: the template launcher binary and main.py, no accelerator wheels, no weights (a launch would pull
+    # tens of GB otherwise), only the checkpoint's JSON configs to check the launch
+    assert re.search(r"^ENTRYPOINT \[\"/opt/google/dataflow/python_template_launcher\"\]$", launcher, re.M)
+    assert "COPY --from=template_launcher /opt/google/dataflow/python_template_launcher" in launcher
+    assert re.search(r"FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main\.py", launcher)
+    assert "jax_req" not in launcher and "COPY weights/" not in launcher and "beam_sdk" not in launcher
+    assert "COPY --from=weight_configs /configs/ /opt/flux2-klein/weights/" in launcher
+    configs = stages["weight_configs"]
+    assert "-name '*.json'" in configs and "--mount=type=bind,source=weights" in configs
+    assert "pip check" in launcher
     # no requirements/setup file for the launcher: everything is installed in the image already
+    text = DOCKERFILE.read_text()
     assert "FLEX_TEMPLATE_PYTHON_REQUIREMENTS_FILE" not in text and "FLEX_TEMPLATE_PYTHON_SETUP_FILE" not in text
-    assert "pip check" in text
-    assert "useradd" in text and re.search(r"^USER \$\{CONTAINER_USER\}$", text, re.M)
+    # Cloud Build builds and pushes both targets
+    build = (TEMPLATES / "cloudbuild.yaml").read_text()
+    assert "--target=launcher" in build and "--target=worker" in build
+    assert re.search(r"^images:\n  - \$\{_LAUNCHER_IMAGE\}\n  - \$\{_IMAGE\}$", build, re.M)
+
+
+def test_launcher_checks_a_launch_with_the_checkpoint_configs_alone(tiny_ckpt, tmp_path):
+    """The launcher image holds only the checkpoint's JSON files (the weight_configs stage): enough for main.py to
+    default --model to them and for the launch checks to read the configs."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from pipeline.run import resolve_job
+
+    configs = tmp_path / "weights"
+    for path in Path(tiny_ckpt).rglob("*.json"):  # what `find -name '*.json' -exec cp --parents` copies
+        target = configs / path.relative_to(tiny_ckpt)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    assert not list(configs.rglob("*.safetensors"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    argv = template_main.launcher_argv([f"--input={prompts}", f"--output={tmp_path / 'out'}"],
+                                       {"FLUX2_WEIGHTS_DIR": str(configs)})
+    assert f"--model={configs}" in argv
+    job = resolve_job(PipelineOptions(argv))
+    assert job.model == str(configs)
 
 
 def test_dockerfile_hadolint():
@@ -297,7 +458,8 @@ def test_run_sh_launches_the_template_with_the_settings(name, fake_gcloud):
     model = ["gs://test-bucket/models/FLUX.2-klein-4B"] if s.variant == "gpu" else []
     subprocess.run([str(TEMPLATES / "run.sh"), "test-project", "us-central1", "test-bucket", image, name,
                     "gs://test-bucket/prompts/*.jsonl", "gs://test-bucket/out/run-1", *model, "--",
-                    "--parameters=height=768", "--max-workers=16"], env=env, check=True, capture_output=True)
+                    "--parameters=height=768", "--max-workers=16", f"--worker-zone={ZONE}"],
+                   env=env, check=True, capture_output=True)
     (call,) = calls()
     args = call["args"]
     assert args[:4] == ["dataflow", "flex-template", "run", args[3]] and args[3].startswith(f"flux2-klein-{name}-")
@@ -305,27 +467,86 @@ def test_run_sh_launches_the_template_with_the_settings(name, fake_gcloud):
     flags = dict(a.split("=", 1) if "=" in a else (a, None) for a in args[4:] if a.startswith("--")
                  and not a.startswith("--parameters="))
     positional = dict(zip(args, args[1:]))  # flag -> the argument after it
-    assert positional["--template-file-gcs-location"] == f"gs://test-bucket/templates/flux2-klein-{s.variant}.json"
+    # the template spec of the image's own build (build.sh names it after the build's tag)
+    tag = image.rsplit(":", 1)[1]
+    assert positional["--template-file-gcs-location"] == f"gs://test-bucket/templates/flux2-klein-{tag}.json"
     assert positional["--region"] == "us-central1" and positional["--project"] == "test-project"
     assert flags["--worker-machine-type"] == s.get("machine_type")
     assert flags["--max-workers"] == "16"  # the caller's flag replaced the settings' one
     assert sum(a.startswith("--max-workers") for a in args) == 1
+    assert flags["--worker-zone"] == ZONE and sum(a.startswith("--worker-zone") for a in args) == 1
+    # the accelerator travels as a service option through --additional-experiments, the documented way for Flex
+    # Templates, not as a template parameter
+    assert flags["--additional-experiments"] == s.get("dataflow_service_options")
     params = gcloud_parameters(args)
+    assert "dataflow_service_options" not in params
     assert params["input"] == "gs://test-bucket/prompts/*.jsonl"
     assert params["output"] == "gs://test-bucket/out/run-1"
     assert params.get("model") == (model[0] if model else None)
     assert params["height"] == "768"
-    assert params["dataflow_service_options"] == s.get("dataflow_service_options")
     assert params["sdk_container_image"] == image
     assert params["number_of_worker_harness_threads"] == s.get("number_of_worker_harness_threads")
     assert params["disk_size_gb"] == s.get("disk_size_gb")
+    assert params.get("disk_type") == EXPECTED_DISK_TYPE.get(name)
     assert params["experiments"] == "no_use_multiple_sdk_containers"
+    assert params["require_accelerator"] == s.variant
+    assert settings.parse_env(params.get("worker_env", "")) == EXPECTED_WORKER_ENV[name]
     # every parameter the launch sends is declared in metadata.json and passes its regexes
     declared = metadata_params()
     for key, value in params.items():
         assert key in declared, f"run.sh passes --parameters {key}, which metadata.json does not declare"
         for rx in declared[key].get("regexes", []):
             assert re.fullmatch(rx, value), (key, value, rx)
+
+
+def test_run_sh_adds_service_options_without_dropping_the_accelerator(fake_gcloud):
+    env, calls = fake_gcloud
+    s = load_settings("tpu-v5e")
+    subprocess.run([str(TEMPLATES / "run.sh"), "--use-reservation", "p", "us-central1", "b", IMAGES["tpu"],
+                    "tpu-v5e", "gs://b/in.jsonl", "gs://b/out", "--",
+                    "--additional-experiments=enable_google_cloud_profiler,automatically_use_created_reservation"],
+                   env=env, check=True, capture_output=True)
+    (call,) = calls()
+    experiments = [a for a in call["args"] if a.startswith("--additional-experiments")]
+    assert experiments == [f"--additional-experiments={s.get('dataflow_service_options')},"
+                           "enable_google_cloud_profiler,automatically_use_created_reservation"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--additional-experiments=worker_accelerator=type:tpu-v6e-slice;topology:1x1"], "already sets the accelerator"),
+    (["--parameters=dataflow_service_options=automatically_use_created_reservation"], "--additional-experiments"),
+    (["--parameters=^~^dataflow_service_options=a,b"], "--additional-experiments"),
+    (["--worker-zone", ZONE], "--worker-zone=VALUE"),
+])
+def test_run_sh_refuses_service_options_that_would_replace_the_accelerator(extra, message, fake_gcloud):
+    env, calls = fake_gcloud
+    proc = subprocess.run([str(TEMPLATES / "run.sh"), "p", "us-central1", "b", IMAGES["tpu"], "tpu-v5e",
+                           "gs://b/in.jsonl", "gs://b/out", "--", *extra], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and not calls()
+
+
+@pytest.mark.parametrize("image, settings_name, message", [
+    (f"{IMAGE_NAME}:tpu", "tpu-v5e", "names no build"),
+    (IMAGES["gpu"], "tpu-v5e", "is a gpu image"),
+    (IMAGES["tpu"], "tpu-v6e", "${ZONE}"),  # v6e's Hyperdisk is zonal: no --worker-zone, no launch
+])
+def test_run_sh_refuses_an_image_or_zone_that_does_not_fit(image, settings_name, message, fake_gcloud):
+    env, calls = fake_gcloud
+    proc = subprocess.run([str(TEMPLATES / "run.sh"), "p", "us-central1", "b", image, settings_name,
+                           "gs://b/in.jsonl", "gs://b/out"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and not calls()
+
+
+def test_run_sh_launches_a_digest_with_its_template(fake_gcloud):
+    env, calls = fake_gcloud
+    image = f"{IMAGE_NAME}@sha256:{'0' * 64}"
+    spec = "gs://b/templates/flux2-klein-tpu-20260101-120000.json"
+    subprocess.run([str(TEMPLATES / "run.sh"), "--template", spec, "p", "us-central1", "b", image, "tpu-v5e",
+                    "gs://b/in.jsonl", "gs://b/out"], env=env, check=True, capture_output=True)
+    (call,) = calls()
+    positional = dict(zip(call["args"], call["args"][1:]))
+    assert positional["--template-file-gcs-location"] == spec
+    assert gcloud_parameters(call["args"])["sdk_container_image"] == image
 
 
 def test_run_sh_rejects_local_paths(fake_gcloud):
@@ -351,9 +572,12 @@ def test_build_sh_stages_what_the_dockerfile_copies(fake_gcloud, tmp_path):
     (weights / "transformer").mkdir(parents=True)
     (weights / "model_index.json").write_text("{}")
     (weights / "transformer" / "config.json").write_text("{}")
-    image = IMAGES["gpu"]
-    subprocess.run([str(TEMPLATES / "build.sh"), "test-project", "us-central1", "test-bucket", image, "gpu",
-                    "--weights", str(weights)], env=env, check=True, capture_output=True)
+    proc = subprocess.run([str(TEMPLATES / "build.sh"), "test-project", "us-central1", "test-bucket", IMAGE_NAME,
+                           "gpu", "--weights", str(weights)], env=env, check=True, capture_output=True, text=True)
+    # stdout is the worker image of this build, and nothing else: `GPU_IMAGE=$(templates/build.sh ...)`
+    image = proc.stdout.strip()
+    tag = image.rsplit(":", 1)[1]
+    assert image == f"{IMAGE_NAME}:{tag}" and re.fullmatch(r"gpu-\d{8}-\d{6}", tag)
     submit, template = calls()
     assert submit["args"][:2] == ["builds", "submit"]
     ctx = set(submit["context"])
@@ -363,19 +587,43 @@ def test_build_sh_stages_what_the_dockerfile_copies(fake_gcloud, tmp_path):
             "weights/transformer/config.json", "pipeline", "transforms", "model"} <= ctx
     assert not any(p.startswith((".venv", ".git", "tests")) or "__pycache__" in p for p in ctx)
     subs = submit["args"][submit["args"].index("--substitutions") + 1]
-    assert subs.startswith("^~^") and f"_IMAGE={image}" in subs and "_ACCELERATOR=gpu" in subs
-    assert template["args"][:4] == ["dataflow", "flex-template", "build", "gs://test-bucket/templates/flux2-klein-gpu.json"]
+    assert subs.startswith("^~^") and "_ACCELERATOR=gpu" in subs and "_GPU_JAX_EXTRA=cuda12" in subs
+    assert f"^~^_IMAGE={image}~" in subs and f"~_LAUNCHER_IMAGE={IMAGE_NAME}-launcher:{tag}~" in subs
+    # the spec of this build names this build's launcher image (the workers' image travels with each launch)
+    assert template["args"][:4] == ["dataflow", "flex-template", "build",
+                                    f"gs://test-bucket/templates/flux2-klein-{tag}.json"]
     targs = template["args"]
-    assert targs[targs.index("--image") + 1] == image
+    assert targs[targs.index("--image") + 1] == f"{IMAGE_NAME}-launcher:{tag}"
     assert targs[targs.index("--sdk-language") + 1] == "PYTHON"
     assert Path(targs[targs.index("--metadata-file") + 1]) == METADATA
+    # run.sh finds that spec from the worker image
+    assert settings.template_spec_path("test-bucket", image) == template["args"][3]
 
 
-def test_build_sh_rejects_bad_variant(fake_gcloud):
+def test_build_sh_local_docker_builds_both_targets(fake_gcloud, tmp_path):
     env, calls = fake_gcloud
-    proc = subprocess.run([str(TEMPLATES / "build.sh"), "p", "us-central1", "b", IMAGES["tpu"], "cpu"],
+    proc = subprocess.run([str(TEMPLATES / "build.sh"), "--dry-run", "p", "us-central1", "b", IMAGE_NAME, "tpu",
+                           "--local-docker", "--tag", "tpu-release-7"], env=env, check=True, capture_output=True,
+                          text=True)
+    assert proc.stdout == f"{IMAGE_NAME}:tpu-release-7\n" and not calls()
+    printed = proc.stderr
+    assert f"--target launcher --tag {IMAGE_NAME}-launcher:tpu-release-7" in printed
+    assert f"--target worker --build-arg ACCELERATOR=tpu --build-arg GPU_JAX_EXTRA=cuda12 --tag " \
+           f"{IMAGE_NAME}:tpu-release-7" in printed
+    assert f"docker push {IMAGE_NAME}:tpu-release-7" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    ([IMAGE_NAME, "cpu"], "tpu or gpu"),
+    ([IMAGES["tpu"], "tpu"], "without a tag or digest"),  # every build gets its own tag
+    ([IMAGE_NAME, "tpu", "--tag", "gpu-1"], "must start with tpu-"),
+    ([IMAGE_NAME, "gpu", "--gpu-jax-extra", "cuda11"], "cuda12 or cuda13"),
+])
+def test_build_sh_rejects_bad_arguments(args, message, fake_gcloud):
+    env, calls = fake_gcloud
+    proc = subprocess.run([str(TEMPLATES / "build.sh"), "p", "us-central1", "b", *args],
                           env=env, capture_output=True, text=True)
-    assert proc.returncode == 2 and "tpu or gpu" in proc.stderr and not calls()
+    assert proc.returncode == 2 and message in proc.stderr and not calls()
 
 
 # ------------------------------------------------------------------------------------------- metadata.json
@@ -414,9 +662,13 @@ BAD_VALUES = {
     "checkpoint_cache_dir": ["relative/dir", "gs://b/cache", "~/cache"],
     "compilation_cache_dir": ["relative/dir", "s3://b/cache", "gs://", "~/cache"],
     "input_format": ["json", "JSONL", "tsv", "parquet"],
-    "sdk_container_image": ["my image", "UPPER/x:tag", "gcr.io/p/img:", "https://gcr.io/p/img", "img@sha256:xyz"],
+    "sdk_container_image": ["my image", "UPPER/x:tag", "gcr.io/p/img:", "https://gcr.io/p/img", "img@sha256:xyz",
+                            "gcr.io/p/img:tpu", "gcr.io/p/img:gpu", "gcr.io/p/img:latest", "gcr.io/p/img"],
     "sdk_location": ["default", "gs://b/apache-beam.tar.gz"],
-    "dataflow_service_options": ["has space", ",x", "=x", "x,"],
+    "disk_type": ["pd-ssd", "hyperdisk-balanced", "projects/p/zones/us-east5-b/diskTypes/pd-ssd",
+                  "compute.googleapis.com/projects/p/zones/us-east5-b/diskTypes/"],
+    "require_accelerator": ["cpu", "TPU", "tpu,gpu", "cuda"],
+    "worker_env": ["tpu_id=1", "A=1;;B=2", "A", "A=1 B=2", ";A=1"],
     "experiments": ["has space", ",x", "=x", "x,"],
     "number_of_worker_harness_threads": INT_BAD + ["1000"],
     "disk_size_gb": INT_BAD + ["5"],
@@ -615,6 +867,25 @@ def assert_environment_carries(env, s) -> None:
     (sdk,) = pool.sdk_harness_container_images
     assert sdk.container_image == IMAGES[s.variant]
     assert sdk.use_single_core_per_container  # one SDK process per VM, which owns the accelerator
+    assert pool.disk_type == (s.get("disk_type") or "")
+    assert env.worker_zone == (s.get("worker_zone") or "")
+
+
+def job_model_handler(job):
+    """The model handler inside the dry run's job, unpickled from the RunInference step as a worker would."""
+    from apache_beam.internal import pickler
+    from apache_beam.portability import common_urns
+    from apache_beam.portability.api import beam_runner_api_pb2
+
+    for transform in job.proto_pipeline.components.transforms.values():
+        if transform.spec.urn == common_urns.primitives.PAR_DO.urn and transform.unique_name.startswith("RunInference"):
+            payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
+            fn = pickler.loads(payload.do_fn.payload)[0]
+            while not hasattr(fn, "_model_handler") and hasattr(fn, "_fn"):  # exception-handling wrappers
+                fn = fn._fn
+            if hasattr(fn, "_model_handler"):
+                return fn._model_handler
+    raise AssertionError("no RunInference model handler in the job")
 
 
 def dataflow_argv(bucket: str, name: str) -> list[str]:
@@ -648,6 +919,27 @@ def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket
     assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 768 and job_opts.batch_size == 2
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
     assert any(label.startswith("RunInference") for label in labels)
+    # what the workers receive: the settings' environment (set before the model loads) and the accelerator check
+    handler = job_model_handler(result.job)
+    assert handler._env_vars == EXPECTED_WORKER_ENV[name]
+    assert handler._base._require_accelerator == s.variant
+
+
+@pytest.mark.parametrize("name", settings.available())
+def test_settings_give_the_worker_its_environment(name, dataflow_bucket, monkeypatch):
+    """The model handler that each settings file's job builds sets the settings' variables on a worker before the
+    model loads (Beam's RunInference calls set_environment_vars in setup), and requires the accelerator."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from pipeline.run import make_handler, resolve_job
+
+    argv = [*dataflow_argv(dataflow_bucket, name), f"--input=gs://{dataflow_bucket}/prompts/*.jsonl",
+            f"--output=gs://{dataflow_bucket}/out/{name}", f"--model=gs://{dataflow_bucket}/models/FLUX.2-klein-4B"]
+    handler = make_handler(resolve_job(PipelineOptions(argv))).with_no_batching()  # as the job wraps it
+    for variable in EXPECTED_WORKER_ENV[name]:
+        monkeypatch.setenv(variable, "unset")  # restored after the test
+    handler.set_environment_vars()
+    assert {k: os.environ[k] for k in EXPECTED_WORKER_ENV[name]} == EXPECTED_WORKER_ENV[name]
+    assert handler._base._require_accelerator == settings.load(name).variant
 
 
 @pytest.mark.parametrize("name", settings.available())
@@ -675,6 +967,42 @@ def test_dataflow_launch_rejects_a_local_output(dataflow_bucket, monkeypatch, ca
     assert "gs://" in capsys.readouterr().err
 
 
+# ------------------------------------------------------------------------------------------- fail fast
+def test_requiring_an_accelerator_on_a_cpu_worker_fails_at_load_naming_the_cause(tmp_path):
+    """This machine has only a CPU: a job that requires a TPU or GPU must stop at model load, before any checkpoint
+    is read, with a typed error that names the expected platform, the one found and the likely causes."""
+    from transforms.inference import AcceleratorError, Flux2KleinModelHandler, check_accelerator
+
+    for platform, cause in (("tpu", "libtpu"), ("gpu", "NVIDIA driver")):
+        with pytest.raises(AcceleratorError) as raised:
+            check_accelerator(platform)
+        error = raised.value
+        assert (error.expected, error.found) == (platform, "cpu") and "cpu" in error.devices
+        assert f"--require_accelerator={platform}" in str(error) and "'cpu'" in str(error) and cause in str(error)
+        assert platform in error.reason  # JAX's own words on the missing backend
+        # the handler checks before the model loads: a checkpoint that does not exist is never reached
+        handler = Flux2KleinModelHandler(str(tmp_path / "no-checkpoint"), dtype="float32",
+                                         require_accelerator=platform)
+        with pytest.raises(AcceleratorError, match=f"--require_accelerator={platform}"):
+            handler.load_model()
+    with pytest.raises(ValueError, match="require_accelerator must be one of"):
+        Flux2KleinModelHandler(str(tmp_path), require_accelerator="cuda")
+
+
+def test_no_accelerator_requirement_loads_on_cpu(tiny_ckpt, caplog):
+    """Without --require_accelerator the model loads wherever JAX runs, and the load logs the devices it uses."""
+    import logging
+
+    from transforms.inference import Flux2KleinModelHandler, check_accelerator
+
+    assert check_accelerator(None) == "1 x cpu (cpu)"
+    with caplog.at_level(logging.INFO, logger="transforms.inference"):
+        loaded = Flux2KleinModelHandler(tiny_ckpt, dtype="float32", max_sequence_length=32,
+                                        batch_size=1).load_model()
+    assert loaded is not None
+    assert "model load on 1 x cpu (cpu) (JAX backend cpu)" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------- sizing
 sizing = _load_module("flux2_templates_sizing", TEMPLATES / "sizing.py")
 
@@ -689,6 +1017,16 @@ def test_sizing_arithmetic():
     assert p.cost_per_1000_images == pytest.approx(1000 * 2.5 / 3000)
     with pytest.raises(ValueError):
         sizing.plan(10, 1.0, deadline_hours=0.2, startup_minutes=15)
+
+
+def test_sizing_bills_tpu_workers_per_chip_hour(capsys):
+    """Dataflow bills TPU jobs per chip-hour: a 4-chip worker-hour costs four chip-hours."""
+    args = ["--images", "1000000", "--seconds-per-image", "1.2", "--deadline-hours", "8", "--startup-minutes", "15"]
+    assert sizing.main([*args, "--price-per-chip-hour", "1.5", "--chips-per-worker", "4"]) == 0
+    out = capsys.readouterr().out
+    p = sizing.plan(1_000_000, 1.2, 8, 15, price_per_worker_hour=6.0)
+    assert f"chip-hours: {p.worker_hours * 4:,.1f}" in out and f"cost: {p.cost:,.2f}" in out
+    assert "chip-hour" in sizing.__doc__
 
 
 # ------------------------------------------------------------------------------------------- the docs
@@ -720,21 +1058,58 @@ def test_docs_settings_table_matches_the_settings_files():
             s.get("disk_size_gb"), s.get("max_num_workers")), name
 
 
+def test_docs_tpu_environment_table_matches_the_settings_files():
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| `([^`]+)` \| `([^`]+)` \| `([^`]+)` \|$", dataflow_docs(), re.M)
+    tpu_settings = {n for n in settings.available() if settings.load(n).variant == "tpu"}
+    assert {r[0] for r in rows} == tpu_settings
+    for name, accelerator_type, bounds, also in rows:
+        env = settings.parse_env(settings.load(name).get("worker_env"))
+        documented = dict(pair.split("=", 1) for pair in also.split())
+        assert {**documented, "TPU_ACCELERATOR_TYPE": accelerator_type, "TPU_CHIPS_PER_HOST_BOUNDS": bounds} == env
+
+
+def test_docs_cite_the_documentation_for_each_launch_choice():
+    """The runbook answers each point of the launch review with the page it follows."""
+    docs = dataflow_docs()
+    why = docs[docs.index("## Why the launch is set up this way"):]
+    points = re.findall(r"^(\d)\. \*\*([^*]+)\*\*(.*?)(?=^\d\. \*\*|\Z)", why, re.M | re.S)
+    assert [p[0] for p in points] == ["1", "2", "3", "4", "5", "6"]
+    pages = {
+        "1": ["dataflow/docs/tpu/troubleshoot-tpus", "dataflow/docs/tpu/tpu-support"],
+        "2": ["dataflow/docs/gpu/use-l4-gpus", "docs.jax.dev/en/latest/installation.html"],
+        "3": ["dataflow/docs/reference/service-options", "dataflow/gemma-flex-template"],
+        "4": ["dataflow/docs/guides/templates/configuring-flex-templates", "tpu/docs/setup-persistent-disk"],
+        "5": ["--require_accelerator"],
+        "6": ["dataflow/docs/guides/compute-engine-reservations", "use-gpus#optional_configure_a_provisioning_model"],
+    }
+    for number, _title, text in points:
+        for page in pages[number]:
+            assert page in text, (number, page)
+
+
 def test_docs_build_launch_and_sizing_commands_run(fake_gcloud):
     """Run the docs' own commands (variables, build, launch, sizing) with the stub gcloud."""
     env, calls = fake_gcloud
     blocks = bash_blocks(dataflow_docs())
     (variables,) = [b for b in blocks if b.startswith("export PROJECT=")]
-    runnable = [b for b in blocks if b.startswith(("templates/build.sh", "templates/run.sh", "python3 templates/"))]
-    assert sum(b.startswith("templates/build.sh") for b in runnable) == 1
-    assert sum(b.startswith("templates/run.sh") for b in runnable) == 2
+    runnable = [b for b in blocks if b.startswith(("TPU_IMAGE=$(templates/build.sh", "templates/run.sh",
+                                                   "python3 templates/"))]
+    assert sum(b.startswith("TPU_IMAGE=$(templates/build.sh") for b in runnable) == 1
+    assert sum(b.startswith("templates/run.sh") for b in runnable) == 3
     script = "set -euo pipefail\n" + variables + "\n".join(runnable)
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     commands = [" ".join(c["args"][:3]) for c in calls()]
-    assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 2  # TPU and GPU images
+    assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 2  # TPU and GPU builds
     assert commands.count("dataflow flex-template build") == 2
-    assert commands.count("dataflow flex-template run") == 2
+    runs = [c["args"] for c in calls() if c["args"][:3] == ["dataflow", "flex-template", "run"]]
+    assert len(runs) == 3
+    # each launch names the image its build printed, and the reservation example consumes a reservation
+    images = [gcloud_parameters(args)["sdk_container_image"] for args in runs]
+    assert all(re.fullmatch(rf".*/flux2-klein:(tpu|gpu)-\d{{8}}-\d{{6}}", image) for image in images), images
+    experiments = [next(a for a in args if a.startswith("--additional-experiments=")) for args in runs]
+    assert sum("automatically_use_created_reservation" in e for e in experiments) == 1
+    assert all("worker_accelerator=" in e for e in experiments)
     # the numbers the docs quote are what sizing.py prints
     m = re.search(r"It prints (\d+) workers, ([\d.]+) hours, ([\d.]+) worker-hours and a cost of ([\d.]+)\.",
                   dataflow_docs())
