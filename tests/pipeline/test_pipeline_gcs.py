@@ -118,7 +118,8 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_
     c = counters(result)
     assert c["model_loads"] == 1
     assert (c["images_generated"], c["records_read"], c["records_invalid"], c.get("images_failed", 0),
-            c["records_duplicate"], c["prompts_truncated"], c["records_file_name_collision"]) == (10, 23, 13, 0, 1, 1, 1)
+            c["records_duplicate"], c["prompts_truncated"], c["records_file_name_collision"]) == \
+        (10, 23, 13, 0, 1, 1, 1)
     dist = {d.key.metric.name: d.committed for d in result.metrics().query()["distributions"]
             if d.key.metric.namespace == "flux2"}
     assert dist["batch_size"].max <= 2 and dist["batch_size"].sum == 10  # failed batches: test_fault_pipeline.py
