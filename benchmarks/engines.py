@@ -158,7 +158,7 @@ ABLATIONS = {
 # Not rows: reference mode is the last row; the persistent cache's effect is the cold/warm compile columns;
 # batch_size is the workload; max_buckets bounds memory over many sizes (one size here); context parallelism is a
 # layout over several devices, off by default.
-NOT_ABLATED = ("reference", "batch_size", "compilation_cache_dir", "max_buckets", "context_parallel")
+NOT_ABLATED = ("reference", "batch_size", "compilation_cache_dir", "max_buckets", "context_parallel", "model_shards")
 
 
 def ablation_variants(batch: int, cache_dir: str | None) -> list[Variant]:
