@@ -203,10 +203,6 @@ class Flux2KleinGenerator:
 
     # ------------------------------------------------------------------------------------------------ helpers
 
-    def prompt_truncated(self, prompts: list[str]) -> list[bool]:
-        """Whether each prompt is longer than max_sequence_length tokens (it will be truncated, never rejected)."""
-        return list(self.tokenizer(list(prompts)).truncated)
-
     def latent_grid(self, height: int, width: int) -> tuple[int, int]:
         return height // self.size_multiple, width // self.size_multiple
 
