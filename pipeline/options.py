@@ -1,7 +1,12 @@
-"""The job's pipeline options: every option of the model API, the input/output locations and the job's switches.
+"""The job's pipeline options, declared once in `OPTIONS`: how each parses, its group and its one-line description.
+
+`--help` (pipeline/usage.py), the README's option table and the Flex Template's metadata.json help texts all show
+the description declared here (tests check the last two), so they cannot drift apart. To add an option, add one
+`Option(...)` to `OPTIONS` under its group; the job reads it as `options.view_as(Flux2KleinOptions).<name>`.
 
 Standard Beam options (`--runner`, `--direct_running_mode`, `--direct_num_workers`, Dataflow's `--project`,
-`--region`, `--temp_location`, `--sdk_container_image`, ...) are parsed by Beam itself and pass straight through.
+`--region`, `--temp_location`, `--sdk_container_image`, ...) are Beam's own and pass straight through; an argument
+that is neither is rejected at launch (pipeline/usage.py).
 
 Every option takes `--name=value`, which is how Dataflow Flex Templates pass parameters; the switches
 (`--skip_existing`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
@@ -10,7 +15,9 @@ Every option takes `--name=value`, which is how Dataflow Flex Templates pass par
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+from typing import Any, Callable
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -42,91 +49,161 @@ def str2bool(value) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-def _flag(parser, name: str, help_text: str) -> None:
-    parser.add_argument(name, nargs="?", const=True, default=False, type=str2bool, help=help_text)
+# The groups of --help and of the README's option table, in their order: (key, title).
+GROUPS = (
+    ("input", "Input"),
+    ("output", "Output"),
+    ("model", "Model"),
+    ("generation", "Generation"),
+    ("limits", "Performance and limits"),
+    ("reliability", "Reliability"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of the job: how it parses, where --help lists it, and the one-line description that --help, the
+    README and metadata.json show."""
+
+    name: str  # without the leading --
+    group: str  # a key of GROUPS
+    help: str  # one line: what the option does (no default: `default` / `shown_default` say it)
+    default: Any = None
+    type: Callable[[str], Any] | None = None  # argparse type; None: the text as given
+    choices: tuple[str, ...] | None = None
+    metavar: str = "VALUE"  # the value's placeholder in --help
+    shown_default: str | None = None  # the default as --help shows it, when `default` alone would mislead
+    switch: bool = False  # true/false; bare `--name` means true
+    repeat: bool = False  # may be given more than once; the values are collected in a list
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.name}"
+
+    @property
+    def default_text(self) -> str:
+        """The default as --help and the README show it."""
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.default is None:
+            return "none"
+        if isinstance(self.default, bool):
+            return str(self.default).lower()
+        return str(self.default)
+
+    def add_to(self, parser) -> None:
+        """Declare the option on an argparse parser or argument group."""
+        if self.switch:
+            parser.add_argument(self.flag, nargs="?", const=True, default=bool(self.default), type=str2bool,
+                                metavar="true|false", help=self.help)
+            return
+        kwargs: dict[str, Any] = {"default": self.default, "help": self.help}
+        if self.repeat:
+            kwargs["action"] = "append"
+        if self.type is not None:
+            kwargs["type"] = self.type
+        if self.choices is not None:
+            kwargs["choices"] = self.choices
+        parser.add_argument(self.flag, metavar=self.metavar if self.choices is None else None, **kwargs)
+
+
+OPTIONS = (
+    # --- input
+    Option("input", "input", "Prompt files or globs, gs:// or local (JSONL, CSV or text); repeat the flag or "
+                             "separate them with commas.", repeat=True, metavar="FILES",
+           shown_default="the demo's prompts"),
+    Option("input_format", "input", "Format of the input files; auto picks it by extension (.jsonl, .ndjson, .json, "
+                                    ".csv; else text).", default="auto", choices=INPUT_FORMATS),
+    # --- output
+    Option("output", "output", "Output folder or gs:// prefix: images/, manifest/, errors/ and summary.json; "
+                               "gs:// on Dataflow.", metavar="FOLDER",
+           shown_default=f"{DEFAULT_OUTPUT} on local runners"),
+    Option("skip_existing", "output", "Skip images already written under the output: resume a job.", switch=True,
+           default=False),
+    Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
+           default=False),
+    # --- model
+    Option("model", "model", "FLUX.2 [klein] checkpoint in diffusers layout: a local folder or a gs:// prefix "
+                             "(copied once per machine).", metavar="CHECKPOINT",
+           shown_default="the demo's tiny random-weight checkpoint"),
+    Option("model_variant", "model", "Weight-file variant of the checkpoint, as diffusers' variant= (fp16 for "
+                                     "*.fp16.safetensors).", metavar="VARIANT",
+           shown_default="the files without a variant"),
+    Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
+           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo"),
+    Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
+                                           "flagged in the manifest.", type=int, metavar="TOKENS",
+           shown_default=str(DEFAULT_MAX_SEQUENCE_LENGTH)),
+    Option("checkpoint_cache_dir", "model", "Local folder for the copy of a gs:// checkpoint.", metavar="FOLDER",
+           shown_default="checkpoints/ in $FLUX2_KLEIN_CACHE or ~/.cache/flux2-klein-beam"),
+    # --- generation
+    Option("height", "generation", "Image height in pixels for records that give none; a multiple of 16 (the "
+                                   "checkpoint's size multiple).", type=int, metavar="PIXELS",
+           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo"),
+    Option("width", "generation", "Image width in pixels for records that give none; a multiple of 16 (the "
+                                  "checkpoint's size multiple).", type=int, metavar="PIXELS",
+           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo"),
+    Option("num_inference_steps", "generation", "Denoising steps for records that give none.", type=int,
+           metavar="STEPS", shown_default="the checkpoint's: 4 distilled, 50 base"),
+    Option("guidance_scale", "generation", "Guidance scale for records that give none; ignored by the "
+                                           "guidance-distilled models.", type=float, metavar="SCALE",
+           shown_default="the checkpoint's"),
+    Option("num_images", "generation", "Images per prompt for records that give none; image j uses seed + j.",
+           type=int, default=1, metavar="N"),
+    Option("seed", "generation", "Base seed: a record without a seed gets one derived from this and its id.",
+           type=int, default=0, metavar="SEED"),
+    # --- performance and limits
+    Option("batch_size", "limits", "Images per generate call (the compiled batch); a short batch is padded.",
+           type=int, default=DEFAULT_BATCH_SIZE, metavar="N"),
+    Option("large_model", "limits", "Load one model per machine, shared by its worker processes (Beam "
+                                    "RunInference large_model).", switch=True, default=False),
+    Option("model_copies", "limits", "Exact number of model copies per machine, shared by its worker processes "
+                                     "(Beam RunInference model_copies).", type=int, metavar="N",
+           shown_default="one per worker process"),
+    Option("compilation_cache_dir", "limits", "Persistent XLA compilation cache (local folder or gs://), so "
+                                              "workers skip recompiling.", metavar="FOLDER"),
+    Option("max_pixels", "limits", "Largest height x width a record may ask for.", type=int,
+           default=DEFAULT_MAX_PIXELS, metavar="PIXELS", shown_default=f"{DEFAULT_MAX_PIXELS} = 2048 x 2048"),
+    Option("max_prompt_bytes", "limits", "Largest prompt in UTF-8 bytes; a longer one is an error row naming its "
+                                         "size and the limit.", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
+           metavar="BYTES", shown_default=f"{DEFAULT_MAX_PROMPT_BYTES} = 64 KiB"),
+    Option("max_images", "limits", "Most images one job may generate; a job that would generate more fails "
+                                   "before generating any.", type=int, default=DEFAULT_MAX_IMAGES, metavar="N"),
+    # --- reliability
+    Option("inference_retries", "reliability", "Times a failed batch is run again before its images become "
+                                               "error rows (never for out-of-memory or bad input).", type=int,
+           default=DEFAULT_INFERENCE_RETRIES, metavar="N"),
+    Option("require_accelerator", "reliability", "Stop at model load when JAX on a worker finds another platform "
+                                                 "(CPU: no libtpu or NVIDIA driver).",
+           choices=ACCELERATORS, shown_default="none: any platform"),
+    Option("worker_env", "reliability", "Environment variables set on each worker before the model loads, as "
+                                        "NAME=value pairs separated by ';'.", metavar="NAME=value;..."),
+)
+
+# Names of the options above, in --help order (for tooling such as the Flex Template metadata).
+OPTION_NAMES = tuple(option.name for option in OPTIONS)
+
+
+def options_by_group() -> list[tuple[str, list[Option]]]:
+    """(title, options) for each group of GROUPS that has options, in order; ValueError naming an option whose
+    group is not in GROUPS (it would otherwise be missing from --help)."""
+    titles = dict(GROUPS)
+    for option in OPTIONS:
+        if option.group not in titles:
+            raise ValueError(f"option --{option.name} has group {option.group!r}, which is not one of {list(titles)}")
+    grouped = [(title, [o for o in OPTIONS if o.group == key]) for key, title in GROUPS]
+    return [(title, options) for title, options in grouped if options]
 
 
 class Flux2KleinOptions(PipelineOptions):
-    """Options of `python -m pipeline.run` (FLUX.2 [klein] batch text-to-image)."""
+    """Options of `python -m pipeline.run` (FLUX.2 [klein] batch text-to-image), from `OPTIONS`."""
 
     @classmethod
     def _add_argparse_args(cls, parser):
-        g = parser.add_argument_group("FLUX.2 [klein] batch job")
-        # --- where things are
-        g.add_argument("--input", action="append", default=None,
-                       help="Prompt files or globs, gs:// or local; repeat the flag or separate with commas. "
-                            "JSONL (prompt, id, seed, height, width, num_inference_steps, guidance_scale, "
-                            "num_images), CSV with a header of the same names, or text (one prompt per line). "
-                            "Omit both --input and --model to run the bundled demo.")
-        g.add_argument("--input_format", default="auto", choices=INPUT_FORMATS,
-                       help="Input format; 'auto' picks it from each file's extension (.jsonl/.ndjson/.json, .csv, "
-                            "anything else is text).")
-        g.add_argument("--output", default=None,
-                       help=f"Output folder or gs:// prefix (images/, manifest/, errors/, summary.json). "
-                            f"Default {DEFAULT_OUTPUT} for local runners; required (gs://) on Dataflow.")
-        g.add_argument("--model", default=None,
-                       help="Diffusers-layout FLUX.2 [klein] checkpoint: local folder or gs:// prefix (copied "
-                            "once per worker machine, checksum-verified). Omit with --input for the demo.")
-        g.add_argument("--model_variant", default=None,
-                       help="Weight-file variant of --model, as diffusers' variant= (e.g. fp16 for "
-                            "*.fp16.safetensors). Default: the files without a variant, or a component's only variant.")
-        # --- the model API
-        g.add_argument("--dtype", default=None, choices=DTYPES,
-                       help=f"Compute dtype of the model (default bfloat16; {DEMO_DTYPE} for the demo).")
-        g.add_argument("--height", type=int, default=None,
-                       help=f"Image height for records that do not give one (a multiple of the checkpoint's size "
-                            f"multiple: 16 for FLUX.2 [klein]; default {DEFAULT_SIZE}, {DEMO_SIZE} for the demo).")
-        g.add_argument("--width", type=int, default=None,
-                       help=f"Image width for records that do not give one (a multiple of the checkpoint's size "
-                            f"multiple: 16 for FLUX.2 [klein]; default {DEFAULT_SIZE}, {DEMO_SIZE} for the demo).")
-        g.add_argument("--num_inference_steps", type=int, default=None,
-                       help="Denoising steps for records that do not say (default: the checkpoint's, 4 for "
-                            "the distilled klein models, 50 for the base ones).")
-        g.add_argument("--guidance_scale", type=float, default=None,
-                       help="Guidance scale for records that do not say (default: the checkpoint's; ignored by "
-                            "the guidance-distilled models).")
-        g.add_argument("--num_images", type=int, default=1,
-                       help="Images per prompt for records that do not say; image j uses seed + j.")
-        g.add_argument("--max_sequence_length", type=int, default=None,
-                       help=f"Text-encoder tokens per prompt (default {DEFAULT_MAX_SEQUENCE_LENGTH}); longer prompts "
-                            f"are truncated, counted and flagged in the manifest.")
-        g.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
-                       help="Compiled batch size (images per generate call); short batches are padded.")
-        g.add_argument("--seed", type=int, default=0,
-                       help="Base seed: a record without a seed gets one derived from this and its id.")
-        g.add_argument("--max_pixels", type=int, default=DEFAULT_MAX_PIXELS,
-                       help="Largest height x width accepted (default 4 megapixels).")
-        g.add_argument("--max_prompt_bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
-                       help="Largest prompt accepted, in UTF-8 bytes (default 64 KiB); a longer prompt is an "
-                            "error row naming its size and the limit.")
-        g.add_argument("--max_images", type=int, default=DEFAULT_MAX_IMAGES,
-                       help="Most images one job may generate (default 10,000,000). A job that would generate "
-                            "more fails before generating any, naming both numbers; nothing is half done.")
-        # --- the job
-        _flag(g, "--skip_existing", "Skip requests whose image already exists under the output (resume a job).")
-        _flag(g, "--large_model", "Load one model per machine, shared by every worker process on it (Beam "
-                                  "RunInference large_model), instead of one per process.")
-        g.add_argument("--model_copies", type=int, default=None,
-                       help="Exact number of model copies per machine, shared across processes (Beam "
-                            "RunInference model_copies).")
-        g.add_argument("--inference_retries", type=int, default=DEFAULT_INFERENCE_RETRIES,
-                       help=f"Times a failed inference batch is run again before its images become error rows "
-                            f"(default {DEFAULT_INFERENCE_RETRIES}); out-of-memory and bad-input failures are not "
-                            f"retried.")
-        g.add_argument("--checkpoint_cache_dir", default=None,
-                       help="Local folder for copies of gs:// checkpoints (default checkpoints/ in "
-                            "$FLUX2_KLEIN_CACHE, else $XDG_CACHE_HOME/flux2-klein-beam or ~/.cache/flux2-klein-beam).")
-        g.add_argument("--compilation_cache_dir", default=None,
-                       help="Persistent XLA compilation cache (local folder or gs://) so workers skip recompiling.")
-        _flag(g, "--no_progress", "Do not print the live progress line (local runners).")
-        # --- the accelerator (set by templates/settings/*.flags)
-        g.add_argument("--require_accelerator", default=None, choices=ACCELERATORS,
-                       help="Stop at model load, with an error naming the cause, when JAX on a worker finds another "
-                            "platform (e.g. CPU because libtpu or the NVIDIA driver is missing) instead of "
-                            "generating at CPU speed.")
-        g.add_argument("--worker_env", default=None,
-                       help="Environment variables the model handler sets on each worker before loading the model, "
-                            "as NAME=value pairs separated by ';' (the TPU runtime's TPU_* variables, for example).")
+        for title, options in options_by_group():
+            group = parser.add_argument_group(f"FLUX.2 [klein] job: {title}")
+            for option in options:
+                option.add_to(group)
 
     # ------------------------------------------------------------------------------------------------------------
     def input_patterns(self) -> list[str]:
@@ -146,12 +223,3 @@ class Flux2KleinOptions(PipelineOptions):
                                  f"digits and '_'; pairs separated by ';')")
             env[name] = value
         return env
-
-
-# Names of the options defined above, in order (for tooling such as the Flex Template metadata).
-OPTION_NAMES = (
-    "input", "input_format", "output", "model", "dtype", "height", "width", "num_inference_steps", "guidance_scale",
-    "num_images", "max_sequence_length", "batch_size", "seed", "max_pixels", "max_prompt_bytes", "max_images",
-    "skip_existing", "large_model", "model_copies", "inference_retries", "checkpoint_cache_dir",
-    "compilation_cache_dir", "no_progress", "require_accelerator", "worker_env",
-)

@@ -1,6 +1,7 @@
 """`python -m pipeline.run`: prompts (GCS or local) -> RunInference on FLUX.2 [klein] -> PNGs, manifest, errors.
 
     python -m pipeline.run                                   # the bundled demo (tiny random weights -> noise)
+    python -m pipeline.run --help                            # the job's options; --help_beam: Beam's
     python -m pipeline.run --model=gs://b/FLUX.2-klein-4B --input='gs://b/prompts/*.jsonl' --output=gs://b/out
     python -m pipeline.run ... --direct_running_mode=multi_processing --direct_num_workers=2
     python -m pipeline.run ... --runner=DataflowRunner --project=... --region=... --temp_location=gs://...
@@ -53,6 +54,7 @@ from model.weight_files import validate_variant
 from .demo import DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
 from .errors import UsageError
 from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
+from .usage import BEAM_HELP_FLAG, HELP_FLAGS, check_arguments, format_beam_help, format_help
 
 logger = logging.getLogger("pipeline.run")
 
@@ -339,8 +341,10 @@ def _print_metrics(metrics: dict | None) -> None:
 
 
 def run(argv: list[str] | None = None, *, wait: bool | None = None):
-    """Build and run the job; returns (PipelineResult, summary dict or None). Local runners wait for the end."""
+    """Build and run the job; returns (PipelineResult, summary dict or None). Local runners wait for the end.
+    UsageError before any work for an argument that is not an option of the job or of Beam, or a bad value."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    check_arguments(argv)
     options = PipelineOptions(argv)
     if options.view_as(StandardOptions).runner is None:
         options.view_as(StandardOptions).runner = DEFAULT_RUNNER
@@ -412,6 +416,14 @@ def _use_emulator_credentials() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: --help / --help_beam print the options; a usage error is one line and exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(format_help(), end="")
+        return 0
+    if BEAM_HELP_FLAG in argv:
+        print(format_beam_help(), end="")
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         run(argv)

@@ -39,8 +39,8 @@ def launcher_argv(argv: list[str], environ: dict | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Submit the job; returns the exit status of `python -m pipeline.run` (2 with a one-line error for bad
-    options, which the launcher log then shows)."""
+    """Submit the job; returns the exit status of `python -m pipeline.run` (2 with a one-line error for an unknown
+    option, a bad value or a bad combination, before any work; the launcher log then shows it)."""
     # INFO so the launcher log shows Beam's submission messages (pipeline.run would settle for WARNING).
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from pipeline import run as job  # imported here so that `import main` stays cheap

@@ -31,17 +31,23 @@ from .requests import ImageTask
 
 LOGGER = logging.getLogger(__name__)
 DEFAULT_INFERENCE_RETRIES = 2
-# Failures that would only fail again on the same batch: retrying them wastes the accelerator's time.
-_DETERMINISTIC_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM")
+# How running out of host or accelerator memory reads (XLA: "RESOURCE_EXHAUSTED: Out of memory allocating ...").
+_OUT_OF_MEMORY_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM", "MemoryError")
+
+
+def is_out_of_memory(error: BaseException | str) -> bool:
+    """Whether a failed generate call (the exception, or its text as a dead-letter row carries it) ran out of host
+    or accelerator memory: the same batch would need the same memory again."""
+    if isinstance(error, MemoryError):
+        return True
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return any(marker in text for marker in _OUT_OF_MEMORY_MARKERS)
 
 
 def is_retriable(error: BaseException) -> bool:
     """Whether a failed generate call is worth running again: not for bad input (ValueError/TypeError) or memory
     exhaustion (the same batch needs the same memory); yes for everything else (a lost device, a runtime fault)."""
-    if isinstance(error, (ValueError, TypeError, MemoryError)):
-        return False
-    text = f"{type(error).__name__}: {error}"
-    return not any(marker in text for marker in _DETERMINISTIC_MARKERS)
+    return not (isinstance(error, (ValueError, TypeError)) or is_out_of_memory(error))
 
 # Why JAX on a worker may find no accelerator of the kind the job asked for (shown in AcceleratorError).
 _LIKELY_CAUSES = {

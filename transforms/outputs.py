@@ -24,6 +24,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from . import layout, retries
+from .inference import is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .requests import ImageTask
 
@@ -271,9 +272,15 @@ class SkipExisting(beam.PTransform):
 
 
 # --------------------------------------------------------------------------------------------- failed batches
+# What the error row of a batch that ran out of memory suggests.
+OUT_OF_MEMORY_REMEDY = ("Use a smaller size (the records' height and width, or --height / --width) or a smaller "
+                        "--batch_size; on TPU or GPU workers, a machine type with more chips (each batch is sharded "
+                        "over a worker's chips) or more memory per chip.")
+
+
 def failed_batch_rows(failed) -> Iterable[dict]:
     """A RunInference dead-letter element `(batch of ImageTask, (exc type, repr, traceback))` -> one error row
-    per image of the batch, carrying the exception."""
+    per image of the batch, carrying the exception; out of memory, the row says so and what to change."""
     batch, exc_info = failed
     exc_type, exc_repr = (exc_info[0], exc_info[1]) if isinstance(exc_info, tuple) else (type(exc_info), exc_info)
     type_name = getattr(exc_type, "__name__", str(exc_type))
@@ -285,11 +292,16 @@ def failed_batch_rows(failed) -> Iterable[dict]:
     message = layout.truncate_record(message, 2000)
     tasks = list(batch)
     Metrics.counter(METRICS_NAMESPACE, "images_failed").inc(len(tasks))
+    reason = f"inference failed for a batch of {len(tasks)} image(s): {message}"
+    if tasks and is_out_of_memory(message):
+        first = tasks[0].request  # a batch has one shape
+        reason = (f"out of memory: this machine cannot hold a batch of {len(tasks)} image(s) at "
+                  f"{first.height}x{first.width}. {OUT_OF_MEMORY_REMEDY} The error: {message}")
     for task in tasks:
         r = task.request
         yield layout.error_row(
             source=r.source, line=r.line, id=r.id, kind=layout.INFERENCE_FAILED, file_name=task.file_name,
-            reason=f"inference failed for a batch of {len(tasks)} image(s): {message}",
+            reason=reason,
             record={"prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width,
                     "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale})
 

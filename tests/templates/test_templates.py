@@ -772,6 +772,27 @@ def test_required_template_parameters():
     assert required == REQUIRED_ON_DATAFLOW | argparse_required
 
 
+def test_metadata_help_texts_are_the_option_descriptions():
+    """A job option's help text in metadata.json starts with its one-line description in pipeline/options.py (what
+    --help and the README show); what follows is for template launches only, then the examples."""
+    from pipeline.options import OPTIONS
+
+    params = metadata_params()
+    for option in OPTIONS:
+        if option.name in params:
+            assert params[option.name]["helpText"].startswith(option.help + " "), (
+                f"metadata.json's helpText of {option.name} must start with its description in pipeline/options.py: "
+                f"{option.help!r}")
+
+
+@pytest.mark.parametrize("name", settings.available())
+def test_settings_arguments_are_known_options(name):
+    """Every argument a settings file gives a launch is an option of the job or of Beam (else the launch stops)."""
+    from pipeline.usage import check_arguments
+
+    check_arguments(load_settings(name).beam_args())
+
+
 @pytest.mark.parametrize("name", sorted(metadata_params()))
 def test_documented_examples_parse_as_options(name):
     param = metadata_params()[name]
@@ -805,6 +826,18 @@ def test_launcher_argv_defaults(tmp_path):
     # the job's own --model and --no_wait_until_finish win
     argv = ["--model=gs://b/ckpt", "--no_wait_until_finish"]
     assert template_main.launcher_argv(argv, env) == argv
+
+
+def test_launcher_stops_on_an_unknown_option_or_a_bad_value(capsys, tmp_path):
+    """The template's entry point checks its arguments like `python -m pipeline.run`: exit status 2 with a one-line
+    error naming the argument, before any input is read or any model loaded."""
+    base = ["--runner=DataflowRunner", "--project=test-project", "--region=us-central1",
+            f"--model={tmp_path / 'missing'}", "--input=gs://b/p.jsonl", "--output=gs://b/out"]
+    assert template_main.main([*base, "--num_inference_step=8"]) == 2
+    assert "error: unknown option --num_inference_step=8 (did you mean --num_inference_steps?)" in \
+        capsys.readouterr().err
+    assert template_main.main([*base, "--height=abc"]) == 2
+    assert "error: --height=abc: expected a whole number" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------- Dataflow dry run

@@ -87,6 +87,24 @@ def test_failed_batch_rows_one_per_image():
     assert rows[0]["source"] == "gs://b/p.jsonl"
 
 
+def test_out_of_memory_rows_say_so_and_what_to_change():
+    """A batch the machine cannot hold: the row says out of memory, at which size and batch, and the remedy, with
+    the allocator's message after it; other failures keep the plain message."""
+    from transforms.inference import is_out_of_memory, is_retriable
+
+    tasks = [ImageTask(request("a", height=512, width=256), 0), ImageTask(request("b", height=512, width=256), 0)]
+    oom = "JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 72000000000 bytes.')"
+    rows = list(failed_batch_rows((tasks, (RuntimeError, oom, ["Traceback ..."]))))
+    for row in rows:
+        assert row["reason"].startswith("out of memory: this machine cannot hold a batch of 2 image(s) at 512x256.")
+        assert "--batch_size" in row["reason"] and "more chips" in row["reason"] and oom in row["reason"]
+    fault = RuntimeError("device lost")
+    (row,) = failed_batch_rows(([tasks[0]], (type(fault), repr(fault), [])))
+    assert row["reason"] == f"inference failed for a batch of 1 image(s): {fault!r}"
+    assert is_out_of_memory(MemoryError()) and is_out_of_memory(oom) and not is_out_of_memory(fault)
+    assert not is_retriable(MemoryError()) and not is_retriable(RuntimeError(oom)) and is_retriable(fault)
+
+
 def _png_for(task, *, steps=4, guidance=1.0, truncated=False, size=None) -> bytes:
     h, w = size or (task.request.height, task.request.width)
     pixels = np.random.default_rng(task.seed).integers(0, 256, (h, w, 3), dtype=np.uint8)

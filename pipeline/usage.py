@@ -1,0 +1,225 @@
+"""The job's command line: `--help`, `--help_beam`, the README's option table, and the launch check of arguments.
+
+Beam's option parsing keeps the arguments it knows and silently drops the rest, so a misspelled option
+(`--num_inference_step=8`, `--hieght=64`) used to run the job with the default. `check_arguments` parses the
+arguments against every option of the job and of every registered Beam `PipelineOptions` class (runner, Dataflow,
+worker, direct-runner options) and raises a UsageError, before any input is read or any model loaded, for an
+argument that is none of them (naming the closest known option) or a value that does not parse.
+
+    python -m pipeline.usage --markdown     # the option table of README.md (tests check that the README has it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import re
+import shutil
+import sys
+import textwrap
+
+from apache_beam.options.pipeline_options import PipelineOptions
+# Beam's parser class: its option classes declare some options with `add_value_provider_argument`, which only it has.
+from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+from .errors import OptionValueError, UnknownOptionError, UsageError
+from .options import Flux2KleinOptions, Option, options_by_group
+
+PROG = "python -m pipeline.run"
+HELP_FLAGS = ("-h", "--help")
+BEAM_HELP_FLAG = "--help_beam"
+HELP_WIDTH = 120  # at most; a narrower terminal narrows it (COLUMNS too), output to a pipe or file keeps it
+# Beam options a launch of this job commonly sets (listed at the end of --help; --help_beam lists them all).
+COMMON_BEAM_OPTIONS = (
+    "runner", "direct_running_mode", "direct_num_workers", "project", "region", "temp_location", "staging_location",
+    "job_name", "sdk_container_image", "sdk_location", "experiments", "dataflow_service_options", "machine_type",
+    "max_num_workers", "number_of_worker_harness_threads", "disk_size_gb", "disk_type", "worker_zone",
+)
+
+DESCRIPTION = (
+    "FLUX.2 [klein] text-to-image as an Apache Beam batch job: prompt files in; PNGs, a manifest, error rows and "
+    "summary.json out (README.md, 'The batch job: I/O contract'). With neither --input nor --model it runs the "
+    "bundled demo: a tiny random-weight checkpoint, so noise images. Options take --name=value; switches also work "
+    "bare (--skip_existing). An argument that is not an option of the job or of Beam stops the job before it starts."
+)
+
+
+class _CheckingParser(_BeamArgumentParser):
+    """Beam's argument parser, raising the job's UsageError instead of printing argparse's usage and exiting."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def option_classes() -> list[type]:
+    """The job's options class and every registered Beam `PipelineOptions` class that declares options (subclasses
+    of subclasses included), each once."""
+    found: dict[str, type] = {}
+    pending = list(PipelineOptions.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        pending.extend(cls.__subclasses__())
+        if "_add_argparse_args" in cls.__dict__:
+            found.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
+    return list(found.values())
+
+
+def known_options_parser() -> _CheckingParser:
+    """A parser that knows every option of the job and of Beam (the arguments `PipelineOptions` would use)."""
+    # Like Beam's own parsing: no abbreviations (--num_inference_step is not --num_inference_steps), and a later
+    # declaration of an option name replaces an earlier one instead of failing.
+    parser = _CheckingParser(prog=PROG, add_help=False, allow_abbrev=False, conflict_handler="resolve",
+                             exit_on_error=False)
+    for cls in option_classes():
+        cls._add_argparse_args(parser)  # noqa: SLF001 - Beam's declared extension point for option classes
+    return parser
+
+
+def check_arguments(argv: list[str]) -> None:
+    """UsageError (exit status 2 from the command line) unless every argument is a known option with a value that
+    parses: UnknownOptionError names each unknown argument and the closest known option, OptionValueError the
+    option, its value and what it accepts."""
+    parser = known_options_parser()
+    try:
+        _, unknown = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as e:
+        raise _value_error(e) from None
+    if unknown:
+        known = [s for action in parser._actions for s in action.option_strings]  # noqa: SLF001
+        raise UnknownOptionError(_unknown_arguments(unknown, known),
+                                 f"'{PROG} --help' lists the job's options, '{PROG} {BEAM_HELP_FLAG}' Beam's")
+
+
+def _unknown_arguments(unknown: list[str], known: list[str]) -> list[tuple[str, str | None]]:
+    """(argument, closest known option) for each argument argparse left over; the value that follows an unknown
+    `--name value` belongs to it and is not listed again."""
+    job = [option.flag for _, options in options_by_group() for option in options]
+    found: list[tuple[str, str | None]] = []
+    previous = None
+    for arg in unknown:
+        if arg.startswith("-") and arg != "--":
+            found.append((arg, closest_option(arg, job, known)))
+        elif not (previous and previous.startswith("-") and "=" not in previous):
+            found.append((arg, None))
+        previous = arg
+    return found
+
+
+def closest_option(argument: str, job: list[str], known: list[str]) -> str | None:
+    """The known option an unknown `argument` most likely meant: the same name with '_' for '-', else a job option
+    that is very close, else any option that is close; None when nothing is."""
+    name = "--" + argument.split("=", 1)[0].lstrip("-").replace("-", "_")
+    if argument.split("=", 1)[0] in HELP_FLAGS + (BEAM_HELP_FLAG,):
+        return f"'{PROG} {argument}' on its own"
+    if name in known:
+        return name
+    for candidates, cutoff in ((job, 0.8), (known, 0.6)):
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
+        if close:
+            return close[0]
+    return None
+
+
+def _value_error(error: argparse.ArgumentError) -> OptionValueError:
+    """argparse's complaint about a value as an OptionValueError that says what the option accepts."""
+    option, message = error.argument_name or "argument", error.message
+    match = re.fullmatch(r"invalid (\w+) value: (.*)", message)
+    if match:
+        kind = {"int": "a whole number", "float": "a number"}.get(match.group(1), f"a {match.group(1)} value")
+        return OptionValueError(option, _literal(match.group(2)), f"expected {kind}")
+    match = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", message)
+    if match:
+        choices = ", ".join(_literal(c.strip()) for c in match.group(2).split(","))
+        return OptionValueError(option, _literal(match.group(1)), f"expected one of {choices}")
+    if message == "expected one argument":
+        metavar = {o.flag: o.metavar for _, options in options_by_group() for o in options}.get(option, "VALUE")
+        return OptionValueError(option, None, f"needs a value: {option}={metavar}")
+    return OptionValueError(option, None, message)
+
+
+def _literal(text: str) -> str:
+    """A value as argparse quoted it ('abc'), unquoted."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------------------- help
+def _invocation(option: Option) -> str:
+    if option.switch:
+        return f"{option.flag}[=true|false]"
+    if option.choices:
+        return f"{option.flag}={{{','.join(option.choices)}}}"
+    return f"{option.flag}={option.metavar}"
+
+
+def _help_width() -> int:
+    return max(60, min(HELP_WIDTH, shutil.get_terminal_size((HELP_WIDTH, 24)).columns))
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    return textwrap.fill(text, _help_width(), initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def format_help() -> str:
+    """What `python -m pipeline.run --help` prints: the job's options by group, each with its default and its
+    one-line description, then where Beam's own options are listed."""
+    lines = [f"usage: {PROG} [--input=FILES --model=CHECKPOINT] [--output=FOLDER] [--name=value ...]", "",
+             _wrap(DESCRIPTION)]
+    for title, options in options_by_group():
+        lines += ["", f"{title}:"]
+        for option in options:
+            lines.append(f"  {_invocation(option)}  (default: {option.default_text})")
+            lines.append(_wrap(option.help, "      "))
+    beam = ", ".join(f"--{name}" for name in COMMON_BEAM_OPTIONS)
+    lines += ["", _wrap(f"Beam's own options pass through to Beam, for example {beam}. With no --runner the job "
+                        f"runs on Beam's FnApiRunner, in this process; templates/README.md shows a Dataflow launch. "
+                        f"Every Beam option, with its help:"),
+              f"  {PROG} {BEAM_HELP_FLAG}"]
+    return "\n".join(lines) + "\n"
+
+
+def format_beam_help() -> str:
+    """What `python -m pipeline.run --help_beam` prints: every registered Beam option class's options and help."""
+    formatter = argparse.HelpFormatter(PROG, width=_help_width())
+    formatter.add_text(f"Beam's options, which {PROG} passes to Beam ('{PROG} --help' lists the job's own):")
+    for cls in option_classes():
+        if cls is Flux2KleinOptions:
+            continue
+        parser = _BeamArgumentParser(add_help=False, allow_abbrev=False, conflict_handler="resolve")
+        cls._add_argparse_args(parser)  # noqa: SLF001
+        formatter.start_section(cls.__name__)
+        formatter.add_arguments(parser._actions)  # noqa: SLF001
+        formatter.end_section()
+    return formatter.format_help()
+
+
+def markdown_table() -> str:
+    """The README's option table: option, default and description of every job option, by group."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("*", "\\*")
+
+    rows = ["| option | default | what it does |", "|---|---|---|"]
+    for title, options in options_by_group():
+        rows.append(f"| **{cell(title)}** | | |")
+        for option in options:
+            rows.append(f"| `{option.flag}` | {cell(option.default_text)} | {cell(option.help)} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--markdown"]:
+        print(markdown_table(), end="")
+        return 0
+    print(f"usage: python -m pipeline.usage --markdown   (the job's own help: {PROG} --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
