@@ -155,6 +155,9 @@ OPTIONS = (
     # --- performance and limits
     Option("batch_size", "limits", "Images per generate call (the compiled batch); a short batch is padded.",
            type=int, default=DEFAULT_BATCH_SIZE, metavar="N"),
+    Option("model_shards", "limits", "Chips that share one copy of the weights (tensor parallel); the copies on a "
+                                     "host split the batch.", type=int, default=1,
+           metavar="N"),
     Option("large_model", "limits", "Load one model per machine, shared by its worker processes (Beam "
                                     "RunInference large_model).", switch=True, default=False),
     Option("model_copies", "limits", "Exact number of model copies per machine, shared by its worker processes "

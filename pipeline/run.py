@@ -170,6 +170,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
             cache_dir=o.checkpoint_cache_dir,
             engine=EngineOptions(batch_size=count("--batch_size", o.batch_size if o.batch_size is not None
                                                   else DEFAULT_BATCH_SIZE),
+                                 model_shards=count("--model_shards", o.model_shards),
                                  compilation_cache_dir=o.compilation_cache_dir))
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -651,6 +651,7 @@ BAD_VALUES = {
     "num_images": INT_BAD + ["100"],
     "max_sequence_length": INT_BAD,
     "batch_size": INT_BAD,
+    "model_shards": INT_BAD,
     "seed": ["-1", "abc", "1.5", "12345678901234567890"],
     "max_pixels": INT_BAD,
     "max_prompt_bytes": INT_BAD,
