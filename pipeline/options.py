@@ -18,7 +18,8 @@ from model.contract import (
 )
 from model.options import DTYPE_NAMES as DTYPES
 from transforms.inference import DEFAULT_INFERENCE_RETRIES
-from transforms.requests import FORMATS
+from transforms.columns import RENAMABLE
+from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
 
 from .demo import DEMO_DTYPE, DEMO_SIZE
 
@@ -116,6 +117,7 @@ class Flux2KleinOptions(PipelineOptions):
         g.add_argument("--compilation_cache_dir", default=None,
                        help="Persistent XLA compilation cache (local folder or gs://) so workers skip recompiling.")
         _flag(g, "--no_progress", "Do not print the live progress line (local runners).")
+        _add_input_table_args(parser)
 
     # ------------------------------------------------------------------------------------------------------------
     def input_patterns(self) -> list[str]:
@@ -126,6 +128,36 @@ class Flux2KleinOptions(PipelineOptions):
         return patterns
 
 
+# --- input tables: TSV, Parquet and BigQuery inputs, column mapping and extra columns (transforms/columns.py)
+def _add_input_table_args(parser) -> None:
+    t = parser.add_argument_group(
+        "FLUX.2 [klein] batch job: input tables",
+        "--input also takes TSV (.tsv, header required) and Parquet (.parquet) tables and BigQuery tables "
+        "(bq://project.dataset.table); --input_format also tsv and parquet. A table's header (or schema) must have "
+        "the prompt column, checked at launch; its other columns go to the manifest under 'metadata'.")
+    t.add_argument("--prompt_column", default="prompt",
+                   help="Column (or JSON key) holding the prompt (default prompt; matched exactly, else ignoring "
+                        "case).")
+    t.add_argument("--id_column", default="id", help="Column (or JSON key) holding the record's id (default id).")
+    t.add_argument("--column_map", default=None,
+                   help="Columns named differently from the generation fields, as old=new pairs separated by "
+                        "commas, e.g. cfg=guidance_scale,step=num_inference_steps. Targets: "
+                        f"{', '.join(RENAMABLE)}.")
+    t.add_argument("--max_metadata_bytes", type=int, default=DEFAULT_MAX_METADATA_BYTES,
+                   help=f"Largest size of a record's extra columns as JSON, in UTF-8 bytes (default "
+                        f"{DEFAULT_MAX_METADATA_BYTES}); a record above it is an error row.")
+    t.add_argument("--input_query", default=None,
+                   help="A BigQuery standard-SQL query whose rows are the prompt records (with or instead of "
+                        "--input); needs --temp_location on gs://.")
+    t.add_argument("--bigquery_temp_dataset", default=None,
+                   help="BigQuery dataset (project.dataset) to hold --input_query's result; default: a temporary "
+                        "dataset Beam creates and deletes.")
+
+
+INPUT_TABLE_OPTION_NAMES = ("prompt_column", "id_column", "column_map", "max_metadata_bytes", "input_query",
+                            "bigquery_temp_dataset")
+
+
 # Names of the options defined above, in order (for tooling such as the Flex Template metadata).
 OPTION_NAMES = (
     "input", "input_format", "output", "model", "dtype", "height", "width", "num_inference_steps", "guidance_scale",
@@ -133,3 +165,4 @@ OPTION_NAMES = (
     "skip_existing", "large_model", "model_copies", "inference_retries", "checkpoint_cache_dir",
     "compilation_cache_dir", "no_progress",
 )
+OPTION_NAMES += INPUT_TABLE_OPTION_NAMES
