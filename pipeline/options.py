@@ -26,7 +26,7 @@ from model.contract import (
 )
 from model.options import DTYPE_NAMES as DTYPES
 from transforms.inference import DEFAULT_INFERENCE_RETRIES
-from transforms.requests import FORMATS
+from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
 
 from .demo import DEMO_DTYPE, DEMO_SIZE
 
@@ -109,11 +109,23 @@ class Option:
 
 OPTIONS = (
     # --- input
-    Option("input", "input", "Prompt files or globs, gs:// or local (JSONL, CSV or text); repeat the flag or "
-                             "separate them with commas.", repeat=True, metavar="FILES",
-           shown_default="the demo's prompts"),
-    Option("input_format", "input", "Format of the input files; auto picks it by extension (.jsonl, .ndjson, .json, "
-                                    ".csv; else text).", default="auto", choices=INPUT_FORMATS),
+    Option("input", "input", "Prompt files or globs (gs:// or local; JSONL, CSV, TSV, Parquet or text) or "
+                             "bq:// tables; repeat the flag or use commas.",
+           repeat=True, metavar="FILES", shown_default="the demo's prompts"),
+    Option("input_format", "input", "Format of the input files; auto picks it by extension (.jsonl, .csv, .tsv, "
+                                    ".parquet, ...; else text).", default="auto", choices=INPUT_FORMATS),
+    Option("prompt_column", "input", "Column (or JSON key) holding the prompt; matched exactly, else ignoring case.",
+           default="prompt", metavar="NAME"),
+    Option("id_column", "input", "Column (or JSON key) holding the record's id.", default="id", metavar="NAME"),
+    Option("column_map", "input", "Columns named otherwise, as old=new pairs (new: a generation field such as "
+                                  "guidance_scale).", metavar="OLD=NEW,..."),
+    Option("max_metadata_bytes", "input", "Largest size of a record's extra columns (manifest 'metadata') as JSON; "
+                                          "a larger record is an error row.", type=int,
+           default=DEFAULT_MAX_METADATA_BYTES, metavar="BYTES"),
+    Option("input_query", "input", "BigQuery standard-SQL query whose rows are prompt records (needs a gs:// "
+                                   "--temp_location).", metavar="SQL"),
+    Option("bigquery_temp_dataset", "input", "BigQuery dataset (project.dataset) for --input_query's result.",
+           metavar="DATASET", shown_default="a temporary one Beam creates"),
     # --- output
     Option("output", "output", "Output folder or gs:// prefix: images/, manifest/, errors/ and summary.json; "
                                "gs:// on Dataflow.", metavar="FOLDER",

@@ -4,6 +4,8 @@
     python -m pipeline.run --help                            # the job's options; --help_beam: Beam's
     python -m pipeline.run --model=gs://b/FLUX.2-klein-4B --input='gs://b/prompts/*.jsonl' --output=gs://b/out
     python -m pipeline.run ... --direct_running_mode=multi_processing --direct_num_workers=2
+    python -m pipeline.run --model=... --input=prompts.tsv --prompt_column=Prompt --output=...
+    python -m pipeline.run --model=... --input=bq://project.dataset.table --temp_location=gs://b/tmp ...
     python -m pipeline.run ... --runner=DataflowRunner --project=... --region=... --temp_location=gs://...
 
 Runner: with no `--runner`, the job runs on Beam's FnApiRunner (the DirectRunner family's portable Python runner,
@@ -11,7 +13,8 @@ honouring `--direct_running_mode` / `--direct_num_workers`). Beam's plain `Direc
 runner, a binary it downloads from GitHub (fails or hangs offline); naming FnApiRunner skips that.
 
 The graph (every step a transform from `transforms/`):
-  patterns -> ReadRequests -> DeduplicateRequests -> image tasks -> [SkipExisting] -> BatchByShape
+  patterns -> ReadRequests (+ ReadBigQueryRequests per table or query) -> DeduplicateRequests -> image tasks
+  -> [SkipExisting] -> BatchByShape
   -> RunInference(Flux2KleinModelHandler).with_exception_handling() -> WriteImages -> manifest
   invalid records + conflicting ids + failed batches -> errors;   counts of everything -> summary.json
 """
@@ -32,9 +35,12 @@ import time
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import RunInference
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions, TestOptions
+from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
 
 from transforms import layout, retries
+from transforms.bigquery_input import BigQueryInput, ReadBigQueryRequests, dataset_reference, is_table_uri
+from transforms.columns import ColumnMap, parse_column_map
+from transforms.input_check import InputCheckError, check_input_files
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
@@ -42,7 +48,8 @@ from transforms.outputs import (
 )
 from transforms.progress import ProgressReporter, ReportTotal
 from transforms.requests import (
-    DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests, RequestDefaults,
+    DUPLICATE_TAG, WARNING_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests,
+    RequestDefaults, csv_field_limit_for,
 )
 
 from model.checkpoint import read_config
@@ -81,6 +88,10 @@ class JobConfig:
     case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
     require_accelerator: str | None = None  # 'tpu' or 'gpu': a worker whose JAX finds another platform stops at load
     worker_env: tuple[tuple[str, str], ...] = ()  # (NAME, value) set on each worker before the model loads
+    columns: ColumnMap = ColumnMap()  # which column is which generation field (--prompt_column, --column_map, ...)
+    bigquery: tuple[BigQueryInput, ...] = ()  # BigQuery tables (--input bq://...) and --input_query
+    bigquery_temp_dataset: str | None = None  # project.dataset for --input_query's result (None: Beam makes one)
+    input_warnings: tuple[str, ...] = ()  # found at launch (a --column_map column a table lacks)
 
     @property
     def model(self) -> str:
@@ -131,13 +142,16 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     """Apply defaults (and the demo's), and check everything that can be checked before the job starts."""
     o = options.view_as(Flux2KleinOptions)
     patterns = o.input_patterns()
-    demo = not patterns and o.model is None
+    tables = [p for p in patterns if is_table_uri(p)]
+    patterns = [p for p in patterns if not is_table_uri(p)]
+    demo = not (patterns or tables or o.input_query is not None) and o.model is None
     if demo:
         model_uri = demo_checkpoint()
         patterns = [DEMO_PROMPTS]
     else:
-        if not patterns:
-            raise UsageError("--input is required with --model (omit both to run the bundled demo)")
+        if not (patterns or tables or o.input_query is not None):
+            raise UsageError("--input is required with --model (or --input_query; omit --input and --model to run "
+                             "the bundled demo)")
         if o.model is None:
             raise UsageError("--model is required with --input (omit both to run the bundled demo)")
         model_uri = o.model
@@ -189,12 +203,17 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         max_pixels=o.max_pixels,
         max_prompt_bytes=o.max_prompt_bytes,
         size_multiple=size_multiple,
+        max_metadata_bytes=o.max_metadata_bytes,
     )
     try:
         defaults.validate()
+        columns = ColumnMap(prompt_column=o.prompt_column, id_column=o.id_column,
+                            renames=parse_column_map(o.column_map)).validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    bigquery = _bigquery_inputs(options, tables, o.input_query, o.bigquery_temp_dataset)
 
+    files: dict[str, None] = {}  # every matched file once, in order
     for pattern in patterns:
         try:
             matched = FileSystems.match([pattern])[0].metadata_list
@@ -205,6 +224,14 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         if all("://" not in m.path and os.path.isdir(m.path) for m in matched):
             raise UsageError(f"--input {pattern!r} is a folder, not a file; give the files in it, e.g. "
                              f"{os.path.join(pattern, '*.jsonl')!r}")
+        files.update((m.path, None) for m in matched)
+    try:  # a table must have its prompt column: say so now, not in one error row per record
+        input_warnings = check_input_files(list(files), o.input_format, columns,
+                                           csv_field_limit_for(defaults.max_prompt_bytes))
+    except InputCheckError as e:
+        raise UsageError(str(e)) from None
+    for warning in input_warnings:
+        logger.warning("%s", warning)
     case_insensitive = False
     if "://" not in output:
         try:
@@ -215,7 +242,34 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      defaults=defaults, skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, demo=demo, max_images=o.max_images,
                      inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
-                     require_accelerator=o.require_accelerator, worker_env=worker_env)
+                     require_accelerator=o.require_accelerator, worker_env=worker_env,
+                     columns=columns, bigquery=bigquery, bigquery_temp_dataset=o.bigquery_temp_dataset,
+                     input_warnings=tuple(input_warnings))
+
+
+def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
+                     temp_dataset: str | None) -> tuple[BigQueryInput, ...]:
+    """The BigQuery reads asked for (--input bq://..., --input_query), their spelling and needs checked."""
+    from transforms.bigquery_input import table_spec
+
+    reads = []
+    try:
+        for uri in dict.fromkeys(tables):
+            table_spec(uri)
+            reads.append(BigQueryInput(uri=uri))
+        if query is not None:
+            if not query.strip():
+                raise ValueError("--input_query is empty")
+            reads.append(BigQueryInput(query=query))
+        if temp_dataset is not None:
+            dataset_reference(temp_dataset, options.view_as(GoogleCloudOptions).project)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    temp_location = options.view_as(GoogleCloudOptions).temp_location
+    if reads and not (temp_location or "").startswith("gs://"):
+        raise UsageError("reading from BigQuery exports the rows through --temp_location: give a gs:// one, e.g. "
+                         "--temp_location=gs://BUCKET/tmp")
+    return tuple(reads)
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:
@@ -227,8 +281,7 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
     """Add the job's transforms to `p`; returns its main PCollections by name."""
-    patterns = p | "InputPatterns" >> beam.Create(list(job.patterns))
-    read = patterns | "ReadRequests" >> ReadRequests(job.input_format, job.defaults)
+    read = _read_inputs(p, job)
     dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests(fold_case=job.case_insensitive_output)
     planned = dedup["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None
@@ -292,9 +345,31 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     if skipped is not None:
         counted["skipped"] = skipped
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
-        "model": job.model, "output": job.output, "input": list(job.patterns), "demo": job.demo,
-        "batch_size": job.batch_size, "dtype": job.dtype}, after=[manifest_files, existing_files, error_files])
+        "model": job.model, "output": job.output, "input": list(job.patterns) + [b.source for b in job.bigquery],
+        "demo": job.demo, "batch_size": job.batch_size, "dtype": job.dtype},
+        after=[manifest_files, existing_files, error_files], rows={"warnings": read[WARNING_TAG]})
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
+
+
+def _read_inputs(p: beam.Pipeline, job: JobConfig) -> dict:
+    """{'requests', 'invalid', 'warnings'} of every input: the files, each BigQuery table or query, and the
+    warnings found at launch."""
+    reads = []
+    if job.patterns:
+        patterns = p | "InputPatterns" >> beam.Create(list(job.patterns))
+        reads.append(patterns | "ReadRequests" >> ReadRequests(job.input_format, job.defaults, job.columns))
+    temp_dataset = None
+    if job.bigquery_temp_dataset is not None:
+        temp_dataset = dataset_reference(job.bigquery_temp_dataset,
+                                         p.options.view_as(GoogleCloudOptions).project)
+    for i, source in enumerate(job.bigquery):
+        reads.append(p | f"ReadBigQuery{i}" >> ReadBigQueryRequests(source, job.defaults, job.columns,
+                                                                     temp_dataset))
+    launch = [{"source": "launch", "line": None, "warning": w} for w in job.input_warnings]
+    warnings = [r[WARNING_TAG] for r in reads if WARNING_TAG in r] + [p | "LaunchWarnings" >> beam.Create(launch)]
+    return {"requests": tuple(r["requests"] for r in reads) | "AllRequests" >> beam.Flatten(),
+            "invalid": tuple(r["invalid"] for r in reads) | "AllReadInvalid" >> beam.Flatten(),
+            WARNING_TAG: tuple(warnings) | "AllWarnings" >> beam.Flatten()}
 
 
 def _query_metrics(result) -> dict | None:
@@ -388,6 +463,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     metrics = _query_metrics(result)  # once: the retry figures and the printed metrics both come from it
     summary = _add_retries(job, summary, _flux2_counters(metrics))
     print(f"summary: {format_summary(summary)}")
+    for row in summary.get("warnings", []):
+        print(f"warning: {row['warning']}", file=sys.stderr)
     print(f"outputs: {layout.join(job.output, layout.IMAGES_DIR)}/, {layout.manifest_prefix(job.output)}-*.jsonl, "
           f"{layout.errors_prefix(job.output)}-*.jsonl, {layout.summary_path(job.output)}")
     _print_metrics(metrics)

@@ -50,6 +50,7 @@ MANIFEST_FIELDS = (
     "sha256",
     "bytes",
     "generation_ms",
+    "metadata",
 )
 
 
@@ -121,12 +122,13 @@ def _jsonable(value: Any, limit: int = 200) -> Any:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         return truncate_record(_safe_repr(value), limit)
-    if len(text) > limit or not _utf8_encodable(text):
+    if len(text) > limit or not utf8_encodable(text):
         return truncate_record(text, limit)
     return value if not isinstance(value, str) else truncate_record(value, limit)
 
 
-def _utf8_encodable(text: str) -> bool:
+def utf8_encodable(text: str) -> bool:
+    """Whether `text` has a UTF-8 form (no lone surrogates, which JSON can spell): what every row file needs."""
     try:
         text.encode("utf-8")
         return True
@@ -186,9 +188,12 @@ def manifest_row(
     generation_ms: float | None,
     source: str | None = None,
     line: int | None = None,
+    metadata: dict | None = None,
 ) -> dict:
     """One manifest-*.jsonl row (the fixed fields, then `source`/`line` of the record it came from).
-    `generation_ms` is None for an image found already written (existing-*.jsonl): its time was not measured."""
+    `generation_ms` is None for an image found already written (existing-*.jsonl): its time was not measured.
+    `metadata`: the record's extra columns (the columns of its table that are not generation fields), typed as
+    read; {} when it had none."""
     row = {
         "id": request_id,
         "file_name": file_name,
@@ -204,6 +209,7 @@ def manifest_row(
         "sha256": sha256,
         "bytes": int(num_bytes),
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
+        "metadata": dict(metadata or {}),
     }
     if source is not None:
         row["source"] = source

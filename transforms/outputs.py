@@ -143,7 +143,7 @@ class WriteImagesFn(beam.DoFn):
             prompt_truncated=generated.prompt_truncated, seed=task.seed, height=r.height, width=r.width,
             num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
             model=generated.model, sha256=hashlib.sha256(png).hexdigest(), num_bytes=len(png),
-            generation_ms=generated.generation_ms, source=r.source, line=r.line)
+            generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values())
 
     def finish_bundle(self):
         # Loads that happened in this process but were not yet reported (see inference.flush_model_load_metrics).
@@ -206,7 +206,7 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str) -> dict:
         request_id=r.id, file_name=task.file_name, uri=uri, prompt=r.prompt, prompt_truncated=truncated,
         seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
         model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
-        generation_ms=None, source=r.source, line=r.line)
+        generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values())
 
 
 class _SkipExistingFn(beam.DoFn):
@@ -307,6 +307,8 @@ def failed_batch_rows(failed) -> Iterable[dict]:
 
 
 # --------------------------------------------------------------------------------------------- summary
+def _row_order(row: dict) -> tuple:
+    return str(row.get("source")), row.get("line") if isinstance(row.get("line"), int) else -1
 SUMMARY_FIGURES = ("records_read", "requests", "images_planned", "images_generated", "skipped", "invalid",
                    "duplicates", "failed", "prompts_truncated")
 
@@ -346,11 +348,19 @@ class _WriteSummaryFn(beam.DoFn):
         retries.flush_to_metrics()
 
     def process(self, _, **side):
-        counts = {k: v for k, v in side.items() if not k.startswith("_after_")}
+        counts = {k: v for k, v in side.items() if not k.startswith(("_after_", "_rows_"))}
+        rows = {k[len("_rows_"):]: v for k, v in side.items() if k.startswith("_rows_")}
         summary = build_summary(counts, started_at=self._started_at, finished_at=time.time(), extra=self._extra)
+        for name, found in rows.items():
+            if found:
+                summary[name] = sorted(found, key=_row_order)[:MAX_SUMMARY_ROWS]
+                summary[f"{name}_count"] = len(found)
         write_bytes_atomic(self._path, (json.dumps(summary, indent=2) + "\n").encode("utf-8"),
                            mime_type="application/json")
         yield summary
+
+
+MAX_SUMMARY_ROWS = 100  # rows (warnings) listed in summary.json; `{name}_count` says how many there were
 
 
 class WriteSummary(beam.PTransform):
@@ -359,19 +369,25 @@ class WriteSummary(beam.PTransform):
     Computed inside the pipeline (not from the launcher's metrics query), so it is written on every runner,
     including Dataflow where the launcher exits after submitting. PCollections in `after` (e.g. the file names
     WriteToText returns) are waited for, so that summary.json appears only once those outputs are complete.
+    `rows`: {name: PCollection of JSON rows} listed in the summary under `name` (the first MAX_SUMMARY_ROWS by
+    source and line) with `{name}_count`; absent when there are none.
     """
 
-    def __init__(self, output: str, started_at: float, extra: dict | None = None, after: Iterable = ()):
+    def __init__(self, output: str, started_at: float, extra: dict | None = None, after: Iterable = (),
+                 rows: dict | None = None):
         super().__init__()
         self._output = output
         self._started_at = started_at
         self._extra = dict(extra or {})
         self._after = list(after)
+        self._rows = dict(rows or {})
 
     def expand(self, pcolls: dict):
         side = {}
         for name, pcoll in pcolls.items():
             side[name] = beam.pvalue.AsSingleton(pcoll | f"Count_{name}" >> beam.combiners.Count.Globally())
+        for name, pcoll in self._rows.items():  # few rows (one per file at most): listed whole, then cut
+            side[f"_rows_{name}"] = beam.pvalue.AsList(pcoll)
         for i, pcoll in enumerate(self._after):
             side[f"_after_{i}"] = beam.pvalue.AsList(pcoll)
         return (pcolls[next(iter(pcolls))].pipeline

@@ -1,19 +1,21 @@
-"""Prompt records (JSONL, CSV with a header, or plain text) -> validated `GenerationRequest`s, or error rows.
+"""Prompt records (JSONL, CSV/TSV with a header, Parquet, plain text) -> validated `GenerationRequest`s, or error rows.
 
 Every record is validated into a typed request. A record that cannot be read or fails validation becomes one
 error row (source file, line, offending value, reason) and never stops the job. A request without an `id` gets a
 stable id derived from its prompt and parameters; without a `seed`, one derived from the job's `--seed` and the id,
-so re-running the same input gives the same names and the same pixels.
+so re-running the same input gives the same names and the same pixels. Columns are mapped to generation fields by
+`transforms/columns.py`; every other column (or JSON key) is kept as the request's metadata, for its manifest rows.
 
 Pure parsing and validation functions first (usable and testable without Beam), then the Beam transforms.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+import decimal
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -31,12 +33,20 @@ from model.contract import (  # noqa: F401  (the limits, re-exported for the job
 from model.errors import RequestError
 
 from . import input_files, layout, retries
+from .columns import FIELDS, ColumnError, ColumnMap, ColumnResolver, Resolved  # noqa: F401  (FIELDS re-exported)
+from .delimited import DEFAULT_FIELD_LIMIT as _CSV_DEFAULT_FIELD_LIMIT
+from .delimited import field_limit_for as csv_field_limit_for
+from .delimited import iter_delimited
+from .input_formats import FORMATS, InputFormatError, detect_format, header_warning  # noqa: F401  (re-exported)
+from .json_values import to_json_value
+from .lines import MAX_LINE_BYTES, decoded_lines  # noqa: F401  (MAX_LINE_BYTES re-exported)
 from .metrics import NAMESPACE as METRICS_NAMESPACE
+from .parquet_input import iter_parquet
+from .records import RawRecord, unreadable
+
+logger = logging.getLogger(__name__)
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
-# A line longer than this is one error row; it is read in bounded chunks and never held whole in memory.
-MAX_LINE_BYTES = 16 * 1024 * 1024
-_READ_CHUNK = 1024 * 1024
 # Records are flat objects; unknown fields may nest, but not without bound (a deep value would crash the JSON
 # decoder, repr and json.dumps of the error row with RecursionError).
 MAX_JSON_DEPTH = 64
@@ -44,11 +54,8 @@ MAX_JSON_DEPTH = 64
 # (int() of more than 4300 digits raises).
 _MAX_INT_DIGITS = 40
 
-FORMATS = ("jsonl", "csv", "text")
-_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".txt": "text"}
-_COMPRESSION_SUFFIXES = (".gz", ".gzip", ".bz2", ".zst", ".zstd", ".deflate", ".lzma", ".xz")
-
-FIELDS = ("prompt", "id", "seed", "height", "width", "num_inference_steps", "guidance_scale", "num_images")
+# Extra columns of one record, as compact JSON (they are copied into every manifest row of its images).
+DEFAULT_MAX_METADATA_BYTES = 16 * 1024
 
 
 # --------------------------------------------------------------------------------------------- typed requests
@@ -68,6 +75,7 @@ class RequestDefaults:
     # Heights and widths are multiples of this: the checkpoint's (PipelineConfig.size_multiple), which the launcher
     # reads from its configs, so that the job accepts exactly the sizes generate() accepts.
     size_multiple: int = DEFAULT_SIZE_MULTIPLE
+    max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES  # a record's extra columns, as compact JSON
 
     @property
     def limits(self) -> contract.Limits:
@@ -80,6 +88,8 @@ class RequestDefaults:
         if not contract.is_integer(self.max_pixels) or self.max_pixels < smallest:
             raise ValueError(f"--max_pixels must be an integer >= {smallest}, got {self.max_pixels!r}")
         contract.count("--max_prompt_bytes", self.max_prompt_bytes)
+        if not contract.is_integer(self.max_metadata_bytes) or self.max_metadata_bytes < 0:
+            raise ValueError(f"--max_metadata_bytes must be an integer >= 0, got {self.max_metadata_bytes!r}")
         probe = {"prompt": "x"}
         try:
             validate_record(probe, self, source="<options>", line=0)
@@ -105,7 +115,8 @@ class GenerationRequest:
     guidance_scale: float | None
     num_images: int
     source: str = ""
-    line: int = 0
+    line: int | None = 0  # None where the source has no order (a BigQuery row)
+    metadata: str = ""  # the record's extra columns as compact JSON ("" for none), for its manifest rows
 
     def params(self) -> tuple:
         """What makes two records with the same id the same request (where they came from does not)."""
@@ -114,6 +125,15 @@ class GenerationRequest:
 
     def tasks(self) -> list["ImageTask"]:
         return [ImageTask(self, j) for j in range(self.num_images)]
+
+    def metadata_values(self) -> dict:
+        """The extra columns by name, typed as read ({} when the record had none)."""
+        return json.loads(self.metadata) if self.metadata else {}
+
+    def position(self) -> tuple:
+        """Where the record came from, as a sort key that never compares None with a number: the first of several
+        records with one id is the one kept (rows without a line are ordered by their parameters)."""
+        return self.source, -1 if self.line is None else self.line, repr(self.params())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +180,17 @@ def _absent(value: Any, text_values: bool) -> bool:
     return value is None or (text_values and isinstance(value, str) and value.strip() == "")
 
 
+def _plain_number(value: Any) -> Any:
+    """A decimal (BigQuery NUMERIC) as the int or float it holds; anything else as it is."""
+    if isinstance(value, decimal.Decimal) and value.is_finite():
+        if value.adjusted() > _MAX_INT_DIGITS or value != value.to_integral_value():
+            return float(value)  # far out of every field's range, or a fraction: rejected as such
+        return int(value)
+    return value
+
+
 def _as_int(fields: Mapping, name: str, default, text_values: bool):
-    value = fields.get(name)
+    value = _plain_number(fields.get(name))
     if _absent(value, text_values):
         return default
     if text_values and isinstance(value, str):
@@ -192,7 +221,7 @@ def _as_int(fields: Mapping, name: str, default, text_values: bool):
 
 
 def _as_float(fields: Mapping, name: str, default, text_values: bool):
-    value = fields.get(name)
+    value = _plain_number(fields.get(name))
     if _absent(value, text_values):
         return default
     if text_values and isinstance(value, str):
@@ -249,10 +278,33 @@ def contract_or_invalid(check, *args):
         raise InvalidRecord(str(e), field=e.field, value=e.value) from None
 
 
-def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, source: str, line: int,
-                    text_values: bool = False) -> GenerationRequest:
-    """Validate one record (a JSON object, or a CSV row when `text_values`: every value is a string and empty
-    means absent) into a request; raise InvalidRecord with the first problem found. Unknown fields are ignored."""
+def metadata_json(extra: Mapping[str, Any], limit: int) -> str:
+    """A record's extra columns as compact JSON, typed as read ("" for none; an unnamed column, as a trailing
+    delimiter makes, only when it holds something); InvalidRecord when above `limit` bytes or not encodable."""
+    values = {str(k): to_json_value(v) for k, v in extra.items() if k != "" or v not in ("", None)}
+    if not values:
+        return ""
+    text = json.dumps(values, ensure_ascii=False, separators=(",", ":"))
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:  # JSON can spell a lone surrogate; the manifest is UTF-8
+        bad = next(k for k, v in values.items()
+                   if not layout.utf8_encodable(json.dumps({k: v}, ensure_ascii=False)))
+        raise InvalidRecord(f"extra column {bad!r} is not valid Unicode text (a lone surrogate)", field=bad,
+                            value=values[bad]) from None
+    if size > limit:
+        sizes = {k: len(json.dumps(v, ensure_ascii=False).encode("utf-8")) for k, v in values.items()}
+        largest = max(sizes, key=sizes.get)
+        raise InvalidRecord(f"extra columns take {size} bytes as JSON, above --max_metadata_bytes={limit} (the "
+                            f"largest: {largest!r}, {sizes[largest]} bytes)", field="metadata", value=size)
+    return text
+
+
+def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, source: str, line: int | None,
+                    text_values: bool = False, extra: Mapping[str, Any] | None = None) -> GenerationRequest:
+    """Validate one record (generation fields by name: a JSON object's, or a CSV row's when `text_values`: every
+    value is a string and empty means absent) into a request; raise InvalidRecord with the first problem found.
+    `extra`: the record's other columns, kept as its metadata (bounded by --max_metadata_bytes)."""
     prompt = fields.get("prompt")
     if prompt is None or (text_values and prompt == ""):
         raise InvalidRecord("missing prompt", field="prompt", value=prompt)
@@ -276,130 +328,13 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
         request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed)
     if seed is None:
         seed = derive_seed(defaults.seed, request_id)
+    metadata = metadata_json(extra, defaults.max_metadata_bytes) if extra else ""
     return GenerationRequest(id=request_id, prompt=prompt, seed=seed, height=height, width=width,
                              num_inference_steps=steps, guidance_scale=guidance, num_images=num_images,
-                             source=source, line=line)
+                             source=source, line=line, metadata=metadata)
 
 
 # --------------------------------------------------------------------------------------------- reading files
-def detect_format(path: str, override: str | None = None) -> str:
-    """`jsonl`, `csv` or `text`: `override` when given (not 'auto'), else from the extension (compression
-    suffixes such as .gz ignored); anything unrecognised is plain text, one prompt per line."""
-    if override and override != "auto":
-        if override not in FORMATS:
-            raise ValueError(f"--input_format must be one of auto, {', '.join(FORMATS)}; got {override!r}")
-        return override
-    name = path.lower().rsplit("/", 1)[-1]
-    for suffix in _COMPRESSION_SUFFIXES:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    for ext, fmt in _EXTENSIONS.items():
-        if name.endswith(ext):
-            return fmt
-    return "text"
-
-
-@dataclasses.dataclass(frozen=True)
-class RawRecord:
-    """A record as read from its file, before validation: `fields` for JSONL/CSV, `prompt` for text; or an
-    `error` row when the record could not even be read (bad bytes, bad JSON, bad CSV row)."""
-
-    source: str
-    line: int
-    fields: Mapping[str, Any] | None = None
-    text_values: bool = False
-    error: dict | None = None
-    text: str | None = None  # the record as written (shown in its error row if it is rejected)
-
-
-def _decode_error(source: str, line: int, raw: bytes, err: UnicodeDecodeError) -> RawRecord:
-    reason = f"line is not valid UTF-8: byte {raw[err.start:err.start + 1]!r} at position {err.start}"
-    return RawRecord(source, line, error=layout.error_row(source=source, line=line, reason=reason, record=raw,
-                                                          field="encoding", value=raw[max(0, err.start - 20):
-                                                                                      err.start + 20]))
-
-
-_PREFIX_BYTES = 200  # what an error row keeps of a line that is too long
-
-
-def _bounded_lines(stream, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[bytes | None, bytes, int]]:
-    """(line with its line break, b"", 0) per line of `stream`; (None, first bytes, length) for a line of more than
-    `limit` bytes (line break not counted), which is skipped in bounded chunks, never held whole in memory.
-
-    `stream` is a binary file object (read in chunks: Beam's compressed files have no bounded readline) or any
-    iterable of byte lines."""
-    if not hasattr(stream, "read"):
-        for raw in stream:
-            n = len(raw.rstrip(b"\r\n"))
-            yield (raw, b"", 0) if n <= limit else (None, raw[:_PREFIX_BYTES], n)
-        return
-    pieces: list[bytes] = []  # the current line so far (while it is within the limit)
-    size = 0  # bytes of the current line so far
-    prefix: bytes | None = None  # set once the current line is over the limit: only its start is kept
-    while True:
-        chunk = stream.read(_READ_CHUNK)
-        if not chunk:
-            break
-        start = 0
-        while start < len(chunk):
-            nl = chunk.find(b"\n", start)
-            end = len(chunk) if nl < 0 else nl + 1
-            piece = chunk[start:end]
-            start = end
-            size += len(piece)
-            if prefix is None:
-                pieces.append(piece)
-                if size - (nl >= 0) > limit:
-                    prefix = _head(pieces)
-                    pieces = []
-            if nl < 0:
-                continue
-            if prefix is None:
-                yield b"".join(pieces), b"", 0
-            else:
-                yield None, prefix, size - 1
-            pieces, size, prefix = [], 0, None
-    if prefix is not None:
-        yield None, prefix, size
-    elif pieces:
-        yield b"".join(pieces), b"", 0
-
-
-def _head(pieces: list[bytes]) -> bytes:
-    out = b""
-    for piece in pieces:
-        out += piece[:_PREFIX_BYTES - len(out)]
-        if len(out) >= _PREFIX_BYTES:
-            break
-    return out
-
-
-def _decoded_lines(stream: Iterable[bytes], source: str, keep_undecodable: bool = False
-                   ) -> Iterator[tuple[int, str | None, RawRecord | None]]:
-    """(line number, text without its line break, None) per line; (line, None, error) for a line that is not
-    UTF-8 or is longer than MAX_LINE_BYTES. `keep_undecodable`: a line that is not UTF-8 also comes with its text,
-    its bad bytes as lone surrogates (for CSV, whose rows may span lines: the row, not the line, is rejected)."""
-    for number, (raw, prefix, length) in enumerate(_bounded_lines(stream), 1):
-        if raw is None:
-            yield number, None, RawRecord(source, number, error=layout.error_row(
-                source=source, line=number, record=prefix, field="record",
-                reason=f"line is too long: {length} bytes, above the limit of {MAX_LINE_BYTES} bytes for one record"))
-            continue
-        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]
-        error = None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            error = _decode_error(source, number, raw.rstrip(b"\r\n"), e)
-            if not keep_undecodable:
-                yield number, None, error
-                continue
-            text = raw.decode("utf-8", "surrogateescape")
-        yield number, text.rstrip("\r\n") if text.endswith("\n") else text, error
-
-
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -437,7 +372,7 @@ def _object_with_repeats(pairs):
 
 
 def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
-    for number, text, error in _decoded_lines(stream, source):
+    for number, text, error in decoded_lines(stream, source):
         if error is not None:
             yield error
             continue
@@ -471,7 +406,7 @@ def iter_jsonl(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
 
 
 def iter_text(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
-    for number, text, error in _decoded_lines(stream, source):
+    for number, text, error in decoded_lines(stream, source):
         if error is not None:
             yield error
         elif "\r" in text.strip():
@@ -482,124 +417,51 @@ def iter_text(stream: Iterable[bytes], source: str) -> Iterator[RawRecord]:
                 reason="line contains a carriage return (CR) that does not end it: CR-only line endings? Convert the "
                        "file to LF or CRLF line endings"))
         elif text.strip():
-            yield RawRecord(source, number, fields={"prompt": text.strip()}, text_values=True, text=text)
+            yield RawRecord(source, number, fields={"prompt": text.strip()}, text_values=True, text=text,
+                            columns=TEXT_COLUMNS)
 
 
-# Python's csv module refuses fields over 131,072 characters by default; a prompt may be up to --max_prompt_bytes.
-_CSV_DEFAULT_FIELD_LIMIT = 131072
+TEXT_COLUMNS = Resolved({"prompt": "prompt"})  # a text line's one field
 
 
-def csv_field_limit_for(max_prompt_bytes: int) -> int:
-    """The longest CSV field read: room for any prompt --max_prompt_bytes allows (the limit also bounds the memory
-    an unterminated quote can take, so it is not unlimited)."""
-    return max(_CSV_DEFAULT_FIELD_LIMIT, max_prompt_bytes + 1)
-
-
-def iter_csv(stream: Iterable[bytes], source: str, field_limit: int = _CSV_DEFAULT_FIELD_LIMIT
-             ) -> Iterator[RawRecord]:
-    """CSV with a header row naming the fields; quoted fields may span lines (the row's line is where it starts).
-
-    A row with a line that cannot be read (not UTF-8, too long) is rejected whole, with that line's reason: its
-    other lines are not spliced together into a different record."""
-    csv.field_size_limit(field_limit)  # a process-wide setting of the csv module; one job's readers share one value
-    state: dict[str, Any] = {"first": None, "error": None, "first_text": None}
-
-    def lines():
-        for number, text, error in _decoded_lines(stream, source, keep_undecodable=True):
-            if state["first"] is None:
-                state["first"], state["first_text"] = number, text
-            if error is not None and state["error"] is None:
-                state["error"] = error
-            yield ("" if text is None else text) + "\n"
-
-    reader = csv.reader(lines(), strict=True)
-    header: list[str] | None = None
-    header_problem: str | None = None  # set when the header row is unusable: every data row says so
-    while True:
-        state["first"], state["error"], state["first_text"] = None, None, None
-        try:
-            row = next(reader)
-        except StopIteration:
-            if state["error"] is not None:
-                yield state["error"]
-            break
-        except csv.Error as e:
-            line = state["first"] or 0
-            reason = f"malformed CSV row: {e}"
-            if "field larger than field limit" in str(e):
-                reason = (f"malformed CSV row: a field is longer than {csv.field_size_limit()} characters (the "
-                          f"limit follows --max_prompt_bytes), or a quote is not closed")
-            yield state["error"] or RawRecord(source, line, error=layout.error_row(  # the row's first line as record
-                source=source, line=line, reason=reason, field="record", record=state["first_text"]))
-            continue
-        line = state["first"] or 0
-        if state["error"] is not None:
-            yield state["error"]
-            if header is None:
-                header, header_problem = [], f"the CSV header (line {line}) cannot be read"
-            continue
-        if not any(cell.strip() for cell in row):
-            continue
-        if header is None:
-            header = [h.strip() for h in row]
-            repeated = [name for i, name in enumerate(header) if name and name in header[:i]]
-            if repeated:
-                header_problem = f"the CSV header (line {line}) names the column {repeated[0]!r} more than once"
-                yield RawRecord(source, line, error=layout.error_row(
-                    source=source, line=line, reason=header_problem, record=_csv_line(row), field=repeated[0]))
-            elif "prompt" not in header:
-                yield RawRecord(source, line, error=layout.error_row(
-                    source=source, line=line, reason="CSV header has no 'prompt' column", record=_csv_line(row),
-                    field="prompt"))
-                # Every data row will also say why it is rejected ("missing prompt"): nothing is silently dropped.
-            continue
-        if header_problem is not None:
-            yield RawRecord(source, line, error=layout.error_row(
-                source=source, line=line, reason=header_problem, record=_csv_line(row), field="record"))
-            continue
-        if len(row) > len(header):
-            yield RawRecord(source, line, error=layout.error_row(
-                source=source, line=line, reason=f"CSV row has {len(row)} fields, the header has {len(header)}",
-                record=_csv_line(row), field="record"))
-            continue
-        yield RawRecord(source, line, fields=dict(zip(header, row)), text_values=True, text=_csv_line(row))
-
-
-def _csv_line(row: list[str]) -> str:
-    import io
-
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="").writerow(row)
-    return buf.getvalue()
-
-
-def iter_raw_records(stream: Iterable[bytes], source: str, fmt: str,
-                     csv_field_limit: int = _CSV_DEFAULT_FIELD_LIMIT) -> Iterator[RawRecord]:
-    """Every record of one file (`stream` yields byte lines, e.g. an open binary file)."""
+def iter_raw_records(stream, source: str, fmt: str, csv_field_limit: int = _CSV_DEFAULT_FIELD_LIMIT,
+                     columns: ColumnMap = ColumnMap()) -> Iterator[RawRecord]:
+    """Every record of one file: `stream` is its decompressed bytes (a binary file object or an iterable of byte
+    lines), for Parquet the file itself (seekable)."""
     if fmt == "jsonl":
         return iter_jsonl(stream, source)
-    if fmt == "csv":
-        return iter_csv(stream, source, csv_field_limit)
+    if fmt in ("csv", "tsv"):
+        return iter_delimited(stream, source, fmt, columns, csv_field_limit)
+    if fmt == "parquet":
+        return iter_parquet(stream, source, columns)
     if fmt == "text":
         return iter_text(stream, source)
     raise ValueError(f"unknown input format {fmt!r}")
 
 
-def parse_raw(raw: RawRecord, defaults: RequestDefaults) -> GenerationRequest | dict:
-    """A request, or the error row explaining why this record is rejected."""
+def parse_raw(raw: RawRecord, defaults: RequestDefaults, resolver: ColumnResolver | None = None
+              ) -> GenerationRequest | dict:
+    """A request, or the error row explaining why this record is rejected. `resolver` maps the columns of records
+    whose reader does not know them for the whole file (JSONL, BigQuery); default: the standard column names."""
     if raw.error is not None:
         return raw.error
+    resolved = raw.columns or (resolver or ColumnResolver(ColumnMap())).resolve(raw.fields.keys())
+    if isinstance(resolved, ColumnError):
+        return layout.error_row(source=raw.source, line=raw.line, reason=resolved.reason, record=_record_text(raw),
+                                field=resolved.field)
+    fields, extra = resolved.split(raw.fields)
     try:
-        return validate_record(raw.fields, defaults, source=raw.source, line=raw.line, text_values=raw.text_values)
+        return validate_record(fields, defaults, source=raw.source, line=raw.line, text_values=raw.text_values,
+                               extra=extra)
     except InvalidRecord as e:
         return layout.error_row(source=raw.source, line=raw.line, reason=e.reason, record=_record_text(raw),
-                                id=_valid_id_or_none(raw), field=e.field, value=e.value)
+                                id=_valid_id_or_none(fields, raw.text_values), field=e.field, value=e.value)
 
 
-def _valid_id_or_none(raw: RawRecord) -> str | None:
+def _valid_id_or_none(fields: Mapping[str, Any], text_values: bool) -> str | None:
     """The record's id, if it has a valid one (so an error row can name it)."""
-    rid = raw.fields.get("id")
-    if isinstance(rid, str) and raw.text_values:
+    rid = fields.get("id")
+    if isinstance(rid, str) and text_values:
         rid = rid.strip()
     if rid is None or rid == "":
         return None
@@ -610,74 +472,109 @@ def _valid_id_or_none(raw: RawRecord) -> str | None:
 
 
 def _record_text(raw: RawRecord):
-    """What an error row shows of the record: as written in its file when known, else its fields."""
-    return raw.text if raw.text is not None else raw.fields
+    """What an error row shows of the record: as written in its file when known, else its columns."""
+    if raw.text is not None:
+        return raw.text
+    return {str(k): to_json_value(v) for k, v in raw.fields.items()}
 
 
-def parse_lines(data: bytes, source: str, fmt: str, defaults: RequestDefaults) -> list[GenerationRequest | dict]:
+def parse_lines(data: bytes, source: str, fmt: str, defaults: RequestDefaults,
+                columns: ColumnMap = ColumnMap()) -> list[GenerationRequest | dict]:
     """Convenience for tests and tools: every request or error row of one file's bytes."""
     import io
 
     limit = csv_field_limit_for(defaults.max_prompt_bytes)
-    return [parse_raw(r, defaults) for r in iter_raw_records(io.BytesIO(data), source, fmt, limit)]
+    resolver = ColumnResolver(columns)
+    return [parse_raw(r, defaults, resolver) for r in iter_raw_records(io.BytesIO(data), source, fmt, limit, columns)]
 
 
 # --------------------------------------------------------------------------------------------- Beam transforms
 INVALID_TAG = "invalid"
 DUPLICATE_TAG = "duplicates"
+WARNING_TAG = "warnings"
 
 
-class _ReadRequestsFn(beam.DoFn):
-    """fileio.ReadableFile -> GenerationRequest (main output) or error row (INVALID_TAG)."""
+class ParseRecordsFn(beam.DoFn):
+    """The part every reader shares: raw records -> GenerationRequest (main output) or error row (INVALID_TAG),
+    counted. Subclasses implement `process` and hand their records to `_parsed`."""
 
-    def __init__(self, input_format: str | None, defaults: RequestDefaults):
-        self._input_format = input_format
+    def __init__(self, defaults: RequestDefaults, columns: ColumnMap):
         self._defaults = defaults
-        self._csv_field_limit = csv_field_limit_for(defaults.max_prompt_bytes)
+        self._columns = columns
+        self._resolver = None
         self._read = Metrics.counter(METRICS_NAMESPACE, "records_read")
         self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
-        self._files = Metrics.counter(METRICS_NAMESPACE, "input_files")
 
     def setup(self):
         retries.install()
+        self._resolver = ColumnResolver(self._columns)
 
     def finish_bundle(self):
         retries.flush_to_metrics()
 
+    def _parsed(self, raw: RawRecord):
+        self._read.inc()
+        parsed = parse_raw(raw, self._defaults, self._resolver)
+        if isinstance(parsed, GenerationRequest):
+            return parsed
+        self._invalid.inc()
+        return beam.pvalue.TaggedOutput(INVALID_TAG, parsed)
+
+
+class _ReadRequestsFn(ParseRecordsFn):
+    """fileio.ReadableFile -> GenerationRequest (main output), error row (INVALID_TAG) or, for a text file whose
+    first line looks like a table's header, a warning row (WARNING_TAG)."""
+
+    def __init__(self, input_format: str | None, defaults: RequestDefaults, columns: ColumnMap = ColumnMap()):
+        super().__init__(defaults, columns)
+        self._input_format = input_format
+        self._csv_field_limit = csv_field_limit_for(defaults.max_prompt_bytes)
+        self._files = Metrics.counter(METRICS_NAMESPACE, "input_files")
+
     def process(self, readable_file):
         path = readable_file.metadata.path
-        fmt = detect_format(path, self._input_format)
         self._files.inc()
+        try:
+            fmt = detect_format(path, self._input_format)
+        except InputFormatError as e:  # the launch refuses this; a file matched only since then gets a row
+            yield self._parsed(unreadable(path, None, str(e), field="input_format"))
+            return
         try:
             raw_file = readable_file.open(mime_type="application/octet-stream",
                                           compression_type=CompressionTypes.UNCOMPRESSED)
         except (IsADirectoryError, NotADirectoryError, PermissionError, FileNotFoundError, NotImplementedError) as e:
             # Deterministic: retrying cannot help (a folder matched by a glob, a file removed since the match, a GCS
             # object Beam refuses to read: Content-Encoding gzip with Content-Type application/gzip).
-            yield self._file_error(path, None, f"input file cannot be opened: {e}")
+            yield self._parsed(unreadable(path, None, f"input file cannot be opened: {e}"))
             return
         with raw_file:
-            stream = input_files.open_decompressed(raw_file, path)
+            # Parquet seeks in the file as stored; the line formats read its bytes with compression undone.
+            stream = raw_file if fmt == "parquet" else input_files.open_decompressed(raw_file, path)
+            first = fmt == "text"
             try:
-                for raw in iter_raw_records(stream, path, fmt, csv_field_limit=self._csv_field_limit):
-                    self._read.inc()
-                    parsed = parse_raw(raw, self._defaults)
-                    if isinstance(parsed, GenerationRequest):
-                        yield parsed
-                    else:
-                        self._invalid.inc()
-                        yield beam.pvalue.TaggedOutput(INVALID_TAG, parsed)
+                for raw in iter_raw_records(stream, path, fmt, self._csv_field_limit, self._columns):
+                    if first and raw.text is not None:
+                        first = False
+                        warning = self._header_warning(raw)
+                        if warning is not None:
+                            yield beam.pvalue.TaggedOutput(WARNING_TAG, warning)
+                    yield self._parsed(raw)
             except input_files.InputReadError as e:
                 # The records of the complete lines before the damage are kept; the cut last line is not a record.
                 done = stream.complete_lines
-                yield self._file_error(path, done + 1, f"input file cannot be read to its end: {e}; the records "
-                                                       f"from line {done + 1} on were not read")
+                yield self._parsed(unreadable(path, done + 1, f"input file cannot be read to its end: {e}; the "
+                                                              f"records from line {done + 1} on were not read"))
 
-    def _file_error(self, path: str, line: int | None, reason: str):
-        self._read.inc()
-        self._invalid.inc()
-        return beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
-            source=path, line=line, reason=reason, field="file", kind=layout.UNREADABLE_INPUT))
+    def _header_warning(self, raw: RawRecord) -> dict | None:
+        """A warning row when a text file's first line looks like a table's header (the file is still read as
+        asked: one prompt per line)."""
+        why = header_warning(raw.text, self._columns.known_names())
+        if why is None:
+            return None
+        warning = (f"{raw.source} is read as plain text (one prompt per line), but its first line looks like the "
+                   f"header of a table: {why}; if it is a table, name it .csv/.tsv or pass --input_format")
+        logger.warning("%s (line %s: %r)", warning, raw.line, layout.truncate_record(raw.text, 100))
+        return {"source": raw.source, "line": raw.line, "warning": warning}
 
 
 def canonical_path(path: str) -> str:
@@ -689,15 +586,17 @@ def canonical_path(path: str) -> str:
 
 
 class ReadRequests(beam.PTransform):
-    """PCollection of file patterns (gs:// or local, globs allowed) -> {'requests': ..., 'invalid': error rows}.
+    """PCollection of file patterns (gs:// or local, globs allowed) -> {'requests': ..., 'invalid': error rows,
+    'warnings': warning rows (text files that look like tables)}.
 
     Every pattern must match at least one file (the pipeline checks that before it starts, with a clear message).
     """
 
-    def __init__(self, input_format: str | None, defaults: RequestDefaults):
+    def __init__(self, input_format: str | None, defaults: RequestDefaults, columns: ColumnMap = ColumnMap()):
         super().__init__()
         self._input_format = input_format
         self._defaults = defaults
+        self._columns = columns
 
     def expand(self, patterns):
         from apache_beam.io import fileio
@@ -708,9 +607,10 @@ class ReadRequests(beam.PTransform):
                  | "DistinctFiles" >> beam.Distinct()  # a file matched by two patterns is read once
                  | "ReadMatches" >> fileio.ReadMatches()  # opened uncompressed: input_files decompresses
                  | "SpreadFiles" >> beam.Reshuffle())
-        parsed = files | "ParseRecords" >> beam.ParDo(_ReadRequestsFn(self._input_format, self._defaults)) \
-            .with_outputs(INVALID_TAG, main="requests")
-        return {"requests": parsed.requests, "invalid": parsed[INVALID_TAG]}
+        parsed = files | "ParseRecords" >> beam.ParDo(
+            _ReadRequestsFn(self._input_format, self._defaults, self._columns)).with_outputs(
+                INVALID_TAG, WARNING_TAG, main="requests")
+        return {"requests": parsed.requests, "invalid": parsed[INVALID_TAG], WARNING_TAG: parsed[WARNING_TAG]}
 
 
 class MaxImagesExceeded(RuntimeError):
@@ -744,7 +644,7 @@ class EnforceMaxImages(beam.PTransform):
 
 def _request_fields(request: GenerationRequest) -> dict:
     """A request's parameters for an error row (where it came from is in the row already)."""
-    return {k: v for k, v in dataclasses.asdict(request).items() if k not in ("source", "line")}
+    return {k: v for k, v in dataclasses.asdict(request).items() if k not in ("source", "line", "metadata")}
 
 
 class _DeduplicateFn(beam.DoFn):
@@ -758,7 +658,7 @@ class _DeduplicateFn(beam.DoFn):
 
     def process(self, element):
         request_id, requests = element
-        ordered = sorted(requests, key=lambda r: (r.source, r.line))
+        ordered = sorted(requests, key=GenerationRequest.position)
         first = ordered[0]
         yield first
         for other in ordered[1:]:
@@ -783,7 +683,7 @@ def _name_collisions(element):
     """(file name, [requests that would write it]) -> (id, (file name, kept request)) for every request but the
     first (by source, line) when several different requests claim the name."""
     file_name, claimants = element
-    ordered = sorted(claimants, key=lambda r: (r.source, r.line))
+    ordered = sorted(claimants, key=GenerationRequest.position)
     for other in ordered[1:]:
         yield other.id, (file_name, ordered[0])
 
@@ -802,7 +702,7 @@ class _DropCollidingFn(beam.DoFn):
             if not joined["collisions"]:
                 yield request
                 continue
-            file_name, kept = min(joined["collisions"], key=lambda c: (c[1].source, c[1].line, c[0]))
+            file_name, kept = min(joined["collisions"], key=lambda c: (c[1].position(), c[0]))
             self._collisions.inc()
             self._invalid.inc()
             yield beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(

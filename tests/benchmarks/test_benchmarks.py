@@ -188,3 +188,14 @@ def test_ablation_has_a_row_for_every_switch():
     reference = reference_mode(batch_size=2)
     assert rows[-1].name == "reference" and (rows[-1].options, rows[-1].lab) == (reference["options"],
                                                                                   reference["lab"])
+
+
+def test_input_benchmark_reads_every_format(capsys):
+    """`python -m benchmarks.inputs`: every format's records all become requests, timed with and without Beam."""
+    from benchmarks import inputs
+
+    assert inputs.main(["--prompts", "40", "--repeats", "1"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["formats"]) == {"jsonl", "tsv", "parquet"}
+    for figures in result["formats"].values():
+        assert figures["beam_records_per_s"] > 0 and figures["parse_records_per_s"] > 0

@@ -130,7 +130,7 @@ def test_unknown_options_exit_2_on_the_command_line(tmp_path):
 @pytest.mark.parametrize("arg, option, value, accepted", [
     ("--height=abc", "--height", "abc", "expected a whole number"),
     ("--dtype=float64", "--dtype", "float64", "expected one of bfloat16, float32"),
-    ("--input_format=xml", "--input_format", "xml", "expected one of auto, jsonl, csv, text"),
+    ("--input_format=xml", "--input_format", "xml", "expected one of auto, jsonl, csv, tsv, parquet, text"),
     ("--guidance_scale=high", "--guidance_scale", "high", "expected a number"),
     ("--require_accelerator=cuda", "--require_accelerator", "cuda", "expected one of tpu, gpu"),
     ("--direct_num_workers=two", "--direct_num_workers", "two", "expected a whole number"),  # a Beam option's

@@ -639,7 +639,8 @@ def documented_examples(param: dict) -> list[str]:
 GS_BAD = ["s3://my-bucket/x", "gs://", "gs://My_Bucket/x", "/local/path", "my-bucket/x", "gs:/my-bucket/x"]
 INT_BAD = ["0", "-1", "abc", "1.5", "12px", "1e3"]
 BAD_VALUES = {
-    "input": GS_BAD + ["gs://my-bucket", "gs://my-bucket/", "gs://b/a.jsonl,", "gs://b/a.jsonl,/local/b.txt"],
+    "input": GS_BAD + ["gs://my-bucket", "gs://my-bucket/", "gs://b/a.jsonl,", "gs://b/a.jsonl,/local/b.txt",
+                       "bq://", "bq://project.table", "bq://Project.d.t"],
     "output": GS_BAD,
     "model": ["s3://my-bucket/m", "relative/path", "gs://", "gs://My_Bucket/m"],
     "model_variant": ["fp16.x", "a/b", "fp 16", "../x"],
@@ -652,6 +653,12 @@ BAD_VALUES = {
     "max_sequence_length": INT_BAD,
     "batch_size": INT_BAD,
     "model_shards": INT_BAD,
+    "prompt_column": ["", " x", "a,b", "a=b"],
+    "id_column": ["", " x", "a,b", "a=b"],
+    "column_map": ["cfg", "cfg=", "=seed", "a=b=c", "cfg=Guidance"],
+    "max_metadata_bytes": INT_BAD,
+    "input_query": ["DROP TABLE x", "", "prompts"],
+    "bigquery_temp_dataset": ["", "a.b.c", "my project.x", "x-y"],
     "seed": ["-1", "abc", "1.5", "12345678901234567890"],
     "max_pixels": INT_BAD,
     "max_prompt_bytes": INT_BAD,
@@ -662,7 +669,7 @@ BAD_VALUES = {
     "inference_retries": ["-1", "abc", "1.5", "10", "1e3"],
     "checkpoint_cache_dir": ["relative/dir", "gs://b/cache", "~/cache"],
     "compilation_cache_dir": ["relative/dir", "s3://b/cache", "gs://", "~/cache"],
-    "input_format": ["json", "JSONL", "tsv", "parquet"],
+    "input_format": ["json", "JSONL", "TSV", "xlsx"],
     "sdk_container_image": ["my image", "UPPER/x:tag", "gcr.io/p/img:", "https://gcr.io/p/img", "img@sha256:xyz",
                             "gcr.io/p/img:tpu", "gcr.io/p/img:gpu", "gcr.io/p/img:latest", "gcr.io/p/img"],
     "sdk_location": ["default", "gs://b/apache-beam.tar.gz"],

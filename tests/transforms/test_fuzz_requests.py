@@ -1,10 +1,11 @@
-"""Property-based fuzzing of the request parser (transforms/requests.py) over JSONL, CSV and text.
+"""Property-based fuzzing of the request parser (transforms/requests.py) over JSONL, CSV, TSV and text.
 
 Properties, for every input the strategies can build:
 - the parser never raises: every record becomes either a GenerationRequest or an error row;
 - every error row names its source and line and carries a non-empty reason (and the offending record, cut short);
 - nothing is dropped or invented: one output per non-blank line (JSONL, text), in line order;
 - every good record becomes exactly the request it describes (prompt kept byte for byte, defaults applied);
+- a table's header is never a prompt, and its other columns come back as the record's metadata, cell for cell;
 - every bad record is rejected for the reason that was planted in it (`field` names the offending part);
 - every request that comes out is safe to use: a valid id (so a safe file name), sizes that are positive
   multiples of 16 within --max_pixels, seeds that leave room for every image, finite guidance, a prompt that
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 
 from model.contract import DEFAULT_SIZE_MULTIPLE as SIZE_MULTIPLE
 from transforms import layout
+from transforms.delimited import DIALECTS
 from transforms.requests import (
     ID_PATTERN, MAX_IMAGES_PER_REQUEST, MAX_JSON_DEPTH, MAX_SEED, MAX_STEPS, GenerationRequest, RequestDefaults,
     derive_id, derive_seed, parse_lines,
@@ -211,7 +213,7 @@ def check_error_row(row: dict, source: str) -> None:
     assert isinstance(row, dict), row
     assert row["source"] == source and isinstance(row["line"], int) and row["line"] >= 0
     assert isinstance(row["reason"], str) and row["reason"].strip()
-    assert row["kind"] == layout.INVALID_RECORD
+    assert row["kind"] in (layout.INVALID_RECORD, layout.UNREADABLE_INPUT)  # the latter: a table's header
     assert row["record"] is None or len(row["record"]) <= layout.MAX_RECORD_CHARS + 40
     layout.to_json_line(row).encode("utf-8")  # every row can be written to a UTF-8 file
 
@@ -247,7 +249,7 @@ def line_of(o) -> int:
 
 # ============================================================================================ random bytes
 @FUZZ
-@given(data=st.binary(max_size=3000), fmt=st.sampled_from(["jsonl", "csv", "text"]))
+@given(data=st.binary(max_size=3000), fmt=st.sampled_from(["jsonl", "csv", "tsv", "text"]))
 def test_random_bytes_never_crash_and_every_line_is_answered(data, fmt):
     source = f"fuzz.{fmt}"
     out = parse_lines(data, source, fmt, D)
@@ -344,7 +346,7 @@ def test_deeply_nested_json_is_an_error_row_not_a_crash(depth, inside, opener):
 
 # ============================================================================================ unicode
 @FUZZ
-@given(prompt=prompts, fmt=st.sampled_from(["jsonl", "csv", "text"]), ascii_only=st.booleans(),
+@given(prompt=prompts, fmt=st.sampled_from(["jsonl", "csv", "tsv", "text"]), ascii_only=st.booleans(),
        first=st.booleans())
 def test_unicode_edge_cases_in_prompts_are_kept_exactly(prompt, fmt, ascii_only, first):
     """RTL/bidi marks, zero-width characters, NUL, BOM, combining marks: a prompt is data, kept byte for byte
@@ -352,10 +354,10 @@ def test_unicode_edge_cases_in_prompts_are_kept_exactly(prompt, fmt, ascii_only,
     if fmt == "jsonl":
         data = dumps({"prompt": prompt}, ascii_only).encode("utf-8")
         expected = prompt
-    elif fmt == "csv":
+    elif fmt in ("csv", "tsv"):
         assume("\r" not in prompt)  # the CSV reader normalises line breaks inside quoted fields
         buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows([["prompt"], [prompt]])
+        csv.writer(buf, dialect=DIALECTS[fmt], lineterminator="\n").writerows([["prompt"], [prompt]])
         data = buf.getvalue().encode("utf-8")
         expected = prompt
     else:
@@ -394,7 +396,7 @@ def test_lone_surrogates_in_a_json_prompt_are_rejected(escape, with_id):
 @FUZZ
 @given(rec=valid_fields(), bad=st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf",
                                                  b"\xe2\x82", b"\x80"]),
-       fmt=st.sampled_from(["jsonl", "text", "csv"]))
+       fmt=st.sampled_from(["jsonl", "text", "csv", "tsv"]))
 def test_non_utf8_lines_are_error_rows(rec, bad, fmt):
     if fmt == "jsonl":
         line = dumps(rec, True).encode()
@@ -407,7 +409,8 @@ def test_non_utf8_lines_are_error_rows(rec, bad, fmt):
     out = parse_lines(data, "b." + fmt, fmt, D)
     check_outputs(out, "b." + fmt)
     kinds = [(line_of(o), isinstance(o, GenerationRequest)) for o in out]
-    assert kinds == [(1 + (fmt == "csv"), True), (2 + (fmt == "csv"), False), (3 + (fmt == "csv"), True)], out
+    header = fmt in ("csv", "tsv")
+    assert kinds == [(1 + header, True), (2 + header, False), (3 + header, True)], out
     assert "not valid UTF-8" in out[1]["reason"] and out[1]["field"] == "encoding"
 
 
@@ -416,12 +419,12 @@ def test_non_utf8_lines_are_error_rows(rec, bad, fmt):
 @given(records=st.lists(valid_fields(), min_size=1, max_size=6),
        junk=st.sampled_from(["abc", "nan", "inf", "-inf", "1e400", "12abc", "0x1f", "1,5", "١٦", "1e5000",
                              "9" * 4000, "-" + "9" * 4000]),
-       junk_field=st.sampled_from(FIELDS_NUMERIC), junk_row=st.integers(0, 5))
-def test_csv_good_rows_become_requests_and_bad_cells_error_rows(records, junk, junk_field, junk_row):
+       junk_field=st.sampled_from(FIELDS_NUMERIC), junk_row=st.integers(0, 5), fmt=st.sampled_from(["csv", "tsv"]))
+def test_csv_good_rows_become_requests_and_bad_cells_error_rows(records, junk, junk_field, junk_row, fmt):
     assume(all("\r" not in r["prompt"] for r in records))
     header = ["prompt", "id"] + list(FIELDS_NUMERIC)
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
+    w = csv.writer(buf, dialect=DIALECTS[fmt], lineterminator="\n")
     w.writerow(header)
     for i, rec in enumerate(records):
         row = {k: ("" if rec.get(k) is None else (repr(rec[k]) if isinstance(rec[k], float) else str(rec[k])))
@@ -429,8 +432,8 @@ def test_csv_good_rows_become_requests_and_bad_cells_error_rows(records, junk, j
         if i == junk_row:
             row[junk_field] = junk
         w.writerow([row[k] for k in header])
-    out = parse_lines(buf.getvalue().encode("utf-8"), "p.csv", "csv", D)
-    check_outputs(out, "p.csv")
+    out = parse_lines(buf.getvalue().encode("utf-8"), "p." + fmt, fmt, D)
+    check_outputs(out, "p." + fmt)
     assert len(out) == len(records)
     for i, (o, rec) in enumerate(zip(out, records)):
         if i != junk_row:
@@ -454,6 +457,7 @@ MB10 = 10 * 1024 * 1024
     ("text", b"word " * (MB10 // 5) + b'\nnext\n'),
     ("csv", b"prompt,seed\n" + b"a" * MB10 + b",1\nnext,2\n"),
     ("csv", b'prompt\n"' + b"a" * MB10 + b"\nnext\n"),  # an unterminated quote swallows the rest of the file
+    ("tsv", b"prompt\tseed\n" + b"a" * MB10 + b"\t1\nnext\t2\n"),
 ])
 def test_10mb_lines_are_answered_quickly_and_error_rows_stay_small(fmt, data):
     start = time.monotonic()
@@ -472,12 +476,39 @@ def test_10mb_lines_are_answered_quickly_and_error_rows_stay_small(fmt, data):
     ("jsonl", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}"),
     ("csv", b"prompt,seed\nx," + b"9" * 5000),
     ("csv", b"prompt,height\nx," + b"1" * 4301),
+    ("tsv", b"prompt\tseed\nx\t" + b"9" * 5000),
     ("text", b"9" * 5000),
 ])
 def test_integers_beyond_pythons_digit_limit_are_error_rows(fmt, line):
     out = parse_lines(line, "i." + fmt, fmt, D)  # never ValueError from int()
     assert len(out) == 1
     check_outputs(out, "i." + fmt)
-    if fmt == "csv":
-        field = line.split(b"\n")[0].split(b",")[1].decode()
+    if fmt in ("csv", "tsv"):
+        field = line.split(b"\n")[0].replace(b"\t", b",").split(b",")[1].decode()
         assert isinstance(out[0], dict) and out[0]["field"] == field and "digit" in out[0]["reason"], out[0]
+
+
+# ============================================================================================ TSV tables
+cells = st.text(alphabet=st.characters(exclude_categories=("Cs",), exclude_characters="\r"), max_size=12)
+extra_names = st.from_regex(r"[A-Za-z][A-Za-z0-9 _]{0,10}", fullmatch=True).filter(
+    lambda n: n.strip() == n and n.casefold() not in {f.casefold() for f in ("prompt",) + FIELDS_NUMERIC + ("id",)})
+
+
+@FUZZ
+@given(prompts_col=st.lists(prompts.filter(lambda p: "\r" not in p), min_size=1, max_size=6),
+       names=st.lists(extra_names, max_size=3, unique=True), data=st.data(), fmt=st.sampled_from(["tsv", "csv"]))
+def test_table_header_is_never_a_prompt_and_extra_cells_are_metadata(prompts_col, names, data, fmt):
+    """One request per row, with that row's prompt cell; the header row never becomes a request; every other column
+    comes back under its header name, exactly as written (tabs, quotes and commas inside cells included)."""
+    header = ["Prompt"] + names  # the prompt column found ignoring case
+    rows = [[p] + [data.draw(cells) for _ in names] for p in prompts_col]
+    buf = io.StringIO()
+    csv.writer(buf, dialect=DIALECTS[fmt], lineterminator="\n").writerows([header] + rows)
+    out = parse_lines(buf.getvalue().encode("utf-8"), "t." + fmt, fmt, D)
+    check_outputs(out, "t." + fmt)
+    assert len(out) == len(rows), out
+    for o, row in zip(out, rows):
+        assert isinstance(o, GenerationRequest), o
+        assert o.prompt == row[0]  # row by row, so the header row ("Prompt") is not among them
+        expected = {n: v for n, v in zip(names, row[1:])}
+        assert o.metadata_values() == expected

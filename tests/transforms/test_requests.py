@@ -150,10 +150,12 @@ def test_malformed_csv_rows_cite_their_first_line():
     assert [o.id for o in out if isinstance(o, GenerationRequest)] == ["ok"]
 
 
-def test_csv_without_prompt_column_rejects_every_row():
-    out = parse_lines(b"text,height\nhello,32\n", "p.csv", "csv", D)
-    assert [o["line"] for o in out] == [1, 2]
-    assert "no 'prompt' column" in out[0]["reason"] and out[1]["reason"] == "missing prompt"
+def test_csv_without_prompt_column_is_one_error_row_naming_the_columns():
+    """The launch refuses such a file; should one still reach a worker, it is one row for the file, not one per row."""
+    out = parse_lines(b"text,height\nhello,32\nbye,16\n", "p.csv", "csv", D)
+    assert [(o["line"], o["kind"], o["field"]) for o in out] == [(1, layout.UNREADABLE_INPUT, "prompt")]
+    assert "no prompt column 'prompt'" in out[0]["reason"] and "'text', 'height'" in out[0]["reason"]
+    assert "none of the file's records were read" in out[0]["reason"]
 
 
 def test_text_lines_are_prompts():
@@ -328,11 +330,12 @@ def test_csv_row_with_an_undecodable_line_is_rejected_whole():
     assert "not valid UTF-8" in out[0]["reason"]
 
 
-def test_csv_header_problems_are_reported_for_every_row():
+def test_csv_header_problems_are_one_error_row_for_the_file():
     out = parse_lines(b"prompt,prompt\na,b\nc,d\n", "s.csv", "csv", D)
-    assert len(out) == 3 and all(isinstance(o, dict) and "'prompt' more than once" in o["reason"] for o in out)
+    assert len(out) == 1 and "'prompt' more than once" in out[0]["reason"] and out[0]["line"] == 1
     out = parse_lines(b"pr\xffompt\nx\n", "s.csv", "csv", D)
-    assert [o["line"] for o in out] == [1, 2] and "header (line 1) cannot be read" in out[1]["reason"]
+    assert [o["line"] for o in out] == [1] and "header (line 1) cannot be read" in out[0]["reason"]
+    assert "not valid UTF-8" in out[0]["reason"] and out[0]["kind"] == layout.UNREADABLE_INPUT
 
 
 def test_csv_prompts_up_to_max_prompt_bytes_are_read():
