@@ -26,6 +26,7 @@ from model.contract import (
 )
 from model.options import DTYPE_NAMES as DTYPES
 from transforms.inference import DEFAULT_INFERENCE_RETRIES
+from transforms.outputs import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
 
 from .demo import DEMO_DTYPE, DEMO_SIZE
@@ -130,6 +131,14 @@ OPTIONS = (
     Option("output", "output", "Output folder or gs:// prefix: images/, manifest/, errors/ and summary.json; "
                                "gs:// on Dataflow.", metavar="FOLDER",
            shown_default=f"{DEFAULT_OUTPUT} on local runners"),
+    Option("image_format", "output", "Format of the stored images (.png, .webp or .jpg); prompt and parameters go "
+                                     "in PNG text or WebP/JPEG EXIF.", default="png",
+           choices=IMAGE_FORMATS),
+    Option("png_compress_level", "output", "zlib level of PNG images, 0 (fastest, largest) to 9; 1 encodes faster "
+                                           "than 6 for files about 9% larger.", type=int,
+           default=DEFAULT_PNG_COMPRESS_LEVEL, metavar="0-9"),
+    Option("quality", "output", "Quality of WebP and JPEG images, 1 to 100.", type=int, default=DEFAULT_QUALITY,
+           metavar="1-100"),
     Option("skip_existing", "output", "Skip images already written under the output: resume a job.", switch=True,
            default=False),
     Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
@@ -175,6 +184,9 @@ OPTIONS = (
     Option("model_copies", "limits", "Exact number of model copies per machine, shared by its worker processes "
                                      "(Beam RunInference model_copies).", type=int, metavar="N",
            shown_default="one per worker process"),
+    Option("encode_threads", "limits", "Threads per worker process that encode and upload images while the "
+                                       "device generates the next batch.", type=int, metavar="N",
+           shown_default="the worker's cores"),
     Option("compilation_cache_dir", "limits", "Persistent XLA compilation cache (local folder or gs://), so "
                                               "workers skip recompiling.", metavar="FOLDER"),
     Option("max_pixels", "limits", "Largest height x width a record may ask for.", type=int,

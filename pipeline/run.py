@@ -44,7 +44,7 @@ from transforms.input_check import InputCheckError, check_input_files
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
-    SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
+    ImageEncoding, SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
 )
 from transforms.progress import ProgressReporter, ReportTotal
 from transforms.requests import (
@@ -92,6 +92,8 @@ class JobConfig:
     bigquery: tuple[BigQueryInput, ...] = ()  # BigQuery tables (--input bq://...) and --input_query
     bigquery_temp_dataset: str | None = None  # project.dataset for --input_query's result (None: Beam makes one)
     input_warnings: tuple[str, ...] = ()  # found at launch (a --column_map column a table lacks)
+    encoding: ImageEncoding = ImageEncoding()  # --image_format, --png_compress_level, --quality
+    encode_threads: int | None = None  # encoder threads per worker process (--encode_threads); None: its cores
 
     @property
     def model(self) -> str:
@@ -177,6 +179,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         optional_count("--model_copies", o.model_copies)
         validate_variant(o.model_variant, name="--model_variant")
         worker_env = tuple(o.worker_env_vars().items())
+        encoding = ImageEncoding(o.image_format, o.png_compress_level, o.quality)
+        optional_count("--encode_threads", o.encode_threads)
         load = LoadSettings(
             model=model_uri, dtype=o.dtype or (DEMO_DTYPE if demo else "bfloat16"), variant=o.model_variant,
             max_sequence_length=count("--max_sequence_length", o.max_sequence_length
@@ -242,8 +246,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      defaults=defaults, skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, demo=demo, max_images=o.max_images,
                      inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
-                     require_accelerator=o.require_accelerator, worker_env=worker_env,
-                     columns=columns, bigquery=bigquery, bigquery_temp_dataset=o.bigquery_temp_dataset,
+                     require_accelerator=o.require_accelerator, worker_env=worker_env, encoding=encoding,
+                     encode_threads=o.encode_threads, columns=columns, bigquery=bigquery, bigquery_temp_dataset=o.bigquery_temp_dataset,
                      input_warnings=tuple(input_warnings))
 
 
@@ -286,7 +290,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     planned = dedup["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None
     if job.skip_existing:
-        split = planned | "SkipExisting" >> SkipExisting(job.output)
+        split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding)
         tasks, skipped = split["tasks"], split["skipped"]
     if job.max_images is not None:
         # Counts what this run would generate (skipped images excluded) and fails before inference when over.
@@ -300,7 +304,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     batches = tasks | "BatchByShape" >> BatchByShape(job.batch_size)
     results, dlq = batches | "RunInference" >> RunInference(make_handler(job).with_no_batching()) \
         .with_exception_handling()
-    manifest = results | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir))
+    manifest = results | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir, job.encoding,
+                                                                       job.encode_threads))
     failed = dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)
 
     invalid = (read["invalid"], dedup["invalid"]) | "AllInvalid" >> beam.Flatten()

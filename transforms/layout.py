@@ -2,6 +2,7 @@
 
     {output}/images/{id}.png                 one image per request (num_images == 1)
     {output}/images/{id}-{j}.png             image j of a request with num_images > 1
+                                             (.webp / .jpg instead of .png with --image_format webp / jpeg)
     {output}/manifest/manifest-*.jsonl       one row per image written by this run
     {output}/manifest/existing-*.jsonl       one row per image this run found already there (--skip_existing);
                                              with manifest-*, every image of the job exactly once
@@ -61,6 +62,19 @@ def image_file_name(request_id: str, index: int, num_images: int) -> str:
     return f"{IMAGES_DIR}/{request_id}-{index}.png"
 
 
+# --image_format -> the extension of the stored image files.
+IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+
+
+def stored_image_name(file_name: str, image_format: str = "png") -> str:
+    """A task's file name (always `.png`, see `image_file_name`) as stored in `image_format`: same name, that
+    format's extension; ValueError naming a format that is not one of IMAGE_EXTENSIONS."""
+    if image_format not in IMAGE_EXTENSIONS:
+        raise ValueError(f"image format {image_format!r} is not one of {sorted(IMAGE_EXTENSIONS)}")
+    stem = file_name[:-len(".png")] if file_name.endswith(".png") else file_name
+    return f"{stem}.{IMAGE_EXTENSIONS[image_format]}"
+
+
 def join(output: str, relpath: str) -> str:
     """`output` + a '/'-separated relative path; works for gs:// URIs and local folders alike."""
     if "://" in output:
@@ -70,8 +84,9 @@ def join(output: str, relpath: str) -> str:
     return os.path.join(output, *relpath.split("/"))
 
 
-def images_glob(output: str) -> str:
-    return join(output, f"{IMAGES_DIR}/*.png")
+def images_glob(output: str, image_format: str = "png") -> str:
+    """The stored images of `image_format` under `output` (what --skip_existing lists)."""
+    return join(output, f"{IMAGES_DIR}/*.{IMAGE_EXTENSIONS[image_format]}")
 
 
 def manifest_prefix(output: str) -> str:

@@ -1,13 +1,17 @@
-"""PNG encoding, atomic image writes, manifest and error rows, skip-existing, the run summary.
+"""Image encoding (PNG, WebP, JPEG) on a pool of encoder threads, atomic image writes, manifest and error rows, skip-existing, the run summary.
 
 An image goes straight to its final name as one atomic object write: on GCS (and any other object store Beam's
 FileSystems knows) a single object upload that only becomes visible when complete; on a local disk a temporary file
-in the same folder, then an atomic rename. The PNG bytes depend only on the pixels and the request, so a retried
-bundle rewrites the same bytes and no partial image is ever visible.
+in the same folder, then an atomic rename. The image bytes depend only on the pixels, the request and the encoding
+options (never on the thread that encoded them), so a retried bundle rewrites the same bytes and no partial image is
+ever visible.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import dataclasses
 import hashlib
 import io
 import json
@@ -22,6 +26,7 @@ import numpy as np
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
+from apache_beam.utils.windowed_value import WindowedValue
 
 from . import layout, retries
 from .inference import is_out_of_memory
@@ -89,63 +94,182 @@ def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float
     return text
 
 
-def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None) -> bytes:
-    """uint8 [H, W, 3] -> PNG bytes with `text` as iTXt chunks (UTF-8); deterministic for the same input."""
-    from PIL import Image, PngImagePlugin
+def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,
+               compress_level: int | None = None) -> bytes:
+    """uint8 [H, W, 3] -> PNG bytes with `text` as iTXt chunks (UTF-8); deterministic for the same input.
+    `compress_level` (zlib, 0-9) defaults to DEFAULT_PNG_COMPRESS_LEVEL."""
+    return ImageEncoding("png", DEFAULT_PNG_COMPRESS_LEVEL if compress_level is None else compress_level) \
+        .encode(pixels, text)
 
-    pixels = np.asarray(pixels)
-    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
-        raise ValueError(f"expected uint8 [H, W, 3] pixels, got {pixels.dtype} {pixels.shape}")
-    info = PngImagePlugin.PngInfo()
-    for key, value in (text or {}).items():
-        info.add_itxt(key, value)
-    buf = io.BytesIO()
-    Image.fromarray(pixels, mode="RGB").save(buf, format="PNG", pnginfo=info, compress_level=6)
-    return buf.getvalue()
+
+# --------------------------------------------------------------------------------------------- image formats
+IMAGE_FORMATS = tuple(layout.IMAGE_EXTENSIONS)  # --image_format choices
+# zlib level 1 rather than Pillow's 6: measured faster in every row of benchmarks.host_path (1024x1024, 1-4
+# threads) for files about 9% larger; the host's encoding time is what keeps the accelerator waiting.
+DEFAULT_PNG_COMPRESS_LEVEL = 1
+DEFAULT_QUALITY = 90  # --quality of the lossy formats (WebP, JPEG)
+MIME_TYPES = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
+PIL_FORMATS = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
+EXIF_IMAGE_DESCRIPTION = 0x010E  # WebP/JPEG: the PNG text chunks as one JSON object, in this EXIF tag
+EXIF_SOFTWARE = 0x0131
+JPEG_MAX_EXIF_BYTES = 65_000  # a JPEG APP1 segment holds at most 65,533 bytes of EXIF
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageEncoding:
+    """How images are stored: `format` (png, webp, jpeg), zlib level of PNG, quality (1-100) of WebP and JPEG."""
+
+    format: str = "png"
+    png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL
+    quality: int = DEFAULT_QUALITY
+
+    def __post_init__(self):
+        if self.format not in IMAGE_FORMATS:
+            raise ValueError(f"--image_format={self.format!r} is not one of {', '.join(IMAGE_FORMATS)}")
+        if isinstance(self.png_compress_level, bool) or not isinstance(self.png_compress_level, int) \
+                or not 0 <= self.png_compress_level <= 9:
+            raise ValueError(f"--png_compress_level={self.png_compress_level!r} is not an integer from 0 to 9")
+        if isinstance(self.quality, bool) or not isinstance(self.quality, int) or not 1 <= self.quality <= 100:
+            raise ValueError(f"--quality={self.quality!r} is not an integer from 1 to 100")
+
+    @property
+    def mime_type(self) -> str:
+        return MIME_TYPES[self.format]
+
+    def stored_name(self, file_name: str) -> str:
+        """A task's file name with this format's extension."""
+        return layout.stored_image_name(file_name, self.format)
+
+    def encode(self, pixels: np.ndarray, text: dict[str, str] | None = None) -> bytes:
+        """uint8 [H, W, 3] -> bytes of this format carrying `text` (PNG: iTXt chunks; WebP/JPEG: EXIF, see
+        `exif_description`); the same input gives the same bytes, whichever thread encodes it."""
+        from PIL import Image, PngImagePlugin
+
+        pixels = np.asarray(pixels)
+        if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
+            raise ValueError(f"expected uint8 [H, W, 3] pixels, got {pixels.dtype} {pixels.shape}")
+        image = Image.fromarray(pixels, mode="RGB")
+        buf = io.BytesIO()
+        if self.format == "png":
+            info = PngImagePlugin.PngInfo()
+            for key, value in (text or {}).items():
+                info.add_itxt(key, value)
+            image.save(buf, format="PNG", pnginfo=info, compress_level=self.png_compress_level)
+        else:
+            exif = Image.Exif()
+            exif[EXIF_IMAGE_DESCRIPTION] = exif_description(text or {}, jpeg=self.format == "jpeg")
+            exif[EXIF_SOFTWARE] = PNG_SOFTWARE
+            image.save(buf, format=PIL_FORMATS[self.format], quality=self.quality, exif=exif.tobytes())
+        return buf.getvalue()
+
+
+def exif_description(text: dict[str, str], *, jpeg: bool = False) -> str:
+    """The image's text (png_text) as the EXIF ImageDescription of a WebP or JPEG: one JSON object, ASCII-escaped
+    (EXIF text is ASCII) so every prompt round-trips. A JPEG's EXIF is capped at 64 KiB: when the prompt does not
+    fit, `prompt_sha256` stands in for it (the manifest row still has the whole prompt)."""
+    out = json.dumps(text, ensure_ascii=True, sort_keys=True)
+    if jpeg and len(out) > JPEG_MAX_EXIF_BYTES and "prompt" in text:
+        short = dict(text)
+        short["prompt_sha256"] = hashlib.sha256(short.pop("prompt").encode("utf-8")).hexdigest()
+        out = json.dumps(short, ensure_ascii=True, sort_keys=True)
+    return out
+
+
+def read_image_text(image) -> dict[str, str]:
+    """The text an open PIL image carries: PNG text chunks, or the JSON of a WebP/JPEG EXIF ImageDescription."""
+    if image.format == "PNG":
+        return dict(getattr(image, "text", {}) or {})
+    raw = image.getexif().get(EXIF_IMAGE_DESCRIPTION)
+    try:
+        text = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in text.items()} if isinstance(text, dict) else {}
+
+
+def default_encode_threads() -> int:
+    """The encoder threads of a writer when none are asked for: one per core this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredImage:
+    """What an encoder thread reports back for one image: where it went, its size and its sha256."""
+
+    uri: str
+    num_bytes: int
+    sha256: str
+
+
+def store_image(generated, output: str, encoding: ImageEncoding) -> StoredImage:
+    """Encode one GeneratedImage and write it atomically under `output`; thread-safe (no Beam state touched)."""
+    task: ImageTask = generated.task
+    data = encoding.encode(generated.pixels, png_text(
+        task, num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
+        model=generated.model, prompt_truncated=generated.prompt_truncated))
+    uri = layout.join(output, encoding.stored_name(task.file_name))
+    write_bytes_atomic(uri, data, mime_type=encoding.mime_type)
+    return StoredImage(uri, len(data), hashlib.sha256(data).hexdigest())
 
 
 # --------------------------------------------------------------------------------------------- Beam: write images
 class WriteImagesFn(beam.DoFn):
-    """PredictionResult(example=ImageTask, inference=GeneratedImage) -> writes the PNG, yields its manifest row."""
+    """PredictionResult(example=ImageTask, inference=GeneratedImage) -> writes the image, yields its manifest row.
 
-    def __init__(self, output: str, progress_dir: str | None = None):
+    Encoding and upload run on a pool of `threads` encoder threads (zlib, libwebp and libjpeg release the GIL), so
+    `process` returns at once and RunInference starts the next batch on the device while this one is stored. At
+    most `max_in_flight` images wait or run in the pool (back-pressure: `process` then waits for the oldest), which
+    bounds memory when the store is slow. Every image is stored before its bundle ends (`finish_bundle` waits), and
+    a failed write fails the bundle, so a retry stores the same bytes again: nothing is lost, nothing partial.
+    """
+
+    def __init__(self, output: str, progress_dir: str | None = None, encoding: ImageEncoding | None = None,
+                 threads: int | None = None, max_in_flight: int | None = None):
         self._output = output
         self._progress_dir = progress_dir
+        self._encoding = encoding or ImageEncoding()
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"--encode_threads={threads!r} is not an integer >= 1")
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight={max_in_flight!r} is not an integer >= 1")
+        self._threads = threads
+        self._max_in_flight = max_in_flight
         self._written = Metrics.counter(METRICS_NAMESPACE, "images_generated")
         self._bytes = Metrics.counter(METRICS_NAMESPACE, "image_bytes_written")
         self._gen_ms = Metrics.distribution(METRICS_NAMESPACE, "generation_ms_per_image")
+        self._in_flight = Metrics.distribution(METRICS_NAMESPACE, "images_in_flight")
         self._progress = None
+        self._pool = None
+        self._pending: collections.deque = collections.deque()
 
     def setup(self):
         retries.install()
+        threads = self._threads or default_encode_threads()
+        self._limit = self._max_in_flight or 2 * threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="flux2-encode")
         if self._progress_dir:
             from .progress import ProgressWriter
 
             self._progress = ProgressWriter(self._progress_dir)
 
-    def process(self, result):
+    def start_bundle(self):
+        self._pending = collections.deque()
+
+    def process(self, result, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam):
         generated = result.inference
-        task: ImageTask = generated.task
-        png = encode_png(generated.pixels, png_text(task, num_inference_steps=generated.num_inference_steps,
-                                                    guidance_scale=generated.guidance_scale,
-                                                    model=generated.model,
-                                                    prompt_truncated=generated.prompt_truncated))
-        uri = layout.join(self._output, task.file_name)
-        write_bytes_atomic(uri, png, mime_type="image/png")
-        self._written.inc()
-        self._bytes.inc(len(png))
-        self._gen_ms.update(int(round(generated.generation_ms)))
-        if self._progress is not None:
-            self._progress.add(1)
-        r = task.request
-        yield layout.manifest_row(
-            request_id=r.id, file_name=task.file_name, uri=uri, prompt=r.prompt,
-            prompt_truncated=generated.prompt_truncated, seed=task.seed, height=r.height, width=r.width,
-            num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-            model=generated.model, sha256=hashlib.sha256(png).hexdigest(), num_bytes=len(png),
-            generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values())
+        # Waits for the oldest images while the pool is full, so at most `limit` images are held here.
+        while len(self._pending) >= self._limit or (self._pending and self._pending[0][0].done()):
+            yield self._take_oldest()
+        future = self._pool.submit(store_image, generated, self._output, self._encoding)
+        self._pending.append((future, generated, window, timestamp))
+        self._in_flight.update(len(self._pending))
 
     def finish_bundle(self):
+        while self._pending:
+            yield self._take_oldest()
         # Loads that happened in this process but were not yet reported (see inference.flush_model_load_metrics).
         from .inference import flush_model_load_metrics
 
@@ -153,6 +277,36 @@ class WriteImagesFn(beam.DoFn):
         retries.flush_to_metrics()
         if self._progress is not None:
             self._progress.flush()
+
+    def teardown(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _take_oldest(self) -> WindowedValue:
+        """Wait for the oldest pending image; its manifest row in its element's window. A failed write cancels the
+        images not yet started and fails the bundle (the runner retries it)."""
+        future, generated, window, timestamp = self._pending.popleft()
+        try:
+            stored: StoredImage = future.result()
+        except BaseException:
+            while self._pending:
+                self._pending.popleft()[0].cancel()
+            raise
+        self._written.inc()
+        self._bytes.inc(stored.num_bytes)
+        self._gen_ms.update(int(round(generated.generation_ms)))
+        if self._progress is not None:
+            self._progress.add(1)
+        task: ImageTask = generated.task
+        r = task.request
+        row = layout.manifest_row(
+            request_id=r.id, file_name=self._encoding.stored_name(task.file_name), uri=stored.uri, prompt=r.prompt,
+            prompt_truncated=generated.prompt_truncated, seed=task.seed, height=r.height, width=r.width,
+            num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
+            model=generated.model, sha256=stored.sha256, num_bytes=stored.num_bytes,
+            generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values())
+        return WindowedValue(row, timestamp, [window])
 
 
 # --------------------------------------------------------------------------------------------- Beam: skip existing
@@ -168,42 +322,55 @@ class ExistingImageMismatch(ValueError):
         self.problem = problem
 
 
-def existing_manifest_row(task: ImageTask, data: bytes, uri: str) -> dict:
-    """The manifest row of an image a previous run wrote for `task`, rebuilt from its bytes and PNG text chunks.
+def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: ImageEncoding | None = None) -> dict:
+    """The manifest row of an image a previous run wrote for `task`, rebuilt from its bytes and the text it carries
+    (PNG text chunks; the EXIF description of a WebP or JPEG).
 
-    Raises ExistingImageMismatch unless the bytes are a complete, undamaged PNG (every chunk checksum) of the
-    task's size whose text chunks record the task's id, prompt and seed (and its steps and guidance when the
-    record gives them)."""
+    Raises ExistingImageMismatch unless the bytes are a complete, undamaged image of the encoding's format (PNG:
+    every chunk checksum; WebP/JPEG: all pixels decode) and the task's size whose text records the task's id,
+    prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, and its steps and guidance when the
+    record gives them."""
     from PIL import Image
 
+    encoding = encoding or ImageEncoding()
+    expected_format = PIL_FORMATS[encoding.format]
     r = task.request
+    file_name = encoding.stored_name(task.file_name)
     try:
         with Image.open(io.BytesIO(data)) as im:
-            fmt, size, text = im.format, im.size, dict(getattr(im, "text", {}) or {})
-        with Image.open(io.BytesIO(data)) as im:
-            im.verify()  # every chunk's CRC, through IEND: a truncated or damaged file fails here
+            fmt, size, text = im.format, im.size, read_image_text(im)
+            if fmt != "PNG":
+                im.load()  # a truncated WebP/JPEG fails to decode here
+        if fmt == "PNG":
+            with Image.open(io.BytesIO(data)) as im:
+                im.verify()  # every chunk's CRC, through IEND: a truncated or damaged file fails here
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes; all mean the same here
-        raise ExistingImageMismatch(task.file_name, f"not a readable PNG ({type(e).__name__}: {e})") from None
-    if fmt != "PNG":
-        raise ExistingImageMismatch(task.file_name, f"is {fmt}, not PNG")
+        raise ExistingImageMismatch(file_name, f"not a readable {expected_format} ({type(e).__name__}: {e})") \
+            from None
+    if fmt != expected_format:
+        raise ExistingImageMismatch(file_name, f"is {fmt}, not {expected_format}")
     if size != (r.width, r.height):
-        raise ExistingImageMismatch(task.file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for "
-                                                    f"{r.width}x{r.height}")
-    expected = {"id": r.id, "prompt": r.prompt, "seed": str(task.seed)}
+        raise ExistingImageMismatch(file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for "
+                                               f"{r.width}x{r.height}")
+    expected = {"id": r.id, "seed": str(task.seed)}
+    if "prompt" in text or "prompt_sha256" not in text:
+        expected["prompt"] = r.prompt
+    else:
+        expected["prompt_sha256"] = hashlib.sha256(r.prompt.encode("utf-8")).hexdigest()
     if r.num_inference_steps is not None:
         expected["num_inference_steps"] = str(int(r.num_inference_steps))
     if r.guidance_scale is not None:
         expected["guidance_scale"] = repr(float(r.guidance_scale))
     for key, value in expected.items():
         if text.get(key) != value:
-            raise ExistingImageMismatch(task.file_name, f"was made for another request (its {key!r} differs)")
+            raise ExistingImageMismatch(file_name, f"was made for another request (its {key!r} differs)")
     try:
         steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
     except (KeyError, ValueError):
-        raise ExistingImageMismatch(task.file_name, "lacks its steps/guidance text chunks") from None
+        raise ExistingImageMismatch(file_name, "lacks its steps/guidance text") from None
     truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
     return layout.manifest_row(
-        request_id=r.id, file_name=task.file_name, uri=uri, prompt=r.prompt, prompt_truncated=truncated,
+        request_id=r.id, file_name=file_name, uri=uri, prompt=r.prompt, prompt_truncated=truncated,
         seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
         model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
         generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values())
@@ -213,8 +380,9 @@ class _SkipExistingFn(beam.DoFn):
     """A task whose image exists and checks out -> its manifest row (tagged `skipped`); else the task, to be
     generated (an image that does not check out is replaced, and counted)."""
 
-    def __init__(self, output: str):
+    def __init__(self, output: str, encoding: ImageEncoding | None = None):
         self._output = output
+        self._encoding = encoding or ImageEncoding()
         self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
         self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
 
@@ -225,17 +393,18 @@ class _SkipExistingFn(beam.DoFn):
         retries.flush_to_metrics()
 
     def process(self, task: ImageTask, existing):
-        if task.file_name not in existing:
+        file_name = self._encoding.stored_name(task.file_name)
+        if file_name not in existing:
             yield task
             return
-        uri = layout.join(self._output, task.file_name)
+        uri = layout.join(self._output, file_name)
         try:
             data = read_bytes(uri)
         except FileNotFoundError:  # deleted since the listing
             yield task
             return
         try:
-            row = existing_manifest_row(task, data, uri)
+            row = existing_manifest_row(task, data, uri, self._encoding)
         except ExistingImageMismatch as e:
             self._replaced.inc()
             LOGGER.warning("--skip_existing: %s; generating it again", e)
@@ -248,25 +417,28 @@ class _SkipExistingFn(beam.DoFn):
 class SkipExisting(beam.PTransform):
     """Image tasks -> {'tasks': those still to generate, 'skipped': manifest rows of the images already there}.
 
-    The existing images are listed once (one match of `{output}/images/*.png`) and handed to the filter as a side
+    The existing images are listed once (one match of `{output}/images/*.png`, or the extension of the job's
+    --image_format) and handed to the filter as a side
     input, rather than one existence check per image. Each listed image of a task is then read and checked
     (`existing_manifest_row`): its row goes to manifest/existing-*.jsonl, so a resumed job's manifests still list
     every image, including those of a run that was killed before writing its manifest.
     """
 
-    def __init__(self, output: str):
+    def __init__(self, output: str, encoding: ImageEncoding | None = None):
         super().__init__()
         self._output = output
+        self._encoding = encoding or ImageEncoding()
 
     def expand(self, tasks):
         from apache_beam.io import fileio
 
         output = self._output
         existing = (tasks.pipeline
-                    | "ImagesGlob" >> beam.Create([layout.images_glob(output)])
+                    | "ImagesGlob" >> beam.Create([layout.images_glob(output, self._encoding.format)])
                     | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
                     | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}", True)))
-        out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(output), beam.pvalue.AsDict(existing)) \
+        out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(output, self._encoding),
+                                                    beam.pvalue.AsDict(existing)) \
             .with_outputs(SKIPPED_TAG, main="tasks")
         return {"tasks": out.tasks, "skipped": out[SKIPPED_TAG]}
 

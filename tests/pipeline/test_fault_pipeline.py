@@ -38,7 +38,7 @@ import pytest
 
 import fault_jobs
 from fault_jobs import FaultyHandler, JobOutputs, expected_png, install_handler, sha256
-from fault_proxy import FaultProxy, FaultRule, data_path_faults
+from fault_proxy import FaultProxy, FaultRule, data_path_faults, in_front_of
 from pipeline.run import run
 # The end-to-end tests' checkpoint, image shape and persistent XLA cache: the session compiles the job's programs once.
 from pipeline_helpers import HEIGHT, WIDTH, ckpt32, xla_cache  # noqa: F401 - ckpt32 and xla_cache are fixtures
@@ -214,9 +214,7 @@ def test_in_job_retries_ride_over_random_inference_faults(gcs_emulator, gcs_buck
 # ================================================================================================ (b) flaky GCS
 @pytest.fixture
 def proxy(gcs_emulator, monkeypatch):
-    gcs_emulator.client()  # the fixtures' own client talks to the emulator directly, before the env points here
-    with FaultProxy(gcs_emulator.host, seed=11) as p:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", p.url)
+    with in_front_of(gcs_emulator, monkeypatch, seed=11) as p:
         yield p
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import requests
 
-from fault_proxy import FaultProxy, FaultRule, classify, data_path_faults
+from fault_proxy import FaultProxy, FaultRule, classify, data_path_faults, in_front_of
 
 
 @pytest.fixture
@@ -24,9 +24,7 @@ def fast_gcs_retries(monkeypatch):
 
 @pytest.fixture
 def proxy(gcs_emulator, monkeypatch):
-    gcs_emulator.client()  # the fixtures' own client talks to the emulator directly, before the env points here
-    with FaultProxy(gcs_emulator.host, seed=7) as p:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", p.url)
+    with in_front_of(gcs_emulator, monkeypatch, seed=7) as p:
         yield p
 
 

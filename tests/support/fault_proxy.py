@@ -31,6 +31,7 @@ upstream call has a timeout; the whole proxy stops answering (503) after `max_re
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import http.client
@@ -487,6 +488,16 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._reset()
             return
         self._send(status, resp_headers, data)
+
+
+@contextlib.contextmanager
+def in_front_of(emulator, monkeypatch, *, seed: int = 0):
+    """A FaultProxy in front of the GCS `emulator`, with STORAGE_EMULATOR_HOST pointing at it for one test (the
+    emulator fixture's own client is made first, so it keeps talking to the emulator directly)."""
+    emulator.client()
+    with FaultProxy(emulator.host, seed=seed) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        yield proxy
 
 
 def rules_for(rate: float, *, seed_kinds: Iterable[str] = ("read", "list", "upload", "copy", "delete", "batch"),

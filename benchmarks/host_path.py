@@ -1,0 +1,150 @@
+"""The host's capacity: images/s through the job's own encode, write and manifest path, by format and thread count.
+
+    python -m benchmarks.host_path --height 1024 --width 1024 --images 200 --threads 1,2,4 \\
+        --image_format png1,png6,webp,jpeg --store local,emulator [--device_images_per_s 10.9]
+
+Ready-made pixel arrays (smooth, seeded, with a little noise: compressible like a generated image, unlike pure
+noise) go through `WriteImagesFn` exactly as the job runs it (its encoder-thread pool, atomic writes, manifest rows
+with the stored bytes' sha256), then the rows are written as the manifest file. No model and no Beam runner: the
+device side is what RunInference adds on top. `png1`/`png6` are PNG at zlib level 1/6. `--store emulator` writes to
+the local GCS emulator (tests/support/gcs_emulator.py), which runs in this process and shares its cores.
+
+`--device_images_per_s` is the rate the host must sustain (from the TPU preflight's estimates, per chip or per host,
+when that exists); given, each row says whether the host keeps up. Prints a table and, as its last line, JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS_SUPPORT = os.path.join(REPO, "tests", "support")  # gcs_emulator
+LOGGER = logging.getLogger("benchmarks.host_path")
+DISTINCT_IMAGES = 8  # pixel arrays cycled through, so memory stays small at any --images
+
+
+def synthetic_pixels(height: int, width: int, seed: int) -> np.ndarray:
+    """A seeded uint8 [H, W, 3] image: smooth waves plus mild noise, which compresses like a real picture."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    rng = np.random.default_rng(seed)
+    waves = np.stack([128 + 100 * np.sin(x / (90 + 7 * c + seed) + c) * np.cos(y / (130 - 5 * c) - seed)
+                      for c in range(3)], axis=-1)
+    return np.clip(waves + rng.normal(0, 6, waves.shape), 0, 255).astype(np.uint8)
+
+
+def parse_format(name: str):
+    """'png1' / 'png6' / 'png' / 'webp' / 'jpeg' -> ImageEncoding; ValueError naming an unknown one."""
+    from transforms.outputs import ImageEncoding
+
+    if name.startswith("png") and name[3:].isdigit():
+        return ImageEncoding("png", png_compress_level=int(name[3:]))
+    try:
+        return ImageEncoding(name)
+    except ValueError:
+        raise ValueError(f"--image_format entry {name!r} is not png<level>, png, webp or jpeg") from None
+
+
+def make_results(height: int, width: int, n: int) -> list:
+    """n PredictionResults like RunInference's, for distinct requests (one image each), pixels cycled."""
+    from apache_beam.ml.inference.base import PredictionResult
+
+    from transforms.inference import GeneratedImage
+    from transforms.requests import GenerationRequest, ImageTask
+
+    pixels = [synthetic_pixels(height, width, s) for s in range(DISTINCT_IMAGES)]
+    out = []
+    for i in range(n):
+        request = GenerationRequest(id=f"bench{i:05d}", prompt=f"benchmark prompt {i}", seed=i, height=height,
+                                    width=width, num_inference_steps=None, guidance_scale=None, num_images=1,
+                                    source="bench.jsonl", line=i + 1)
+        task = ImageTask(request, 0)
+        out.append(PredictionResult(task, GeneratedImage(task, pixels[i % DISTINCT_IMAGES], 4, 1.0, False,
+                                                         "bench", 0.0)))
+    return out
+
+
+def run_host_path(results: list, output: str, encoding, threads: int) -> dict:
+    """Time the job's writer over `results` (one bundle) plus the manifest write; images/s and bytes."""
+    from apache_beam.transforms.window import GlobalWindow
+    from apache_beam.utils.timestamp import MIN_TIMESTAMP
+
+    from transforms import layout
+    from transforms.outputs import WriteImagesFn, write_bytes_atomic
+
+    fn = WriteImagesFn(output, encoding=encoding, threads=threads)
+    fn.setup()
+    try:
+        start = time.perf_counter()
+        fn.start_bundle()
+        # As the runner calls it: each element in the global window (what a batch job's elements are in).
+        rows = [wv.value for r in results for wv in fn.process(r, window=GlobalWindow(), timestamp=MIN_TIMESTAMP)]
+        rows += [wv.value for wv in fn.finish_bundle()]
+        write_bytes_atomic(layout.manifest_prefix(output) + "-00000-of-00001.jsonl",
+                           ("\n".join(layout.to_json_line(row) for row in rows) + "\n").encode("utf-8"))
+        seconds = time.perf_counter() - start
+    finally:
+        fn.teardown()
+    if len(rows) != len(results):
+        raise RuntimeError(f"{len(rows)} manifest rows for {len(results)} images")
+    return {"images_per_s": len(results) / seconds, "seconds": seconds,
+            "mean_bytes": sum(r["bytes"] for r in rows) / len(rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--height", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--images", type=int, default=200)
+    ap.add_argument("--threads", default="1,2,4", help="comma-separated encoder thread counts")
+    ap.add_argument("--image_format", default="png1,png6,webp,jpeg",
+                    help="comma-separated: png<level> (png1, png6), png (the job's default level), webp, jpeg")
+    ap.add_argument("--store", default="local,emulator", help="comma-separated: local, emulator")
+    ap.add_argument("--device_images_per_s", type=float, default=None,
+                    help="the device's images/s that the host must sustain (e.g. from the TPU preflight)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    sys.path.insert(0, REPO)
+    encodings = {name: parse_format(name) for name in args.image_format.split(",")}
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    stores = args.store.split(",")
+    results = make_results(args.height, args.width, args.images)
+    outputs = {}
+    if "local" in stores:
+        outputs["local"] = tempfile.mkdtemp(prefix="host-path-")
+    if "emulator" in stores:
+        sys.path.insert(0, TESTS_SUPPORT)
+        from gcs_emulator import start_emulator
+
+        emulator = start_emulator()
+        outputs["emulator"] = f"gs://{emulator.new_bucket('bench')}"
+    rows = []
+    print(f"host path, {args.height}x{args.width}, {args.images} images, {os.cpu_count()} cores")
+    print(f"{'store':9} {'format':7} {'threads':>7} {'images/s':>9} {'KiB/image':>10}"
+          + ("  keeps up with device" if args.device_images_per_s else ""))
+    for store, base in outputs.items():
+        for name, encoding in encodings.items():
+            for threads in thread_counts:
+                figures = run_host_path(results, f"{base.rstrip('/')}/{name}-t{threads}", encoding, threads)
+                row = {"store": store, "format": name, "threads": threads,
+                       "images_per_s": round(figures["images_per_s"], 2),
+                       "kib_per_image": round(figures["mean_bytes"] / 1024, 1)}
+                if args.device_images_per_s:
+                    row["keeps_up"] = figures["images_per_s"] >= args.device_images_per_s
+                rows.append(row)
+                print(f"{store:9} {name:7} {threads:>7} {row['images_per_s']:>9.2f} {row['kib_per_image']:>10.1f}"
+                      + (f"  {'yes' if row['keeps_up'] else 'NO'}" if args.device_images_per_s else ""), flush=True)
+    print(json.dumps({"benchmark": "host_path", "height": args.height, "width": args.width, "images": args.images,
+                      "cores": os.cpu_count(), "device_images_per_s": args.device_images_per_s, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
