@@ -87,6 +87,9 @@ def markdown(rows: list[dict], height: int, width: int, steps: int) -> str:
            "| TFLOP/image | bf16 peak TF/s/chip | s/image at peak | published s/image |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['topology']} | failed: {r['error'].splitlines()[0]} |" + " |" * 10)
+            continue
         published = f"{r['published_seconds_per_image']:.3f}" if r["published_seconds_per_image"] else ""
         out.append(f"| {r['model']} | {r['topology']} ({r['chips']} x {r['chip']}) | {r['row']} | {r['batch']} | "
                    f"{r['model_shards']} | {'yes' if r['fits'] else 'no'} | {r['peak_gib_per_chip']:.1f} / "
@@ -113,12 +116,16 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             request = PreflightRequest(model=model, topology=topology, height=args.height, width=args.width,
                                        batch_size=1, num_inference_steps=args.num_inference_steps)
-            first = preflight(request)
-            rows.append(row(first, "batch 1"))
-            if first.fits:
-                best = best_batch(request, first, args.max_batch, args.tries)
-                if best is not first:
-                    rows.append(row(best, "best batch"))
+            try:
+                first = preflight(request)
+                rows.append(row(first, "batch 1"))
+                if first.fits:
+                    best = best_batch(request, first, args.max_batch, args.tries)
+                    if best is not first:
+                        rows.append(row(best, "best batch"))
+            except Exception as e:  # noqa: BLE001 - one machine type failing to compile must not lose the others
+                logging.exception("%s on %s failed", model, topology)
+                rows.append({"model": model, "topology": topology, "error": f"{type(e).__name__}: {e}"[:300]})
             logging.info("%s on %s done in %.0f s", model, topology, time.perf_counter() - start)
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "report"}), file=sys.stderr, flush=True)
     print(markdown(rows, args.height, args.width, args.num_inference_steps))

@@ -137,6 +137,21 @@ def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_
     assert report.fits
 
 
+def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):
+    """The fallback for programs whose compiled text cannot be printed (TPU v7) counts as the compiled text does."""
+    from model.engine import Bucket
+    from pipeline.preflight import abstract_modules, build_programs, count_kernel_calls, load_topology, resolve_model
+
+    config = resolve_model(tiny_ckpt)
+    programs, _ = build_programs(abstract_modules(config, "bfloat16"), load_topology("v5e:2x2"), dtype="bfloat16",
+                                 model_shards=2, text_len=32)
+    tr = config.transformer
+    lowered = programs.lower(Bucket(2, 16, 16, 4, False), tr.in_channels, tr.joint_attention_dim,
+                             tr.attention_head_dim, fused=True)
+    for low in lowered[:2]:
+        assert count_kernel_calls(low.as_text(), "lowered") == count_kernel_calls(low.compile().as_text()) > 0
+
+
 def _replicated_bytes(state) -> int:
     """Bytes of the parameters a sharded state leaves whole on every device."""
     import jax
