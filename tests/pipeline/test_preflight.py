@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO as ROOT  # noqa: E402
 TINY = dict(topology="v5e:2x2", height=64, width=64, batch_size=2, max_sequence_length=32)
 JSON_KEYS = {"model", "topology", "chips", "model_shards", "data_replicas", "hbm_bytes_per_chip",
              "resident_bytes_per_chip", "peak_bytes_per_chip", "fits", "est_seconds_per_image", "attention", "programs"}
