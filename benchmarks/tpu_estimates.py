@@ -79,10 +79,10 @@ def row(report: Report, label: str) -> dict:
             "published_seconds_per_image": published, "report": data}
 
 
-def markdown(rows: list[dict], height: int, width: int, steps: int) -> str:
+def markdown(rows: list[dict], height: int, width: int, steps: int, max_batch: int) -> str:
     """The table, titled as the compiler's estimate."""
     out = [f"Compiler's estimate (XLA cost analysis + attention FLOPs at the bf16 peak; not a measurement), "
-           f"{height}x{width}, {steps} steps, bfloat16:", "",
+           f"{height}x{width}, {steps} steps, bfloat16; best batch searched up to {max_batch} per data replica:", "",
            "| model | topology (chip) | row | batch | shards | fits | peak / HBM per chip | est s/image | images/h "
            "| TFLOP/image | bf16 peak TF/s/chip | s/image at peak | published s/image |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"model": model, "topology": topology, "error": f"{type(e).__name__}: {e}"[:300]})
             logging.info("%s on %s done in %.0f s", model, topology, time.perf_counter() - start)
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "report"}), file=sys.stderr, flush=True)
-    print(markdown(rows, args.height, args.width, args.num_inference_steps))
+    print(markdown(rows, args.height, args.width, args.num_inference_steps, args.max_batch))
     print(json.dumps({"estimate": "compiler", "rows": rows}))
     return 0
 

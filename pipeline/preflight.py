@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -396,6 +397,11 @@ def build_programs(modules, topology: Topology, *, dtype: str, model_shards: int
     return programs, attention
 
 
+# What compiling a lowered program gave, by (device kind, mesh shape, hash of the lowered text): a process that
+# preflights several models or batches (benchmarks.tpu_estimates) compiles an identical program once.
+_COMPILED: dict = {}
+
+
 def compile_programs(programs, config, bucket, kernel_flops: dict, *, dump_dir: str | None = None) -> dict:
     """Lower and compile encode, the fused denoise loop and decode for `bucket`; {name: ProgramStats}."""
     tr = config.transformer
@@ -404,20 +410,26 @@ def compile_programs(programs, config, bucket, kernel_flops: dict, *, dump_dir: 
     modules = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
     stats = {}
     for name, low in zip(PROGRAMS, lowered):
-        start = time.perf_counter()
-        compiled = low.compile()
-        seconds = time.perf_counter() - start
-        text, source = program_text(compiled, low)
+        key = (programs.mesh.devices.flat[0].device_kind, programs.mesh.devices.shape,
+               hashlib.sha256(low.as_text().encode()).hexdigest())
+        fresh = key not in _COMPILED
+        if fresh:  # e.g. the same VAE decode for klein-4B and klein-9B on the same mesh
+            start = time.perf_counter()
+            compiled = low.compile()
+            seconds = time.perf_counter() - start
+            _COMPILED[key] = (compiled.memory_analysis(), compiled.cost_analysis(), *program_text(compiled, low),
+                              seconds)
+        memory, cost, text, source, seconds = _COMPILED[key]
         if dump_dir:
             os.makedirs(dump_dir, exist_ok=True)
             with open(os.path.join(dump_dir, f"{name}.txt" if source == "compiled" else f"{name}.lowered.txt"),
                       "w") as f:
                 f.write(text)
-        stats[name] = program_stats(name, compiled.memory_analysis(), compiled.cost_analysis(), text,
+        stats[name] = program_stats(name, memory, cost, text,
                                     parameter_bytes=params[modules[name]], kernel_flops=kernel_flops[name],
                                     loop_trips=bucket.steps if name == "denoise" else 1, compile_s=seconds,
                                     text_source=source)
-        logger.info("compiled %s in %.1f s", name, seconds)
+        logger.info("compiled %s in %.1f s%s", name, seconds, "" if fresh else " (the same program, compiled earlier)")
     return stats
 
 
