@@ -67,7 +67,7 @@ def best_batch(request: PreflightRequest, first: Report, max_batch: int, tries: 
 def row(report: Report, label: str) -> dict:
     """One table row: the report's headline figures."""
     data = report.to_json()
-    flops = sum(p["flops"] for p in data["programs"].values())
+    flops = sum(float("nan") if p["flops"] is None else p["flops"] for p in data["programs"].values())
     published = PUBLISHED.get((report.model, report.topology.chip.name, report.topology.chips))
     return {"model": report.model, "topology": report.topology.name, "chip": report.topology.chip.name,
             "chips": report.topology.chips, "row": label, "batch": report.batch, "model_shards": report.model_shards,
@@ -91,10 +91,11 @@ def markdown(rows: list[dict], height: int, width: int, steps: int, max_batch: i
             out.append(f"| {r['model']} | {r['topology']} | failed: {r['error'].splitlines()[0]} |" + " |" * 10)
             continue
         published = f"{r['published_seconds_per_image']:.3f}" if r["published_seconds_per_image"] else ""
+        per_hour = f"{r['images_per_hour']:,.0f}" if r["images_per_hour"] else "n/a"
         out.append(f"| {r['model']} | {r['topology']} ({r['chips']} x {r['chip']}) | {r['row']} | {r['batch']} | "
                    f"{r['model_shards']} | {'yes' if r['fits'] else 'no'} | {r['peak_gib_per_chip']:.1f} / "
                    f"{r['hbm_gib_per_chip']:.1f} GiB | {r['est_seconds_per_image']:.3f} | "
-                   f"{r['images_per_hour']:,.0f} | {r['tflop_per_image']:.1f} | "
+                   f"{per_hour} | {r['tflop_per_image']:.1f} | "
                    f"{r['bf16_peak_tflops_per_chip']:,.0f} | {r['seconds_at_peak']:.3f} | {published} |")
     return "\n".join(out)
 

@@ -200,6 +200,7 @@ class ProgramStats:
     mosaic_kernels: int
     loop_trips: int
     text_source: str = "compiled"  # where the Mosaic kernels were counted: "compiled", else "lowered"
+    compile_error: str | None = None  # the compiler refused it: out of HBM (its other figures are then unknown)
 
     @property
     def transient_bytes(self) -> int:
@@ -257,7 +258,8 @@ class Report:
 
     @property
     def largest_program(self) -> str:
-        return max(self.programs.values(), key=lambda p: p.transient_bytes).name
+        """The program that needs the most beyond the parameters (one the compiler refused first)."""
+        return max(self.programs.values(), key=lambda p: (p.compile_error is not None, p.transient_bytes)).name
 
     @property
     def peak_bytes_per_chip(self) -> int:
@@ -265,7 +267,8 @@ class Report:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes_per_chip <= self.hbm_bytes_per_chip
+        refused = any(p.compile_error for p in self.programs.values())
+        return not refused and self.peak_bytes_per_chip <= self.hbm_bytes_per_chip
 
     def flops_per_image(self, program: ProgramStats) -> float:
         """All devices' work on one image: (XLA's FLOPs + kernel FLOPs) per device x devices / compiled batch."""
@@ -303,18 +306,19 @@ class Report:
             "largest_program": self.largest_program, "fits": self.fits,
             "headroom_bytes": self.hbm_bytes_per_chip - self.peak_bytes_per_chip,
             "bf16_peak_flops_per_chip": self.topology.chip.bf16_flops,
-            "est_seconds_per_image": self.est_seconds_per_image,
-            "seconds_at_peak_per_image": self.seconds_at_peak_per_image,
-            "images_per_hour_per_host": 3600.0 / self.est_seconds_per_image if self.est_seconds_per_image else None,
+            "est_seconds_per_image": _finite(self.est_seconds_per_image),
+            "seconds_at_peak_per_image": _finite(self.seconds_at_peak_per_image),
+            "images_per_hour_per_host": _finite(3600.0 / self.est_seconds_per_image)
+            if self.est_seconds_per_image else None,
             "attention": self.attention, "estimate": "compiler (XLA cost analysis + attention FLOPs at bf16 peak)",
             "programs": {p.name: {
                 "argument_bytes": int(self.per_chip(p.argument_bytes)), "temp_bytes": int(self.per_chip(p.temp_bytes)),
-                "output_bytes": int(self.per_chip(p.output_bytes)), "flops": self.flops_per_image(p),
+                "output_bytes": int(self.per_chip(p.output_bytes)), "flops": _finite(self.flops_per_image(p)),
                 "kernel_flops": p.kernel_flops * len(self.topology.devices) / self.batch,
-                "optimal_seconds": _finite(p.optimal_seconds), "est_seconds": self.est_seconds(p),
+                "optimal_seconds": _finite(p.optimal_seconds), "est_seconds": _finite(self.est_seconds(p)),
                 "est_basis": "optimal_seconds" if p.uses_optimal_seconds else "roofline",
                 "compile_s": round(p.compile_s, 2), "mosaic_kernels": p.mosaic_kernels,
-                "mosaic_counted_in": p.text_source,
+                "mosaic_counted_in": p.text_source, "compile_error": p.compile_error,
                 "loop_trips": p.loop_trips} for p in self.programs.values()},
             "advice": list(self.advice),
         }
@@ -415,11 +419,22 @@ def compile_programs(programs, config, bucket, kernel_flops: dict, *, dump_dir: 
         fresh = key not in _COMPILED
         if fresh:  # e.g. the same VAE decode for klein-4B and klein-9B on the same mesh
             start = time.perf_counter()
-            compiled = low.compile()
-            seconds = time.perf_counter() - start
-            _COMPILED[key] = (compiled.memory_analysis(), compiled.cost_analysis(), *program_text(compiled, low),
-                              seconds)
+            try:
+                compiled = low.compile()
+            except Exception as e:  # noqa: BLE001 - JaxRuntimeError; only running out of HBM is an answer
+                if not is_out_of_hbm(e):
+                    raise
+                _COMPILED[key] = (None, str(e), "", "none", time.perf_counter() - start)
+            else:
+                _COMPILED[key] = (compiled.memory_analysis(), compiled.cost_analysis(), *program_text(compiled, low),
+                                  time.perf_counter() - start)
         memory, cost, text, source, seconds = _COMPILED[key]
+        trips = bucket.steps if name == "denoise" else 1
+        if memory is None:  # `cost` holds the compiler's refusal
+            stats[name] = refused_program_stats(name, cost, parameter_bytes=params[modules[name]],
+                                                kernel_flops=kernel_flops[name], loop_trips=trips, compile_s=seconds)
+            logger.info("the compiler refused %s: %s", name, stats[name].compile_error)
+            continue
         if dump_dir:
             os.makedirs(dump_dir, exist_ok=True)
             with open(os.path.join(dump_dir, f"{name}.txt" if source == "compiled" else f"{name}.lowered.txt"),
@@ -427,7 +442,7 @@ def compile_programs(programs, config, bucket, kernel_flops: dict, *, dump_dir: 
                 f.write(text)
         stats[name] = program_stats(name, memory, cost, text,
                                     parameter_bytes=params[modules[name]], kernel_flops=kernel_flops[name],
-                                    loop_trips=bucket.steps if name == "denoise" else 1, compile_s=seconds,
+                                    loop_trips=trips, compile_s=seconds,
                                     text_source=source)
         logger.info("compiled %s in %.1f s%s", name, seconds, "" if fresh else " (the same program, compiled earlier)")
     return stats
@@ -463,6 +478,29 @@ def program_text(compiled, lowered) -> tuple[str, str]:
         logger.warning("the compiled program cannot be printed (%s); counting Mosaic kernels in the lowered one",
                        str(e).splitlines()[0][:200])
         return lowered.as_text(), "lowered"
+
+
+def is_out_of_hbm(error: Exception) -> bool:
+    """Whether a compile error is the TPU compiler finding the program too large for the device's HBM."""
+    return "RESOURCE_EXHAUSTED" in str(error) or "HbmOom" in str(error)
+
+
+_SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def refused_program_stats(name, message: str, *, parameter_bytes: int, kernel_flops: float, loop_trips: int,
+                          compile_s: float) -> ProgramStats:
+    """ProgramStats of a program the compiler refused for lack of HBM: the memory it said was required (its
+    parameters included) stands as parameters plus temporaries; FLOPs and seconds are unknown (NaN)."""
+    sizes = re.findall(r"\(([\d.]+)([KMGT]?)i?B?\)", message)
+    required = int(float(sizes[0][0]) * _SIZE_UNITS[sizes[0][1]]) if sizes else 0
+    first = next((line for line in message.splitlines() if "memory" in line or "HBM" in line), message)
+    nan = float("nan")
+    return ProgramStats(name=name, argument_bytes=int(parameter_bytes), temp_bytes=max(0, required - parameter_bytes),
+                        output_bytes=0, alias_bytes=0, parameter_bytes=int(parameter_bytes), flops=nan,
+                        bytes_accessed=nan, optimal_seconds=nan, kernel_flops=float(kernel_flops),
+                        compile_s=compile_s, mosaic_kernels=0, loop_trips=loop_trips, text_source="none",
+                        compile_error=first.strip()[:400])
 
 
 def program_stats(name, memory, cost, text: str, *, parameter_bytes: int, kernel_flops: float, loop_trips: int,
@@ -570,13 +608,17 @@ def format_report(report: Report) -> str:
     rows = [("program", "args/chip", "temp/chip", "out/chip", "GFLOP/image", "XLA optimal_s", "est s", "Mosaic",
              "compile s")]  # GFLOP/image: all chips' work, so a program repeated on every model shard counts each
     for p in report.programs.values():
+        flops = report.flops_per_image(p)
         rows.append((p.name, _gib(report.per_chip(p.argument_bytes)), _gib(report.per_chip(p.temp_bytes)),
-                     _gib(report.per_chip(p.output_bytes)), f"{report.flops_per_image(p) / 1e9:,.{0 if report.flops_per_image(p) >= 1e10 else 3}f}",
+                     _gib(report.per_chip(p.output_bytes)),
+                     "refused" if p.compile_error else f"{flops / 1e9:,.{0 if flops >= 1e10 else 3}f}",
                      _seconds(p.optimal_seconds), _seconds(report.est_seconds(p)), str(p.mosaic_kernels),
                      f"{p.compile_s:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
+    table += [f"{p.name}: refused by the compiler: {p.compile_error}" for p in report.programs.values()
+              if p.compile_error]
     spi = report.est_seconds_per_image
     whole = [
         f"parameters resident per chip: {_gib(report.resident_bytes_per_chip)} ("
@@ -587,7 +629,7 @@ def format_report(report: Report) -> str:
         f"{_gib(report.hbm_bytes_per_chip - report.peak_bytes_per_chip)}; fits: {'yes' if report.fits else 'NO'}",
         f"estimated {_seconds(spi)} per image, {3600 / spi:,.0f} images/hour per worker host (compute-bound floor: "
         f"{_seconds(report.seconds_at_peak_per_image)} per image, every FLOP at the bf16 peak)"
-        if spi else "estimated time: n/a",
+        if spi and math.isfinite(spi) else "estimated time: n/a (a program was not compiled)",
     ]
     notes = [
         f"Figures are the compiler's estimates for {topo.chip.name} (bf16 peak {topo.chip.bf16_flops / 1e12:,.0f} "
@@ -606,6 +648,11 @@ def format_report(report: Report) -> str:
 
 def shortfall_message(report: Report) -> str:
     """The non-fit line: which program, and by how much it misses the chip's HBM."""
+    refused = report.programs[report.largest_program].compile_error
+    if refused:
+        return (f"does not fit: the compiler refused {report.largest_program} with {report.model_shards} model "
+                f"shard(s): {refused}; about {_gib(report.peak_bytes_per_chip - report.hbm_bytes_per_chip)} per chip "
+                f"short of the {_gib(report.hbm_bytes_per_chip)} of HBM")
     return (f"does not fit: {report.largest_program} peaks at {_gib(report.peak_bytes_per_chip)} per chip with "
             f"{report.model_shards} model shard(s), {_gib(report.peak_bytes_per_chip - report.hbm_bytes_per_chip)} "
             f"more than the {_gib(report.hbm_bytes_per_chip)} of HBM per chip")

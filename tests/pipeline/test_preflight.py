@@ -104,6 +104,30 @@ def test_best_batch_search_follows_the_bytes_line():
     assert next_batch({1: fake(1)}, 400, 16) == 16          # capped
 
 
+def test_a_program_the_compiler_refuses_does_not_fit():
+    """libtpu refuses a program larger than HBM at compile time; the report then says so, with its figure."""
+    import types
+
+    from pipeline.preflight import (CHIPS, ProgramStats, Report, format_report, refused_program_stats,
+                                    shortfall_message)
+
+    message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+               "HLO temporaries (19.75G) exceeds available HBM (15.75G). HLO module: jit_traced.")
+    refused = refused_program_stats("denoise", message, parameter_bytes=18 * 1024**3, kernel_flops=1.0,
+                                    loop_trips=4, compile_s=1.0)
+    assert refused.temp_bytes == int(1.75 * 1024**3) and refused.compile_error.startswith("RESOURCE_EXHAUSTED")
+    fine = ProgramStats("encode", 10, 5, 1, 0, 10, 1e9, 1e9, 1e-3, 0.0, 1.0, 0, 1)
+    topology = types.SimpleNamespace(devices=(object(),), devices_per_chip=1, chip=CHIPS["TPU v5 lite"],
+                                     name="v5e:1x1", chips=1, hosts=1)
+    report = Report(model="m", topology=topology, dtype="bfloat16", height=1024, width=1024, batch=1, steps=4,
+                    cfg=False, model_shards=1, attention="splash", parameter_bytes={"transformer": 18 * 1024**3},
+                    programs={"encode": fine, "denoise": refused}, hbm_bytes_per_chip=16 * 1024**3)
+    assert not report.fits and report.largest_program == "denoise"
+    assert "the compiler refused denoise" in shortfall_message(report)
+    assert report.to_json()["est_seconds_per_image"] is None
+    assert "denoise: refused by the compiler: RESOURCE_EXHAUSTED" in format_report(report)
+
+
 # ------------------------------------------------------------------------------------------------ compiling (libtpu)
 
 @pytest.fixture(scope="module")
