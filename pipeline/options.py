@@ -203,6 +203,8 @@ OPTIONS = (
     Option("require_accelerator", "reliability", "Stop at model load when JAX on a worker finds another platform "
                                                  "(CPU: no libtpu or NVIDIA driver).",
            choices=ACCELERATORS, shown_default="none: any platform"),
+    Option("skip_preflight", "reliability", "Submit a TPU job without first compiling it for the workers' chips to "
+                                            "check that it fits.", switch=True, default=False),
     Option("worker_env", "reliability", "Environment variables set on each worker before the model loads, as "
                                         "NAME=value pairs separated by ';'.", metavar="NAME=value;..."),
 )

@@ -201,6 +201,10 @@ class ProgramStats:
     loop_trips: int
     text_source: str = "compiled"  # where the Mosaic kernels were counted: "compiled", else "lowered"
     compile_error: str | None = None  # the compiler refused it: out of HBM (its other figures are then unknown)
+    # Cross-device collectives in the compiled program, per device and per run of the program text (a loop body,
+    # such as one denoising step, is written once): {kind: [ops, result bytes]}; None when the text is not the
+    # compiled one (GSPMD places collectives while compiling, so the lowered text has none to count).
+    collectives: dict | None = None
 
     @property
     def transient_bytes(self) -> int:
@@ -319,7 +323,8 @@ class Report:
                 "est_basis": "optimal_seconds" if p.uses_optimal_seconds else "roofline",
                 "compile_s": round(p.compile_s, 2), "mosaic_kernels": p.mosaic_kernels,
                 "mosaic_counted_in": p.text_source, "compile_error": p.compile_error,
-                "loop_trips": p.loop_trips} for p in self.programs.values()},
+                "loop_trips": p.loop_trips,
+                "collectives_per_device": p.collectives} for p in self.programs.values()},
             "advice": list(self.advice),
         }
 
@@ -480,6 +485,34 @@ def program_text(compiled, lowered) -> tuple[str, str]:
         return lowered.as_text(), "lowered"
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_COLLECTIVE_LINE = re.compile(r"=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+
+
+def collective_traffic(text: str) -> dict:
+    """{kind: [ops, bytes]} of the cross-device collectives in a compiled HLO text: each op's result arrays (an async
+    op is counted at its -start; its -done carries the same data). Bytes are per device, the data each op moves
+    into or out of one device's memory, before the interconnect's own overheads."""
+    out: dict = {}
+    for line in text.splitlines():
+        match = _COLLECTIVE_LINE.search(line)
+        if not match or "-done(" in line:
+            continue
+        result, kind = match.groups()
+        if kind + "-start(" in line and result.startswith("("):  # (operand aliases..., result): the last array
+            arrays = _ARRAY.findall(result)[-1:]
+        else:
+            arrays = _ARRAY.findall(result)
+        size = sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                   for dtype, dims in arrays)
+        ops, total = out.get(kind, [0, 0])
+        out[kind] = [ops + 1, total + size]
+    return out
+
+
 def is_out_of_hbm(error: Exception) -> bool:
     """Whether a compile error is the TPU compiler finding the program too large for the device's HBM."""
     return "RESOURCE_EXHAUSTED" in str(error) or "HbmOom" in str(error)
@@ -514,7 +547,8 @@ def program_stats(name, memory, cost, text: str, *, parameter_bytes: int, kernel
         bytes_accessed=float(cost.get("bytes accessed", 0.0)) * loop_trips,
         optimal_seconds=float(cost.get("optimal_seconds", float("nan"))) * loop_trips,
         kernel_flops=float(kernel_flops), compile_s=compile_s, mosaic_kernels=count_kernel_calls(text, text_source),
-        loop_trips=loop_trips, text_source=text_source)
+        loop_trips=loop_trips, text_source=text_source,
+        collectives=collective_traffic(text) if text_source == "compiled" else None)
 
 
 def resident_bytes_for(modules, devices, shards: int) -> int:
@@ -640,7 +674,12 @@ def format_report(report: Report) -> str:
         f"XLA counts a loop body once: denoise is multiplied by its {report.steps} steps. GFLOP/image is the work of "
         f"all chips (the VAE decode, not split, runs on every model shard). Collectives between shards are not timed.",
     ]
-    out = [head, shards, "", *table, "", *whole, "", *notes]
+    traffic = [f"{p.name}: " + ", ".join(f"{kind} {ops} x = {_gib(size)}" for kind, (ops, size) in
+                                         sorted(p.collectives.items()))
+               for p in report.programs.values() if p.collectives]
+    if traffic:
+        traffic = ["collectives per device (per denoising step for denoise; not timed):", *traffic]
+    out = [head, shards, "", *table, "", *whole, "", *traffic, *([""] if traffic else []), *notes]
     if not report.fits:
         out += ["", shortfall_message(report)] + [f"  would fit: {a}" for a in report.advice]
     return "\n".join(out)

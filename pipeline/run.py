@@ -59,6 +59,7 @@ from model.options import EngineOptions, LoadSettings
 from model.weight_files import validate_variant
 
 from .demo import DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
+from . import launch_check
 from .errors import UsageError
 from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
 from .usage import BEAM_HELP_FLAG, HELP_FLAGS, check_arguments, format_beam_help, format_help
@@ -436,6 +437,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     job = resolve_job(options)
     local = is_local_runner(options)
     wait = local if wait is None else wait
+    if not local and not options.view_as(Flux2KleinOptions).skip_preflight:
+        _tpu_preflight(options, job)
     if job.demo:
         print(demo_notice(job.model, job.patterns[0], job.output), flush=True)
 
@@ -476,6 +479,18 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if job.demo:
         print(DEMO_DONE)
     return result, summary
+
+
+def _tpu_preflight(options: PipelineOptions, job: JobConfig) -> None:
+    """For TPU workers: compile the job for their topology first; UsageError (nothing submitted) if it cannot fit."""
+    topology = launch_check.job_topology(options)
+    if topology is None:
+        return
+    report = launch_check.check_fits(job, topology)
+    figures = report.to_json()
+    print(f"TPU preflight: fits {topology} with {report.model_shards} model shard(s): peak "
+          f"{figures['peak_bytes_per_chip'] / 2**30:.2f} of {figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip "
+          f"(compiler's estimate)", flush=True)
 
 
 def _max_images_error(error: BaseException) -> str | None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch a FLUX.2 [klein] batch job from the Flex Template; returns once Dataflow has accepted the job.
 #
-#   templates/run.sh [--dry-run] [--use-reservation] [--template GCS_PATH] \
+#   templates/run.sh [--dry-run] [--use-reservation] [--skip-preflight] [--template GCS_PATH] \
 #       PROJECT REGION BUCKET IMAGE SETTINGS INPUT OUTPUT [MODEL] [-- GCLOUD_FLAGS...]
 #
 #   PROJECT    Google Cloud project id
@@ -18,18 +18,21 @@
 #
 #   --use-reservation  consume matching Compute Engine reservations (service option
 #                      automatically_use_created_reservation); pair it with --worker-zone=ZONE of the reservation
+#   --skip-preflight   TPU settings: launch without the launcher first compiling the job for the workers' chips
+#                      (by default a job whose programs exceed the chips' HBM is refused before any worker starts)
 #   --template         the template spec to launch (default: the one build.sh wrote for IMAGE's tag)
 #
 # Needs: gcloud (authenticated) and python3 (3.8+, standard library only) to read the settings file.
 set -euo pipefail
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
 
-DRY_RUN=0 USE_RESERVATION=0 TEMPLATE=""
+DRY_RUN=0 USE_RESERVATION=0 SKIP_PREFLIGHT=0 TEMPLATE=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1; shift ;;
     --use-reservation) USE_RESERVATION=1; shift ;;
+    --skip-preflight) SKIP_PREFLIGHT=1; shift ;;
     --template) TEMPLATE=${2:?--template needs a value}; shift 2 ;;
     -h|--help) usage 0 ;;
     *) break ;;
@@ -117,6 +120,7 @@ CMD=(gcloud dataflow flex-template run "$JOB_NAME"
   "$(param output "$OUTPUT")"
   "${KEPT[@]}")
 if [ -n "$MODEL" ]; then CMD+=("$(param model "$MODEL")"); fi
+if [ "$SKIP_PREFLIGHT" = 1 ]; then CMD+=("$(param skip_preflight true)"); fi
 if [ "${#EXTRA[@]}" -gt 0 ]; then CMD+=("${EXTRA[@]}"); fi
 
 if [ "$DRY_RUN" = 1 ]; then

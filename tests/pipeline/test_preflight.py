@@ -159,6 +159,23 @@ def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_
     assert report.programs["encode"].mosaic_kernels > 0 and report.programs["denoise"].mosaic_kernels > 0
     assert "tpu_custom_call" in (tmp_path / "denoise.txt").read_text()
     assert report.fits
+    # tensor parallel: the row-split projections of every denoising step end in all-reduces over the model axis
+    denoise = report.programs["denoise"].collectives
+    assert denoise and denoise.get("all-reduce", [0, 0])[0] > 0 and denoise["all-reduce"][1] > 0, denoise
+    assert report.to_json()["programs"]["denoise"]["collectives_per_device"] == denoise
+
+
+def test_collective_traffic_reads_compiled_hlo():
+    from pipeline.preflight import collective_traffic
+
+    text = "\n".join([
+        "  %all-reduce.1 = bf16[2,64,128]{2,1,0} all-reduce(bf16[2,64,128]{2,1,0} %x), replica_groups={{0,1}}",
+        "  %ars = (f32[8]{0}, f32[8]{0}) all-reduce-start(f32[8]{0} %y), channel_id=3",
+        "  %ard = f32[8]{0} all-reduce-done((f32[8]{0}, f32[8]{0}) %ars)",
+        "  %ag = f32[4,16]{1,0} all-gather(f32[2,16]{1,0} %z), dimensions={0}",
+        "  %add = f32[4,16]{1,0} add(f32[4,16]{1,0} %a, f32[4,16]{1,0} %b)",
+    ])
+    assert collective_traffic(text) == {"all-reduce": [2, 2 * 64 * 128 * 2 + 8 * 4], "all-gather": [1, 4 * 16 * 4]}
 
 
 def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):

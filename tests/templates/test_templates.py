@@ -62,6 +62,8 @@ EXPECTED_SETTINGS = {
     "tpu-v5e-2x2": ("ct5lp-hightpu-4t", "worker_accelerator=type:tpu-v5-lite-podslice;topology:2x2", "tpu"),
     "tpu-v6e": ("ct6e-standard-1t", "worker_accelerator=type:tpu-v6e-slice;topology:1x1", "tpu"),
     "tpu-v6e-2x2": ("ct6e-standard-4t", "worker_accelerator=type:tpu-v6e-slice;topology:2x2", "tpu"),
+    "tpu-v5e-2x2-9b": ("ct5lp-hightpu-4t", "worker_accelerator=type:tpu-v5-lite-podslice;topology:2x2", "tpu"),
+    "tpu-v6e-2x2-9b": ("ct6e-standard-4t", "worker_accelerator=type:tpu-v6e-slice;topology:2x2", "tpu"),
     "gpu-l4": ("g2-standard-8", "worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver", "gpu"),
     "gpu-h100": ("a3-highgpu-1g", "worker_accelerator=type:nvidia-h100-80gb;count:1;install-nvidia-driver", "gpu"),
 }
@@ -76,12 +78,17 @@ EXPECTED_WORKER_ENV = {
     "tpu-v5e-2x2": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"},
     "tpu-v6e": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1"},
     "tpu-v6e-2x2": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v6e-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"},
+    "tpu-v5e-2x2-9b": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"},
+    "tpu-v6e-2x2-9b": {**TPU_COMMON, "TPU_ACCELERATOR_TYPE": "v6e-4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"},
     "gpu-l4": {},
     "gpu-h100": {},
 }
 # v6e VMs take Hyperdisk only (Cloud TPU: "Attach durable block storage to a TPU VM"); a disk type is zonal.
 HYPERDISK = f"compute.googleapis.com/projects/{PROJECT}/zones/{ZONE}/diskTypes/hyperdisk-balanced"
-EXPECTED_DISK_TYPE = {"tpu-v6e": HYPERDISK, "tpu-v6e-2x2": HYPERDISK}
+EXPECTED_DISK_TYPE = {"tpu-v6e": HYPERDISK, "tpu-v6e-2x2": HYPERDISK, "tpu-v6e-2x2-9b": HYPERDISK}
+# The 4-chip settings for klein-9B shard its weights (tensor parallel) over the chips the preflight picked; the
+# others keep one copy per chip.
+EXPECTED_MODEL_SHARDS = {"tpu-v5e-2x2-9b": "4", "tpu-v6e-2x2-9b": "2"}
 
 
 def load_settings(name: str):
@@ -312,6 +319,8 @@ def test_dockerfile_pins_equal_setup_py():
     args = dockerfile_args()
     assert args["BEAM_VERSION"] == pins["apache-beam"]
     assert args["JAX_VERSION"] == pins["jax"] == pins["jaxlib"]
+    # the launcher's TPU preflight compiles with the libtpu the tests use
+    assert f'"libtpu=={args["LIBTPU_VERSION"]}"' in (ROOT / "setup.py").read_text()
     # python_requires is a half-open range on one minor version, e.g. ">=3.11,<3.12"
     low = re.search(r">=\s*(\d+\.\d+)", python_requires).group(1)
     high = re.search(r"<\s*(\d+)\.(\d+)", python_requires)
@@ -490,6 +499,8 @@ def test_run_sh_launches_the_template_with_the_settings(name, fake_gcloud):
     assert params.get("disk_type") == EXPECTED_DISK_TYPE.get(name)
     assert params["experiments"] == "no_use_multiple_sdk_containers"
     assert params["require_accelerator"] == s.variant
+    assert params.get("model_shards") == EXPECTED_MODEL_SHARDS.get(name)
+    assert "skip_preflight" not in params  # the launcher checks a TPU job's fit unless told not to
     assert settings.parse_env(params.get("worker_env", "")) == EXPECTED_WORKER_ENV[name]
     # every parameter the launch sends is declared in metadata.json and passes its regexes
     declared = metadata_params()
@@ -497,6 +508,15 @@ def test_run_sh_launches_the_template_with_the_settings(name, fake_gcloud):
         assert key in declared, f"run.sh passes --parameters {key}, which metadata.json does not declare"
         for rx in declared[key].get("regexes", []):
             assert re.fullmatch(rx, value), (key, value, rx)
+
+
+def test_run_sh_skip_preflight_reaches_the_launcher(fake_gcloud):
+    env, calls = fake_gcloud
+    subprocess.run([str(TEMPLATES / "run.sh"), "--skip-preflight", "p", "us-central1", "b", IMAGES["tpu"],
+                    "tpu-v5e-2x2-9b", "gs://b/in.jsonl", "gs://b/out"], env=env, check=True, capture_output=True)
+    (call,) = calls()
+    params = gcloud_parameters(call["args"])
+    assert params["skip_preflight"] == "true" and params["model_shards"] == "4"
 
 
 def test_run_sh_adds_service_options_without_dropping_the_accelerator(fake_gcloud):
@@ -664,6 +684,7 @@ BAD_VALUES = {
     "max_prompt_bytes": INT_BAD,
     "max_images": INT_BAD,
     "skip_existing": ["yes", "1", "TRUE", "on"],
+    "skip_preflight": ["yes", "1", "TRUE", "on"],
     "large_model": ["yes", "1", "TRUE", "on"],
     "model_copies": INT_BAD + ["100"],
     "inference_retries": ["-1", "abc", "1.5", "10", "1e3"],
@@ -942,14 +963,17 @@ def dataflow_argv(bucket: str, name: str) -> list[str]:
 # The whole job through the launcher entry costs several seconds per run (graph translation), so it runs for one
 # TPU and one GPU settings file; every settings file reaches a job environment in the cheaper test below.
 @pytest.mark.parametrize("name", ["tpu-v5e", "gpu-l4"])
-def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket, monkeypatch):
+def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket, monkeypatch, capsys):
     s = load_settings(name)
     bucket = dataflow_bucket
     argv = [*dataflow_argv(bucket, name),
             f"--input=gs://{bucket}/prompts/*.jsonl", f"--output=gs://{bucket}/out/{name}",
-            f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=768", "--batch_size=2"]
+            f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=64", "--width=64", "--batch_size=2"]
     status, result, waited = dataflow_dry_run(monkeypatch, argv)
     assert status == 0 and result is not None
+    # TPU workers: the launch compiled the job for their topology first (pipeline/launch_check.py)
+    printed = capsys.readouterr().out
+    assert ("TPU preflight: fits v5e:1x1" in printed) == (s.variant == "tpu"), printed
     assert not waited, "the Flex Template entry point must return without waiting for the job"
     assert_environment_carries(job_environment(result.job), s)
 
@@ -961,7 +985,7 @@ def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket
     assert not options.view_as(StandardOptions).streaming
     assert options.view_as(SetupOptions).sdk_location == "container"
     job_opts = options.view_as(Flux2KleinOptions)
-    assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 768 and job_opts.batch_size == 2
+    assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 64 and job_opts.batch_size == 2
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
     assert any(label.startswith("RunInference") for label in labels)
     # what the workers receive: the settings' environment (set before the model loads) and the accelerator check
@@ -1000,6 +1024,41 @@ def test_settings_reach_the_dataflow_job_environment(name, dataflow_bucket, monk
     result = p.run()
     assert hasattr(result, "job")  # a dry run: nothing was submitted
     assert_environment_carries(job_environment(result.job), load_settings(name))
+
+
+def test_a_tpu_job_that_cannot_fit_is_not_submitted(dataflow_bucket, monkeypatch, capsys):
+    """The launch compiles the job for the settings' TPU topology; a job whose programs exceed the chip's HBM
+    stops it with exit status 2 before the runner sees it, naming the shortfall; --skip_preflight submits anyway."""
+    pytest.importorskip("libtpu", reason="the TPU preflight compiles with libtpu")
+    bucket = dataflow_bucket
+    argv = [*dataflow_argv(bucket, "tpu-v5e"), f"--input=gs://{bucket}/prompts/*.jsonl",
+            f"--output=gs://{bucket}/out/big", f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=64",
+            "--width=64", "--batch_size=2"]
+    monkeypatch.setenv("FLUX2_PREFLIGHT_HBM_BYTES", str(2**20))  # a chip of 1 MiB: the tiny model cannot fit
+    status, result, _ = dataflow_dry_run(monkeypatch, argv)
+    err = capsys.readouterr().err
+    assert status == 2 and result is None, err
+    assert "TPU preflight for v5e:1x1: does not fit" in err and "not submitted" in err, err
+
+    status, result, _ = dataflow_dry_run(monkeypatch, [*argv, "--skip_preflight"])
+    assert status == 0 and result is not None
+
+
+def test_tpu_topology_from_the_launch_options():
+    from pipeline.errors import UsageError
+    from pipeline.launch_check import tpu_topology
+
+    assert tpu_topology(["worker_accelerator=type:tpu-v5-lite-podslice;topology:2x2"]) == "v5e:2x2"
+    assert tpu_topology(["other", "worker_accelerator=type:tpu-v6e-slice;topology:1x1"]) == "v6e:1x1"
+    assert tpu_topology(["worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"]) is None
+    assert tpu_topology([], "ct6e-standard-4t") == "v6e:2x2"
+    assert tpu_topology([], "g2-standard-8") is None and tpu_topology([]) is None
+    with pytest.raises(UsageError, match="tpu-v9-future"):
+        tpu_topology(["worker_accelerator=type:tpu-v9-future;topology:2x2"])
+    for name in settings.available():  # every TPU settings file names a topology the preflight knows
+        s = load_settings(name)
+        topology = tpu_topology(s.values("dataflow_service_options"), s.get("machine_type"))
+        assert (topology is not None) == (s.variant == "tpu"), name
 
 
 def test_dataflow_launch_rejects_a_local_output(dataflow_bucket, monkeypatch, capsys):
@@ -1072,6 +1131,23 @@ def test_sizing_bills_tpu_workers_per_chip_hour(capsys):
     p = sizing.plan(1_000_000, 1.2, 8, 15, price_per_worker_hour=6.0)
     assert f"chip-hours: {p.worker_hours * 4:,.1f}" in out and f"cost: {p.cost:,.2f}" in out
     assert "chip-hour" in sizing.__doc__
+
+
+def test_sizing_from_the_preflight_report(tmp_path, capsys):
+    """The preflight's last JSON line gives seconds per image and chips per worker, labelled as an estimate; a
+    report that does not fit is refused."""
+    report = {"model": "klein-9b", "topology": "v5e:2x2", "chips": 4, "model_shards": 4, "batch": 1, "fits": True,
+              "est_seconds_per_image": 1.2}
+    path = tmp_path / "preflight.txt"
+    path.write_text("the tables\n" + json.dumps(report) + "\n")
+    args = ["--images", "1000000", "--deadline-hours", "8", "--startup-minutes", "15", "--preflight", str(path)]
+    assert sizing.main([*args, "--price-per-chip-hour", "1.5"]) == 0
+    out = capsys.readouterr().out
+    p = sizing.plan(1_000_000, 1.2, 8, 15, price_per_worker_hour=6.0)
+    assert "compiler's estimate" in out and f"workers (--max-workers): {p.workers}" in out
+    assert f"chip-hours: {p.worker_hours * 4:,.1f}" in out
+    path.write_text(json.dumps({**report, "fits": False}) + "\n")
+    assert sizing.main(args) == 2 and "does not fit" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------- the docs
