@@ -205,7 +205,8 @@ def make_variant(base_gen, path: str, dtype: str, max_seq: int, variant: Variant
             te, tr, vae = base_gen.programs.modules()
             return Flux2KleinGenerator(base_gen.config, base_gen.tokenizer, te, tr, vae, dtype=base_gen.dtype,
                                        options=variant.options, model_id=base_gen.model_id, root=base_gen.root,
-                                       lab=variant.lab)
+                                       lab=variant.lab, vae_encoder_loader=getattr(
+                                           base_gen.reference_encoder, "loader", None))
         except Exception as e:  # the constructor changed: fall back to a full load
             logger.info("sharing weights failed (%s); loading again", e)
     return load_variant(path, dtype, max_seq, variant)

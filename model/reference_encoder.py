@@ -49,6 +49,11 @@ class ReferenceEncoder:
         self._encode = jax.jit(encode, compiler_options=compiler_options_for(mesh, options, "decode"))
 
     @property
+    def loader(self):
+        """The function that loads the encoder (to share it with another generator over the same weights)."""
+        return self._loader
+
+    @property
     def loaded(self) -> bool:
         return self._state is not None
 

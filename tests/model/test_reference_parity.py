@@ -159,7 +159,7 @@ def test_vae_encoder_matches_diffusers(which, tiny_ckpt, m16_ckpt):
         mode = vae.encode(x).latent_dist.mode()
         pipe = SimpleNamespace(vae=vae, _patchify_latents=Flux2KleinPipeline._patchify_latents)
         tokens = Flux2KleinPipeline._pack_latents(Flux2KleinPipeline._encode_vae_image(pipe, x, None))
-    encoder = gen.reference_encoder._loader()
+    encoder = gen.reference_encoder.loader()
     ours_mode = np.asarray(encoder.posterior_mean(pixels[None])).transpose(0, 3, 1, 2)
     np.testing.assert_allclose(ours_mode, _np(mode), atol=1e-4, rtol=1e-4)
     ours = np.asarray(gen.reference_encoder.encode_one(pixels))
@@ -244,3 +244,22 @@ def test_reference_mode_steps_from_python_with_references(m16_ckpt, gen16, pipe1
     ours = gen.generate(["a red cat", "x"], [3, 4], height=32, width=32, num_inference_steps=2,
                         reference_images=[refs, refs])
     _assert_images_close(ours, _diffusers(pipe16, gen, ["a red cat", "x"], [3, 4], refs, 32, 32, 2), "reference mode")
+
+
+def test_bf16_follows_diffusers_bf16(m16_ckpt):
+    """In bfloat16 the encoder, its BN normalisation and the reference tokens follow diffusers' bfloat16 pipeline."""
+    from diffusers import Flux2KleinPipeline
+
+    from benchmarks.similarity import ssim
+
+    gen = model.load(m16_ckpt, dtype="bfloat16", max_sequence_length=MAX_LEN)
+    pipe = Flux2KleinPipeline.from_pretrained(m16_ckpt, torch_dtype=torch.bfloat16)
+    refs = [_rgb(64, 64, 3), _rgb(80, 64, 5)]
+    prompts, seeds = ["a red cat on a mat", "an astronaut"], [3, 11]
+    ours = gen.generate(prompts, seeds, height=32, width=48, num_inference_steps=2, reference_images=[refs, refs])
+    ref = (_diffusers(pipe, gen, prompts, seeds, refs, 32, 48, 2) * 255).round().astype(np.uint8)
+    scores = [ssim(a, b) for a, b in zip(ours, ref)]
+    diff = np.abs(ours.astype(int) - ref.astype(int))
+    print(f"bf16 editing vs diffusers bf16: SSIM {scores}, max |diff| {diff.max()}, mean |diff| {diff.mean():.3f}")
+    assert ref.std() > 10, "reference images are flat: the check would prove nothing"
+    assert min(scores) > 0.98 and diff.mean() < 4.0
