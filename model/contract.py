@@ -192,3 +192,39 @@ def show(value, limit: int = 200) -> str:
     except (RecursionError, ValueError):
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --------------------------------------------------------------------------------------------- reference images
+# Image-conditioned generation (multi-reference editing). diffusers' Flux2KleinPipeline.check_image_input refuses a
+# reference with a side under 64 px or an aspect ratio above 8; the job checks the same before a batch is built.
+MIN_REFERENCE_SIDE = 64
+MAX_REFERENCE_ASPECT = 8
+# References one job request may give (diffusers has no limit; every reference adds its tokens to the joint
+# attention sequence, up to 4096 per 1 MP reference, so a few are already the cost of a larger image).
+DEFAULT_MAX_REFERENCE_IMAGES = 4
+# Largest reference the job decodes (width x height as stored, before the model resizes it to 1 MP): 16.7 MP, more
+# than any camera photo up to 4096 x 4096, and 64 MiB as RGBA; a file declaring more is refused before decoding.
+DEFAULT_MAX_REFERENCE_PIXELS = 4096 * 4096
+
+
+def validate_reference_count(count_, limit: int | None = None) -> int:
+    """The number of references of one request: at most `limit` (--max_reference_images)."""
+    if limit is not None and count_ > limit:
+        raise _fail("reference_images", f"reference_images lists {count_} images, above --max_reference_images="
+                                        f"{limit}", count_)
+    return int(count_)
+
+
+def reference_size_problem(width: int, height: int, max_pixels: int | None = None) -> str | None:
+    """Why a reference of `width` x `height` pixels (as stored) cannot be used, or None when it can: more pixels
+    than `max_pixels` (--max_reference_pixels), a side under MIN_REFERENCE_SIDE, an aspect above
+    MAX_REFERENCE_ASPECT."""
+    if max_pixels is not None and width * height > max_pixels:
+        return (f"is {width}x{height} = {width * height} pixels, above --max_reference_pixels={max_pixels} (refused "
+                f"before decoding)")
+    if min(width, height) < MIN_REFERENCE_SIDE:
+        return f"is {width}x{height} pixels, a side is under {MIN_REFERENCE_SIDE} px"
+    if max(width, height) > MAX_REFERENCE_ASPECT * min(width, height):
+        return (f"is {width}x{height} pixels, an aspect ratio of {max(width, height) / min(width, height):.3g}, "
+                f"above {MAX_REFERENCE_ASPECT}")
+    return None

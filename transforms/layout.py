@@ -35,6 +35,7 @@ DUPLICATE_ID = "duplicate_id"
 FILE_NAME_COLLISION = "file_name_collision"  # two requests would write the same image file
 UNREADABLE_INPUT = "unreadable_input"  # an input file that cannot be read (to its end)
 INFERENCE_FAILED = "inference_failed"
+INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
 
 MANIFEST_FIELDS = (
     "id",
