@@ -47,6 +47,7 @@ from transforms.outputs import (
     ImageEncoding, SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
 )
 from transforms.progress import ProgressReporter, ReportTotal
+from transforms.references import ResolveReferences
 from transforms.requests import (
     DUPLICATE_TAG, WARNING_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests,
     RequestDefaults, csv_field_limit_for,
@@ -208,6 +209,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         max_prompt_bytes=o.max_prompt_bytes,
         size_multiple=size_multiple,
         max_metadata_bytes=o.max_metadata_bytes,
+        max_reference_images=o.max_reference_images,
+        max_reference_pixels=o.max_reference_pixels,
     )
     try:
         defaults.validate()
@@ -280,14 +283,17 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
     """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
     return handler_cls(job.load, large_model=job.large_model, model_copies=job.model_copies,
                        inference_retries=job.inference_retries, require_accelerator=job.require_accelerator,
-                       env_vars=dict(job.worker_env), **extra)
+                       env_vars=dict(job.worker_env), reference_limits=job.defaults.reference_limits, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
     """Add the job's transforms to `p`; returns its main PCollections by name."""
     read = _read_inputs(p, job)
     dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests(fold_case=job.case_insensitive_output)
-    planned = dedup["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
+    # Reference images are read (bounded, cached per process) before any image is planned: a bad one is one error
+    # row for its request; the others get each reference's sha256 and processed size (part of the batch shape).
+    resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.defaults.reference_limits)
+    planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None
     if job.skip_existing:
         split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding)
@@ -308,7 +314,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
                                                                        job.encode_threads))
     failed = dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)
 
-    invalid = (read["invalid"], dedup["invalid"]) | "AllInvalid" >> beam.Flatten()
+    invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
     # One shard each, under fixed names: a rerun into the same output replaces the previous run's files instead of
     # leaving stale shards next to them (so the manifest always lists exactly what the latest run generated, and
@@ -339,7 +345,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
                  | "DistinctTruncated" >> beam.Distinct())
     counted = {
         "records_read": records,
-        "requests": dedup["requests"],
+        "requests": resolved["requests"],
         "images_planned": planned,
         "images_generated": manifest,
         "invalid": invalid,

@@ -97,8 +97,7 @@ class RequestDefaults:
         contract.count("--max_prompt_bytes", self.max_prompt_bytes)
         if not contract.is_integer(self.max_metadata_bytes) or self.max_metadata_bytes < 0:
             raise ValueError(f"--max_metadata_bytes must be an integer >= 0, got {self.max_metadata_bytes!r}")
-        if not contract.is_integer(self.max_reference_images) or self.max_reference_images < 0:
-            raise ValueError(f"--max_reference_images must be an integer >= 0, got {self.max_reference_images!r}")
+        contract.count("--max_reference_images", self.max_reference_images)
         smallest_reference = MIN_REFERENCE_SIDE * MIN_REFERENCE_SIDE
         if not contract.is_integer(self.max_reference_pixels) or self.max_reference_pixels < smallest_reference:
             raise ValueError(f"--max_reference_pixels must be an integer >= {smallest_reference} (64 x 64), got "
