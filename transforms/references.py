@@ -41,8 +41,8 @@ LOGGER = logging.getLogger(__name__)
 
 FIELD = "reference_images"
 # Bytes a reference file may take beyond 4 bytes per pixel (RGBA, uncompressed: no image format is larger than
-# that by more than its headers and metadata, which this leaves room for).
-_BYTES_SLACK = 4 * 2**20
+# that by more than its headers and metadata: 1 MiB leaves room for EXIF, XMP and an ICC profile).
+_BYTES_SLACK = 2**20
 # Decoded references one worker process keeps (RGB bytes): a few dozen 1-4 MP photos.
 DEFAULT_CACHE_BYTES = 512 * 2**20
 
@@ -105,7 +105,7 @@ def resolve_path(path: str, source: str) -> str:
         return os.path.normpath(path)
     if source.startswith("gs://"):
         return resolve_path(posixpath.join(source.rsplit("/", 1)[0], path), "")
-    if "://" in source or not source or source.startswith("<"):
+    if not os.path.isabs(source):  # a BigQuery table (bq://...) or query (bq-query): no folder to resolve in
         raise ValueError(f"{path!r} is relative, but the record comes from no input file ({source or 'no source'}); "
                          f"give a gs:// URI or an absolute path")
     return os.path.normpath(os.path.join(os.path.dirname(source), path))
