@@ -180,3 +180,13 @@ def test_manifest_and_image_text_carry_the_references():
                                   prompt_truncated=False, seed=1, height=32, width=32, num_inference_steps=4,
                                   guidance_scale=1.0, model="m", sha256="s", num_bytes=1, generation_ms=1.0)
     assert "reference_images" not in no_refs  # text-to-image rows are unchanged
+
+
+def test_reference_field_in_parquet_is_a_list_of_strings(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"prompt": ["p", "q"], "reference_images": [["a.png", "gs://b/c.png"], None]}), path)
+    a, b = parse_lines(path.read_bytes(), str(path), "parquet", D)
+    assert a.reference_images == (str(tmp_path / "a.png"), "gs://b/c.png") and b.reference_images == ()
