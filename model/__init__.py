@@ -5,12 +5,14 @@ Public API:
     images = gen.generate(prompts=[...], seeds=[...], height=1024, width=1024, num_inference_steps=None,
                           guidance_scale=None, num_images_per_prompt=1)      # np.uint8 [N, H, W, 3]
     noise = model.initial_noise(seed, shape)                                  # np.float32
+    edited = gen.generate(prompts=[...], seeds=[...], reference_images=[[img, ...], ...])  # one list per prompt
+    sig = model.references.reference_signature(images, size_multiple)         # JAX-free, for bucketing
 
 Importing the package is cheap and JAX-free (the job's readers and launcher use `model.contract` and
 `model.config`); `load` and the generator class import JAX on first use.
 """
 
-from .errors import CheckpointError, ConfigError, ModelError, RequestError, UnsafeWeightsError
+from .errors import CheckpointError, ConfigError, ModelError, ReferenceImageError, RequestError, UnsafeWeightsError
 from .noise import initial_noise
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "RequestError",
+    "ReferenceImageError",
     "UnsafeWeightsError",
 ]
 

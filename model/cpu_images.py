@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from .options import PROGRAMS, EngineOptions
 
 # Positions of the per-image arguments of each program (the rest are shared: parameters, schedule, RoPE tables).
-BATCHED_ARGS = {"encode": (1, 2), "denoise": (1, 2, 3), "decode": (1,)}
+BATCHED_ARGS = {"encode": (1, 2), "denoise": (1, 2, 3, 4), "decode": (1,)}  # denoise: latents, text, neg, refs
 
 
 def on_cpu(mesh: Mesh) -> bool:

@@ -1,8 +1,11 @@
 """Compiled programs of the generator: encode, fused denoise loop, decode to uint8; shape buckets and the mesh.
 
 All device work for one batch is three executables, compiled ahead of time per bucket (batch, height, width,
-steps, CFG) and reused: the text encoder, the whole denoising loop as one `lax.scan` (sigmas staged on device and
-indexed by the step counter), and the VAE decode with the latents donated, ending in uint8 pixels.
+steps, CFG, reference tokens) and reused: the text encoder, the whole denoising loop as one `lax.scan` (sigmas staged
+on device and indexed by the step counter), and the VAE decode with the latents donated, ending in uint8 pixels.
+Image-conditioned generation adds the reference images' latent tokens as an input of the denoising program (appended
+after the noisy target tokens at every step; only the target tokens' velocity is kept), so one program serves any
+references with the same token count.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Bucket:
     grid_w: int
     steps: int
     cfg: bool
+    ref_tokens: int = 0  # reference-image tokens appended to the target's (0: text-to-image)
 
 
 class CompiledPrograms:
@@ -110,9 +114,14 @@ class CompiledPrograms:
             model = nnx.merge(te_graph, state)
             return rows(lambda i, m: model(i, m, implementation=text_attention).astype(dtype), ids, mask)
 
-        def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale):
+        def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs):
+            """The target tokens' velocity; `refs` (reference tokens, or None) follow them in the image sequence and
+            are the same in both CFG branches, as in diffusers."""
             model = nnx.merge(tr_graph, state)
-            kw = dict(implementation=attention, image_only_last_block=lab.image_only_last_block)
+            kw = dict(implementation=attention, image_only_last_block=lab.image_only_last_block,
+                      target_tokens=x.shape[1])
+            if refs is not None:
+                x = jnp.concatenate([x, refs.astype(x.dtype)], axis=1)
             if neg_txt is None:
                 return model(x, txt, t, cos, sin, **kw)
             both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]),
@@ -121,28 +130,29 @@ class CompiledPrograms:
             return guidance_mix(pos, neg, guidance_scale)
 
         @on_mesh
-        def denoise(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
-            return rows(lambda x, tx, ntx: denoise_batch(state, x, tx, ntx, sigmas, timesteps, cos, sin,
-                                                         guidance_scale), latents, txt, neg_txt)
+        def denoise(state, latents, txt, neg_txt, refs, sigmas, timesteps, cos, sin, guidance_scale):
+            return rows(lambda x, tx, ntx, r: denoise_batch(state, x, tx, ntx, r, sigmas, timesteps, cos, sin,
+                                                            guidance_scale), latents, txt, neg_txt, refs)
 
-        def denoise_batch(state, latents, txt, neg_txt, sigmas, timesteps, cos, sin, guidance_scale):
+        def denoise_batch(state, latents, txt, neg_txt, refs, sigmas, timesteps, cos, sin, guidance_scale):
             batch = latents.shape[0]
 
             def step(x, i):
                 t = model_timestep(timesteps[i], x.dtype, batch)
-                v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale)
+                v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs)
                 return euler_step(x, v, sigmas[i], sigmas[i + 1]), None
 
             out, _ = jax.lax.scan(step, latents, jnp.arange(timesteps.shape[0]))
             return out
 
         @on_mesh
-        def single_step(state, x, txt, neg_txt, sigma, sigma_next, timestep, cos, sin, guidance_scale):
-            def one(x, txt, neg_txt):
+        def single_step(state, x, txt, neg_txt, refs, sigma, sigma_next, timestep, cos, sin, guidance_scale):
+            def one(x, txt, neg_txt, refs):
                 t = model_timestep(timestep, x.dtype, x.shape[0])
-                return euler_step(x, velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale), sigma, sigma_next)
+                v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs)
+                return euler_step(x, v, sigma, sigma_next)
 
-            return rows(one, x, txt, neg_txt)
+            return rows(one, x, txt, neg_txt, refs)
 
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
@@ -209,10 +219,11 @@ class CompiledPrograms:
                 self._spec((batch, self.text_len), jnp.int32))
 
     def _denoise_args(self, b: Bucket, in_channels, joint_dim, head_dim):
-        seq = self.text_len + b.grid_h * b.grid_w
+        seq = self.text_len + b.grid_h * b.grid_w + b.ref_tokens
         txt = self._spec((b.batch, self.text_len, joint_dim), self.dtype)
+        refs = self._spec((b.batch, b.ref_tokens, in_channels), self.dtype) if b.ref_tokens else None
         return (self.tr_state, self._latents_spec(b, in_channels), txt,
-                txt if b.cfg else None, self._spec((b.steps + 1,), jnp.float32, False),
+                txt if b.cfg else None, refs, self._spec((b.steps + 1,), jnp.float32, False),
                 self._spec((b.steps,), jnp.float32, False), self._spec((seq, head_dim), jnp.float32, False),
                 self._spec((seq, head_dim), jnp.float32, False), self._spec((), jnp.float32, False))
 
@@ -234,10 +245,11 @@ class CompiledPrograms:
         denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
         if fused:
             denoise_lowered = self._denoise.lower(*denoise_args)
-        else:  # the per-step program: (state, x, txt, neg, sigma, sigma_next, timestep, cos, sin, scale)
+        else:  # the per-step program: (state, x, txt, neg, refs, sigma, sigma_next, timestep, cos, sin, scale)
             scalar = self._spec((), jnp.float32, False)
-            state, x, txt, neg, _, _, cos, sin, scale = denoise_args
-            denoise_lowered = self._single_step.lower(state, x, txt, neg, scalar, scalar, scalar, cos, sin, scale)
+            state, x, txt, neg, refs, _, _, cos, sin, scale = denoise_args
+            denoise_lowered = self._single_step.lower(state, x, txt, neg, refs, scalar, scalar, scalar, cos, sin,
+                                                      scale)
         return [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
                 self._decode.lower(*self._decode_args(b, in_channels))]
 

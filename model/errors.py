@@ -46,3 +46,23 @@ class RequestError(ModelError, ValueError):
         self.value = value
         self.field = field
         super().__init__(message)
+
+
+class ReferenceImageError(RequestError):
+    """A reference image (image-conditioned generation) cannot be used: wrong type or shape, too small, too
+    elongated, or a call whose prompts' reference sets do not share one shape signature.
+
+    `index` is the image's position in its prompt's reference list (None when the problem is the lists
+    themselves), `prompt_index` the prompt's position, `reason` a short code ("type", "shape", "dtype",
+    "too_small", "aspect_ratio", "count", "signature", "size"), `value` the offending value (a size, a ratio, a
+    type name, the signatures)."""
+
+    def __init__(self, message: str, *, reason: str, index: int | None = None, prompt_index: int | None = None,
+                 value=None):
+        self.index = index
+        self.prompt_index = prompt_index
+        self.reason = reason
+        where = [f"reference {index}" if index is not None else None,
+                 f"prompt {prompt_index}" if prompt_index is not None else None]
+        where = ", ".join(w for w in where if w)
+        super().__init__(f"{message} ({where})" if where else message, value=value, field="reference_images")

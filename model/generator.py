@@ -1,8 +1,9 @@
 """`load()` a diffusers-layout FLUX.2 [klein] checkpoint and `generate()` images from prompts and seeds.
 
-A call runs in named stages, as diffusers' pipelines do: `check_inputs` (the request contract), `plan_bucket`
-(the compiled programs, RoPE tables and schedule for its shape), then per batch `encode_prompts` (`tokenize`, then
-`encode_tokens`), `prepare_latents`, `denoise`, `decode` and `to_host`. Benchmarks time the stages one by one through
+A call runs in named stages, as diffusers' pipelines do: `check_inputs` (the request contract, reference images
+preprocessed), `plan_bucket` (the compiled programs, RoPE tables and schedule for its shape), then per batch
+`encode_prompts` (`tokenize`, then `encode_tokens`), `prepare_latents`, `reference_tokens` (image-conditioned calls
+only), `denoise`, `decode` and `to_host`. Benchmarks time the stages one by one through
 these methods, and read XLA's cost analysis of a bucket's programs through `lower`.
 """
 
@@ -30,10 +31,12 @@ from .lru import LRUCache
 from .noise import initial_noise
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
 from .qwen3 import Qwen3TextEncoder
+from .reference_encoder import ReferenceEncoder
+from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
 from .sharding import data_replicas
 from .tokenizer import PromptTokenizer
-from .transformer import Flux2Transformer, image_ids, rope_tables, text_ids
-from .vae import Flux2VAEDecoder
+from .transformer import Flux2Transformer, image_ids, reference_ids, rope_tables, text_ids
+from .vae import Flux2VAEDecoder, Flux2VAEEncoder
 from .weights import expected_tensors, load_component, validate_component
 
 logger = logging.getLogger(__name__)
@@ -115,9 +118,19 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     text_encoder, transformer, vae = (
         load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f)
         for (name, module, exp, opt), f in zip(components, files))
+    vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
+
+    def load_vae_encoder():
+        """The VAE encoder for reference images, read from the (already validated) vae folder on first use."""
+        abstract = _abstract(lambda: Flux2VAEEncoder(vae_cfg, dtype=jdtype, rngs=rngs()))
+        return load_component(vae_folder, abstract, expected=vae_expected, optional=vae_optional,
+                              tensor_to_file=validate_component(vae_folder, expected=vae_expected,
+                                                                optional=vae_optional, variant=variant))
+
     logger.info("loaded %s (%s) in %.1f s", settings.model, settings.dtype, time.perf_counter() - start)
     return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
-                               options=options, model_id=settings.model, root=root, lab=lab)
+                               options=options, model_id=settings.model, root=root, lab=lab,
+                               vae_encoder_loader=load_vae_encoder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +144,13 @@ class GenerationInputs:
     num_inference_steps: int
     guidance_scale: float
     use_cfg: bool
+    # Image-conditioned calls: each image's processed references (all with the same sizes); None = text-to-image.
+    references: tuple[tuple[ProcessedReference, ...], ...] | None = None
+
+    @property
+    def reference_sizes(self) -> tuple[tuple[int, int], ...]:
+        """The processed (height, width) of each reference (the call's signature); () for text-to-image."""
+        return tuple(r.size for r in self.references[0]) if self.references else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +188,10 @@ class Flux2KleinGenerator:
     """A loaded FLUX.2 [klein] model: text encoder, transformer, VAE decoder, scheduler and tokenizer."""
 
     def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
-                 dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches()):
+                 dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches(),
+                 vae_encoder_loader=None):
+        """`vae_encoder_loader()`: the concrete `Flux2VAEEncoder`, called on the first image-conditioned call (None:
+        reference images are refused)."""
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -197,6 +220,8 @@ class Flux2KleinGenerator:
             else None)
         self._rope_cache: LRUCache = LRUCache(options.max_buckets, "RoPE tables")
         self._schedule_cache: LRUCache = LRUCache(options.max_buckets, "schedules")
+        self.reference_encoder = (ReferenceEncoder(vae_encoder_loader, mesh=self.mesh, options=options,
+                                                   dtype=DTYPES[dtype]) if vae_encoder_loader else None)
         self.stats = collections.Counter()
         # generate() calls are serialised: they share the embedding cache and the device (which runs one at a time).
         self._generate_lock = threading.Lock()
@@ -211,15 +236,22 @@ class Flux2KleinGenerator:
         gh, gw = self.latent_grid(height, width)
         return (self.config.transformer.in_channels, gh, gw)
 
-    def rope(self, grid_h: int, grid_w: int):
-        """RoPE cos/sin tables of the [text ; image] sequence for a latent grid, on the devices (cached)."""
+    def reference_signature(self, images) -> tuple[tuple[int, int], ...]:
+        """`model.references.reference_signature` with this checkpoint's size multiple: the processed (height, width)
+        of each reference, what a call's reference token counts (and compiled programs) depend on."""
+        return _reference_signature(images, self.size_multiple)
+
+    def rope(self, grid_h: int, grid_w: int, reference_grids: tuple[tuple[int, int], ...] = ()):
+        """RoPE cos/sin tables of the [text ; target ; references] sequence for a target latent grid and the
+        references' latent grids, on the devices (cached)."""
         def make():
-            ids = np.concatenate([text_ids(self.max_sequence_length), image_ids(grid_h, grid_w)])
+            ids = np.concatenate([text_ids(self.max_sequence_length), image_ids(grid_h, grid_w),
+                                  reference_ids(reference_grids)])
             cos, sin = rope_tables(ids, self.config.transformer.axes_dims_rope, self.config.transformer.rope_theta)
             rep = self.programs.replicated
             return jax.device_put(cos, rep), jax.device_put(sin, rep)
 
-        return self._rope_cache.get((grid_h, grid_w), make)
+        return self._rope_cache.get((grid_h, grid_w, tuple(reference_grids)), make)
 
     def schedule(self, steps: int, grid_h: int, grid_w: int, sigmas=None):
         """Sigmas and timesteps for (steps, image tokens, custom sigmas), on the devices (cached)."""
@@ -234,15 +266,23 @@ class Flux2KleinGenerator:
     # ------------------------------------------------------------------------------------------------ stages
 
     def check_inputs(self, prompts, seeds, height, width, num_inference_steps=None, guidance_scale=None,
-                     num_images_per_prompt=1) -> GenerationInputs:
+                     num_images_per_prompt=1, reference_images=None) -> GenerationInputs:
         """Validate a call by the request contract (model.contract) and resolve the checkpoint's defaults; one
         entry per image. Every prompt is checked up front: a bad one in a later batch would otherwise discard the
-        batches computed before it."""
+        batches computed before it. Reference images are preprocessed here (model.references); with references a
+        None height/width is the first reference's processed size, without them the contract's default."""
         if isinstance(prompts, str):
             raise RequestError("prompts must be a list of strings, not a single string", value=prompts)
         prompts, seeds = list(prompts), list(seeds)
         if len(prompts) != len(seeds):
             raise RequestError(f"got {len(prompts)} prompts but {len(seeds)} seeds", value=len(seeds))
+        references = preprocess_all(reference_images, len(prompts), self.size_multiple)
+        if references is not None and self.reference_encoder is None:
+            raise RequestError("this generator was built without a VAE encoder: no reference images",
+                               field="reference_images", value=len(references[0]))
+        first = references[0][0].size if references else (contract.DEFAULT_SIZE, contract.DEFAULT_SIZE)
+        height = first[0] if height is None else height
+        width = first[1] if width is None else width
         k = contract.validate_num_images(num_images_per_prompt, name="num_images_per_prompt")
         valid = [contract.validate(prompt=p, seed=s, height=height, width=width, num_inference_steps=num_inference_steps,
                                    guidance_scale=guidance_scale, num_images=k, limits=self.limits)
@@ -257,7 +297,9 @@ class Flux2KleinGenerator:
         return GenerationInputs(prompts=tuple(v.prompt for v in valid for _ in range(k)),
                                 seeds=tuple(v.seed + j for v in valid for j in range(k)),
                                 height=int(height), width=int(width), num_inference_steps=steps,
-                                guidance_scale=guidance, use_cfg=guidance > 1 and not self.is_distilled)
+                                guidance_scale=guidance, use_cfg=guidance > 1 and not self.is_distilled,
+                                references=None if references is None else tuple(
+                                    r for r in references for _ in range(k)))
 
     def plan_bucket(self, inputs: GenerationInputs, sigmas=None) -> BucketPlan:
         """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule."""
@@ -266,11 +308,13 @@ class Flux2KleinGenerator:
         batch = self.options.batch_size or len(inputs.prompts)
         if not self.options.context_parallel:
             batch = -(-batch // replicas) * replicas  # a multiple of the data replicas
-        bucket = Bucket(batch, grid_h, grid_w, inputs.num_inference_steps, inputs.use_cfg)
+        ref_grids = tuple(self.latent_grid(h, w) for h, w in inputs.reference_sizes)
+        bucket = Bucket(batch, grid_h, grid_w, inputs.num_inference_steps, inputs.use_cfg,
+                        sum(h * w for h, w in ref_grids))
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(
             bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
-        cos, sin = self.rope(grid_h, grid_w)
+        cos, sin = self.rope(grid_h, grid_w, ref_grids)
         sig, ts = self.schedule(inputs.num_inference_steps, grid_h, grid_w, sigmas)
         return BucketPlan(bucket, encode_fn, denoise_fn, decode_fn, cos, sin, sig, ts,
                           jnp.float32(inputs.guidance_scale))
@@ -333,14 +377,27 @@ class Flux2KleinGenerator:
         return jax.device_put(tokens.astype(DTYPES[self.dtype]),
                               self.programs.latents_sharding(b.grid_h * b.grid_w))
 
-    def denoise(self, latents, txt, neg, plan: BucketPlan):
-        """Every denoising step: one fused program, or (reference and the fused_loop ablation) one call per step."""
+    def reference_tokens(self, references, plan: BucketPlan, pad: int = 0, cache: dict | None = None):
+        """Latent tokens [rows, R, C] of each image's references (VAE encoder; equal references encoded once, and
+        once per call when the call's `cache` dict is passed) on the devices, plus `pad` rows (copies of the
+        first); None for text-to-image."""
+        if not references:
+            return None
+        rows = list(references) + [references[0]] * pad
+        before = self.reference_encoder.encoded
+        tokens = self.reference_encoder.batch_tokens(rows, self.programs.batched, cache)
+        self.stats["references_encoded"] += self.reference_encoder.encoded - before
+        return tokens
+
+    def denoise(self, latents, txt, neg, plan: BucketPlan, refs=None):
+        """Every denoising step: one fused program, or (reference and the fused_loop ablation) one call per step.
+        `refs`: the reference tokens of image-conditioned calls (`reference_tokens`), else None."""
         if self.lab.fused:
-            return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, plan.sigmas, plan.timesteps, plan.cos,
-                                   plan.sin, plan.guidance)
+            return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, plan.sigmas, plan.timesteps,
+                                   plan.cos, plan.sin, plan.guidance)
         sig_host, ts_host = np.asarray(plan.sigmas), np.asarray(plan.timesteps)
         for i in range(plan.bucket.steps):
-            latents = plan.denoise_fn(self.programs.tr_state, latents, txt, neg, sig_host[i], sig_host[i + 1],
+            latents = plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, sig_host[i], sig_host[i + 1],
                                       ts_host[i], plan.cos, plan.sin, plan.guidance)
         return latents
 
@@ -366,23 +423,30 @@ class Flux2KleinGenerator:
 
     # ------------------------------------------------------------------------------------------------ generate
 
-    def generate(self, prompts, seeds, height: int = contract.DEFAULT_SIZE, width: int = contract.DEFAULT_SIZE,
+    def generate(self, prompts, seeds, height: int | None = None, width: int | None = None,
                  num_inference_steps: int | None = None,
-                 guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None) -> np.ndarray:
+                 guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None,
+                 reference_images=None) -> np.ndarray:
         """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]. Safe to call from
-        several threads: calls run one after the other."""
-        return self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
-                                    num_images_per_prompt, sigmas).images
+        several threads: calls run one after the other.
 
-    def generate_result(self, prompts, seeds, height: int = contract.DEFAULT_SIZE, width: int = contract.DEFAULT_SIZE,
+        `reference_images`: image-conditioned generation (klein's multi-reference editing, as diffusers'
+        Flux2KleinPipeline(image=[...])): one list of references per prompt, each a PIL image or a uint8 HxWx3 /
+        HxWx4 array; None or all lists empty = text-to-image. Every prompt's references must have the same processed
+        sizes (`reference_signature`), else ReferenceImageError(reason="signature"). height/width None: the first
+        reference's processed size with references, else contract.DEFAULT_SIZE."""
+        return self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                                    num_images_per_prompt, sigmas, reference_images).images
+
+    def generate_result(self, prompts, seeds, height: int | None = None, width: int | None = None,
                         num_inference_steps: int | None = None, guidance_scale: float | None = None,
-                        num_images_per_prompt: int = 1, sigmas=None) -> GenerationResult:
+                        num_images_per_prompt: int = 1, sigmas=None, reference_images=None) -> GenerationResult:
         """`generate`, with the facts a caller reports beside the images: the resolved steps and guidance and
         whether each image's prompt was truncated (from the same tokenization that encoded it)."""
         with self._generate_lock:
             start = time.perf_counter()
             inputs = self.check_inputs(prompts, seeds, height, width, num_inference_steps, guidance_scale,
-                                       num_images_per_prompt)
+                                       num_images_per_prompt, reference_images)
             images, truncated = self._run(inputs, sigmas)
             return GenerationResult(images=images, prompt_truncated=truncated,
                                     num_inference_steps=inputs.num_inference_steps,
@@ -396,6 +460,7 @@ class Flux2KleinGenerator:
         outputs: list[np.ndarray] = []
         truncated: list[bool] = []
         pending = None
+        reference_cache: dict = {}  # digest -> tokens: each distinct reference encoded once per call
         for start in range(0, len(inputs.prompts), plan.batch):
             chunk_p = list(inputs.prompts[start:start + plan.batch])
             chunk_s = list(inputs.seeds[start:start + plan.batch])
@@ -405,7 +470,9 @@ class Flux2KleinGenerator:
             txt, flags = self.encode_prompts(chunk_p + chunk_p[:1] * pad, plan)
             truncated.extend(flags[:real])
             neg = self.encode_prompts([""] * (real + pad), plan)[0] if inputs.use_cfg else None
-            pixels = self.decode(self.denoise(latents, txt, neg, plan), plan)
+            refs = (self.reference_tokens(inputs.references[start:start + plan.batch], plan, pad, reference_cache)
+                    if inputs.references else None)
+            pixels = self.decode(self.denoise(latents, txt, neg, plan, refs), plan)
             # Dispatch is asynchronous: with overlap on, the previous batch's pixels are copied to the host (and
             # the next batch tokenized) while the device works on this one.
             if pending is not None:

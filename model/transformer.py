@@ -2,7 +2,8 @@
 
 Inputs per call: image tokens [B, N, in_channels], text embeddings [B, T, joint_attention_dim], the timestep as
 sigma (= t / 1000) [B], and RoPE cos/sin tables [T + N, head_dim] for the [text ; image] sequence (see
-`rope_tables`). Output: the flow velocity [B, N, out_channels].
+`rope_tables`). Output: the flow velocity [B, N, out_channels]. With reference images (editing) the image tokens are
+[target ; references] and `target_tokens` keeps the output to the target's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ def image_ids(grid_h: int, grid_w: int) -> np.ndarray:
     ids[:, 1] = ii.reshape(-1)
     ids[:, 2] = jj.reshape(-1)
     return ids
+
+
+def reference_ids(grids) -> np.ndarray:
+    """(T, H, W, L) position ids of reference images' tokens, image k at time 10 + 10 * k with its own row-major
+    (i, j) from 0 (diffusers' _prepare_image_ids, scale 10); [sum(h * w), 4], empty for no references."""
+    parts = []
+    for k, (grid_h, grid_w) in enumerate(grids):
+        ids = image_ids(grid_h, grid_w)
+        ids[:, 0] = 10 + 10 * k
+        parts.append(ids)
+    return np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
 
 
 def rope_tables(ids: np.ndarray, axes_dims, theta: float):
@@ -256,9 +268,10 @@ class Flux2Transformer(nnx.Module):
         self.proj_out = Linear(d, cfg.patch_size ** 2 * cfg.out_channels, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, cos, sin, guidance=None, *,
-                 implementation: str = "xla", image_only_last_block: bool = True):
+                 implementation: str = "xla", image_only_last_block: bool = True, target_tokens: int | None = None):
         """Velocity for the image tokens. `image_only_last_block`: the last single-stream block computes outputs for
-        the image tokens only (the text tokens' would be discarded); False computes every token, as diffusers."""
+        the image tokens only (the text tokens' would be discarded); False computes every token, as diffusers.
+        `target_tokens`: only the first that many image tokens' velocity (the target's, before the references')."""
         dtype = self.x_embedder.weight.dtype
         timestep = timestep_from_sigma(timestep, dtype)
         if guidance is not None:
@@ -277,5 +290,7 @@ class Flux2Transformer(nnx.Module):
         last = len(self.single_transformer_blocks) - 1
         for i, block in enumerate(self.single_transformer_blocks):
             x = block(x, mod_single, cos, sin, implementation, num_txt if image_only_last_block and i == last else 0)
-        x = self.norm_out(x[:, x.shape[1] - img.shape[1]:], temb)
+        start = x.shape[1] - img.shape[1]
+        x = x[:, start:start + (img.shape[1] if target_tokens is None else target_tokens)]
+        x = self.norm_out(x, temb)
         return self.proj_out(x)

@@ -1,7 +1,8 @@
 """Flux2 VAE decoder (diffusers' AutoencoderKLFlux2 decode path) in Flax NNX, NHWC internally.
 
 `decode_latents` turns the transformer's packed tokens into pixels: batch-norm de-normalisation with the VAE's
-running statistics, 2x2 unpatchify, post-quant conv, decoder. The encoder is not needed for text-to-image.
+running statistics, 2x2 unpatchify, post-quant conv, decoder. The encoder is not needed for text-to-image; reference
+images (image-conditioned generation) go through `Flux2VAEEncoder`, loaded separately on first use.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class DownBlock(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    """Image -> [mean | logvar] latents. Only needed for reference images; built for checkpoint validation."""
+    """Image -> [mean | logvar] latents. Only needed for reference images (and to validate every checkpoint name)."""
 
     def __init__(self, cfg: VAEConfig, *, dtype, rngs: nnx.Rngs):
         chans = list(cfg.encoder_block_out_channels)
@@ -232,3 +233,45 @@ class Flux2VAEDecoder(nnx.Module):
         x = x.reshape(b, grid_h, grid_w, cfg.latent_channels, ph, pw)
         x = x.transpose(0, 1, 4, 2, 5, 3).reshape(b, grid_h * ph, grid_w * pw, cfg.latent_channels)
         return self.decode(x, fused_upsample)
+
+
+def patchify_tokens(z):
+    """NHWC latents [B, h, w, C] -> row-major tokens [B, (h/2)*(w/2), C*4] of 2x2 patches, patched channel
+    index c * 4 + dy * 2 + dx (the inverse of `decode_latents`' unpatchify)."""
+    b, h, w, c = z.shape
+    z = z.reshape(b, h // 2, 2, w // 2, 2, c).transpose(0, 1, 3, 5, 2, 4)
+    return z.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def normalize_tokens(tokens, running_mean, running_var, eps: float):
+    """(tokens - mean) / sqrt(var + eps) with the VAE's latent BN statistics, in the tokens' dtype (diffusers casts
+    mean and std to the latents' dtype before the arithmetic)."""
+    dtype = tokens.dtype
+    std = jnp.sqrt(running_var.astype(dtype) + jnp.asarray(eps, dtype))
+    return (tokens - running_mean.astype(dtype)) / std
+
+
+class Flux2VAEEncoder(nnx.Module):
+    """Encoder side of AutoencoderKLFlux2 (encoder, quant conv, latent BN statistics) for reference images; its
+    parameter names are the checkpoint's, so it loads from the vae folder on its own, only when needed."""
+
+    def __init__(self, cfg: VAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.encoder = Encoder(cfg, dtype=dtype, rngs=rngs)
+        self.quant_conv = (Conv2d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1, padding=0, dtype=dtype,
+                                  rngs=rngs) if cfg.use_quant_conv else None)
+        self.bn = BatchNormStats(cfg.patched_channels)
+
+    def posterior_mean(self, pixels):
+        """NHWC image [B, H, W, 3] in [-1, 1] -> the posterior mean [B, H/s, W/s, latent_channels] (diffusers'
+        `latent_dist.mode()`)."""
+        moments = self.encoder(pixels)
+        if self.quant_conv is not None:
+            moments = self.quant_conv(moments)
+        return moments[..., :self.config.latent_channels]
+
+    def encode_tokens(self, pixels):
+        """NHWC image [B, H, W, 3] -> normalised latent tokens [B, (H/m)*(W/m), patched_channels] (m = the size
+        multiple), as the transformer takes reference tokens."""
+        z = patchify_tokens(self.posterior_mean(pixels))
+        return normalize_tokens(z, self.bn.running_mean[...], self.bn.running_var[...], self.config.batch_norm_eps)
