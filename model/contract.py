@@ -195,10 +195,8 @@ def show(value, limit: int = 200) -> str:
 
 
 # --------------------------------------------------------------------------------------------- reference images
-# Image-conditioned generation (multi-reference editing). diffusers' Flux2KleinPipeline.check_image_input refuses a
-# reference with a side under 64 px or an aspect ratio above 8; the job checks the same before a batch is built.
-MIN_REFERENCE_SIDE = 64
-MAX_REFERENCE_ASPECT = 8
+# Image-conditioned generation (multi-reference editing): the job's limits on what a record may ask for. The
+# model's own checks of a reference (sides, aspect ratio) are model/references.py.
 # References one job request may give (diffusers has no limit; every reference adds its tokens to the joint
 # attention sequence, up to 4096 per 1 MP reference, so a few are already the cost of a larger image).
 DEFAULT_MAX_REFERENCE_IMAGES = 4
@@ -213,18 +211,3 @@ def validate_reference_count(count_, limit: int | None = None) -> int:
         raise _fail("reference_images", f"reference_images lists {count_} images, above --max_reference_images="
                                         f"{limit}", count_)
     return int(count_)
-
-
-def reference_size_problem(width: int, height: int, max_pixels: int | None = None) -> str | None:
-    """Why a reference of `width` x `height` pixels (as stored) cannot be used, or None when it can: more pixels
-    than `max_pixels` (--max_reference_pixels), a side under MIN_REFERENCE_SIDE, an aspect above
-    MAX_REFERENCE_ASPECT."""
-    if max_pixels is not None and width * height > max_pixels:
-        return (f"is {width}x{height} = {width * height} pixels, above --max_reference_pixels={max_pixels} (refused "
-                f"before decoding)")
-    if min(width, height) < MIN_REFERENCE_SIDE:
-        return f"is {width}x{height} pixels, a side is under {MIN_REFERENCE_SIDE} px"
-    if max(width, height) > MAX_REFERENCE_ASPECT * min(width, height):
-        return (f"is {width}x{height} pixels, an aspect ratio of {max(width, height) / min(width, height):.3g}, "
-                f"above {MAX_REFERENCE_ASPECT}")
-    return None

@@ -292,7 +292,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests(fold_case=job.case_insensitive_output)
     # Reference images are read (bounded, cached per process) before any image is planned: a bad one is one error
     # row for its request; the others get each reference's sha256 and processed size (part of the batch shape).
-    resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.defaults.reference_limits)
+    resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.defaults.reference_limits,
+                                                                            job.defaults.size_multiple)
     planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None
     if job.skip_existing:

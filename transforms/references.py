@@ -5,7 +5,7 @@ the input file that holds the record (`resolve_path`). Each reference is read wi
 (`read_reference`): at most `ReferenceLimits.max_bytes` bytes are read, and the width x height its header declares
 is checked against `--max_reference_pixels` before any pixel is decoded, so a decompression bomb (a small file
 declaring huge dimensions) is a `ReferenceError`, never an out-of-memory. A side under 64 px or an aspect above 8
-(diffusers' own checks, `model.contract.reference_size_problem`) is one too. Decoded as `diffusers.utils.load_image`
+(diffusers' own checks, `model.references.check_size`) is one too. Decoded as `diffusers.utils.load_image`
 does: EXIF orientation applied, then RGB.
 
 `ReferenceCache` holds decoded references per worker process, bounded by their pixel bytes and least recently used
@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import io
 import logging
-import math
 import os
 import posixpath
 import threading
@@ -32,7 +31,9 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
-from model.contract import DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS, reference_size_problem
+from model import references as model_references  # JAX-free: the model's checks and processed sizes
+from model.contract import DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_SIZE_MULTIPLE
+from model.errors import ReferenceImageError
 
 from . import layout, retries
 from .metrics import NAMESPACE as METRICS_NAMESPACE
@@ -149,9 +150,13 @@ def decode_reference(uri: str, data: bytes, limits: ReferenceLimits) -> Referenc
         raise ReferenceError(uri, f"is not a readable image ({type(e).__name__}: {e})") from None
     with im:
         width, height = im.size
-        problem = reference_size_problem(width, height, limits.max_pixels)
-        if problem is not None:
-            raise ReferenceError(uri, problem)
+        if width * height > limits.max_pixels:
+            raise ReferenceError(uri, f"is {width}x{height} = {width * height} pixels, above --max_reference_pixels="
+                                      f"{limits.max_pixels} (refused before decoding)")
+        try:
+            model_references.check_size(width, height)
+        except ReferenceImageError as e:
+            raise ReferenceError(uri, f"cannot be used: {e}") from None
         try:
             im.load()
             image = ImageOps.exif_transpose(im).convert("RGB")  # as diffusers.utils.load_image
@@ -166,22 +171,11 @@ def read_reference(uri: str, limits: ReferenceLimits = ReferenceLimits()) -> Ref
 
 
 # --------------------------------------------------------------------------------------------- signature
-def _processed_size(width: int, height: int) -> tuple[int, int]:
-    """diffusers' preprocessing of a reference (see /docs reference-editing): down to 1 MP, then multiples of 16."""
-    if width * height > 1024 * 1024:
-        s = math.sqrt(1024 * 1024 / (width * height))
-        width, height = int(width * s), int(height * s)
-    return height // 16 * 16, width // 16 * 16
-
-
-def reference_signature(images: Sequence[Any]) -> tuple[tuple[int, int], ...]:
-    """Each reference's processed size, the part of a batch's shape the references set: the model's own helper
-    (`model.references.reference_signature`, JAX-free) when the model has it, else the same rule here."""
-    try:
-        from model.references import reference_signature as model_signature  # noqa: PLC0415
-    except ImportError:
-        return tuple(_processed_size(*im.size) for im in images)
-    return tuple(tuple(int(v) for v in s) for s in model_signature(list(images)))
+def reference_signature(images: Sequence[Any], size_multiple: int = DEFAULT_SIZE_MULTIPLE
+                        ) -> tuple[tuple[int, int], ...]:
+    """Each reference's processed (height, width) for a checkpoint of `size_multiple`: the part of a batch's shape
+    the references set (the model's own `model.references.reference_signature`)."""
+    return tuple((int(h), int(w)) for h, w in model_references.reference_signature(list(images), size_multiple))
 
 
 # --------------------------------------------------------------------------------------------- cache
@@ -284,8 +278,9 @@ class _ResolveReferencesFn(beam.DoFn):
     the process cache), or one error row naming the first reference that cannot be used and why. Requests without
     references pass unchanged."""
 
-    def __init__(self, limits: ReferenceLimits):
+    def __init__(self, limits: ReferenceLimits, size_multiple: int):
         self._limits = limits
+        self._size_multiple = size_multiple
         self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
         self._bad = Metrics.counter(METRICS_NAMESPACE, "references_invalid")
 
@@ -309,7 +304,8 @@ class _ResolveReferencesFn(beam.DoFn):
                 reason=str(e), record=_request_record(request), field=FIELD, value=e.uri))
             return
         yield dataclasses.replace(request, reference_sha256=tuple(r.sha256 for r in refs),
-                                  reference_signature=reference_signature([r.image for r in refs]))
+                                  reference_signature=reference_signature([r.image for r in refs],
+                                                                          self._size_multiple))
 
 
 class ResolveReferences(beam.PTransform):
@@ -317,11 +313,12 @@ class ResolveReferences(beam.PTransform):
     with a reference that cannot be used (missing, unreadable, not an image, too large, too small, too elongated)}.
     Runs before the images are planned, so a bad reference costs one row, not one per image."""
 
-    def __init__(self, limits: ReferenceLimits):
+    def __init__(self, limits: ReferenceLimits, size_multiple: int = DEFAULT_SIZE_MULTIPLE):
         super().__init__()
         self._limits = limits
+        self._size_multiple = size_multiple  # the checkpoint's, as the model processes references
 
     def expand(self, requests):
-        out = requests | "ReadReferences" >> beam.ParDo(_ResolveReferencesFn(self._limits)).with_outputs(
-            INVALID_TAG, main="requests")
+        fn = _ResolveReferencesFn(self._limits, self._size_multiple)
+        out = requests | "ReadReferences" >> beam.ParDo(fn).with_outputs(INVALID_TAG, main="requests")
         return {"requests": out.requests, "invalid": out[INVALID_TAG]}

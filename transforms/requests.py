@@ -28,7 +28,7 @@ from apache_beam.metrics import Metrics
 from model import contract
 from model.contract import (  # noqa: F401  (the limits, re-exported for the job's callers)
     DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
-    DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST, MAX_SEED, MAX_STEPS, MIN_REFERENCE_SIDE, show,
+    DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST, MAX_SEED, MAX_STEPS, show,
 )
 from model.errors import RequestError
 
@@ -98,7 +98,9 @@ class RequestDefaults:
         if not contract.is_integer(self.max_metadata_bytes) or self.max_metadata_bytes < 0:
             raise ValueError(f"--max_metadata_bytes must be an integer >= 0, got {self.max_metadata_bytes!r}")
         contract.count("--max_reference_images", self.max_reference_images)
-        smallest_reference = MIN_REFERENCE_SIDE * MIN_REFERENCE_SIDE
+        from model.references import MIN_SIDE  # JAX-free
+
+        smallest_reference = MIN_SIDE * MIN_SIDE
         if not contract.is_integer(self.max_reference_pixels) or self.max_reference_pixels < smallest_reference:
             raise ValueError(f"--max_reference_pixels must be an integer >= {smallest_reference} (64 x 64), got "
                              f"{self.max_reference_pixels!r}")

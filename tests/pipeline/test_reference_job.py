@@ -74,8 +74,8 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
         "missing": (f"{b}/refs/nope.png", "does not exist"),
         "missing-again": (f"{b}/refs/nope.png", "does not exist"),
         "not-image": (f"{b}/refs/not-image.png", "is not an image"),
-        "small": (f"{b}/refs/small.png", "a side is under 64 px"),
-        "long": (str(local / "refs" / "long.png"), "aspect ratio of 9.38, above 8"),
+        "small": (f"{b}/refs/small.png", "must be at least 64 px on each side, got 64x48"),
+        "long": (str(local / "refs" / "long.png"), "aspect ratio must be at most 8:1, got 64x600 (9.38:1)"),
         "bomb": (f"{b}/refs/bomb.png", "above --max_reference_pixels=65536 (refused before decoding)"),
         "big": (f"{b}/refs/big.png", "is larger than 1310720 bytes"),
     }

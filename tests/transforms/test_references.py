@@ -82,9 +82,10 @@ def test_batches_key_on_the_references_processed_sizes():
     assert len(set(keys[:3])) == 3 and keys[1] == keys[3]
 
 
-def test_signature_is_the_processed_size():
-    assert references.reference_signature([Image.new("RGB", (80, 64)), Image.new("RGB", (2000, 1000))]) == \
-        ((64, 80), (720, 1440))  # 2000x1000 -> 1448x724 at 1 MP -> multiples of 16
+def test_signature_is_the_processed_size_for_the_checkpoints_multiple():
+    images = [Image.new("RGB", (80, 64)), Image.new("RGB", (2000, 1000))]
+    assert references.reference_signature(images) == ((64, 80), (720, 1440))  # 1448x724 at 1 MP -> 16s
+    assert references.reference_signature(images, 32) == ((64, 64), (704, 1440))
 
 
 def test_defaults_check_the_reference_limits():
@@ -111,8 +112,8 @@ def test_read_reference_decodes_as_rgb_with_its_sha256(tmp_path):
 
 @pytest.mark.parametrize("name, data, words", [
     ("text.png", b"not an image at all", "is not an image"),
-    ("small.png", png(64, 63), "a side is under 64 px"),
-    ("long.png", png(64, 520), "aspect ratio of 8.12, above 8"),
+    ("small.png", png(64, 63), "must be at least 64 px on each side, got 64x63"),
+    ("long.png", png(64, 520), "aspect ratio must be at most 8:1, got 64x520 (8.12:1)"),
     ("bomb.png", png_declaring(5000, 5000), "above --max_reference_pixels=65536 (refused before decoding)"),
     ("huge.png", png_declaring(100000, 100000), "declares too many pixels"),  # PIL's own limit, caught
     ("big.png", b"\x89PNG" + os.urandom(4 * 65536 + 2**20), "is larger than 1310720 bytes"),
