@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
@@ -95,6 +96,12 @@ class JobConfig:
     input_warnings: tuple[str, ...] = ()  # found at launch (a --column_map column a table lacks)
     encoding: ImageEncoding = ImageEncoding()  # --image_format, --png_compress_level, --quality
     encode_threads: int | None = None  # encoder threads per worker process (--encode_threads); None: its cores
+    run_token: str = ""  # this launch, so a worker process's reference cache never serves an earlier job's copy
+
+    @property
+    def reference_limits(self):
+        """--max_reference_images/--max_reference_pixels, with this run's scope for the reference cache."""
+        return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token)
 
     @property
     def model(self) -> str:
@@ -251,7 +258,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
                      require_accelerator=o.require_accelerator, worker_env=worker_env, encoding=encoding,
                      encode_threads=o.encode_threads, columns=columns, bigquery=bigquery, bigquery_temp_dataset=o.bigquery_temp_dataset,
-                     input_warnings=tuple(input_warnings))
+                     input_warnings=tuple(input_warnings), run_token=uuid.uuid4().hex)
 
 
 def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
@@ -283,7 +290,7 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
     """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
     return handler_cls(job.load, large_model=job.large_model, model_copies=job.model_copies,
                        inference_retries=job.inference_retries, require_accelerator=job.require_accelerator,
-                       env_vars=dict(job.worker_env), reference_limits=job.defaults.reference_limits, **extra)
+                       env_vars=dict(job.worker_env), reference_limits=job.reference_limits, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
@@ -292,7 +299,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests(fold_case=job.case_insensitive_output)
     # Reference images are read (bounded, cached per process) before any image is planned: a bad one is one error
     # row for its request; the others get each reference's sha256 and processed size (part of the batch shape).
-    resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.defaults.reference_limits,
+    resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.reference_limits,
                                                                             job.defaults.size_multiple)
     planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None

@@ -62,10 +62,13 @@ class ReferenceError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceLimits:
-    """--max_reference_images and --max_reference_pixels; the byte limit of a file follows from the pixels."""
+    """--max_reference_images and --max_reference_pixels; the byte limit of a file follows from the pixels.
+    `cache_scope` names one job run: the process cache reuses a reference only within its scope, so a second job
+    in the same process (a local runner, a test) reads files again rather than trusting an older copy."""
 
     max_images: int = DEFAULT_MAX_REFERENCE_IMAGES
     max_pixels: int = DEFAULT_MAX_REFERENCE_PIXELS
+    cache_scope: str = ""
 
     @property
     def max_bytes(self) -> int:
@@ -180,7 +183,7 @@ def reference_signature(images: Sequence[Any], size_multiple: int = DEFAULT_SIZE
 
 # --------------------------------------------------------------------------------------------- cache
 class ReferenceCache:
-    """Decoded references of one process by URI, at most `max_bytes` of RGB pixels (least recently used out);
+    """Decoded references of one process by (job scope, URI), at most `max_bytes` of RGB pixels (least recently used out);
     references that cannot be used are remembered too (one read answers every request that shares them).
     Thread-safe: two threads asking for one URI read it once."""
 
@@ -197,37 +200,39 @@ class ReferenceCache:
         its bytes are no longer `expected_sha256` (read again once first: the cached copy may be the stale one)."""
         found = self._lookup(uri, limits)
         if expected_sha256 is not None and found.sha256 != expected_sha256:
-            self.forget(uri)
+            self.forget(uri, limits)
             found = self._lookup(uri, limits)
             if found.sha256 != expected_sha256:
                 raise ReferenceError(uri, f"changed during the job (sha256 {found.sha256[:12]}..., first read as "
                                           f"{expected_sha256[:12]}...)")
         return found
 
-    def forget(self, uri: str) -> None:
+    def forget(self, uri: str, limits: ReferenceLimits = ReferenceLimits()) -> None:
         with self._lock:
-            entry = self._items.pop(uri, None)
+            entry = self._items.pop((limits.cache_scope, uri), None)
             if entry is not None:
                 self._bytes -= entry[1]
 
     def _lookup(self, uri: str, limits: ReferenceLimits) -> Reference:
+        key = (limits.cache_scope, uri)
         with self._lock:
-            lock = self._reading.setdefault(uri, threading.Lock())
+            lock = self._reading.setdefault(key, threading.Lock())
         with lock:
             with self._lock:
-                entry = self._items.get(uri)
+                entry = self._items.get(key)
                 if entry is not None:
-                    self._items.move_to_end(uri)
+                    self._items.move_to_end(key)
             if entry is None:
-                entry = self._read(uri, limits)
+                entry = self._read(key, limits)
             value = entry[0]
         with self._lock:
-            self._reading.pop(uri, None)
+            self._reading.pop(key, None)
         if isinstance(value, ReferenceError):
             raise value
         return value
 
-    def _read(self, uri: str, limits: ReferenceLimits):
+    def _read(self, key: tuple[str, str], limits: ReferenceLimits):
+        uri = key[1]
         Metrics.counter(METRICS_NAMESPACE, "reference_reads").inc()
         self.reads += 1
         try:
@@ -236,7 +241,7 @@ class ReferenceCache:
         except ReferenceError as e:
             value, cost = e, 1024
         with self._lock:
-            self._items[uri] = (value, cost)
+            self._items[key] = (value, cost)
             self._bytes += cost
             while self._bytes > self.max_bytes and len(self._items) > 1:
                 _old, (_v, old_cost) = self._items.popitem(last=False)

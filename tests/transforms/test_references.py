@@ -151,9 +151,12 @@ def test_cache_reads_each_reference_once_and_notices_a_replaced_file(tmp_path):
     assert cache.reads == 5
     write(tmp_path, "a.png", png(64, 64, seed=9))  # replaced during the job
     assert cache.get(a, LIMITS, expected_sha256=first.sha256) is not None  # the cached copy is the version asked
-    cache.forget(a)  # another process (or a dropped entry) reads the file again: not the version the request has
+    cache.forget(a, LIMITS)  # another process (or a dropped entry) reads the file again: not the version the request has
     with pytest.raises(ReferenceError, match="changed during the job"):
         cache.get(a, LIMITS, expected_sha256=first.sha256)
+    reads = cache.reads
+    cache.get(b, ReferenceLimits(max_pixels=LIMITS.max_pixels, cache_scope="next job"))  # another job: read again
+    assert cache.reads == reads + 1
 
 
 # --------------------------------------------------------------------------------------------- outputs
