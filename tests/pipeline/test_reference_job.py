@@ -123,7 +123,10 @@ def test_reference_job_gives_the_models_pixels(gcs_emulator, gcs_bucket, tiny_ck
     assert manifest["two-refs"]["reference_images"] == [{"uri": u, "sha256": sha[u]} for u in (f"{b}/refs/a.png",
                                                                                               c_uri)]
     assert "reference_images" not in manifest["plain"]
-    assert counters(result)["reference_reads"] == 2  # two files, six requests: each read once
+    c = counters(result)
+    assert c["reference_reads"] == 2  # two files, six requests: each read once
+    # Batches by reference signature: [a] x2, [c] x2, [a, c], none -> 4 batches of at most 2 for 6 images.
+    assert c["batches"] == 4
 
     gen = model.load(tiny_ckpt, dtype="float32", max_sequence_length=32, batch_size=2,
                      compilation_cache_dir=xla_cache)
