@@ -308,9 +308,8 @@ class _ResolveReferencesFn(beam.DoFn):
                 source=request.source, line=request.line, id=request.id, kind=layout.INVALID_REFERENCE,
                 reason=str(e), record=_request_record(request), field=FIELD, value=e.uri))
             return
-        yield dataclasses.replace(request, reference_sha256=tuple(r.sha256 for r in refs),
-                                  reference_signature=reference_signature([r.image for r in refs],
-                                                                          self._size_multiple))
+        yield request.with_references_read(tuple(r.sha256 for r in refs),
+                                           reference_signature([r.image for r in refs], self._size_multiple))
 
 
 class ResolveReferences(beam.PTransform):

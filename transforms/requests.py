@@ -142,6 +142,14 @@ class GenerationRequest:
         return (self.prompt, self.seed, self.height, self.width, self.num_inference_steps, self.guidance_scale,
                 self.num_images, self.reference_images)
 
+    def with_references_read(self, sha256: tuple[str, ...], signature: tuple[tuple[int, int], ...]
+                             ) -> "GenerationRequest":
+        """This request once its references are read: each file's sha256 and processed size (id unchanged)."""
+        if len(sha256) != len(self.reference_images) or len(signature) != len(self.reference_images):
+            raise ValueError(f"request {self.id!r} has {len(self.reference_images)} references, got "
+                             f"{len(sha256)} digests and {len(signature)} sizes")
+        return dataclasses.replace(self, reference_sha256=tuple(sha256), reference_signature=tuple(signature))
+
     def reference_entries(self) -> list[dict]:
         """The references as the manifest and the image text carry them: [{uri, sha256}] ([] for none)."""
         return [{"uri": uri, "sha256": sha} for uri, sha in zip(self.reference_images, self.reference_sha256)]
