@@ -37,9 +37,11 @@ class JaxEngine:
         self.name = name
         self.gen = gen
 
-    def generate(self, prompts, seeds, h, w, steps, guidance, images_per_prompt=1) -> np.ndarray:
+    def generate(self, prompts, seeds, h, w, steps, guidance, images_per_prompt=1, references=None) -> np.ndarray:
+        """`references`: one list of reference images for every prompt (image-conditioned generation), or None."""
         return self.gen.generate(prompts, seeds, height=h, width=w, num_inference_steps=steps,
-                                 guidance_scale=guidance, num_images_per_prompt=images_per_prompt)
+                                 guidance_scale=guidance, num_images_per_prompt=images_per_prompt,
+                                 reference_images=None if references is None else [list(references)] * len(prompts))
 
     def plan(self, n: int, h: int, w: int, steps: int, use_cfg: bool):
         """The generator's plan for n images of h x w (its programs compiled on first use, as `generate` would)."""
@@ -262,10 +264,15 @@ class DiffusersEngine:
     def _to_uint8(images) -> np.ndarray:
         return (np.asarray(images) * 255).round().astype(np.uint8)  # diffusers' numpy_to_pil conversion
 
-    def generate(self, prompts, seeds, h, w, steps, guidance, images_per_prompt=1) -> np.ndarray:
+    def generate(self, prompts, seeds, h, w, steps, guidance, images_per_prompt=1, references=None) -> np.ndarray:
+        """`references`: the call's reference images (PIL, or uint8 arrays made PIL), diffusers' `image=`."""
+        from PIL import Image
+
         seeds = [s + j for s in seeds for j in range(images_per_prompt)]
+        image = None if not references else [r if isinstance(r, Image.Image) else Image.fromarray(r)
+                                             for r in references]
         with self.torch.inference_mode():
-            out = self.pipe(prompt=list(prompts), latents=self._latents(seeds, h, w), height=h, width=w,
+            out = self.pipe(prompt=list(prompts), image=image, latents=self._latents(seeds, h, w), height=h, width=w,
                             num_inference_steps=steps, guidance_scale=guidance, output_type="np",
                             num_images_per_prompt=images_per_prompt, max_sequence_length=self.max_sequence_length)
         return self._to_uint8(out.images)
