@@ -486,7 +486,8 @@ def failed_batch_rows(failed) -> Iterable[dict]:
             source=r.source, line=r.line, id=r.id, kind=layout.INFERENCE_FAILED, file_name=task.file_name,
             reason=reason,
             record={"prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width,
-                    "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale})
+                    "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale,
+                    **({"reference_images": list(r.reference_images)} if r.reference_images else {})})
 
 
 # --------------------------------------------------------------------------------------------- summary

@@ -194,3 +194,13 @@ def test_reference_field_in_parquet_is_a_list_of_strings(tmp_path):
     pq.write_table(pa.table({"prompt": ["p", "q"], "reference_images": [["a.png", "gs://b/c.png"], None]}), path)
     a, b = parse_lines(path.read_bytes(), str(path), "parquet", D)
     assert a.reference_images == (str(tmp_path / "a.png"), "gs://b/c.png") and b.reference_images == ()
+
+
+def test_reference_field_in_bigquery_rows_needs_full_paths():
+    from transforms.bigquery_input import row_record
+    from transforms.requests import parse_raw
+
+    ok = parse_raw(row_record({"prompt": "p", "reference_images": ["gs://b/a.png"]}, "bq://p.d.t"), D)
+    assert ok.reference_images == ("gs://b/a.png",)
+    bad = parse_raw(row_record({"prompt": "p", "reference_images": ["a.png"]}, "bq-query"), D)
+    assert bad["field"] == "reference_images" and "relative" in bad["reason"]
