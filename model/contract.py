@@ -192,3 +192,22 @@ def show(value, limit: int = 200) -> str:
     except (RecursionError, ValueError):
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --------------------------------------------------------------------------------------------- reference images
+# Image-conditioned generation (multi-reference editing): the job's limits on what a record may ask for. The
+# model's own checks of a reference (sides, aspect ratio) are model/references.py.
+# References one job request may give (diffusers has no limit; every reference adds its tokens to the joint
+# attention sequence, up to 4096 per 1 MP reference, so a few are already the cost of a larger image).
+DEFAULT_MAX_REFERENCE_IMAGES = 4
+# Largest reference the job decodes (width x height as stored, before the model resizes it to 1 MP): 16.7 MP, more
+# than any camera photo up to 4096 x 4096, and 64 MiB as RGBA; a file declaring more is refused before decoding.
+DEFAULT_MAX_REFERENCE_PIXELS = 4096 * 4096
+
+
+def validate_reference_count(count_, limit: int | None = None) -> int:
+    """The number of references of one request: at most `limit` (--max_reference_images)."""
+    if limit is not None and count_ > limit:
+        raise _fail("reference_images", f"reference_images lists {count_} images, above --max_reference_images="
+                                        f"{limit}", count_)
+    return int(count_)

@@ -22,7 +22,8 @@ from typing import Any, Callable
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from model.contract import (
-    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
+    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
+    DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
 )
 from model.options import DTYPE_NAMES as DTYPES
 from transforms.inference import DEFAULT_INFERENCE_RETRIES
@@ -194,6 +195,13 @@ OPTIONS = (
     Option("max_prompt_bytes", "limits", "Largest prompt in UTF-8 bytes; a longer one is an error row naming its "
                                          "size and the limit.", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
            metavar="BYTES", shown_default=f"{DEFAULT_MAX_PROMPT_BYTES} = 64 KiB"),
+    Option("max_reference_images", "limits", "Most reference images one record may list (reference_images); a "
+                                             "record with more is an error row.", type=int,
+           default=DEFAULT_MAX_REFERENCE_IMAGES, metavar="N"),
+    Option("max_reference_pixels", "limits", "Largest reference image, width x height as stored; a larger one is "
+                                             "an error row, refused before decoding.", type=int,
+           default=DEFAULT_MAX_REFERENCE_PIXELS, metavar="PIXELS",
+           shown_default=f"{DEFAULT_MAX_REFERENCE_PIXELS} = 4096 x 4096"),
     Option("max_images", "limits", "Most images one job may generate; a job that would generate more fails "
                                    "before generating any.", type=int, default=DEFAULT_MAX_IMAGES, metavar="N"),
     # --- reliability

@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
@@ -47,6 +48,7 @@ from transforms.outputs import (
     ImageEncoding, SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
 )
 from transforms.progress import ProgressReporter, ReportTotal
+from transforms.references import ResolveReferences
 from transforms.requests import (
     DUPLICATE_TAG, WARNING_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests,
     RequestDefaults, csv_field_limit_for,
@@ -95,6 +97,12 @@ class JobConfig:
     input_warnings: tuple[str, ...] = ()  # found at launch (a --column_map column a table lacks)
     encoding: ImageEncoding = ImageEncoding()  # --image_format, --png_compress_level, --quality
     encode_threads: int | None = None  # encoder threads per worker process (--encode_threads); None: its cores
+    run_token: str = ""  # this launch, so a worker process's reference cache never serves an earlier job's copy
+
+    @property
+    def reference_limits(self):
+        """--max_reference_images/--max_reference_pixels, with this run's scope for the reference cache."""
+        return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token)
 
     @property
     def model(self) -> str:
@@ -209,6 +217,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         max_prompt_bytes=o.max_prompt_bytes,
         size_multiple=size_multiple,
         max_metadata_bytes=o.max_metadata_bytes,
+        max_reference_images=o.max_reference_images,
+        max_reference_pixels=o.max_reference_pixels,
     )
     try:
         defaults.validate()
@@ -249,7 +259,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
                      require_accelerator=o.require_accelerator, worker_env=worker_env, encoding=encoding,
                      encode_threads=o.encode_threads, columns=columns, bigquery=bigquery, bigquery_temp_dataset=o.bigquery_temp_dataset,
-                     input_warnings=tuple(input_warnings))
+                     input_warnings=tuple(input_warnings), run_token=uuid.uuid4().hex)
 
 
 def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
@@ -281,14 +291,18 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
     """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
     return handler_cls(job.load, large_model=job.large_model, model_copies=job.model_copies,
                        inference_retries=job.inference_retries, require_accelerator=job.require_accelerator,
-                       env_vars=dict(job.worker_env), **extra)
+                       env_vars=dict(job.worker_env), reference_limits=job.reference_limits, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
     """Add the job's transforms to `p`; returns its main PCollections by name."""
     read = _read_inputs(p, job)
     dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests(fold_case=job.case_insensitive_output)
-    planned = dedup["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
+    # Reference images are read (bounded, cached per process) before any image is planned: a bad one is one error
+    # row for its request; the others get each reference's sha256 and processed size (part of the batch shape).
+    resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.reference_limits,
+                                                                            job.defaults.size_multiple)
+    planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None
     if job.skip_existing:
         split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding)
@@ -309,7 +323,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
                                                                        job.encode_threads))
     failed = dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)
 
-    invalid = (read["invalid"], dedup["invalid"]) | "AllInvalid" >> beam.Flatten()
+    invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
     # One shard each, under fixed names: a rerun into the same output replaces the previous run's files instead of
     # leaving stale shards next to them (so the manifest always lists exactly what the latest run generated, and
@@ -340,7 +354,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
                  | "DistinctTruncated" >> beam.Distinct())
     counted = {
         "records_read": records,
-        "requests": dedup["requests"],
+        "requests": resolved["requests"],
         "images_planned": planned,
         "images_generated": manifest,
         "invalid": invalid,

@@ -1,6 +1,7 @@
 """The RunInference ModelHandler around `model.load(...).generate(...)`, and shape-bucketed batching.
 
-Batches never mix shapes: image tasks are keyed by (height, width, steps, guidance) and grouped into batches of at
+Batches never mix shapes: image tasks are keyed by (height, width, steps, guidance, and for image-conditioned
+requests each reference's processed size: one batch shares its reference token counts) and grouped into batches of at
 most `--batch_size` per key (GroupIntoBatches), then spread over workers. The handler is used `with_no_batching()`:
 each element it receives is one such pre-built batch, and it makes one `generate` call for it. A short batch is
 padded to the compiled batch size inside `generate`, so it is not recompiled.
@@ -26,6 +27,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
+from . import references
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .requests import ImageTask
 
@@ -152,10 +154,14 @@ class LoadedGenerator:
         self.loader_pid = os.getpid()
 
     def generate_batch(self, prompts: list[str], seeds: list[int], height: int, width: int,
-                       num_inference_steps: int | None, guidance_scale: float | None) -> dict:
-        """One image per prompt; None steps/guidance take the checkpoint's defaults (generate resolves them)."""
+                       num_inference_steps: int | None, guidance_scale: float | None,
+                       reference_images: list[list] | None = None) -> dict:
+        """One image per prompt; None steps/guidance take the checkpoint's defaults (generate resolves them).
+        `reference_images`: one list of references (PIL images) per prompt, or None for text-to-image."""
+        extra = {} if reference_images is None else {"reference_images": reference_images}
         out = self._gen.generate_result(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
-                                        num_inference_steps=num_inference_steps, guidance_scale=guidance_scale)
+                                        num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                                        **extra)
         return {"images": np.asarray(out.images), "truncated": list(out.prompt_truncated),
                 "num_inference_steps": out.num_inference_steps, "guidance_scale": out.guidance_scale,
                 "model": str(out.model), "seconds": out.seconds, "loader_pid": self.loader_pid}
@@ -168,18 +174,21 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
     def __init__(self, settings, *, large_model: bool = False, model_copies: int | None = None,
                  env_vars: dict | None = None, inference_retries: int = DEFAULT_INFERENCE_RETRIES,
                  retry_backoff_s: float = 1.0, load_kwargs: dict | None = None,
-                 require_accelerator: str | None = None, **load_args):
+                 require_accelerator: str | None = None,
+                 reference_limits: references.ReferenceLimits | None = None, **load_args):
         """`settings` is the `model.options.LoadSettings` that `model.load` receives unchanged, or a checkpoint path
         with `model.load`'s keyword arguments (`dtype=`, `batch_size=`, ...; `load_kwargs` adds more of them). A
         failed batch is run again up to `inference_retries` times (backoff `retry_backoff_s`, doubling) unless the
         failure is deterministic (see `is_retriable`). `env_vars` are set before the model loads (Beam's
         RunInference does it in setup); `require_accelerator` ('tpu' or 'gpu') makes the load fail on another
-        platform (see `check_accelerator`)."""
+        platform (see `check_accelerator`). `reference_limits` bound the reference images read for a batch (read
+        through the process's cache: usually already there from ResolveReferences)."""
         super().__init__(large_model=large_model, model_copies=model_copies, env_vars=env_vars or {})
         if require_accelerator not in (None, *_LIKELY_CAUSES):
             raise ValueError(f"require_accelerator must be one of {sorted(_LIKELY_CAUSES)} or None, got "
                              f"{require_accelerator!r}")
         self._require_accelerator = require_accelerator
+        self._reference_limits = reference_limits or references.ReferenceLimits()
         from model.options import LoadSettings  # JAX-free
 
         if not isinstance(settings, LoadSettings):
@@ -234,8 +243,12 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
     def generate_once(self, tasks: list[ImageTask], model: LoadedGenerator) -> list[PredictionResult]:
         """One attempt: generate the batch and wrap each image in a PredictionResult."""
         first = tasks[0].request
+        refs = None
+        if first.reference_images:  # the same files the request was resolved with (checked by sha256)
+            refs = [[r.image for r in references.read_all(t.request.reference_images, self._reference_limits,
+                                                          t.request.reference_sha256)] for t in tasks]
         out = model.generate_batch([t.request.prompt for t in tasks], [t.seed for t in tasks], first.height,
-                                   first.width, first.num_inference_steps, first.guidance_scale)
+                                   first.width, first.num_inference_steps, first.guidance_scale, refs)
         images = out["images"]
         if images.shape[0] != len(tasks):
             raise RuntimeError(f"generate returned {images.shape[0]} images for {len(tasks)} prompts")
@@ -263,8 +276,8 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
 
 class BatchByShape(beam.PTransform):
-    """ImageTasks -> lists of at most `batch_size` tasks sharing (height, width, steps, guidance), spread over
-    workers."""
+    """ImageTasks -> lists of at most `batch_size` tasks sharing (height, width, steps, guidance and the processed
+    size of each reference image), spread over workers."""
 
     def __init__(self, batch_size: int):
         super().__init__()

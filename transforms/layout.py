@@ -35,6 +35,7 @@ DUPLICATE_ID = "duplicate_id"
 FILE_NAME_COLLISION = "file_name_collision"  # two requests would write the same image file
 UNREADABLE_INPUT = "unreadable_input"  # an input file that cannot be read (to its end)
 INFERENCE_FAILED = "inference_failed"
+INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
 
 MANIFEST_FIELDS = (
     "id",
@@ -204,11 +205,13 @@ def manifest_row(
     source: str | None = None,
     line: int | None = None,
     metadata: dict | None = None,
+    reference_images: list[dict] | None = None,
 ) -> dict:
     """One manifest-*.jsonl row (the fixed fields, then `source`/`line` of the record it came from).
     `generation_ms` is None for an image found already written (existing-*.jsonl): its time was not measured.
     `metadata`: the record's extra columns (the columns of its table that are not generation fields), typed as
-    read; {} when it had none."""
+    read; {} when it had none. `reference_images`: an image-conditioned request's references, [{uri, sha256}]
+    in the record's order; the row has the key only when there are any."""
     row = {
         "id": request_id,
         "file_name": file_name,
@@ -226,6 +229,8 @@ def manifest_row(
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
         "metadata": dict(metadata or {}),
     }
+    if reference_images:
+        row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in reference_images]
     if source is not None:
         row["source"] = source
         row["line"] = line

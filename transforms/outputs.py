@@ -91,7 +91,14 @@ def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float
     }
     if prompt_truncated is not None:
         text["prompt_truncated"] = "true" if prompt_truncated else "false"
+    if r.reference_images:
+        text["reference_images"] = reference_text(r)
     return text
+
+
+def reference_text(request) -> str:
+    """An image-conditioned request's references as its image text carries them: JSON [{uri, sha256}, ...]."""
+    return json.dumps(request.reference_entries(), ensure_ascii=False, separators=(",", ":"))
 
 
 def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,
@@ -305,7 +312,8 @@ class WriteImagesFn(beam.DoFn):
             prompt_truncated=generated.prompt_truncated, seed=task.seed, height=r.height, width=r.width,
             num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
             model=generated.model, sha256=stored.sha256, num_bytes=stored.num_bytes,
-            generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values())
+            generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values(),
+            reference_images=r.reference_entries())
         return WindowedValue(row, timestamp, [window])
 
 
@@ -361,6 +369,8 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
         expected["num_inference_steps"] = str(int(r.num_inference_steps))
     if r.guidance_scale is not None:
         expected["guidance_scale"] = repr(float(r.guidance_scale))
+    # References: the same files (URIs and sha256); an image without references is not one made with them.
+    expected["reference_images"] = reference_text(r) if r.reference_images else None
     for key, value in expected.items():
         if text.get(key) != value:
             raise ExistingImageMismatch(file_name, f"was made for another request (its {key!r} differs)")
@@ -373,7 +383,8 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
         request_id=r.id, file_name=file_name, uri=uri, prompt=r.prompt, prompt_truncated=truncated,
         seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
         model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
-        generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values())
+        generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values(),
+        reference_images=r.reference_entries())
 
 
 class _SkipExistingFn(beam.DoFn):
@@ -475,7 +486,8 @@ def failed_batch_rows(failed) -> Iterable[dict]:
             source=r.source, line=r.line, id=r.id, kind=layout.INFERENCE_FAILED, file_name=task.file_name,
             reason=reason,
             record={"prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width,
-                    "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale})
+                    "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale,
+                    **({"reference_images": list(r.reference_images)} if r.reference_images else {})})
 
 
 # --------------------------------------------------------------------------------------------- summary

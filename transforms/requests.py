@@ -27,12 +27,12 @@ from apache_beam.metrics import Metrics
 
 from model import contract
 from model.contract import (  # noqa: F401  (the limits, re-exported for the job's callers)
-    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST,
-    MAX_SEED, MAX_STEPS, show,
+    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
+    DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST, MAX_SEED, MAX_STEPS, show,
 )
 from model.errors import RequestError
 
-from . import input_files, layout, retries
+from . import input_files, layout, references, retries
 from .columns import FIELDS, ColumnError, ColumnMap, ColumnResolver, Resolved  # noqa: F401  (FIELDS re-exported)
 from .delimited import DEFAULT_FIELD_LIMIT as _CSV_DEFAULT_FIELD_LIMIT
 from .delimited import field_limit_for as csv_field_limit_for
@@ -76,6 +76,13 @@ class RequestDefaults:
     # reads from its configs, so that the job accepts exactly the sizes generate() accepts.
     size_multiple: int = DEFAULT_SIZE_MULTIPLE
     max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES  # a record's extra columns, as compact JSON
+    max_reference_images: int = DEFAULT_MAX_REFERENCE_IMAGES  # references one record may list
+    max_reference_pixels: int = DEFAULT_MAX_REFERENCE_PIXELS  # largest reference (width x height as stored)
+
+    @property
+    def reference_limits(self) -> references.ReferenceLimits:
+        return references.ReferenceLimits(max_images=self.max_reference_images,
+                                          max_pixels=self.max_reference_pixels)
 
     @property
     def limits(self) -> contract.Limits:
@@ -90,6 +97,13 @@ class RequestDefaults:
         contract.count("--max_prompt_bytes", self.max_prompt_bytes)
         if not contract.is_integer(self.max_metadata_bytes) or self.max_metadata_bytes < 0:
             raise ValueError(f"--max_metadata_bytes must be an integer >= 0, got {self.max_metadata_bytes!r}")
+        contract.count("--max_reference_images", self.max_reference_images)
+        from model.references import MIN_SIDE  # JAX-free
+
+        smallest_reference = MIN_SIDE * MIN_SIDE
+        if not contract.is_integer(self.max_reference_pixels) or self.max_reference_pixels < smallest_reference:
+            raise ValueError(f"--max_reference_pixels must be an integer >= {smallest_reference} (64 x 64), got "
+                             f"{self.max_reference_pixels!r}")
         probe = {"prompt": "x"}
         try:
             validate_record(probe, self, source="<options>", line=0)
@@ -117,11 +131,28 @@ class GenerationRequest:
     source: str = ""
     line: int | None = 0  # None where the source has no order (a BigQuery row)
     metadata: str = ""  # the record's extra columns as compact JSON ("" for none), for its manifest rows
+    # Image-conditioned generation: the references' URIs (resolved, as read), and once the job has read them
+    # (ResolveReferences) the sha256 of each file and each one's processed size (height, width), which batches share.
+    reference_images: tuple[str, ...] = ()
+    reference_sha256: tuple[str, ...] = ()
+    reference_signature: tuple[tuple[int, int], ...] = ()
 
     def params(self) -> tuple:
         """What makes two records with the same id the same request (where they came from does not)."""
         return (self.prompt, self.seed, self.height, self.width, self.num_inference_steps, self.guidance_scale,
-                self.num_images)
+                self.num_images, self.reference_images)
+
+    def with_references_read(self, sha256: tuple[str, ...], signature: tuple[tuple[int, int], ...]
+                             ) -> "GenerationRequest":
+        """This request once its references are read: each file's sha256 and processed size (id unchanged)."""
+        if len(sha256) != len(self.reference_images) or len(signature) != len(self.reference_images):
+            raise ValueError(f"request {self.id!r} has {len(self.reference_images)} references, got "
+                             f"{len(sha256)} digests and {len(signature)} sizes")
+        return dataclasses.replace(self, reference_sha256=tuple(sha256), reference_signature=tuple(signature))
+
+    def reference_entries(self) -> list[dict]:
+        """The references as the manifest and the image text carry them: [{uri, sha256}] ([] for none)."""
+        return [{"uri": uri, "sha256": sha} for uri, sha in zip(self.reference_images, self.reference_sha256)]
 
     def tasks(self) -> list["ImageTask"]:
         return [ImageTask(self, j) for j in range(self.num_images)]
@@ -153,9 +184,13 @@ class ImageTask:
 
     @property
     def shape_key(self) -> str:
-        """Batches never mix these: (height, width, steps, guidance), as a deterministic string key."""
+        """Batches never mix these: (height, width, steps, guidance, and the processed size of each reference, so
+        that a batch's rows have the same reference token counts), as a deterministic string key."""
         r = self.request
-        return f"{r.height}x{r.width}/steps={r.num_inference_steps}/guidance={r.guidance_scale}"
+        key = f"{r.height}x{r.width}/steps={r.num_inference_steps}/guidance={r.guidance_scale}"
+        if r.reference_images:
+            key += "/refs=" + ",".join(f"{h}x{w}" for h, w in r.reference_signature)
+        return key
 
 
 class InvalidRecord(ValueError):
@@ -244,12 +279,15 @@ def _canonical(params: Mapping[str, Any]) -> bytes:
 
 
 def derive_id(prompt: str, height: int, width: int, num_inference_steps, guidance_scale, num_images: int,
-              seed: int | None) -> str:
-    """A stable id from the prompt and the (defaults-applied) parameters: same content -> same id, every run."""
+              seed: int | None, reference_images: tuple[str, ...] = ()) -> str:
+    """A stable id from the prompt and the (defaults-applied) parameters: same content -> same id, every run.
+    The references' URIs (as resolved) count when there are any: other references, another request."""
     params = {"prompt": prompt, "height": height, "width": width, "num_inference_steps": num_inference_steps,
               "guidance_scale": guidance_scale, "num_images": num_images}
     if seed is not None:
         params["seed"] = seed
+    if reference_images:
+        params["reference_images"] = list(reference_images)
     return hashlib.sha256(_canonical(params)).hexdigest()[:20]
 
 
@@ -324,14 +362,46 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     prompt, height, width = valid.prompt, valid.height, valid.width
     steps, guidance, num_images, seed = valid.num_inference_steps, valid.guidance_scale, valid.num_images, valid.seed
 
+    refs = _as_references(fields, source, defaults.max_reference_images, text_values)
+
     if request_id is None:
-        request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed)
+        request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed, refs)
     if seed is None:
         seed = derive_seed(defaults.seed, request_id)
     metadata = metadata_json(extra, defaults.max_metadata_bytes) if extra else ""
     return GenerationRequest(id=request_id, prompt=prompt, seed=seed, height=height, width=width,
                              num_inference_steps=steps, guidance_scale=guidance, num_images=num_images,
-                             source=source, line=line, metadata=metadata)
+                             source=source, line=line, metadata=metadata, reference_images=refs)
+
+
+def _as_references(fields: Mapping, source: str, limit: int, text_values: bool) -> tuple[str, ...]:
+    """`reference_images` as resolved URIs: a list of paths (JSON array, Parquet list, BigQuery REPEATED STRING) or
+    one path; in a CSV/TSV cell a JSON array (`["a.png", "gs://b/c.png"]`) or one path. Absent, null, empty: none."""
+    name = references.FIELD
+    value = fields.get(name)
+    if _absent(value, text_values):
+        return ()
+    if isinstance(value, str) and text_values and value.strip().startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidRecord(f"{name} must be a JSON array of paths or one path, got {show(value)} ({e})",
+                                field=name, value=value) from None
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRecord(f"{name} must be a list of paths (strings), got {_type_name(value)} {show(value)}",
+                            field=name, value=value)
+    contract_or_invalid(contract.validate_reference_count, len(value), limit)
+    resolved = []
+    for path in value:
+        try:
+            resolved.append(references.resolve_path(path, source))
+        except ValueError as e:
+            raise InvalidRecord(f"{name}: {e}", field=name, value=path) from None
+    return tuple(resolved)
 
 
 # --------------------------------------------------------------------------------------------- reading files
@@ -669,7 +739,8 @@ class _DeduplicateFn(beam.DoFn):
             self._conflicts.inc()
             self._invalid.inc()
             differing = [name for name, a, b in zip(
-                ("prompt", "seed", "height", "width", "num_inference_steps", "guidance_scale", "num_images"),
+                ("prompt", "seed", "height", "width", "num_inference_steps", "guidance_scale", "num_images",
+                 "reference_images"),
                 first.params(), other.params()) if a != b]
             yield beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
                 source=other.source, line=other.line, id=request_id, kind=layout.DUPLICATE_ID,

@@ -683,6 +683,8 @@ BAD_VALUES = {
     "max_pixels": INT_BAD,
     "max_prompt_bytes": INT_BAD,
     "max_images": INT_BAD,
+    "max_reference_images": INT_BAD + ["1000"],
+    "max_reference_pixels": INT_BAD + ["100"],
     "skip_existing": ["yes", "1", "TRUE", "on"],
     "skip_preflight": ["yes", "1", "TRUE", "on"],
     "large_model": ["yes", "1", "TRUE", "on"],

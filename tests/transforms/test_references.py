@@ -1,0 +1,206 @@
+"""Reference images of image-conditioned requests: the record field, paths, bounded reading, the cache, batching
+keys, and what the manifest and the image text say about them."""
+
+import hashlib
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from reference_files import png, png_declaring
+from transforms import layout, references
+from transforms.outputs import ExistingImageMismatch, encode_png, existing_manifest_row, png_text
+from transforms.references import ReferenceCache, ReferenceError, ReferenceLimits, read_reference, resolve_path
+from transforms.requests import GenerationRequest, ImageTask, RequestDefaults, derive_id, parse_lines
+
+D = RequestDefaults(height=32, width=32, seed=7, max_reference_images=2)
+LIMITS = ReferenceLimits(max_images=2, max_pixels=256 * 256)
+
+
+def parse(data: bytes, source="/data/in/p.jsonl", fmt="jsonl", defaults=D):
+    return parse_lines(data, source, fmt, defaults)
+
+
+# --------------------------------------------------------------------------------------------- the record field
+def test_reference_paths_resolve_against_the_input_files_folder():
+    assert resolve_path("refs/a.png", "/data/in/p.jsonl") == "/data/in/refs/a.png"
+    assert resolve_path("../r/a.png", "/data/in/p.jsonl") == "/data/r/a.png"
+    assert resolve_path("refs/a.png", "gs://b/in/p.jsonl") == "gs://b/in/refs/a.png"
+    assert resolve_path("../a.png", "gs://b/in/p.jsonl") == "gs://b/a.png"
+    assert resolve_path("gs://c/x/./y.png", "/data/p.jsonl") == "gs://c/x/y.png"
+    assert resolve_path("/abs/a.png", "gs://b/p.jsonl") == "/abs/a.png"
+    for bad, source in (("s3://b/a.png", "/p.jsonl"), ("gs://bucket", "/p.jsonl"), ("", "/p.jsonl"),
+                        ("a.png", "bq://proj.ds.t"), ("a.png", "query")):
+        with pytest.raises(ValueError):
+            resolve_path(bad, source)
+
+
+def test_reference_field_in_jsonl_and_csv():
+    jsonl = parse(b'{"prompt": "p", "reference_images": ["a.png", "gs://b/c.png"]}\n'
+                  b'{"prompt": "p", "reference_images": "a.png"}\n'
+                  b'{"prompt": "p", "reference_images": []}\n'
+                  b'{"prompt": "p", "reference_images": null}\n')
+    assert [r.reference_images for r in jsonl] == [("/data/in/a.png", "gs://b/c.png"), ("/data/in/a.png",), (), ()]
+    csv = parse(b'prompt,reference_images\np,"[""a.png"", ""b.png""]"\np,a.png\np,\n', "gs://k/in/t.csv", "csv")
+    assert [r.reference_images for r in csv] == [("gs://k/in/a.png", "gs://k/in/b.png"), ("gs://k/in/a.png",), ()]
+
+
+@pytest.mark.parametrize("line, words", [
+    (b'{"prompt": "p", "reference_images": ["a", "b", "c"]}', "above --max_reference_images=2"),
+    (b'{"prompt": "p", "reference_images": [1]}', "list of paths"),
+    (b'{"prompt": "p", "reference_images": {"a": 1}}', "list of paths"),
+    (b'{"prompt": "p", "reference_images": ["s3://b/a.png"]}', "only gs:// and local"),
+    (b'{"prompt": "p", "reference_images": [""]}', "empty path"),
+])
+def test_bad_reference_fields_are_error_rows(line, words):
+    [row] = parse(line + b"\n")
+    assert isinstance(row, dict) and row["field"] == "reference_images" and words in row["reason"], row
+
+
+def test_references_make_another_request():
+    a, b, none = parse(b'{"prompt": "p", "reference_images": ["a.png"]}\n'
+                       b'{"prompt": "p", "reference_images": ["b.png"]}\n'
+                       b'{"prompt": "p"}\n')
+    assert len({a.id, b.id, none.id}) == 3
+    assert none.id == derive_id("p", 32, 32, None, None, 1, None)  # text-to-image ids are unchanged
+    assert a.id == derive_id("p", 32, 32, None, None, 1, None, ("/data/in/a.png",))
+    assert a.params() != b.params()
+
+
+def test_batches_key_on_the_references_processed_sizes():
+    base = dict(prompt="p", seed=1, height=32, width=32, num_inference_steps=None, guidance_scale=None,
+                num_images=1)
+    plain = GenerationRequest(id="a", **base)
+    ref = GenerationRequest(id="b", **base, reference_images=("x",), reference_signature=((64, 80),))
+    other = GenerationRequest(id="c", **base, reference_images=("y",), reference_signature=((64, 64),))
+    same = GenerationRequest(id="d", **base, reference_images=("z",), reference_signature=((64, 80),))
+    keys = [ImageTask(r, 0).shape_key for r in (plain, ref, other, same)]
+    assert keys[0] == "32x32/steps=None/guidance=None"  # text-to-image keys are unchanged
+    assert len(set(keys[:3])) == 3 and keys[1] == keys[3]
+
+
+def test_signature_is_the_processed_size_for_the_checkpoints_multiple():
+    images = [Image.new("RGB", (80, 64)), Image.new("RGB", (2000, 1000))]
+    assert references.reference_signature(images) == ((64, 80), (720, 1440))  # 1448x724 at 1 MP -> 16s
+    assert references.reference_signature(images, 32) == ((64, 64), (704, 1440))
+
+
+def test_defaults_check_the_reference_limits():
+    with pytest.raises(ValueError, match="--max_reference_images"):
+        RequestDefaults(max_reference_images=0).validate()
+    with pytest.raises(ValueError, match="--max_reference_pixels"):
+        RequestDefaults(max_reference_pixels=4000).validate()
+
+
+# --------------------------------------------------------------------------------------------- reading
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_read_reference_decodes_as_rgb_with_its_sha256(tmp_path):
+    data = png(80, 64, mode="RGBA")
+    ref = read_reference(write(tmp_path, "a.png", data), LIMITS)
+    assert ref.sha256 == hashlib.sha256(data).hexdigest() and ref.size == (80, 64) and ref.image.mode == "RGB"
+    np.testing.assert_array_equal(np.asarray(ref.image),
+                                  np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+@pytest.mark.parametrize("name, data, words", [
+    ("text.png", b"not an image at all", "is not an image"),
+    ("small.png", png(64, 63), "must be at least 64 px on each side, got 64x63"),
+    ("long.png", png(64, 520), "aspect ratio must be at most 8:1, got 64x520 (8.12:1)"),
+    ("bomb.png", png_declaring(5000, 5000), "above --max_reference_pixels=65536 (refused before decoding)"),
+    ("huge.png", png_declaring(100000, 100000), "declares too many pixels"),  # PIL's own limit, caught
+    ("big.png", b"\x89PNG" + os.urandom(4 * 65536 + 2**20), "is larger than 1310720 bytes"),
+    ("cut.png", png(64, 64)[:200], "cannot be decoded"),
+])
+def test_unusable_references_say_why(tmp_path, name, data, words):
+    path = write(tmp_path, name, data)
+    with pytest.raises(ReferenceError) as e:
+        read_reference(path, LIMITS)
+    assert words in str(e.value) and path in str(e.value) and e.value.uri == path
+
+
+def test_missing_reference(tmp_path):
+    with pytest.raises(ReferenceError, match="does not exist"):
+        read_reference(str(tmp_path / "nope.png"), LIMITS)
+
+
+def test_cache_reads_each_reference_once_and_notices_a_replaced_file(tmp_path):
+    cache = ReferenceCache(max_bytes=2 * 64 * 64 * 3)
+    a = write(tmp_path, "a.png", png(64, 64, seed=1))
+    b = write(tmp_path, "b.png", png(64, 64, seed=2))
+    first = cache.get(a, LIMITS)
+    for _ in range(3):
+        assert cache.get(a, LIMITS) is first
+        cache.get(b, LIMITS)
+    assert cache.reads == 2
+    missing = str(tmp_path / "missing.png")
+    for _ in range(2):
+        with pytest.raises(ReferenceError):
+            cache.get(missing, LIMITS)
+    assert cache.reads == 3  # a missing reference is remembered too
+    c = write(tmp_path, "c.png", png(64, 64, seed=3))
+    cache.get(c, LIMITS)  # over the byte bound: the least recently used (a) is dropped
+    cache.get(a, LIMITS)
+    assert cache.reads == 5
+    write(tmp_path, "a.png", png(64, 64, seed=9))  # replaced during the job
+    assert cache.get(a, LIMITS, expected_sha256=first.sha256) is not None  # the cached copy is the version asked
+    cache.forget(a, LIMITS)  # another process (or a dropped entry) reads the file again: not the version the request has
+    with pytest.raises(ReferenceError, match="changed during the job"):
+        cache.get(a, LIMITS, expected_sha256=first.sha256)
+    reads = cache.reads
+    cache.get(b, ReferenceLimits(max_pixels=LIMITS.max_pixels, cache_scope="next job"))  # another job: read again
+    assert cache.reads == reads + 1
+
+
+# --------------------------------------------------------------------------------------------- outputs
+def test_manifest_and_image_text_carry_the_references():
+    refs = ("gs://b/refs/a.png", "/data/in/b.png")
+    sha = ("1" * 64, "2" * 64)
+    r = GenerationRequest(id="e", prompt="p", seed=3, height=32, width=32, num_inference_steps=None,
+                          guidance_scale=None, num_images=1, reference_images=refs, reference_sha256=sha,
+                          reference_signature=((64, 64), (64, 64)))
+    task = ImageTask(r, 0)
+    entries = [{"uri": u, "sha256": s} for u, s in zip(refs, sha)]
+    text = png_text(task, num_inference_steps=4, guidance_scale=1.0, model="m")
+    assert json.loads(text["reference_images"]) == entries
+    data = encode_png(np.zeros((32, 32, 3), np.uint8), text)
+    row = existing_manifest_row(task, data, "gs://o/images/e.png")
+    assert row["reference_images"] == entries
+    # Another reference file under the same URI, or none: not this request's image.
+    changed = GenerationRequest(**{**r.__dict__, "reference_sha256": ("3" * 64, "2" * 64)})
+    with pytest.raises(ExistingImageMismatch, match="reference_images"):
+        existing_manifest_row(ImageTask(changed, 0), data, "gs://o/images/e.png")
+    plain = GenerationRequest(**{**r.__dict__, "reference_images": (), "reference_sha256": ()})
+    with pytest.raises(ExistingImageMismatch, match="reference_images"):
+        existing_manifest_row(ImageTask(plain, 0), data, "gs://o/images/e.png")
+    no_refs = layout.manifest_row(request_id="x", file_name="images/x.png", uri="u", prompt="p",
+                                  prompt_truncated=False, seed=1, height=32, width=32, num_inference_steps=4,
+                                  guidance_scale=1.0, model="m", sha256="s", num_bytes=1, generation_ms=1.0)
+    assert "reference_images" not in no_refs  # text-to-image rows are unchanged
+
+
+def test_reference_field_in_parquet_is_a_list_of_strings(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"prompt": ["p", "q"], "reference_images": [["a.png", "gs://b/c.png"], None]}), path)
+    a, b = parse_lines(path.read_bytes(), str(path), "parquet", D)
+    assert a.reference_images == (str(tmp_path / "a.png"), "gs://b/c.png") and b.reference_images == ()
+
+
+def test_reference_field_in_bigquery_rows_needs_full_paths():
+    from transforms.bigquery_input import row_record
+    from transforms.requests import parse_raw
+
+    ok = parse_raw(row_record({"prompt": "p", "reference_images": ["gs://b/a.png"]}, "bq://p.d.t"), D)
+    assert ok.reference_images == ("gs://b/a.png",)
+    bad = parse_raw(row_record({"prompt": "p", "reference_images": ["a.png"]}, "bq-query"), D)
+    assert bad["field"] == "reference_images" and "relative" in bad["reason"]

@@ -1,0 +1,328 @@
+"""Reference images of image-conditioned requests: where they are, reading them with bounds, a per-process cache.
+
+A record's `reference_images` lists paths: `gs://` URIs or local paths, relative ones resolved against the folder of
+the input file that holds the record (`resolve_path`). Each reference is read with bounded size before decoding
+(`read_reference`): at most `ReferenceLimits.max_bytes` bytes are read, and the width x height its header declares
+is checked against `--max_reference_pixels` before any pixel is decoded, so a decompression bomb (a small file
+declaring huge dimensions) is a `ReferenceError`, never an out-of-memory. A side under 64 px or an aspect above 8
+(diffusers' own checks, `model.references.check_size`) is one too. Decoded as `diffusers.utils.load_image`
+does: EXIF orientation applied, then RGB.
+
+`ReferenceCache` holds decoded references per worker process, bounded by their pixel bytes and least recently used
+first out, keyed by URI: many requests sharing a reference read it once. The request remembers each reference's
+sha256 when the job first reads it; a later read whose bytes differ (the file was replaced during the job) is an
+error, not a silent mix of two versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import posixpath
+import threading
+from typing import Any, Callable, Sequence
+
+import apache_beam as beam
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
+
+from model import references as model_references  # JAX-free: the model's checks and processed sizes
+from model.contract import DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_SIZE_MULTIPLE
+from model.errors import ReferenceImageError
+
+from . import layout, retries
+from .metrics import NAMESPACE as METRICS_NAMESPACE
+
+LOGGER = logging.getLogger(__name__)
+
+FIELD = "reference_images"
+# Bytes a reference file may take beyond 4 bytes per pixel (RGBA, uncompressed: no image format is larger than
+# that by more than its headers and metadata: 1 MiB leaves room for EXIF, XMP and an ICC profile).
+_BYTES_SLACK = 2**20
+# Decoded references one worker process keeps (RGB bytes): a few dozen 1-4 MP photos.
+DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+class ReferenceError(ValueError):
+    """A reference that cannot be used: missing, unreadable, not an image, too large, too small, too elongated, or
+    replaced during the job. `uri` is the reference, `reason` why (the message names both)."""
+
+    def __init__(self, uri: str, reason: str):
+        super().__init__(f"reference image {uri!r} {reason}")
+        self.uri = uri
+        self.reason = reason
+        self.field = FIELD
+        self.value = uri
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceLimits:
+    """--max_reference_images and --max_reference_pixels; the byte limit of a file follows from the pixels.
+    `cache_scope` names one job run: the process cache reuses a reference only within its scope, so a second job
+    in the same process (a local runner, a test) reads files again rather than trusting an older copy."""
+
+    max_images: int = DEFAULT_MAX_REFERENCE_IMAGES
+    max_pixels: int = DEFAULT_MAX_REFERENCE_PIXELS
+    cache_scope: str = ""
+
+    @property
+    def max_bytes(self) -> int:
+        return 4 * self.max_pixels + _BYTES_SLACK
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reference:
+    """One decoded reference: its URI, the sha256 of its file, and the image (PIL, RGB, loaded)."""
+
+    uri: str
+    sha256: str
+    image: Any  # PIL.Image.Image, mode RGB
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) as decoded (EXIF orientation applied)."""
+        return self.image.size
+
+
+# --------------------------------------------------------------------------------------------- paths
+def resolve_path(path: str, source: str) -> str:
+    """A record's reference path as the URI the job reads: gs:// and absolute local paths as given (normalised);
+    a relative path against the folder of `source`, the input file holding the record. ValueError for another
+    scheme, or a relative path in a record that comes from no file (a BigQuery row)."""
+    path = path.strip()
+    if not path:
+        raise ValueError("an empty path")
+    if "://" in path:
+        scheme, rest = path.split("://", 1)
+        if scheme != "gs":
+            raise ValueError(f"{path!r}: only gs:// and local paths are read")
+        bucket, _, name = rest.partition("/")
+        if not bucket or not name:
+            raise ValueError(f"{path!r} names no object")
+        return f"gs://{bucket}/{posixpath.normpath(name)}"
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    if source.startswith("gs://"):
+        return resolve_path(posixpath.join(source.rsplit("/", 1)[0], path), "")
+    if not os.path.isabs(source):  # a BigQuery table (bq://...) or query (bq-query): no folder to resolve in
+        raise ValueError(f"{path!r} is relative, but the record comes from no input file ({source or 'no source'}); "
+                         f"give a gs:// URI or an absolute path")
+    return os.path.normpath(os.path.join(os.path.dirname(source), path))
+
+
+# --------------------------------------------------------------------------------------------- reading
+def _read_bounded(uri: str, max_bytes: int) -> bytes:
+    try:
+        with FileSystems.open(uri, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            data = f.read(max_bytes + 1)
+    except Exception as e:  # noqa: BLE001 - Beam wraps the store's errors; the cause is what the row shows
+        cause = e
+        while getattr(cause, "__cause__", None) is not None:
+            cause = cause.__cause__
+        text = f"{type(e).__name__}: {e}"
+        missing = isinstance(e, FileNotFoundError) or isinstance(cause, FileNotFoundError) or "Not found" in text \
+            or "No such file" in text or "404" in text
+        if missing:
+            raise ReferenceError(uri, "does not exist") from None
+        if isinstance(e, IsADirectoryError):
+            raise ReferenceError(uri, "is a folder, not a file") from None
+        raise ReferenceError(uri, f"cannot be read: {text[:300]}") from None
+    if len(data) > max_bytes:
+        raise ReferenceError(uri, f"is larger than {max_bytes} bytes, the most a reference of "
+                                  f"--max_reference_pixels may take (refused before decoding)")
+    return data
+
+
+def decode_reference(uri: str, data: bytes, limits: ReferenceLimits) -> Reference:
+    """A reference file's bytes -> Reference; the declared size is checked before any pixel is decoded."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        im = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:  # PIL's own limit, above ours unless ours is raised past 89 MP
+        raise ReferenceError(uri, f"declares too many pixels ({e})") from None
+    except UnidentifiedImageError:
+        raise ReferenceError(uri, "is not an image PIL can read") from None
+    except Exception as e:  # noqa: BLE001 - a damaged header raises many types
+        raise ReferenceError(uri, f"is not a readable image ({type(e).__name__}: {e})") from None
+    with im:
+        width, height = im.size
+        if width * height > limits.max_pixels:
+            raise ReferenceError(uri, f"is {width}x{height} = {width * height} pixels, above --max_reference_pixels="
+                                      f"{limits.max_pixels} (refused before decoding)")
+        try:
+            model_references.check_size(width, height)
+        except ReferenceImageError as e:
+            raise ReferenceError(uri, f"cannot be used: {e}") from None
+        try:
+            im.load()
+            image = ImageOps.exif_transpose(im).convert("RGB")  # as diffusers.utils.load_image
+        except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
+            raise ReferenceError(uri, f"cannot be decoded ({type(e).__name__}: {e})") from None
+    return Reference(uri=uri, sha256=digest, image=image)
+
+
+def read_reference(uri: str, limits: ReferenceLimits = ReferenceLimits()) -> Reference:
+    """Read and decode one reference (local or gs://) within `limits`; ReferenceError saying why not."""
+    return decode_reference(uri, _read_bounded(uri, limits.max_bytes), limits)
+
+
+# --------------------------------------------------------------------------------------------- signature
+def reference_signature(images: Sequence[Any], size_multiple: int = DEFAULT_SIZE_MULTIPLE
+                        ) -> tuple[tuple[int, int], ...]:
+    """Each reference's processed (height, width) for a checkpoint of `size_multiple`: the part of a batch's shape
+    the references set (the model's own `model.references.reference_signature`)."""
+    return tuple((int(h), int(w)) for h, w in model_references.reference_signature(list(images), size_multiple))
+
+
+# --------------------------------------------------------------------------------------------- cache
+class ReferenceCache:
+    """Decoded references of one process by (job scope, URI), at most `max_bytes` of RGB pixels (least recently used out);
+    references that cannot be used are remembered too (one read answers every request that shares them).
+    Thread-safe: two threads asking for one URI read it once."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self._items: collections.OrderedDict = collections.OrderedDict()  # uri -> (Reference | ReferenceError, cost)
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._reading: dict[str, threading.Lock] = {}
+        self.reads = 0  # files actually read by this cache (for tests and logs)
+
+    def get(self, uri: str, limits: ReferenceLimits, expected_sha256: str | None = None) -> Reference:
+        """The reference at `uri`, read at most once while cached; ReferenceError when it cannot be used, or when
+        its bytes are no longer `expected_sha256` (read again once first: the cached copy may be the stale one)."""
+        found = self._lookup(uri, limits)
+        if expected_sha256 is not None and found.sha256 != expected_sha256:
+            self.forget(uri, limits)
+            found = self._lookup(uri, limits)
+            if found.sha256 != expected_sha256:
+                raise ReferenceError(uri, f"changed during the job (sha256 {found.sha256[:12]}..., first read as "
+                                          f"{expected_sha256[:12]}...)")
+        return found
+
+    def forget(self, uri: str, limits: ReferenceLimits = ReferenceLimits()) -> None:
+        with self._lock:
+            entry = self._items.pop((limits.cache_scope, uri), None)
+            if entry is not None:
+                self._bytes -= entry[1]
+
+    def _lookup(self, uri: str, limits: ReferenceLimits) -> Reference:
+        key = (limits.cache_scope, uri)
+        with self._lock:
+            lock = self._reading.setdefault(key, threading.Lock())
+        with lock:
+            with self._lock:
+                entry = self._items.get(key)
+                if entry is not None:
+                    self._items.move_to_end(key)
+            if entry is None:
+                entry = self._read(key, limits)
+            value = entry[0]
+        with self._lock:
+            self._reading.pop(key, None)
+        if isinstance(value, ReferenceError):
+            raise value
+        return value
+
+    def _read(self, key: tuple[str, str], limits: ReferenceLimits):
+        uri = key[1]
+        Metrics.counter(METRICS_NAMESPACE, "reference_reads").inc()
+        self.reads += 1
+        try:
+            value = read_reference(uri, limits)
+            cost = value.size[0] * value.size[1] * 3
+        except ReferenceError as e:
+            value, cost = e, 1024
+        with self._lock:
+            self._items[key] = (value, cost)
+            self._bytes += cost
+            while self._bytes > self.max_bytes and len(self._items) > 1:
+                _old, (_v, old_cost) = self._items.popitem(last=False)
+                self._bytes -= old_cost
+        return value, cost
+
+
+_process_cache: ReferenceCache | None = None
+_process_lock = threading.Lock()
+
+
+def process_cache() -> ReferenceCache:
+    """The one ReferenceCache of this worker process."""
+    global _process_cache
+    with _process_lock:
+        if _process_cache is None:
+            _process_cache = ReferenceCache()
+        return _process_cache
+
+
+def read_all(uris: Sequence[str], limits: ReferenceLimits, sha256: Sequence[str] | None = None,
+             cache: Callable[[], ReferenceCache] = process_cache) -> list[Reference]:
+    """The references of one request, through the process cache; the first that cannot be used raises."""
+    c = cache()
+    return [c.get(uri, limits, None if sha256 is None else sha256[i]) for i, uri in enumerate(uris)]
+
+
+# --------------------------------------------------------------------------------------------- Beam
+INVALID_TAG = "invalid"
+
+
+def _request_record(request) -> dict:
+    return {"prompt": request.prompt, "seed": request.seed, "height": request.height, "width": request.width,
+            "reference_images": list(request.reference_images)}
+
+
+class _ResolveReferencesFn(beam.DoFn):
+    """A request with references -> the same request with each reference's sha256 and processed size (read through
+    the process cache), or one error row naming the first reference that cannot be used and why. Requests without
+    references pass unchanged."""
+
+    def __init__(self, limits: ReferenceLimits, size_multiple: int):
+        self._limits = limits
+        self._size_multiple = size_multiple
+        self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
+        self._bad = Metrics.counter(METRICS_NAMESPACE, "references_invalid")
+
+    def setup(self):
+        retries.install()
+
+    def finish_bundle(self):
+        retries.flush_to_metrics()
+
+    def process(self, request):
+        if not request.reference_images:
+            yield request
+            return
+        try:
+            refs = read_all(request.reference_images, self._limits)
+        except ReferenceError as e:
+            self._invalid.inc()
+            self._bad.inc()
+            yield beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
+                source=request.source, line=request.line, id=request.id, kind=layout.INVALID_REFERENCE,
+                reason=str(e), record=_request_record(request), field=FIELD, value=e.uri))
+            return
+        yield request.with_references_read(tuple(r.sha256 for r in refs),
+                                           reference_signature([r.image for r in refs], self._size_multiple))
+
+
+class ResolveReferences(beam.PTransform):
+    """Requests -> {'requests': with their references' sha256 and signature, 'invalid': one error row per request
+    with a reference that cannot be used (missing, unreadable, not an image, too large, too small, too elongated)}.
+    Runs before the images are planned, so a bad reference costs one row, not one per image."""
+
+    def __init__(self, limits: ReferenceLimits, size_multiple: int = DEFAULT_SIZE_MULTIPLE):
+        super().__init__()
+        self._limits = limits
+        self._size_multiple = size_multiple  # the checkpoint's, as the model processes references
+
+    def expand(self, requests):
+        fn = _ResolveReferencesFn(self._limits, self._size_multiple)
+        out = requests | "ReadReferences" >> beam.ParDo(fn).with_outputs(INVALID_TAG, main="requests")
+        return {"requests": out.requests, "invalid": out[INVALID_TAG]}
