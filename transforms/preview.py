@@ -105,7 +105,7 @@ main {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1f
 figure {{ margin: 0; background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 8px; }}
 figure img {{ display: block; margin: 0 auto; max-width: 100%; image-rendering: pixelated; min-width: 96px; }}
 figcaption {{ font-size: 12px; overflow-wrap: anywhere; }}
-.p {{ color: #444; }}
+.p {{ color: #444; display: block; max-height: 8.5em; overflow-y: auto; }}
 </style></head>
 <body><h1>{e(title)}</h1>
 <p>The first {shown} images by id. <a href="{CONTACT_SHEET}">Contact sheet</a> &middot;
