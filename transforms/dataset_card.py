@@ -44,9 +44,9 @@ def card(output: str, infos: list[dict], samples_per_shard: int, image_extension
     pattern = brace_range(infos)
     base = output.rstrip("/")
     if base.startswith("gs://"):
-        url = f"pipe:gcloud storage cat {base}/{pattern}"
+        url, local = f"pipe:gcloud storage cat {base}/{pattern}", base.rsplit("/", 1)[-1]
     else:
-        url = f"{base}/{pattern}"
+        url, local = f"{base}/{pattern}", base
     return f"""---
 configs:
 - config_name: default
@@ -69,11 +69,13 @@ import webdataset as wds
 ds = wds.WebDataset("{url}", shardshuffle=False).decode("pil").to_tuple("{image_extension}", "json")
 ```
 
-Hugging Face datasets (this card's `configs:` block selects the tars):
+Hugging Face datasets (this card's `configs:` block selects the tars; from gs://, a local copy first:
+`gcloud storage cp -r {base} .`):
 
 ```python
 import datasets
-ds = datasets.load_dataset("{base}", split="train")  # columns {image_extension}, json, txt, __key__, __url__
+ds = datasets.load_dataset("{local}", split="train")
+# columns {image_extension}, json, txt, __key__, __url__
 ```
 
 wids (random access): `wids.ShardListDataset("{base}/{WIDS_INDEX}")`. open_clip:
