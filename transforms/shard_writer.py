@@ -15,7 +15,9 @@ block. Invalid records take no position, so two runs over the same input place e
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +29,6 @@ import uuid
 from typing import Any, Iterable
 
 import apache_beam as beam
-from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from . import layout, retries, shards
@@ -102,6 +103,18 @@ def shape_batches(entries: list, batch_size: int) -> list[list]:
     return batches
 
 
+@dataclasses.dataclass(frozen=True)
+class _Made:
+    """What a packed image's manifest row needs of its GeneratedImage, without the pixels."""
+
+    task: Any
+    num_inference_steps: int
+    guidance_scale: float
+    prompt_truncated: bool
+    model: str
+    generation_ms: float
+
+
 def _encode_to(path: str, generated, encoding: ImageEncoding) -> tuple[int, str]:
     import hashlib
 
@@ -142,8 +155,9 @@ class PackShardFn(beam.DoFn):
     def setup(self):
         retries.install()
         self._model = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads or default_encode_threads(),
-                                                           thread_name_prefix="flux2-pack")
+        threads = self._threads or default_encode_threads()
+        self._limit = 2 * threads  # images of a shard waiting for an encoder at most
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="flux2-pack")
         self._progress = None
         if self._progress_dir:
             from .progress import ProgressWriter
@@ -214,7 +228,10 @@ class PackShardFn(beam.DoFn):
         key_of = {id(task): shards.sample_key(shard, index, self._per_shard) for index, task in entries}
         spool = tempfile.mkdtemp(prefix=f"flux2-shard-{shard:05d}-")
         try:
-            stored: dict[str, tuple] = {}  # key -> (generated, spool file, future of (bytes, sha256))
+            # key -> (what the manifest row needs, future of (bytes, sha256)). The pixels are dropped once
+            # encoded to the spool; at most `limit` images wait for an encoder, bounding memory per shard.
+            stored: dict[str, tuple] = {}
+            waiting: collections.deque = collections.deque()
             errors: list[tuple[str, Any, dict]] = []
             for batch in shape_batches(entries, self._batch_size):
                 tasks = [task for _, task in batch]
@@ -227,14 +244,19 @@ class PackShardFn(beam.DoFn):
                     continue
                 for task, result in zip(tasks, results):
                     key = key_of[id(task)]
-                    path = os.path.join(spool, key)
-                    stored[key] = (result.inference, path,
-                                   self._pool.submit(_encode_to, path, result.inference, self._encoding))
+                    g = result.inference
+                    future = self._pool.submit(_encode_to, os.path.join(spool, key), g, self._encoding)
+                    stored[key] = (_Made(g.task, g.num_inference_steps, g.guidance_scale, g.prompt_truncated,
+                                         g.model, g.generation_ms), future)
+                    waiting.append(future)
+                    del g, result
+                    while len(waiting) > self._limit:
+                        waiting.popleft().result()
             rows, sidecar = [], []
             extension = layout.IMAGE_EXTENSIONS[self._encoding.format]
             uri = shards.shard_path(self._output, shard)
             for key in sorted(stored):
-                generated, _, future = stored[key]
+                generated, future = stored[key]
                 num_bytes, sha256 = future.result()
                 task, r = generated.task, generated.task.request
                 row = layout.manifest_row(

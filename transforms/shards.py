@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 import os
 import tarfile
 import tempfile
