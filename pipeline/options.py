@@ -28,7 +28,9 @@ from model.contract import (
 from model.options import DTYPE_NAMES as DTYPES
 from transforms.inference import DEFAULT_INFERENCE_RETRIES
 from transforms.outputs import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
+from transforms.preview import DEFAULT_PREVIEW
 from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
+from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
 
 from .demo import DEMO_DTYPE, DEMO_SIZE
 
@@ -135,6 +137,13 @@ OPTIONS = (
     Option("image_format", "output", "Format of the stored images (.png, .webp or .jpg); prompt and parameters go "
                                      "in PNG text or WebP/JPEG EXIF.", default="png",
            choices=IMAGE_FORMATS),
+    Option("output_format", "output", "Layout of the outputs: files (one object per image, metadata.jsonl for "
+                                      "datasets) or webdataset (tar shards).", default="files",
+           choices=OUTPUT_FORMATS),
+    Option("samples_per_shard", "output", "Images per WebDataset shard (--output_format webdataset).", type=int,
+           default=DEFAULT_SAMPLES_PER_SHARD, metavar="N"),
+    Option("preview", "output", "Images in the preview gallery (preview/index.html and a contact sheet), the first "
+                                "by id; 0: none.", type=int, default=DEFAULT_PREVIEW, metavar="N"),
     Option("png_compress_level", "output", "zlib level of PNG images, 0 (fastest, largest) to 9; 1 encodes faster "
                                            "than 6 for files about 9% larger.", type=int,
            default=DEFAULT_PNG_COMPRESS_LEVEL, metavar="0-9"),

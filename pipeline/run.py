@@ -47,8 +47,11 @@ from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
     ImageEncoding, SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
 )
+from transforms.preview import DEFAULT_PREVIEW, WritePreview, check_preview
 from transforms.progress import ProgressReporter, ReportTotal
 from transforms.references import ResolveReferences
+from transforms.shard_writer import WriteShardIndexes, WriteShards
+from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS, check_samples_per_shard
 from transforms.requests import (
     DUPLICATE_TAG, WARNING_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests,
     RequestDefaults, csv_field_limit_for,
@@ -98,11 +101,18 @@ class JobConfig:
     encoding: ImageEncoding = ImageEncoding()  # --image_format, --png_compress_level, --quality
     encode_threads: int | None = None  # encoder threads per worker process (--encode_threads); None: its cores
     run_token: str = ""  # this launch, so a worker process's reference cache never serves an earlier job's copy
+    output_format: str = "files"  # --output_format: files (one object per image) or webdataset (tar shards)
+    samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD  # --samples_per_shard (webdataset)
+    preview: int = DEFAULT_PREVIEW  # --preview: images in preview/index.html; 0: no preview
 
     @property
     def reference_limits(self):
         """--max_reference_images/--max_reference_pixels, with this run's scope for the reference cache."""
         return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token)
+
+    @property
+    def webdataset(self) -> bool:
+        return self.output_format == "webdataset"
 
     @property
     def model(self) -> str:
@@ -190,6 +200,10 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         worker_env = tuple(o.worker_env_vars().items())
         encoding = ImageEncoding(o.image_format, o.png_compress_level, o.quality)
         optional_count("--encode_threads", o.encode_threads)
+        if o.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"--output_format={o.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+        check_samples_per_shard(o.samples_per_shard)
+        check_preview(o.preview)
         load = LoadSettings(
             model=model_uri, dtype=o.dtype or (DEMO_DTYPE if demo else "bfloat16"), variant=o.model_variant,
             max_sequence_length=count("--max_sequence_length", o.max_sequence_length
@@ -258,8 +272,10 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      model_copies=o.model_copies, demo=demo, max_images=o.max_images,
                      inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
                      require_accelerator=o.require_accelerator, worker_env=worker_env, encoding=encoding,
-                     encode_threads=o.encode_threads, columns=columns, bigquery=bigquery, bigquery_temp_dataset=o.bigquery_temp_dataset,
-                     input_warnings=tuple(input_warnings), run_token=uuid.uuid4().hex)
+                     encode_threads=o.encode_threads, output_format=o.output_format,
+                     samples_per_shard=o.samples_per_shard, preview=o.preview, columns=columns, bigquery=bigquery,
+                     bigquery_temp_dataset=o.bigquery_temp_dataset, input_warnings=tuple(input_warnings),
+                     run_token=uuid.uuid4().hex)
 
 
 def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
@@ -304,11 +320,12 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
                                                                             job.defaults.size_multiple)
     planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
     tasks, skipped = planned, None
-    if job.skip_existing:
+    if job.skip_existing and not job.webdataset:  # webdataset: whole shards are kept or made (WriteShards)
         split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding)
         tasks, skipped = split["tasks"], split["skipped"]
     if job.max_images is not None:
-        # Counts what this run would generate (skipped images excluded) and fails before inference when over.
+        # Counts what this run would generate (skipped images excluded; webdataset: every image of the input, as
+        # complete shards are only known once grouped) and fails before inference when over.
         tasks = tasks | "MaxImages" >> EnforceMaxImages(job.max_images)
     if progress_dir:
         total = tasks | "ProgressTotal" >> ReportTotal(progress_dir)
@@ -316,12 +333,20 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         # progress line knows the total from the first image on.
         tasks = tasks | "AfterTotal" >> beam.Map(lambda t, _n: t, beam.pvalue.AsSingleton(total))
 
-    batches = tasks | "BatchByShape" >> BatchByShape(job.batch_size)
-    results, dlq = batches | "RunInference" >> RunInference(make_handler(job).with_no_batching()) \
-        .with_exception_handling()
-    manifest = results | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir, job.encoding,
-                                                                       job.encode_threads))
-    failed = dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)
+    if job.webdataset:
+        packed = tasks | "WriteShards" >> WriteShards(
+            job.output, make_handler(job), job.encoding, job.samples_per_shard, job.batch_size,
+            skip_existing=job.skip_existing, progress_dir=progress_dir, threads=job.encode_threads)
+        manifest, failed, skipped = packed["manifest"], packed["errors"], packed["existing"]
+        index_files = packed["shards"] | "ShardIndexes" >> WriteShardIndexes(
+            job.output, job.samples_per_shard, layout.IMAGE_EXTENSIONS[job.encoding.format])
+    else:
+        batches = tasks | "BatchByShape" >> BatchByShape(job.batch_size)
+        results, dlq = batches | "RunInference" >> RunInference(make_handler(job).with_no_batching()) \
+            .with_exception_handling()
+        manifest = results | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir, job.encoding,
+                                                                           job.encode_threads))
+        failed = dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)
 
     invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
@@ -346,6 +371,19 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
                    | "ErrorsJson" >> beam.Map(layout.to_json_line)
                    | "WriteErrors" >> beam.io.WriteToText(layout.errors_prefix(job.output),
                                                           file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
+    every_image = (manifest, existing_rows) | "EveryImage" >> beam.Flatten()
+    after = [manifest_files, existing_files, error_files]
+    if job.webdataset:
+        after.append(index_files)
+    else:
+        # datasets' imagefolder: metadata.jsonl at the output's root, `file_name` relative to it, one row per image
+        # of the output (this run's and those a --skip_existing run kept), written once every image is.
+        after.append(every_image
+                     | "MetadataJson" >> beam.Map(layout.to_json_line)
+                     | "WriteMetadata" >> beam.io.WriteToText(layout.metadata_path(job.output),
+                                                              shard_name_template="", num_shards=1))
+    if job.preview:
+        after.append(every_image | "Preview" >> WritePreview(job.output, job.preview, job.webdataset))
 
     records = (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten()
     truncated = (manifest
@@ -366,8 +404,9 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         counted["skipped"] = skipped
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns) + [b.source for b in job.bigquery],
-        "demo": job.demo, "batch_size": job.batch_size, "dtype": job.dtype},
-        after=[manifest_files, existing_files, error_files], rows={"warnings": read[WARNING_TAG]})
+        "demo": job.demo, "batch_size": job.batch_size, "dtype": job.dtype, "output_format": job.output_format},
+        after=after, rows={"warnings": read[WARNING_TAG]},
+        tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
 
 
@@ -487,7 +526,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     print(f"summary: {format_summary(summary)}")
     for row in summary.get("warnings", []):
         print(f"warning: {row['warning']}", file=sys.stderr)
-    print(f"outputs: {layout.join(job.output, layout.IMAGES_DIR)}/, {layout.manifest_prefix(job.output)}-*.jsonl, "
+    images = layout.join(job.output, "shards/*.tar" if job.webdataset else layout.IMAGES_DIR + "/")
+    print(f"outputs: {images}, {layout.manifest_prefix(job.output)}-*.jsonl, "
           f"{layout.errors_prefix(job.output)}-*.jsonl, {layout.summary_path(job.output)}")
     _print_metrics(metrics)
     if job.demo:

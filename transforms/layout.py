@@ -8,6 +8,10 @@
                                              with manifest-*, every image of the job exactly once
     {output}/errors/errors-*.jsonl           one row per rejected record or failed image
     {output}/summary.json                    the run's figures
+    {output}/metadata.jsonl                  (--output_format files) every image's manifest row, `file_name`
+                                             relative to {output}: what `datasets` imagefolder reads
+    {output}/shards/, dataset.json, sizes.json, README.md   (--output_format webdataset; see transforms/shards.py)
+    {output}/preview/index.html, contact_sheet.jpg           (--preview N) a gallery of the first N images by id
 
 Pure functions only: no Beam, no I/O.
 """
@@ -74,6 +78,18 @@ def stored_image_name(file_name: str, image_format: str = "png") -> str:
         raise ValueError(f"image format {image_format!r} is not one of {sorted(IMAGE_EXTENSIONS)}")
     stem = file_name[:-len(".png")] if file_name.endswith(".png") else file_name
     return f"{stem}.{IMAGE_EXTENSIONS[image_format]}"
+
+
+def is_local_path(path: str) -> bool:
+    """Whether `path` is a local file path rather than a URI of an object store (gs://...)."""
+    return "://" not in path
+
+
+METADATA_FILE = "metadata.jsonl"  # what Hugging Face `imagefolder` looks for, at the root of a files output
+
+
+def metadata_path(output: str) -> str:
+    return join(output, METADATA_FILE)
 
 
 def join(output: str, relpath: str) -> str:

@@ -502,6 +502,7 @@ def build_summary(counts: dict[str, int], *, started_at: float, finished_at: flo
     summary: dict[str, Any] = {name: int(counts.get(name, 0)) for name in SUMMARY_FIGURES}
     summary["wall_time_s"] = round(wall, 3)
     summary["images_per_s"] = round(summary["images_generated"] / wall, 4)
+    summary["images_per_hour"] = round(summary["images_generated"] * 3600.0 / wall, 1)
     summary["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at))
     summary["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(finished_at))
     if extra:
@@ -532,9 +533,12 @@ class _WriteSummaryFn(beam.DoFn):
         retries.flush_to_metrics()
 
     def process(self, _, **side):
-        counts = {k: v for k, v in side.items() if not k.startswith(("_after_", "_rows_"))}
+        counts = {k: v for k, v in side.items() if not k.startswith(("_after_", "_rows_", "_tally_"))}
         rows = {k[len("_rows_"):]: v for k, v in side.items() if k.startswith("_rows_")}
         summary = build_summary(counts, started_at=self._started_at, finished_at=time.time(), extra=self._extra)
+        for name, pairs in side.items():
+            if name.startswith("_tally_"):
+                summary[name[len("_tally_"):]] = dict(sorted((str(k), int(n)) for k, n in pairs))
         for name, found in rows.items():
             if found:
                 summary[name] = sorted(found, key=_row_order)[:MAX_SUMMARY_ROWS]
@@ -555,11 +559,13 @@ class WriteSummary(beam.PTransform):
     WriteToText returns) are waited for, so that summary.json appears only once those outputs are complete.
     `rows`: {name: PCollection of JSON rows} listed in the summary under `name` (the first MAX_SUMMARY_ROWS by
     source and line) with `{name}_count`; absent when there are none.
+    `tallies`: {name: PCollection of values} listed under `name` as {value: how many} (e.g. error rows by kind).
     """
 
     def __init__(self, output: str, started_at: float, extra: dict | None = None, after: Iterable = (),
-                 rows: dict | None = None):
+                 rows: dict | None = None, tallies: dict | None = None):
         super().__init__()
+        self._tallies = dict(tallies or {})
         self._output = output
         self._started_at = started_at
         self._extra = dict(extra or {})
@@ -572,6 +578,8 @@ class WriteSummary(beam.PTransform):
             side[name] = beam.pvalue.AsSingleton(pcoll | f"Count_{name}" >> beam.combiners.Count.Globally())
         for name, pcoll in self._rows.items():  # few rows (one per file at most): listed whole, then cut
             side[f"_rows_{name}"] = beam.pvalue.AsList(pcoll)
+        for name, pcoll in self._tallies.items():
+            side[f"_tally_{name}"] = beam.pvalue.AsList(pcoll | f"Tally_{name}" >> beam.combiners.Count.PerElement())
         for i, pcoll in enumerate(self._after):
             side[f"_after_{i}"] = beam.pvalue.AsList(pcoll)
         return (pcolls[next(iter(pcolls))].pipeline
