@@ -9,8 +9,11 @@ with the stored bytes' sha256), then the rows are written as the manifest file. 
 device side is what RunInference adds on top. `png1`/`png6` are PNG at zlib level 1/6. `--store emulator` writes to
 the local GCS emulator (tests/support/gcs_emulator.py), which runs in this process and shares its cores.
 
-`--device_images_per_s` is the rate the host must sustain (from the TPU preflight's estimates, per chip or per host,
-when that exists); given, each row says whether the host keeps up. Prints a table and, as its last line, JSON.
+The device rates the host must sustain come first: images/s per worker host and per chip from the TPU compiler's
+estimates (`--device_rates`, default the bundled `benchmarks/tpu_estimates_1024.json` that
+`python -m benchmarks.tpu_estimates` produced; estimates, not measurements). `--device_images_per_s R` (default: the
+fastest host there) is the rate each row is judged against: whether the host keeps up. Prints tables and, as its last
+line, JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS_SUPPORT = os.path.join(REPO, "tests", "support")  # gcs_emulator
 LOGGER = logging.getLogger("benchmarks.host_path")
+DEVICE_RATES = os.path.join(REPO, "benchmarks", "tpu_estimates_1024.json")
 DISTINCT_IMAGES = 8  # pixel arrays cycled through, so memory stays small at any --images
 
 
@@ -98,6 +102,20 @@ def run_host_path(results: list, output: str, encoding, threads: int) -> dict:
             "mean_bytes": sum(r["bytes"] for r in rows) / len(rows)}
 
 
+def device_rates(path: str) -> list[dict]:
+    """Images/s per worker host and per chip for each fitting row of a tpu_estimates JSON (the compiler's estimate)."""
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)["rows"]
+    out = []
+    for r in rows:
+        if r.get("fits") and r.get("est_seconds_per_image"):
+            host = 1.0 / r["est_seconds_per_image"]
+            out.append({"model": r["model"], "topology": r["topology"], "batch": r["batch"],
+                        "model_shards": r["model_shards"], "host_images_per_s": round(host, 2),
+                        "chip_images_per_s": round(host / r["chips"], 2)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--height", type=int, default=1024)
@@ -108,8 +126,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: png<level> (png1, png6), png (the job's default level), webp, jpeg")
     ap.add_argument("--store", default="local,emulator", help="comma-separated: local, emulator")
     ap.add_argument("--device_images_per_s", type=float, default=None,
-                    help="the device's images/s that the host must sustain (e.g. from the TPU preflight)")
+                    help="the device's images/s that the host must sustain (default: the fastest host in --device_rates)")
+    ap.add_argument("--device_rates", default=DEVICE_RATES,
+                    help="tpu_estimates JSON giving the device rates to sustain ('' for none)")
     args = ap.parse_args(argv)
+    rates = device_rates(args.device_rates) if args.device_rates else []
+    if rates:
+        print("device rates the host must sustain (TPU compiler's estimate, 1024x1024, 4 steps; not measured):")
+        print(f"{'model':9} {'topology':10} {'batch':>5} {'shards':>6} {'host img/s':>10} {'chip img/s':>10}")
+        for r in rates:
+            print(f"{r['model']:9} {r['topology']:10} {r['batch']:>5} {r['model_shards']:>6} "
+                  f"{r['host_images_per_s']:>10.2f} {r['chip_images_per_s']:>10.2f}")
+        if args.device_images_per_s is None:
+            args.device_images_per_s = max(r["host_images_per_s"] for r in rates)
     logging.basicConfig(level=logging.WARNING)
     sys.path.insert(0, REPO)
     encodings = {name: parse_format(name) for name in args.image_format.split(",")}
@@ -142,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{store:9} {name:7} {threads:>7} {row['images_per_s']:>9.2f} {row['kib_per_image']:>10.1f}"
                       + (f"  {'yes' if row['keeps_up'] else 'NO'}" if args.device_images_per_s else ""), flush=True)
     print(json.dumps({"benchmark": "host_path", "height": args.height, "width": args.width, "images": args.images,
-                      "cores": os.cpu_count(), "device_images_per_s": args.device_images_per_s, "rows": rows}))
+                      "cores": os.cpu_count(), "device_images_per_s": args.device_images_per_s,
+                      "device_rates": rates, "rows": rows}))
     return 0
 
 
