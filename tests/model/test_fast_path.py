@@ -190,7 +190,8 @@ def test_buckets_beyond_max_buckets_are_dropped_least_recently_used_first(tiny_c
     assert len(programs) == len(ropes) == len(schedules) == 2
     grids = [gen.latent_grid(hw["height"], hw["width"]) for hw in sizes]
     assert [(b.grid_h, b.grid_w) for b in programs.keys()] == grids[1:]  # 32x48 was the least recently used
-    assert ropes.keys() == grids[1:] and programs.evictions == ropes.evictions == 1
+    # RoPE tables are keyed by the target grid and the reference grids (none for text-to-image)
+    assert ropes.keys() == [(*g, ()) for g in grids[1:]] and programs.evictions == ropes.evictions == 1
     assert schedules.evictions == 0  # schedules depend on the token count only: 32x48 and 48x32 share one
     with CompileEvents() as events:
         again = gen.generate(PROMPTS[:1], SEEDS[:1], num_inference_steps=2, **sizes[2])  # kept: no compilation
