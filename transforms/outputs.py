@@ -17,7 +17,6 @@ import io
 import json
 import logging
 import os
-import tempfile
 import time
 from typing import Any, Iterable
 
@@ -29,6 +28,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.utils.windowed_value import WindowedValue
 
 from . import layout, retries
+from .atomic_files import write_local_atomic
 from .inference import is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .requests import ImageTask
@@ -45,21 +45,7 @@ def is_local(path: str) -> bool:
 def write_bytes_atomic(path: str, data: bytes, mime_type: str = "application/octet-stream") -> None:
     """Write `data` to `path` so that readers see either nothing (or the old bytes) or all of the new bytes."""
     if is_local(path):
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_local_atomic(path, lambda f: f.write(data))
         return
     with FileSystems.create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED) as f:
         f.write(data)

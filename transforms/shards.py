@@ -19,11 +19,12 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import tarfile
-import tempfile
 from typing import Iterable
 
 from . import layout
+from .atomic_files import write_local_atomic
 
 SHARDS_DIR = "shards"
 DEFAULT_SAMPLES_PER_SHARD = 1000
@@ -257,25 +258,8 @@ def write_file_atomic(path: str, source_path: str, mime_type: str, chunk: int = 
     temporary name in its folder then an atomic rename; an object store one upload, which becomes visible only
     when complete (on failure the upload is abandoned, never finalised with part of the bytes)."""
     if layout.is_local_path(path):
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as out, open(source_path, "rb") as src:
-                while True:
-                    block = src.read(chunk)
-                    if not block:
-                        break
-                    out.write(block)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with open(source_path, "rb") as src:
+            write_local_atomic(path, lambda out: shutil.copyfileobj(src, out, chunk))
         return
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
