@@ -34,6 +34,7 @@ PREFLIGHT_REQUIREMENTS = [
 
 TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + [
     "pytest==9.2.0",
+    "pytest-xdist==3.8.0",  # the README's test command runs the suite on 2 processes (CI under 20 minutes on 2 cores)
     "hypothesis==6.170.17",
     "psutil==7.2.2",
     "gcp-storage-emulator==2026.7.19",
