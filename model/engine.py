@@ -26,7 +26,7 @@ from .cpu_images import ImageThreads, compiler_options_for, concurrent_images_fo
 from .lab import LabSwitches
 from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
-from . import attention as attention_lib, sharding
+from . import attention as attention_lib, shard_layout, sharding
 from .scheduler import euler_step, guidance_mix, model_timestep
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class CompiledPrograms:
         # image-token axis of the latents is split instead; XLA gathers K/V for attention.
         self.context_parallel = options.context_parallel
         self.batched = NamedSharding(mesh, P() if options.context_parallel else P("data"))
+        # Fused projections laid out per shard (model.shard_layout); a no-op when the loader did it already.
+        shard_layout.lay_out(transformer, sharding.model_shards(mesh))
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import contract
+from . import contract, shard_layout
 from . import scheduler as sched
 from .config import PipelineConfig
 from .engine import Bucket, CompiledPrograms, enable_compilation_cache, make_mesh
@@ -33,7 +33,7 @@ from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSetting
 from .qwen3 import Qwen3TextEncoder
 from .reference_encoder import ReferenceEncoder
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
-from .sharding import data_replicas
+from .sharding import data_replicas, model_shards, placement
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, reference_ids, rope_tables, text_ids
 from .vae import Flux2VAEDecoder, Flux2VAEEncoder
@@ -115,8 +115,14 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     # broken shard anywhere fails in seconds, not after minutes of loading the components before it.
     files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
              for name, _, exp, opt in components]
+    # Each weight goes straight to its place on the mesh as it is read (split over the model axis, fused projections
+    # laid out per shard), so a model larger than one chip is never whole on the first one.
+    mesh = make_mesh(options)
+    shard_layout.lay_out(transformer_abs, model_shards(mesh))
     text_encoder, transformer, vae = (
-        load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f)
+        load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
+                       placement=placement(mesh, split=name != "vae"),
+                       permutations=shard_layout.stored_to_layout(module))
         for (name, module, exp, opt), f in zip(components, files))
     vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
 

@@ -5,6 +5,9 @@ out (attention q/k/v, the MLP's input, the single blocks' fused qkv+MLP input) i
 (column-parallel, P(None, "model")), every projection that fans back in (attention output, the MLP's output) by input
 features (row-parallel, P("model", None)); the text encoder's embedding table is split by vocabulary rows. Attention
 heads therefore live on the chip that computed them, and each block costs one all-reduce of its output per stream.
+Fused projections (the single blocks' [q | k | v | mlp] and the SwiGLU [a | b]) are stored shard-major
+(model.shard_layout), so that each chip's even slice holds matching parts and taking them apart moves no data.
+Weights are placed split as they are read (`placement`), so a model larger than one chip never sits whole on one.
 Norms, modulation, embedders and the VAE are small and stay replicated, as does any dimension the shard count does
 not divide (correct, only less memory saved). The batch is split over the data axis.
 """
@@ -77,6 +80,13 @@ def state_shardings(state, mesh: Mesh, split: bool = True):
         return NamedSharding(mesh, partition_spec(keys, getattr(leaf, "shape", ()), shards))
 
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def placement(mesh: Mesh, split: bool = True):
+    """`place(path, shape) -> NamedSharding` for weights as they are read (model.weights.load_component): the same
+    shardings `state_shardings` gives, so a model split over several chips is never whole on one of them."""
+    shards = model_shards(mesh) if split else 1
+    return lambda path, shape: NamedSharding(mesh, partition_spec(tuple(path), shape, shards))
 
 
 def bytes_per_device(state, shardings) -> int:

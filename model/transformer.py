@@ -18,6 +18,7 @@ from flax import nnx
 from .attention import attention
 from .config import TransformerConfig
 from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype
+from .shard_layout import join_parts, split_parts
 
 # ----------------------------------------------------------------------------------------------- positions / RoPE
 
@@ -130,14 +131,23 @@ class Modulation(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """SwiGLU MLP: linear_in (D -> 2M), SiLU(first half) * second half, linear_out (M -> D)."""
+    """SwiGLU MLP: linear_in (D -> 2M), SiLU(first half) * second half, linear_out (M -> D).
+
+    `layout_shards` > 1: linear_in's columns are laid out shard-major (model.shard_layout), so each of that many
+    chips holds matching slices of both halves."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+        self.hidden = hidden
+        self.layout_shards = 1
         self.linear_in = Linear(dim, 2 * hidden, bias=False, dtype=dtype, rngs=rngs)
         self.linear_out = Linear(hidden, dim, bias=False, dtype=dtype, rngs=rngs)
 
+    def fused_layout(self):
+        """The fused projection whose output parts model.shard_layout lays out per shard."""
+        return [("linear_in", 1, (self.hidden, self.hidden))]
+
     def __call__(self, x):
-        a, b = jnp.split(self.linear_in(x), 2, axis=-1)
+        a, b = split_parts(self.linear_in(x), (self.hidden, self.hidden), self.layout_shards)
         return self.linear_out(jax.nn.silu(a) * b)
 
 
@@ -197,34 +207,42 @@ class DoubleStreamBlock(nnx.Module):
 
 
 class ParallelSelfAttention(nnx.Module):
-    """Single-stream block core: one fused projection to [q | k | v | mlp_a | mlp_b], one output projection."""
+    """Single-stream block core: one fused projection to [q | k | v | mlp_a | mlp_b], one output projection of
+    [attention | mlp]. `layout_shards` > 1: both are laid out shard-major (model.shard_layout), so each of that many
+    chips holds its heads' q, k, v, its MLP columns and the matching rows of the output projection."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
         d, m, hd = cfg.inner_dim, cfg.mlp_hidden_dim, cfg.attention_head_dim
-        self.heads, self.head_dim, self.inner_dim = cfg.num_attention_heads, hd, d
+        self.heads, self.head_dim, self.inner_dim, self.mlp_dim = cfg.num_attention_heads, hd, d, m
+        self.layout_shards = 1
         self.to_qkv_mlp_proj = Linear(d, 3 * d + 2 * m, bias=False, dtype=dtype, rngs=rngs)
         self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.to_out = Linear(d + m, d, bias=False, dtype=dtype, rngs=rngs)
 
+    def fused_layout(self):
+        """The projections whose parts model.shard_layout lays out per shard: columns in, rows out."""
+        d, m = self.inner_dim, self.mlp_dim
+        return [("to_qkv_mlp_proj", 1, (d, d, d, m, m)), ("to_out", 0, (d, m))]
+
     def __call__(self, x, cos, sin, implementation, queries_from: int = 0):
         """Outputs for the tokens x[:, queries_from:]; keys and values still come from every token. The last block
         passes the text length, since only the image tokens' outputs are used after it."""
-        d = self.inner_dim
-        p = self.to_qkv_mlp_proj(x[:, queries_from:])
-        q, k, v, mlp = p[..., :d], p[..., d:2 * d], p[..., 2 * d:3 * d], p[..., 3 * d:]
+        d, m, shards = self.inner_dim, self.mlp_dim, self.layout_shards
+        q, k, v, a, b = split_parts(self.to_qkv_mlp_proj(x[:, queries_from:]), (d, d, d, m, m), shards)
         if queries_from:  # keys and values of the tokens without outputs: only those columns of the projection
             w = self.to_qkv_mlp_proj.weight[...]
-            kv = jnp.dot(x[:, :queries_from].astype(w.dtype), w[:, d:3 * d], precision=precision_for(w.dtype))
-            k = jnp.concatenate([kv[..., :d], k], axis=1)
-            v = jnp.concatenate([kv[..., d:], v], axis=1)
+            w_kv = w.reshape(w.shape[0], shards, -1)[:, :, d // shards:3 * d // shards].reshape(w.shape[0], 2 * d)
+            kv = jnp.dot(x[:, :queries_from].astype(w.dtype), w_kv, precision=precision_for(w.dtype))
+            k_text, v_text = split_parts(kv, (d, d), shards)
+            k = jnp.concatenate([k_text, k], axis=1)
+            v = jnp.concatenate([v_text, v], axis=1)
         heads = (self.heads, self.head_dim)
         q = apply_interleaved_rope(self.norm_q(q.reshape(*q.shape[:2], *heads)), cos[queries_from:],
                                    sin[queries_from:])
         k = apply_interleaved_rope(self.norm_k(k.reshape(*x.shape[:2], *heads)), cos, sin)
         out = attention(q, k, v.reshape(*x.shape[:2], *heads), implementation=implementation)
-        a, b = jnp.split(mlp, 2, axis=-1)
-        return self.to_out(jnp.concatenate([out.reshape(*q.shape[:2], d), jax.nn.silu(a) * b], axis=-1))
+        return self.to_out(join_parts([out.reshape(*q.shape[:2], d), jax.nn.silu(a) * b], shards))
 
 
 class SingleStreamBlock(nnx.Module):

@@ -239,12 +239,16 @@ def validate_component(folder: str, *, expected: dict[str, tuple[int, ...]], opt
 
 
 def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[int, ...]],
-                   optional: Iterable[str] = (), tensor_to_file: dict | None = None):
+                   optional: Iterable[str] = (), tensor_to_file: dict | None = None, placement=None,
+                   permutations: dict | None = None):
     """Fill `abstract_module` (from nnx.eval_shape) with the folder's weights and return the concrete module.
 
     The folder is validated first (see `validate_component`) unless its result is passed in. Only the module's
-    own parameters are read; each is cast to the parameter's dtype.
+    own parameters are read; each is cast to the parameter's dtype. `placement(path, shape)`: the sharding each
+    tensor is put at as soon as it is read (so a model split over several chips never sits whole on one; default:
+    the default device). `permutations`: {path: (order, axis)} applied to a tensor first (model.shard_layout).
     """
+    permutations = permutations or {}
     if tensor_to_file is None:
         tensor_to_file = validate_component(folder, expected=expected, optional=optional)
     graphdef, abstract_state = nnx.split(abstract_module)
@@ -260,8 +264,12 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
         if tuple(array.shape) != tuple(target.shape):
             raise CheckpointError(f"converted shape {list(array.shape)} differs from the model's "
                                   f"{list(target.shape)}", path=sf.path, tensor=name)
+        if tuple(path) in permutations:
+            order, axis = permutations[tuple(path)]
+            array = np.take(array, order, axis=axis)
         array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
-        leaves.append((path, var.replace(jnp.asarray(array))))
+        placed = jnp.asarray(array) if placement is None else jax.device_put(array, placement(path, array.shape))
+        leaves.append((path, var.replace(placed)))
         del array
     state = nnx.from_flat_state(leaves)
     return nnx.merge(graphdef, state)

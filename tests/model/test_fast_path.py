@@ -338,11 +338,20 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
              "1x4": dict(model_shards=4),
              "1x2-splash": dict(data_parallel=False, model_shards=2, attention="splash",
                                 text_encoder_attention="splash")}
+    put, split_at_read = jax.device_put, []
+
+    def spy(x, device=None, *a, **k):  # weights read from the files go straight to their split placement
+        if isinstance(x, np.ndarray) and "model" in str(getattr(device, "spec", "")):
+            split_at_read.append(x.shape)
+        return put(x, device, *a, **k)
+
+    jax.device_put = spy
     for name, options in cases.items():
+        split_at_read.clear()
         gen = model.load(ckpt, **options, **kw)
         out[name] = {"max_diff": int(np.abs(ref.astype(int) - gen.generate(**args)).max()),
                      "mesh": {k: int(v) for k, v in gen.mesh.shape.items()},
-                     "bytes": gen.programs.parameter_bytes_per_device()}
+                     "bytes": gen.programs.parameter_bytes_per_device(), "split_at_read": len(split_at_read)}
     print(json.dumps(out))
 """)
 
@@ -350,7 +359,8 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("base", [False, True], ids=["distilled", "base-cfg"])
 def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, base):
     """Tensor parallel weights (model.sharding) over 2 and 4 devices, and data x model = 2 x 2: the images of one
-    device within 1/255, and each device holds less of the transformer and text encoder as the shards grow."""
+    device within 1/255 (fused projections laid out per shard, model.shard_layout), each weight placed split as it is
+    read, and each device holds less of the transformer and text encoder as the shards grow."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     ckpt, scale = (tiny_base_ckpt, "4.0") if base else (tiny_ckpt, "1.0")
     out = subprocess.run([sys.executable, "-c", MODEL_SHARDS_SCRIPT, ckpt, scale], env=env, capture_output=True,
@@ -361,6 +371,7 @@ def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_
     assert result["1x4"]["mesh"] == {"data": 1, "model": 4}
     for name in ("1x2", "2x2", "1x4", "1x2-splash"):
         assert result[name]["max_diff"] <= 1, (name, result[name])
+        assert result[name]["split_at_read"] > 0, (name, result[name])  # never whole on the first device first
     for module in ("transformer", "text_encoder"):
         one, two, four = result["one"][module], result["1x2"]["bytes"][module], result["1x4"]["bytes"][module]
         assert four < two < one, (module, one, two, four)

@@ -162,6 +162,9 @@ def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_
     # tensor parallel: the row-split projections of every denoising step end in all-reduces over the model axis
     denoise = report.programs["denoise"].collectives
     assert denoise and denoise.get("all-reduce", [0, 0])[0] > 0 and denoise["all-reduce"][1] > 0, denoise
+    # and nothing else: the fused projections are laid out per shard (model.shard_layout), so no data moves between
+    # chips to take their parts apart (the stored layout cost all-to-alls and collective-permutes here)
+    assert set(denoise) == {"all-reduce"}, denoise
     assert report.to_json()["programs"]["denoise"]["collectives_per_device"] == denoise
 
 
