@@ -19,10 +19,10 @@ line, JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -117,6 +117,27 @@ def device_rates(path: str) -> list[dict]:
     return out
 
 
+def measure(outputs: dict, encodings: dict, thread_counts: list[int], results, args) -> list[dict]:
+    """One row per store, format and thread count, printed as it is measured."""
+    rows = []
+    print(f"host path, {args.height}x{args.width}, {args.images} images, {os.cpu_count()} cores")
+    print(f"{'store':9} {'format':7} {'threads':>7} {'images/s':>9} {'KiB/image':>10}"
+          + ("  keeps up with device" if args.device_images_per_s else ""))
+    for store, base in outputs.items():
+        for name, encoding in encodings.items():
+            for threads in thread_counts:
+                figures = run_host_path(results, f"{base.rstrip('/')}/{name}-t{threads}", encoding, threads)
+                row = {"store": store, "format": name, "threads": threads,
+                       "images_per_s": round(figures["images_per_s"], 2),
+                       "kib_per_image": round(figures["mean_bytes"] / 1024, 1)}
+                if args.device_images_per_s:
+                    row["keeps_up"] = figures["images_per_s"] >= args.device_images_per_s
+                rows.append(row)
+                print(f"{store:9} {name:7} {threads:>7} {row['images_per_s']:>9.2f} {row['kib_per_image']:>10.1f}"
+                      + (f"  {'yes' if row['keeps_up'] else 'NO'}" if args.device_images_per_s else ""), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--height", type=int, default=1024)
@@ -146,41 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     thread_counts = [int(t) for t in args.threads.split(",")]
     stores = args.store.split(",")
     results = make_results(args.height, args.width, args.images)
-    outputs = {}
-    emulator = None
-    try:
+    with contextlib.ExitStack() as cleanup:
+        outputs = {}
         if "local" in stores:
-            outputs["local"] = tempfile.mkdtemp(prefix="host-path-")
+            outputs["local"] = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="host-path-"))
         if "emulator" in stores:
             sys.path.insert(0, TESTS_SUPPORT)
             from gcs_emulator import start_emulator
 
-            emulator = start_emulator()
+            emulator = cleanup.enter_context(start_emulator())
             outputs["emulator"] = f"gs://{emulator.new_bucket('bench')}"
-        rows = []
-        print(f"host path, {args.height}x{args.width}, {args.images} images, {os.cpu_count()} cores")
-        print(f"{'store':9} {'format':7} {'threads':>7} {'images/s':>9} {'KiB/image':>10}"
-              + ("  keeps up with device" if args.device_images_per_s else ""))
-        for store, base in outputs.items():
-            for name, encoding in encodings.items():
-                for threads in thread_counts:
-                    figures = run_host_path(results, f"{base.rstrip('/')}/{name}-t{threads}", encoding, threads)
-                    row = {"store": store, "format": name, "threads": threads,
-                           "images_per_s": round(figures["images_per_s"], 2),
-                           "kib_per_image": round(figures["mean_bytes"] / 1024, 1)}
-                    if args.device_images_per_s:
-                        row["keeps_up"] = figures["images_per_s"] >= args.device_images_per_s
-                    rows.append(row)
-                    print(f"{store:9} {name:7} {threads:>7} {row['images_per_s']:>9.2f} {row['kib_per_image']:>10.1f}"
-                          + (f"  {'yes' if row['keeps_up'] else 'NO'}" if args.device_images_per_s else ""), flush=True)
-        print(json.dumps({"benchmark": "host_path", "height": args.height, "width": args.width, "images": args.images,
-                          "cores": os.cpu_count(), "device_images_per_s": args.device_images_per_s,
-                          "device_rates": rates, "rows": rows}))
-    finally:  # the emulator's server thread is not a daemon: without stop() the process never exits
-        if emulator is not None:
-            emulator.stop()
-        if "local" in outputs:
-            shutil.rmtree(outputs["local"], ignore_errors=True)
+        rows = measure(outputs, encodings, thread_counts, results, args)
+    print(json.dumps({"benchmark": "host_path", "height": args.height, "width": args.width, "images": args.images,
+                      "cores": os.cpu_count(), "device_images_per_s": args.device_images_per_s,
+                      "device_rates": rates, "rows": rows}))
     return 0
 
 

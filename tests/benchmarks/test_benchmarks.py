@@ -199,3 +199,34 @@ def test_input_benchmark_reads_every_format(capsys):
     assert set(result["formats"]) == {"jsonl", "tsv", "parquet"}
     for figures in result["formats"].values():
         assert figures["beam_records_per_s"] > 0 and figures["parse_records_per_s"] > 0
+
+
+# ------------------------------------------------------------------------------------------------ host path
+
+
+def test_host_path_benchmark_exits_and_cleans_up_after_the_emulator(tmp_path):
+    """The host-path benchmark prints a row per store and its JSON line, then exits (the emulator stopped) and leaves
+    no local output behind."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_path", "--height", "16", "--width", "16",
+                           "--images", "2", "--threads", "1", "--image_format", "png1", "--store", "local,emulator",
+                           "--device_images_per_s", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["store"], r["format"], r["threads"]) for r in report["rows"]] == [("local", "png1", 1),
+                                                                                 ("emulator", "png1", 1)]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("host-path-")]
+
+
+def test_a_process_that_never_stops_its_emulator_still_exits():
+    """The emulator serves from a daemon thread, so a script or test process that ends without stop() (an exception,
+    a forgotten call) does not wait on it forever."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.join(REPO, "tests", "support")!r})
+        from gcs_emulator import start_emulator
+        print(start_emulator().new_bucket("left-running"))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("left-running-"), proc.stderr[-2000:]

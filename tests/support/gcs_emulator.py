@@ -127,6 +127,12 @@ class GcsEmulator:
         storage._store.write_bytes(storage._object_path(bucket, name), data)
 
     # -- lifecycle
+    def __enter__(self) -> "GcsEmulator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self._server.stop()
         for key, value in self._saved_env.items():
@@ -143,7 +149,8 @@ def split(uri: str) -> tuple[str, str]:
 
 
 def start_emulator() -> GcsEmulator:
-    """Start an in-memory emulator and point this process (and its future subprocesses) at it."""
+    """Start an in-memory emulator and point this process (and its future subprocesses) at it; `stop()` or a
+    `with` block ends it and restores the environment."""
     import logging
 
     from gcp_storage_emulator.server import create_server
@@ -152,6 +159,9 @@ def start_emulator() -> GcsEmulator:
     logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
     port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True)
+    # Its serving thread is not a daemon: a process that ends without stop() (an exception, a script that forgot)
+    # would wait on it forever after its last line.
+    server._api.daemon = True
     server.start()
     host = f"http://127.0.0.1:{port}"
 
