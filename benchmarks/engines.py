@@ -111,7 +111,10 @@ class JaxEngine:
             cost = lowered.cost_analysis()
             if isinstance(cost, (list, tuple)):
                 cost = cost[0]
-            return float(cost.get("flops", float("nan"))) / plan.batch
+            if not cost:  # TPU: the lowered program has no cost analysis before compiling
+                cost = lowered.compile().cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            return float((cost or {}).get("flops", float("nan"))) / plan.batch
 
         encode, step, decode = gen.lower(plan, fused=False)  # one step: a fused loop's body would count once
         out = {"encode": flops(encode), "denoise": flops(step) * steps, "decode": flops(decode)}
@@ -160,7 +163,8 @@ ABLATIONS = {
 # Not rows: reference mode is the last row; the persistent cache's effect is the cold/warm compile columns;
 # batch_size is the workload; max_buckets bounds memory over many sizes (one size here); context parallelism is a
 # layout over several devices, off by default.
-NOT_ABLATED = ("reference", "batch_size", "compilation_cache_dir", "max_buckets", "context_parallel", "model_shards")
+NOT_ABLATED = ("reference", "batch_size", "compilation_cache_dir", "max_buckets", "context_parallel", "model_shards",
+               "platform")
 
 
 def ablation_variants(batch: int, cache_dir: str | None) -> list[Variant]:
