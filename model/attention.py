@@ -31,22 +31,44 @@ KEY_BLOCK = 256  # keys per block of the block-wise attention without masks (a w
 # prompt for the small preset's encoder on 2 CPU cores (128 instead of 256), and a 512-token prompt the same; 64 was
 # slower for long prompts. Masked keys longer than a block are padded up to whole blocks (the padding masked too).
 MASKED_KEY_BLOCK = 128
-SPLASH_BLOCK = 128  # the splash kernel's smallest block; sequences are padded to a multiple of it
-# The largest splash block (queries and keys) by TPU generation (device_kind): a multiple of the MXU's width (128 on
-# v5e/v5p, 256 on v6e and TPU v7) that keeps a block's float32 logits well inside VMEM. Not measured on a TPU here:
-# the preflight compiles them for each generation (Mosaic refuses a block that does not fit). Interpret mode (off
-# TPU, tests) uses the smallest.
-SPLASH_MAX_BLOCK = {"TPU v5 lite": 512, "TPU v5": 512, "TPU v6 lite": 1024, "TPU7x": 1024}
+SPLASH_BLOCK = 128  # the splash kernel's smallest block; sequences are padded to a multiple of the chosen block
+
+# Splash block triples (block_q, block_kv, block_kv_compute) measured on one TPU v5e chip (2026-12-06,
+# `python -m benchmarks.splash_sweep`, klein-4B's attention at 1024x1024: 24 heads x 4608 tokens x 128, bf16), with
+# the rate each reached in TFLOP/s of the unpadded work. Triples past 1536 do not compile on v5e (scoped VMEM).
+# `splash_blocks` picks the triple with the least padded work per unit of rate for a given pair of lengths.
+SPLASH_MEASURED = {
+    "TPU v5 lite": {(1536, 1536, 512): 109.8, (1152, 2304, 384): 109.3, (768, 1536, 768): 106.5,
+                    (1024, 1024, 512): 104.5, (512, 512, 512): 92.0, (1152, 1152, 384): 91.8},
+}
+# Other generations, not measured on a chip: the largest power-of-two block up to this size (a multiple of the
+# MXU's width that keeps a block's float32 logits inside VMEM; the preflight compiles it for each generation).
+SPLASH_MAX_BLOCK = {"TPU v5": 512, "TPU v6 lite": 1024, "TPU7x": 1024}
 
 
-def splash_block(device_kind: str | None, lq: int, lk: int) -> int:
-    """The splash block for padded lengths lq, lk on `device_kind`: the largest power-of-two multiple of SPLASH_BLOCK
-    up to the generation's maximum that divides both (SPLASH_BLOCK off TPU)."""
+def splash_blocks(device_kind: str | None, lq: int, lk: int) -> tuple[int, int, int]:
+    """(block_q, block_kv, block_kv_compute) for queries and keys of lengths lq, lk on `device_kind` (the lengths are
+    padded up to the blocks by the caller). Measured generations: the triple with the least padded work per unit of
+    measured rate (ties: the larger block). Others: the largest power-of-two multiple of SPLASH_BLOCK up to the
+    generation's maximum that divides both lengths after padding them to SPLASH_BLOCK (SPLASH_BLOCK off TPU)."""
+    measured = SPLASH_MEASURED.get(device_kind or "")
+    if measured:
+        def cost(item):
+            (bq, bkv, _), rate = item
+            return (-(-lq // bq) * bq) * (-(-lk // bkv) * bkv) / rate, -bq * bkv
+
+        return min(measured.items(), key=cost)[0]
+    lq, lk = -(-lq // SPLASH_BLOCK) * SPLASH_BLOCK, -(-lk // SPLASH_BLOCK) * SPLASH_BLOCK
     block = SPLASH_BLOCK
     top = SPLASH_MAX_BLOCK.get(device_kind or "", SPLASH_BLOCK if device_kind is None else 512)
     while block * 2 <= top and lq % (block * 2) == 0 and lk % (block * 2) == 0:
         block *= 2
-    return block
+    return block, block, block
+
+
+def splash_block(device_kind: str | None, lq: int, lk: int) -> int:
+    """The query block `splash_blocks` picks (what the preflight pads sequence lengths to)."""
+    return splash_blocks(device_kind, lq, lk)[0]
 
 
 # The mesh the programs being traced run on (set by the engine around each program body): the splash kernel is
@@ -64,20 +86,22 @@ def mesh_context(mesh):
         _MESH.reset(token)
 
 
-def resolve_implementation(name: str, masked: bool = False, devices: int = 1, platform: str | None = None) -> str:
+def resolve_implementation(name: str, masked: bool = False, devices: int = 1, platform: str | None = None,
+                           dtype=None) -> str:
     """Map a requested implementation to one available on the target platform (with a logged fallback).
 
     `masked`: the caller passes a mask (the text encoder); "auto" then never picks cuDNN, whose masked path it avoids.
     `platform`: where the programs run (the mesh's devices; default: JAX's default backend). On TPU "auto" is the
-    splash kernel on any mesh (partitioned over it by `attention`). `devices` is kept for callers that pass it.
+    splash kernel on any mesh (partitioned over it by `attention`), for bf16 models; float32 models get XLA's attention
+    there, whose matmuls run at the precision float32 promises. `devices` is kept for callers that pass it.
     """
     del devices
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {name!r}; choose one of {IMPLEMENTATIONS}")
     backend = platform or jax.default_backend()
     if name == "auto":  # on CPU the block-wise form measured ~1.8x faster than XLA's (768 tokens, 4 heads, D 32)
-        if backend == "tpu":
-            return "splash"
+        if backend == "tpu":  # float32 models: XLA's attention at the highest precision (model.layers.precision_scope)
+            return "xla" if dtype is not None and jnp.dtype(dtype) == jnp.float32 else "splash"
         return {"gpu": "xla" if masked else "cudnn", "cpu": "blocked"}.get(backend, "xla")
     if name == "cudnn" and backend != "gpu":
         logger.warning("attention implementation 'cudnn' needs a GPU; using 'xla' on %s", backend)
@@ -205,17 +229,21 @@ def _pad_keys(k, v, mask, key_mask, pad: int, h: int, lq: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(group: int, lq: int, lk: int, causal: bool, interpret: bool, block: int = SPLASH_BLOCK):
-    """A splash kernel for one key/value head shared by `group` query heads (built once per shape)."""
+def _splash_kernel(heads: int, lq: int, lk: int, causal: bool, interpret: bool, blocks: tuple = (SPLASH_BLOCK,) * 3,
+                   multi_query: bool = False):
+    """A splash kernel built once per shape: multi-head over `heads` query heads with their own keys and values
+    (q, k, v [heads, L, D]), or, `multi_query`, `heads` query heads sharing one key/value head (k, v [L, D])."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     head_mask = splash.CausalMask((lq, lk)) if causal else splash.FullMask((lq, lk))
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
+    bq, bkv, bkv_compute = blocks
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute)
+    make = splash.make_splash_mqa if multi_query else splash.make_splash_mha
     # Built inside a trace, the kernel's mask tables would be that trace's tracers, and the cached kernel would leak
     # them into the next program that uses it (UnexpectedTracerError): they are made as concrete arrays instead.
     with jax.ensure_compile_time_eval():
-        return splash.make_splash_mqa(splash.MultiHeadMask([head_mask] * group), block_sizes=sizes, head_shards=1,
-                                      q_seq_shards=1, interpret=interpret)
+        return make(splash.MultiHeadMask([head_mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                    interpret=interpret)
 
 
 def _splash_attention(q, k, v, scale, causal: bool, key_mask):
@@ -240,30 +268,46 @@ def _splash_attention(q, k, v, scale, causal: bool, key_mask):
 
 
 def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, device_kind: str | None = None):
-    """The Pallas splash (flash) kernel for TPU, one call per batch row and key/value head (vmapped).
+    """The Pallas splash (flash) kernel for TPU: the multi-head kernel over all heads when each has its own keys
+    (the transformer), the multi-query kernel per key/value head otherwise (the text encoder's grouped queries);
+    vmapped over the batch.
 
-    Sequences are padded to a multiple of the kernel's block; padded keys and `key_mask`'s masked keys are excluded
-    with kv segment ids (every query is segment 1, allowed keys 1, the others 0), which is exactly "causal and
-    key-mask" (the anchor's folding). Rows with no allowed key are zeroed by `attention`."""
+    Block sizes come from `splash_blocks` (measured on v5e). Sequences are padded to whole blocks; padded keys and
+    `key_mask`'s masked keys are excluded with kv segment ids (every query is segment 1, allowed keys 1, the others
+    0), which is exactly "causal and key-mask" (the anchor's folding). Without padding or a key mask no segment ids
+    are passed (the kernel then skips their comparison). Rows with no allowed key are zeroed by `attention`."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, lq, h, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
-    pq, pk = -lq % SPLASH_BLOCK, -lk % SPLASH_BLOCK
+    blocks = splash_blocks(None if interpret else device_kind, lq, lk)  # interpret mode: the smallest
+    pq, pk = -lq % blocks[0], -lk % blocks[1]
+    segmented = key_mask is not None or pk > 0
     keys = jnp.ones((b, lk), bool) if key_mask is None else key_mask
     kv_segments = jnp.pad(keys, ((0, 0), (0, pk))).astype(jnp.int32)
     q_segments = jnp.ones((b, lq + pq), jnp.int32)
-    # [B, Hkv, G, Lq, D] queries (scaled: the kernel does not scale), [B, Hkv, Lk, D] keys and values
-    qh = jnp.pad((q * jnp.asarray(scale, q.dtype)).reshape(b, lq, hkv, g, d).transpose(0, 2, 3, 1, 4),
-                 ((0, 0), (0, 0), (0, 0), (0, pq), (0, 0)))
-    kh = jnp.pad(k.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, pk), (0, 0)))
-    vh = jnp.pad(v.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, pk), (0, 0)))
     # causal over the padded lengths is the same triangle (pad queries come after every real key)
-    kernel = _splash_kernel(g, lq + pq, lk + pk, causal, interpret, splash_block(device_kind, lq + pq, lk + pk))
+    q = q * jnp.asarray(scale, q.dtype)  # the kernel does not scale
+    pad_q = ((0, 0), (0, 0), (0, pq), (0, 0))
+    pad_k = ((0, 0), (0, 0), (0, pk), (0, 0))
+    if g == 1:  # [B, H, L, D] into one multi-head kernel per batch row
+        kernel = _splash_kernel(h, lq + pq, lk + pk, causal, interpret, blocks)
+        qh = jnp.pad(q.transpose(0, 2, 1, 3), pad_q)
+        kh, vh = (jnp.pad(x.transpose(0, 2, 1, 3), pad_k) for x in (k, v))
+
+        def one_row(qr, kr, vr, qs, ks):
+            return kernel(qr, kr, vr, segment_ids=splash.SegmentIds(q=qs, kv=ks) if segmented else None)
+
+        out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :lq]  # [B, H, Lq, D]
+        return out.transpose(0, 2, 1, 3)
+    kernel = _splash_kernel(g, lq + pq, lk + pk, causal, interpret, blocks, multi_query=True)
+    # [B, Hkv, G, Lq, D] queries, [B, Hkv, Lk, D] keys and values
+    qh = jnp.pad(q.reshape(b, lq, hkv, g, d).transpose(0, 2, 3, 1, 4), ((0, 0),) + pad_q)
+    kh, vh = (jnp.pad(x.transpose(0, 2, 1, 3), pad_k) for x in (k, v))
 
     def one_row(qr, kr, vr, qs, ks):  # qr [Hkv, G, Lq, D]; kr, vr [Hkv, Lk, D]
-        segments = splash.SegmentIds(q=qs, kv=ks)
+        segments = splash.SegmentIds(q=qs, kv=ks) if segmented else None
         return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=segments))(qr, kr, vr)
 
     out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :, :lq]  # [B, Hkv, G, Lq, D]
