@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .cpu_images import ImageThreads, compiler_options_for, concurrent_images_for, image_by_image, per_image_for
 from .lab import LabSwitches
+from .layers import precision_scope
 from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
 from . import attention as attention_lib, shard_layout, sharding
@@ -48,11 +49,24 @@ def make_mesh(options: EngineOptions, devices=None) -> Mesh:
     parallelism, else the first), `options.model_shards` of them holding one copy of the weights."""
     if devices is None:  # data_parallel=False: one data replica (the first model_shards devices)
         use_all = options.data_parallel or options.context_parallel
-        devices = jax.local_devices() if use_all else jax.local_devices()[:options.model_shards]
+        local = jax.local_devices(backend=options.platform)
+        devices = local if use_all else local[:options.model_shards]
     if len(devices) % options.model_shards:
         raise ValueError(f"model_shards={options.model_shards} must divide the number of devices, {len(devices)} "
                          f"({devices[0].device_kind})")
     return sharding.make_mesh(devices, options.model_shards)
+
+
+# Where the VAE's fused upsample (a 2x2 conv at the low resolution with the four output phases as channels) is not
+# used: on one TPU v5e chip, klein-4B's 1024x1024 decode measured 114.6 ms fused and 89.6 ms with the plain nearest
+# x2 + 3x3 conv (2026-12-06, benchmarks.tpu_profile): the phase interleave costs more layout copies there than the
+# 5/9 of the FLOPs it saves. On CPU the fused form is the faster one (fewer FLOPs on a compute-bound core).
+PLAIN_UPSAMPLE_PLATFORMS = frozenset({"tpu"})
+
+
+def fused_upsample_pays(mesh: Mesh) -> bool:
+    """Whether the fused upsample is the faster form on the mesh's devices."""
+    return mesh.devices.flat[0].platform not in PLAIN_UPSAMPLE_PLATFORMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +120,7 @@ class CompiledPrograms:
         def on_mesh(fn):
             """`fn` traced for this mesh (the attention kernels partition themselves over it)."""
             def traced(*args):
-                with attention_lib.mesh_context(mesh):
+                with attention_lib.mesh_context(mesh), precision_scope(dtype):
                     return fn(*args)
 
             return traced
@@ -156,9 +170,10 @@ class CompiledPrograms:
 
             return rows(one, x, txt, neg_txt, refs)
 
+        @on_mesh
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
-            fused = lab.fused_upsample
+            fused = lab.fused_upsample and fused_upsample_pays(mesh)
             image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, fused).astype(jnp.float32), tokens)
             if not to_uint8:
                 return image

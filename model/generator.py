@@ -37,7 +37,7 @@ from .sharding import data_replicas, model_shards, placement
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, reference_ids, rope_tables, text_ids
 from .vae import Flux2VAEDecoder, Flux2VAEEncoder
-from .weights import expected_tensors, load_component, validate_component
+from .weights import expected_tensors, load_component, release_host_memory, validate_component
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                               tensor_to_file=validate_component(vae_folder, expected=vae_expected,
                                                                 optional=vae_optional, variant=variant))
 
+    release_host_memory()  # the host copies are gone: return their pages, the weights live on the devices
     logger.info("loaded %s (%s) in %.1f s", settings.model, settings.dtype, time.perf_counter() - start)
     return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
                                options=options, model_id=settings.model, root=root, lab=lab,
@@ -217,8 +218,9 @@ class Flux2KleinGenerator:
         platform = self.mesh.devices.flat[0].platform
         self.programs = CompiledPrograms(
             text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
-            attention=resolve_implementation(options.attention, platform=platform),
-            text_attention=resolve_implementation(options.text_encoder_attention, masked=True, platform=platform),
+            attention=resolve_implementation(options.attention, platform=platform, dtype=DTYPES[dtype]),
+            text_attention=resolve_implementation(options.text_encoder_attention, masked=True, platform=platform,
+                                                  dtype=DTYPES[dtype]),
             mesh=self.mesh, lab=lab)
         # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (

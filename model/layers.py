@@ -6,6 +6,7 @@ state path joined with dots is exactly the diffusers/transformers checkpoint key
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -18,6 +19,15 @@ from .config import ACTIVATIONS as CONFIG_ACTIVATIONS
 def precision_for(dtype):
     """Full-precision matmuls for float32 models (GPUs/TPUs would otherwise use TF32/bf16 passes)."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def precision_scope(dtype):
+    """The matmul precision `dtype` promises, for everything traced inside (einsums, convolutions, XLA's attention,
+    tests' references): float32 runs float32 passes ("highest"); TPUs (bf16 passes) and GPUs (TF32) would
+    otherwise multiply float32 operands at reduced precision by default. Other dtypes keep the backend's default."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
 
 
 def round_to_dtype(x, dtype):

@@ -41,6 +41,9 @@ class EngineOptions:
     # Chips that hold one copy of the weights between them (tensor parallel, model.sharding): the local devices form
     # a (data, model) mesh of len(devices) / model_shards data replicas. 1 = every chip holds all the weights.
     model_shards: int = 1
+    # Which JAX backend's devices run the programs ("tpu", "gpu", "cpu"); None = JAX's default backend. Lets one
+    # process compare the same checkpoint on a TPU and on its host's CPU (tests/tpu).
+    platform: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
     # Shape buckets whose compiled programs (and RoPE tables, schedules) a process keeps; beyond it the least recently
     # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. A

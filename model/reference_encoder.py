@@ -19,6 +19,7 @@ from flax import nnx
 
 from . import sharding
 from .cpu_images import compiler_options_for
+from .layers import precision_scope
 from .references import ProcessedReference
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class ReferenceEncoder:
 
         def encode(state, pixels):
             module = nnx.merge(self._graph, state)
-            return module.encode_tokens(pixels.astype(dtype)).astype(dtype)
+            with precision_scope(dtype):
+                return module.encode_tokens(pixels.astype(dtype)).astype(dtype)
 
         # a convolution network like the decoder: the decoder's CPU compiler options
         self._encode = jax.jit(encode, compiler_options=compiler_options_for(mesh, options, "decode"))

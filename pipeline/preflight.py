@@ -399,8 +399,9 @@ def build_programs(modules, topology: Topology, *, dtype: str, model_shards: int
         mesh = make_mesh(options, devices=list(topology.devices))
     except ValueError as e:
         raise UsageError(f"--model_shards {model_shards}: {e}") from None
-    attention = resolve_implementation(options.attention, platform="tpu")
-    text_attention = resolve_implementation(options.text_encoder_attention, masked=True, platform="tpu")
+    attention = resolve_implementation(options.attention, platform="tpu", dtype=DTYPES[dtype])
+    text_attention = resolve_implementation(options.text_encoder_attention, masked=True, platform="tpu",
+                                            dtype=DTYPES[dtype])
     programs = CompiledPrograms(*modules, dtype=DTYPES[dtype], options=options, text_len=text_len,
                                 attention=attention, text_attention=text_attention, mesh=mesh, abstract=True)
     return programs, attention

@@ -93,6 +93,7 @@ SWITCHES = {
     "text_encoder_attention": dict(text_encoder_attention="dot"),
     "data_parallel": dict(data_parallel=False),
     "context_parallel": dict(context_parallel=True),
+    "platform": dict(platform="cpu"),  # the backend's devices by name: the same images as the default one here
     "model_shards": dict(model_shards=1),  # one device here; 2 and 4 shards: the four-device tests
     "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
     "compilation_cache_dir": "tmp_cache_dir",
