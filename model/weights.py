@@ -7,10 +7,12 @@ for JAX one at a time, so peak host memory stays near one copy of the weights in
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import jax
@@ -32,6 +34,8 @@ SAFETENSORS_DTYPES = {
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Threads that read, lay out and place tensors at once (host memory holds at most one tensor per thread).
+LOAD_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 class SafetensorsFile:
@@ -95,6 +99,28 @@ class SafetensorsFile:
         if array.size != count:
             raise CheckpointError("safetensors file ended before the tensor's data", path=self.path, tensor=name)
         return array.reshape(shape)
+
+
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of a (transposed) view; 2-byte floats (bfloat16, float16) are copied as uint16, whose
+    copy loop releases the GIL (ml_dtypes' bfloat16 copies hold it), so loading threads copy in parallel."""
+    if array.flags.c_contiguous:
+        return array
+    if array.dtype.itemsize == 2 and array.dtype.kind in "fV":
+        return np.ascontiguousarray(array.view(np.uint16)).view(array.dtype)
+    return np.ascontiguousarray(array)
+
+
+def release_host_memory() -> None:
+    """Give the heap pages freed by loading back to the OS (glibc's malloc_trim), so a process whose weights now
+    live on an accelerator does not keep their host copies' pages resident; a no-op without glibc."""
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _is_count(value) -> bool:
@@ -253,12 +279,15 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
         tensor_to_file = validate_component(folder, expected=expected, optional=optional)
     graphdef, abstract_state = nnx.split(abstract_module)
     flat = nnx.to_flat_state(abstract_state)
-    leaves = []
-    for path, var in flat:
+    for path, _ in flat:
         name = ".".join(str(p) for p in path)
-        target = var.get_value() if hasattr(var, "get_value") else var.value
         if name not in tensor_to_file:
             raise CheckpointError("model parameter has no tensor in the checkpoint", path=folder, tensor=name)
+
+    def place(item):
+        path, var = item
+        name = ".".join(str(p) for p in path)
+        target = var.get_value() if hasattr(var, "get_value") else var.value
         sf = tensor_to_file[name]
         array = to_jax_layout(name, sf.read(name), len(target.shape))
         if tuple(array.shape) != tuple(target.shape):
@@ -267,9 +296,15 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
         if tuple(path) in permutations:
             order, axis = permutations[tuple(path)]
             array = np.take(array, order, axis=axis)
-        array = np.ascontiguousarray(array.astype(target.dtype, copy=False))
+        array = contiguous(array.astype(target.dtype, copy=False))
         placed = jnp.asarray(array) if placement is None else jax.device_put(array, placement(path, array.shape))
-        leaves.append((path, var.replace(placed)))
-        del array
+        # Waited on here, so the host copy is released as soon as the device holds the tensor: host memory holds at
+        # most one tensor per reading thread, whatever the model's size.
+        return path, var.replace(placed.block_until_ready())
+
+    # Tensors are read, laid out and sent to the devices by several threads at once: file reads, the layout copies
+    # (as 16-bit integers for 2-byte floats, which numpy copies without the GIL) and host-to-device transfers overlap.
+    with ThreadPoolExecutor(LOAD_THREADS) as pool:
+        leaves = list(pool.map(place, flat))
     state = nnx.from_flat_state(leaves)
     return nnx.merge(graphdef, state)
