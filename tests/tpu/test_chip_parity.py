@@ -48,7 +48,10 @@ def test_float32_on_the_chip_is_float32(chip_checkpoint, distilled):
     diff = int(np.max(np.abs(img_t.astype(int) - img_c.astype(int))))
     print(f"float32 chip vs CPU ({'distilled' if distilled else 'base, CFG'}): text embeddings {te:.2e}, "
           f"denoised latents {tr:.2e} (max relative), images max {diff}/255")
-    assert te < 1e-4 and tr < 1e-4
+    # Text embeddings: one forward pass, within float32 rounding. Denoised latents: two steps of a random tiny model
+    # compound the transformer's per-call rounding; measured on a v5e chip 4.0e-4 (distilled) and 7.7e-4 (base, CFG)
+    # with the highest precision; at TPU's default (bf16 passes) they were about 1e-2 and the embeddings 8e-2.
+    assert te < 1e-5 and tr < 2e-3
     assert diff <= 1
 
 
