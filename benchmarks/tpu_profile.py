@@ -201,6 +201,8 @@ def main(argv=None) -> dict:
             json.dump({**result, "profile": summary}, fh, indent=1)
     if args.variants:
         result["variants"] = time_variants(gen, path, args)
+        with open(os.path.join(args.out, f"variants-{args.preset}-{args.height}x{args.width}.json"), "w") as fh:
+            json.dump(result["variants"], fh, indent=1)
     print(json.dumps(result))
     return result
 

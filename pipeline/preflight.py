@@ -5,13 +5,14 @@
 (encode, the fused denoising loop, decode) with the job's sharding over the topology's chips (data replicas x model
 shards, parameters as shapes only), compiles them with libtpu's compiler, and prints per program the per-chip bytes,
 FLOPs per image, the compiler's time estimate, the Mosaic kernels and the compile time; then whether everything fits
-in the chip's HBM and an estimate of seconds per image. Every figure is the compiler's estimate, not a measurement.
+in the chip's HBM and an estimate of seconds per image: the compiler's FLOPs and bytes at the efficiencies measured on
+a TPU v5e chip (`V5E_CALIBRATION`), labelled "calibrated on v5e, not measured" for other chips.
 
 Two corrections to XLA's cost analysis, both said in the output:
 - it counts a loop body once: the denoising loop's FLOPs, bytes and seconds are multiplied by its steps;
 - it knows nothing of Pallas kernels (splash attention, a Mosaic custom call: its FLOPs are not counted and its
-  `optimal_seconds` is meaningless, even negative): attention is estimated from its FLOPs at the chip's bf16 peak,
-  and a program holding such kernels is timed by the roofline of the compiler's FLOPs and bytes instead.
+  `optimal_seconds` is meaningless, even negative): attention is estimated from its FLOPs at its measured share of
+  the chip's bf16 peak, and every program is timed by the calibrated roofline of the compiler's FLOPs and bytes.
 """
 
 from __future__ import annotations
@@ -61,6 +62,27 @@ CHIPS = {
     "TPU v6 lite": ChipSpec("TPU v6e", 32 * GiB, 918e12, 1.64e12),
     "TPU7x": ChipSpec("TPU v7", 192 * 10**9, 2307e12, 7.37e12),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Shares of a chip's bf16 peak (and of its HBM bandwidth) that each kind of work reached when measured on a chip
+    of that kind, and the host's own time per image (tokenize, initial noise, copy back), for the estimate."""
+
+    chip: str                     # ChipSpec.name the figures were measured on
+    matmul: float                 # XLA's FLOPs of the transformer and text-encoder programs (fused elementwise included)
+    attention: float              # the splash kernels' FLOPs
+    convolution: float            # the VAE decode's FLOPs
+    memory: float                 # the roofline's bytes leg (not measured apart: no measured program was bytes-bound)
+    host_seconds_per_image: float
+    source: str
+
+
+# Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 (benchmarks/tpu_measured.json): denoise
+# 1109.2 ms of which the splash kernels 170.0 ms (25.98 TFLOP), the rest 939.2 ms for XLA's 138.92 TFLOP; decode
+# 89.6 ms for 10.72 TFLOP; host 9.6 ms per image. The text encoder (20.65 ms measured) is the check, not an input.
+V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.751, attention=0.776, convolution=0.607, memory=1.0,
+                              host_seconds_per_image=0.0096, source="benchmarks/tpu_measured.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,19 +235,15 @@ class ProgramStats:
         return (self.temp_bytes + self.output_bytes - self.alias_bytes
                 + max(0, self.argument_bytes - self.parameter_bytes))
 
-    def est_seconds(self, chip: ChipSpec, devices_per_chip: int) -> float:
-        """Seconds for one run: XLA's optimal_seconds when it has no Mosaic kernel, else the roofline of XLA's FLOPs
-        and bytes; plus the kernels' FLOPs at the bf16 peak (both per device)."""
+    def est_seconds(self, chip: ChipSpec, devices_per_chip: int, calibration: Calibration = V5E_CALIBRATION) -> float:
+        """Seconds for one run, calibrated: the roofline of XLA's FLOPs (at the measured share of the bf16 peak for
+        the program's kind of work: convolutions for decode, matmuls otherwise) and bytes, plus the attention
+        kernels' FLOPs at their measured share of the peak (all per device)."""
         peak, bandwidth = chip.bf16_flops / devices_per_chip, chip.hbm_bandwidth / devices_per_chip
-        rest = self.optimal_seconds if self.uses_optimal_seconds else max(self.flops / peak,
-                                                                          self.bytes_accessed / bandwidth)
-        return rest + self.kernel_flops / peak
+        compute = calibration.convolution if self.name == "decode" else calibration.matmul
+        rest = max(self.flops / (peak * compute), self.bytes_accessed / (bandwidth * calibration.memory))
+        return rest + self.kernel_flops / (peak * calibration.attention)
 
-    @property
-    def uses_optimal_seconds(self) -> bool:
-        """Whether XLA's optimal_seconds is usable: no Mosaic kernel in the program, and positive (at the real sizes
-        libtpu 0.0.52 gave negative values even for the kernel-free VAE decode)."""
-        return self.mosaic_kernels == 0 and self.optimal_seconds > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +311,17 @@ class Report:
 
     @property
     def est_seconds_per_image(self) -> float:
-        return self.est_seconds_per_batch / self.batch
+        """The programs' calibrated time per image plus the host's measured time per image."""
+        return self.est_seconds_per_batch / self.batch + V5E_CALIBRATION.host_seconds_per_image
+
+    @property
+    def estimate_label(self) -> str:
+        """What the estimate is: calibrated on the chip kind it is for, or carried over from v5e to another chip."""
+        if self.topology.chip.name == V5E_CALIBRATION.chip:
+            return (f"calibrated estimate: the compiler's FLOPs and bytes at efficiencies measured on a "
+                    f"{V5E_CALIBRATION.chip} chip ({V5E_CALIBRATION.source})")
+        return (f"calibrated on v5e, not measured: the compiler's FLOPs and bytes for {self.topology.chip.name} at the "
+                f"efficiencies measured on a {V5E_CALIBRATION.chip} chip")
 
     def to_json(self) -> dict:
         """The machine-readable report (the CLI's last line)."""
@@ -314,13 +342,15 @@ class Report:
             "seconds_at_peak_per_image": _finite(self.seconds_at_peak_per_image),
             "images_per_hour_per_host": _finite(3600.0 / self.est_seconds_per_image)
             if self.est_seconds_per_image else None,
-            "attention": self.attention, "estimate": "compiler (XLA cost analysis + attention FLOPs at bf16 peak)",
+            "attention": self.attention, "estimate": self.estimate_label,
+            "calibration": dataclasses.asdict(V5E_CALIBRATION),
             "programs": {p.name: {
                 "argument_bytes": int(self.per_chip(p.argument_bytes)), "temp_bytes": int(self.per_chip(p.temp_bytes)),
                 "output_bytes": int(self.per_chip(p.output_bytes)), "flops": _finite(self.flops_per_image(p)),
                 "kernel_flops": p.kernel_flops * len(self.topology.devices) / self.batch,
                 "optimal_seconds": _finite(p.optimal_seconds), "est_seconds": _finite(self.est_seconds(p)),
-                "est_basis": "optimal_seconds" if p.uses_optimal_seconds else "roofline",
+                "bytes_accessed": _finite(p.bytes_accessed * len(self.topology.devices) / self.batch),
+                "est_basis": "calibrated roofline",
                 "compile_s": round(p.compile_s, 2), "mosaic_kernels": p.mosaic_kernels,
                 "mosaic_counted_in": p.text_source, "compile_error": p.compile_error,
                 "loop_trips": p.loop_trips,
@@ -662,16 +692,16 @@ def format_report(report: Report) -> str:
         f"outputs and other arguments)",
         f"HBM per chip: {_gib(report.hbm_bytes_per_chip)}; headroom "
         f"{_gib(report.hbm_bytes_per_chip - report.peak_bytes_per_chip)}; fits: {'yes' if report.fits else 'NO'}",
-        f"estimated {_seconds(spi)} per image, {3600 / spi:,.0f} images/hour per worker host (compute-bound floor: "
-        f"{_seconds(report.seconds_at_peak_per_image)} per image, every FLOP at the bf16 peak)"
+        f"estimated {_seconds(spi)} per image, {3600 / spi:,.0f} images/hour per worker host ({report.estimate_label};"
+        f" compute-bound floor: {_seconds(report.seconds_at_peak_per_image)} per image, every FLOP at the bf16 peak)"
         if spi and math.isfinite(spi) else "estimated time: n/a (a program was not compiled)",
     ]
     notes = [
-        f"Figures are the compiler's estimates for {topo.chip.name} (bf16 peak {topo.chip.bf16_flops / 1e12:,.0f} "
-        f"TFLOP/s per chip), not measurements.",
+        f"Bytes and FLOPs are the compiler's for {topo.chip.name} (bf16 peak {topo.chip.bf16_flops / 1e12:,.0f} "
+        f"TFLOP/s per chip); the time is a {report.estimate_label}, not a measurement of this configuration.",
         f"Attention runs in {report.attention} kernels (Mosaic custom calls), which XLA's cost analysis does not see: "
-        f"their FLOPs are added from the shapes and timed at the bf16 peak; a program holding them is timed by the "
-        f"roofline of XLA's FLOPs and bytes, since its optimal_seconds is not meaningful.",
+        f"their FLOPs are added from the shapes; XLA's optimal_seconds is shown but not used (not meaningful for "
+        f"programs holding such kernels).",
         f"XLA counts a loop body once: denoise is multiplied by its {report.steps} steps. GFLOP/image is the work of "
         f"all chips (the VAE decode, not split, runs on every model shard). Collectives between shards are not timed.",
     ]
