@@ -38,6 +38,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
 
+from pipeline.compile_cache import resolve_compilation_cache
 from transforms import layout, retries
 from transforms.bigquery_input import BigQueryInput, ReadBigQueryRequests, dataset_reference, is_table_uri
 from transforms.columns import ColumnMap, parse_column_map
@@ -212,7 +213,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
             engine=EngineOptions(batch_size=count("--batch_size", o.batch_size if o.batch_size is not None
                                                   else DEFAULT_BATCH_SIZE),
                                  model_shards=count("--model_shards", o.model_shards),
-                                 compilation_cache_dir=o.compilation_cache_dir))
+                                 compilation_cache_dir=resolve_compilation_cache(
+                                     o.compilation_cache_dir, local_runner=is_local_runner(options),
+                                     temp_location=options.view_as(GoogleCloudOptions).temp_location)))
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:  # the configs alone: the job must accept exactly the sizes that generate() accepts

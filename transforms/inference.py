@@ -131,6 +131,23 @@ def flush_model_load_metrics() -> None:
         Metrics.counter(METRICS_NAMESPACE, f"model_loads_in_process_{os.getpid()}").inc(n)
 
 
+_reported_compiles = {"compiles": 0, "cache_hits": 0}
+
+
+def flush_compile_metrics() -> None:
+    """Report this process's XLA compilations and persistent-cache hits since the last report (`xla_compiles`,
+    `xla_cache_hits`): a job whose programs all come from the compilation cache shows no compiles."""
+    from model.compile_events import counts
+
+    now = counts()
+    with _pending_lock:
+        delta = {k: now[k] - _reported_compiles[k] for k in _reported_compiles}
+        _reported_compiles.update({k: now[k] for k in _reported_compiles})
+    for key, n in delta.items():
+        if n:
+            Metrics.counter(METRICS_NAMESPACE, f"xla_{key}").inc(n)
+
+
 @dataclasses.dataclass(frozen=True)
 class GeneratedImage:
     """One image out of the handler: host pixels plus the parameters that were actually used."""
@@ -206,6 +223,9 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
         # Before the checkpoint is copied or read: a worker without its accelerator stops here, with the cause.
         check_accelerator(self._require_accelerator)
+        from model.compile_events import counts
+
+        counts()  # start counting compilations before the first one
         gen = model.load(self.settings)
         _note_model_load()
         return LoadedGenerator(gen)
@@ -215,6 +235,7 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         """One generate call for the batch, run again on a transient failure; what still fails raises (and
         RunInference's exception handling turns it into one error row per image)."""
         flush_model_load_metrics()
+        flush_compile_metrics()
         tasks = list(batch)
         if not tasks:
             return []
@@ -227,7 +248,9 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         attempt = 0
         while True:
             try:
-                return self.generate_once(tasks, model)
+                results = self.generate_once(tasks, model)
+                flush_compile_metrics()  # this batch's compiles (its bucket's first)
+                return results
             except Exception as e:  # noqa: BLE001 - classified below; what is not retried propagates unchanged
                 if attempt >= self._inference_retries or not is_retriable(e):
                     raise
