@@ -1,0 +1,125 @@
+"""A worker's start-up, phase by phase: imports, checkpoint fetch, reading and placing weights, compiling (or loading
+from the compilation cache), first image. Each run is a fresh process, as a new worker is.
+
+    python -m benchmarks.startup --preset small --height 256 --width 256            # CPU
+    python -m benchmarks.startup --preset klein-4b --height 1024 --width 1024       # a TPU chip
+    python -m benchmarks.startup --model gs://bucket/ckpt ...                        # with the gs:// copy
+
+Runs cold (an empty compilation cache and, for gs://, an empty checkpoint cache) and then warm (the same caches, as a
+worker that starts after another of the same job). Prints a table and, last, one JSON line. A measurement tool:
+nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+PHASES = ("imports", "fetch", "load", "compile", "first_image")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small", choices=["tiny", "small", "klein-4b", "klein-9b"])
+    ap.add_argument("--model", default=None, help="a checkpoint folder or gs:// prefix instead of the preset's")
+    ap.add_argument("--height", type=int, default=256)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--max-sequence-length", type=int, default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint-cache", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def child(args) -> dict:
+    """One worker start, timed from this process's start (the parent passes its launch time)."""
+    t0 = float(os.environ["STARTUP_T0"])
+    out = {"process_start_s": time.time() - t0}
+    start = time.perf_counter()
+    import jax  # noqa: F401
+
+    import model
+    from model.compile_events import counts
+    out["imports_s"] = time.perf_counter() - start
+    out["backend"] = jax.default_backend()
+    counts()
+    path = args.model
+    start = time.perf_counter()
+    if path.startswith("gs://"):
+        from model.checkpoint import resolve_checkpoint
+
+        path = resolve_checkpoint(path, cache_dir=args.checkpoint_cache)
+    out["fetch_s"] = time.perf_counter() - start
+    weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+                       if f.endswith(".safetensors"))
+    start = time.perf_counter()
+    gen = model.load(path, args.dtype, max_sequence_length=args.max_sequence_length, batch_size=1,
+                     compilation_cache_dir=args.cache)
+    out["load_s"] = time.perf_counter() - start
+    out["weight_gb"] = weight_bytes / 1e9
+    out["load_gb_per_s"] = weight_bytes / 1e9 / out["load_s"]
+    size = dict(height=args.height, width=args.width)
+    start = time.perf_counter()
+    gen.plan_bucket(gen.check_inputs(["a red fox"], [0], **size))  # the bucket's three programs
+    out["compile_s"] = time.perf_counter() - start
+    out.update({f"xla_{k}": v for k, v in counts().items()})
+    start = time.perf_counter()
+    gen.generate(["a red fox"], [0], **size)
+    out["first_image_s"] = time.perf_counter() - start
+    out["first_image_after_start_s"] = time.time() - t0
+    try:
+        with open("/proc/self/status") as fh:
+            out["rss_gb"] = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1e6
+    except (OSError, StopIteration):
+        pass
+    return out
+
+
+def run_child(args, cache: str, checkpoint_cache: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", f"--model={args.model}", f"--cache={cache}",
+           f"--checkpoint-cache={checkpoint_cache}", f"--height={args.height}", f"--width={args.width}",
+           f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}"]
+    env = dict(os.environ, STARTUP_T0=repr(time.time()))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"start-up run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return {}
+    from . import presets
+
+    if args.model is None:
+        args.model = presets.ensure_checkpoint(args.preset)
+    if args.max_sequence_length is None:
+        args.max_sequence_length = presets.PRESETS[args.preset]["max_sequence_length"]
+    with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
+        cache, ckpt_cache = os.path.join(tmp, "xla"), os.path.join(tmp, "checkpoints")
+        runs = {"cold": run_child(args, cache, ckpt_cache), "warm": run_child(args, cache, ckpt_cache)}
+    rows = [("phase", "cold s", "warm s")]
+    for key in ("process_start", "imports", "fetch", "load", "compile", "first_image", "first_image_after_start"):
+        rows.append((key, f"{runs['cold'][key + '_s']:.2f}", f"{runs['warm'][key + '_s']:.2f}"))
+    rows.append(("weights GB/s", f"{runs['cold']['load_gb_per_s']:.2f}", f"{runs['warm']['load_gb_per_s']:.2f}"))
+    rows.append(("XLA compiles / cache hits", f"{runs['cold']['xla_compiles']} / {runs['cold']['xla_cache_hits']}",
+                 f"{runs['warm']['xla_compiles']} / {runs['warm']['xla_cache_hits']}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    print("\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                    for r in rows))
+    result = {"model": args.model, "height": args.height, "width": args.width, "dtype": args.dtype,
+              "backend": runs["cold"]["backend"], **runs}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
