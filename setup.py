@@ -32,6 +32,9 @@ PREFLIGHT_REQUIREMENTS = [
     "libtpu==0.0.52",
 ]
 
+# TPU hosts: the libtpu that matches the JAX pin (jax[tpu]==0.10.2 resolves to it), for running on the chips.
+TPU_REQUIREMENTS = PREFLIGHT_REQUIREMENTS
+
 TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + [
     "pytest==9.2.0",
     "pytest-xdist==3.8.0",  # the README's test command runs the suite on 2 processes (CI under 20 minutes on 2 cores)
@@ -54,5 +57,6 @@ setup(
     include_package_data=True,
     package_data={"model.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.presets)
     install_requires=RUNTIME_REQUIREMENTS,
-    extras_require={"demo": DEMO_REQUIREMENTS, "preflight": PREFLIGHT_REQUIREMENTS, "test": TEST_REQUIREMENTS},
+    extras_require={"demo": DEMO_REQUIREMENTS, "preflight": PREFLIGHT_REQUIREMENTS, "tpu": TPU_REQUIREMENTS,
+                    "test": TEST_REQUIREMENTS},
 )

@@ -197,9 +197,8 @@ OPTIONS = (
     Option("encode_threads", "limits", "Threads per worker process that encode and upload images while the "
                                        "device generates the next batch.", type=int, metavar="N",
            shown_default="the worker's cores"),
-    Option("compilation_cache_dir", "limits", "Persistent XLA compilation cache (local folder or gs://) that every "
-                                              "worker of the job shares, so only the first to reach a program "
-                                              "compiles it; 'off' turns it off.", metavar="FOLDER",
+    Option("compilation_cache_dir", "limits", "XLA compilation cache (folder or gs://) shared by the job's workers; "
+                                              "'off' turns it off.", metavar="FOLDER",
            shown_default="{temp_location}/flux2-klein-xla-cache on Dataflow, the project's cache folder locally"),
     Option("max_pixels", "limits", "Largest height x width a record may ask for.", type=int,
            default=DEFAULT_MAX_PIXELS, metavar="PIXELS", shown_default=f"{DEFAULT_MAX_PIXELS} = 2048 x 2048"),
