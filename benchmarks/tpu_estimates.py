@@ -80,8 +80,9 @@ def row(report: Report, label: str) -> dict:
 
 
 def markdown(rows: list[dict], height: int, width: int, steps: int, max_batch: int) -> str:
-    """The table, titled as the compiler's estimate."""
-    out = [f"Compiler's estimate (XLA cost analysis + attention FLOPs at the bf16 peak; not a measurement), "
+    """The table, titled as what it is: calibrated on v5e, measured on no chip it lists."""
+    out = [f"Preflight estimates (the compiler's FLOPs and bytes at the efficiencies measured on a TPU v5e chip; "
+           f"calibrated on v5e, not measured on these configurations), "
            f"{height}x{width}, {steps} steps, bfloat16; best batch searched up to {max_batch} per data replica:", "",
            "| model | topology (chip) | row | batch | shards | fits | peak / HBM per chip | est s/image | images/h "
            "| TFLOP/image | bf16 peak TF/s/chip | s/image at peak | published s/image |",

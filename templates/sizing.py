@@ -103,6 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             seconds, chips = report["est_seconds_per_image"], report.get("chips", 1)
             source = (f"{report.get('model')} on {report.get('topology')}, {report.get('model_shards')} model "
                       f"shard(s), batch {report.get('batch')}")
+            label = report.get("estimate") or "the TPU compiler's estimate"
         chips = args.chips_per_worker if args.chips_per_worker is not None else chips
         if chips < 1:
             raise ValueError(f"--chips-per-worker must be >= 1, got {chips}")
@@ -114,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"sizing.py: {e}", file=sys.stderr)
         return 2
     if source:
-        print(f"seconds per image: {seconds:.3f} (the TPU compiler's estimate for {source}; not a measurement)")
+        print(f"seconds per image: {seconds:.3f} ({label} for {source}; not a measurement of it)")
     print(f"images per worker-hour: {p.images_per_worker_hour:,.0f}")
     print(f"workers (--max-workers): {p.workers}")
     late = " (past the deadline: quota-capped)" if p.wall_hours > args.deadline_hours + 1e-9 else ""
