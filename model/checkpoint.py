@@ -7,8 +7,9 @@ A `gs://bucket/prefix` checkpoint is copied once per machine into
 (names, sizes, checksums, generations), so a checkpoint re-uploaded under the same URI gets a fresh copy instead of a
 stale one.
 
-- Every object is verified against the checksum GCS stores for it (crc32c, and md5 when the object has one); a
-  mismatch raises CheckpointError naming the object.
+- Objects are fetched in 32 MiB byte ranges, 16 requests in flight, and verified while they are written against the
+  checksums GCS stores for them (crc32c, and md5 when the object has one), with no second read; a mismatch or a short
+  read raises CheckpointError naming the object, and nothing of the copy is kept.
 - An object stored with `Content-Encoding: gzip` (`gsutil cp -Z` / `-z json`, `gcloud storage cp --gzip-local-all`)
   is copied as stored, verified, then decompressed: the cache holds the file that was uploaded.
 - Pickle weight files (.bin/.pt/.pth/.ckpt) are refused while listing, before anything is copied; of default and
@@ -25,6 +26,7 @@ Uses google-cloud-storage, which honours `STORAGE_EMULATOR_HOST` (tests run agai
 from __future__ import annotations
 
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import fcntl
@@ -49,7 +51,10 @@ logger = logging.getLogger(__name__)
 
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 COMPLETE_MARKER = ".flux2-complete.json"
-_DOWNLOAD_THREADS = 8
+_DOWNLOAD_THREADS = 4   # objects copied at once
+_SLICE_THREADS = 16     # byte-range requests in flight, shared by those objects
+_SLICE = 32 * 1024 * 1024
+SLICE_WINDOW = 4        # slices of one object fetched ahead of the one being written (memory: 4 x 4 x 32 MiB at most)
 _CHUNK = 8 * 1024 * 1024
 SUPERSEDED_COPY_AGE_S = 3600.0
 PARTIAL_PREFIX = ".partial-"  # a copy in progress: PARTIAL_PREFIX + fingerprint + "-" + random, renamed when complete
@@ -198,43 +203,65 @@ def _file_lock(path: str, wait: bool = True):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _file_checksums(path: str) -> tuple[str, str]:
-    """(crc32c, md5) of a local file, base64 like GCS object metadata."""
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode("ascii")
+
+
+def _download_one(blob, dest: str, object_uri: str, slices: concurrent.futures.Executor) -> int:
+    """Copy one object to `dest` in byte-range slices fetched in parallel (`slices`), written in order while its
+    crc32c and md5 are computed over the same bytes: no second read of the file. At most SLICE_WINDOW slices of an
+    object are in memory at once. A short read, a size or checksum mismatch raises CheckpointError naming the
+    object (the caller removes the partial copy)."""
     import google_crc32c
 
-    crc = google_crc32c.Checksum()
-    md5 = hashlib.md5()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc.update(chunk)
-            md5.update(chunk)
-    return base64.b64encode(crc.digest()).decode("ascii"), base64.b64encode(md5.digest()).decode("ascii")
-
-
-def _download_one(blob, dest: str, object_uri: str) -> int:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     # From the listing: a download overwrites the blob's properties with its response headers.
     gzip_encoded = (blob.content_encoding or "").strip().lower() == "gzip"
-    try:
-        # Our own verification below covers every object; raw: the stored bytes, exactly what the checksums cover.
-        blob.download_to_filename(dest, raw_download=True, checksum=None)
-    except Exception as e:
-        raise CheckpointError(f"cannot download checkpoint object: {type(e).__name__}: {e}", path=object_uri) from e
     if blob.crc32c is None and blob.md5_hash is None:
         raise CheckpointError("checkpoint object has no checksum to verify against", path=object_uri)
-    crc32c, md5 = _file_checksums(dest)
-    if blob.crc32c is not None and crc32c != blob.crc32c:
-        raise CheckpointError(f"checksum mismatch: crc32c of the copy is {crc32c}, GCS says {blob.crc32c}",
-                              path=object_uri)
-    if blob.md5_hash is not None and md5 != blob.md5_hash:
-        raise CheckpointError(f"checksum mismatch: md5 of the copy is {md5}, GCS says {blob.md5_hash}",
-                              path=object_uri)
-    if blob.size is not None and os.path.getsize(dest) != blob.size:
-        raise CheckpointError(f"size mismatch: copy has {os.path.getsize(dest)} bytes, GCS says {blob.size}",
-                              path=object_uri)
+    size = blob.size or 0
+    ranges = [(start, min(start + _SLICE, size)) for start in range(0, size, _SLICE)]
+
+    def fetch(byte_range):
+        first, end = byte_range
+        try:
+            # raw: the stored bytes, exactly what the checksums cover; ours is the only verification
+            data = blob.download_as_bytes(start=first, end=end - 1, raw_download=True, checksum=None)
+        except Exception as e:
+            raise CheckpointError(f"cannot download checkpoint object (bytes {first}-{end - 1}): "
+                                  f"{type(e).__name__}: {e}", path=object_uri) from e
+        if len(data) != end - first:
+            raise CheckpointError(f"short read: bytes {first}-{end - 1} of the object came back as {len(data)} "
+                                  f"bytes (the object is shorter than the {size} bytes GCS lists)", path=object_uri)
+        return data
+
+    crc, md5, written = google_crc32c.Checksum(), hashlib.md5(), 0
+    pending: collections.deque = collections.deque()
+    with open(dest, "wb") as out:
+        for byte_range in ranges:
+            pending.append(slices.submit(fetch, byte_range))
+            if len(pending) >= SLICE_WINDOW:
+                written += _write_slice(out, pending.popleft().result(), crc, md5)
+        while pending:
+            written += _write_slice(out, pending.popleft().result(), crc, md5)
+    if written != size:
+        raise CheckpointError(f"size mismatch: copy has {written} bytes, GCS says {size}", path=object_uri)
+    if blob.crc32c is not None and _b64(crc.digest()) != blob.crc32c:
+        raise CheckpointError(f"checksum mismatch: crc32c of the copy is {_b64(crc.digest())}, GCS says "
+                              f"{blob.crc32c}", path=object_uri)
+    if blob.md5_hash is not None and _b64(md5.digest()) != blob.md5_hash:
+        raise CheckpointError(f"checksum mismatch: md5 of the copy is {_b64(md5.digest())}, GCS says "
+                              f"{blob.md5_hash}", path=object_uri)
     if gzip_encoded:
         _gunzip_in_place(dest, object_uri)
     return os.path.getsize(dest)
+
+
+def _write_slice(out, data: bytes, crc, md5) -> int:
+    out.write(data)
+    crc.update(data)
+    md5.update(data)
+    return len(data)
 
 
 def _gunzip_in_place(path: str, object_uri: str) -> None:
@@ -282,9 +309,10 @@ def _copy_once(uri: str, bucket: str, blobs: list, rels: dict, root: str, finger
         tmp = tempfile.mkdtemp(prefix=partial, dir=root)
         try:
             start = time.monotonic()
-            with concurrent.futures.ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=_SLICE_THREADS) as slices, \
+                    concurrent.futures.ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
                 futures = [pool.submit(_download_one, b, os.path.join(tmp, *rels[b.name].split("/")),
-                                       f"gs://{bucket}/{b.name}") for b in blobs]
+                                       f"gs://{bucket}/{b.name}", slices) for b in blobs]
                 total = 0
                 for fut in concurrent.futures.as_completed(futures):
                     total += fut.result()

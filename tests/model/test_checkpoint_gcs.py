@@ -123,6 +123,31 @@ def test_checksum_mismatch_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
     _assert_nothing_left(cache)
 
 
+def test_truncated_object_is_a_short_read_naming_it(gcs_emulator, gcs_bucket, tmp_path, monkeypatch):
+    """An object whose stored bytes end before the size GCS lists (a cut upload, bit rot): the range read that comes
+    back short names the object, and no copy is kept."""
+    monkeypatch.setattr(checkpoint, "_SLICE", 4096)  # several slices per object, the last one short
+    uri = _upload(gcs_emulator, gcs_bucket, "klein")
+    bad = f"{uri}/transformer/diffusion_pytorch_model.safetensors"
+    data = FILES["transformer/diffusion_pytorch_model.safetensors"]
+    gcs_emulator.corrupt_object(bad, data[:len(data) // 2])
+    cache = str(tmp_path / "cache")
+    with pytest.raises(CheckpointError, match="short read|size mismatch") as e:
+        checkpoint.resolve_checkpoint(uri, cache_dir=cache)
+    assert bad in str(e.value)
+    _assert_nothing_left(cache)
+
+
+def test_objects_copied_in_slices_are_byte_identical(gcs_emulator, gcs_bucket, tmp_path, monkeypatch):
+    """Sliced, checksummed-while-written copies equal the uploaded files, however the slices fall."""
+    monkeypatch.setattr(checkpoint, "_SLICE", 1000)  # not a divisor of any file size
+    uri = _upload(gcs_emulator, gcs_bucket, "klein")
+    path = checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"))
+    for rel, want in FILES.items():
+        with open(os.path.join(path, rel), "rb") as fh:
+            assert fh.read() == want, rel
+
+
 def _assert_nothing_left(cache):
     """No usable (or half-copied) checkpoint copy is in the cache."""
     for _root, dirs, files in os.walk(cache):
