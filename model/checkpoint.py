@@ -207,11 +207,14 @@ def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode("ascii")
 
 
-def _download_one(blob, dest: str, object_uri: str, slices: concurrent.futures.Executor) -> int:
+def _download_one(blob, dest: str, object_uri: str, slices: concurrent.futures.Executor | None = None) -> int:
     """Copy one object to `dest` in byte-range slices fetched in parallel (`slices`), written in order while its
     crc32c and md5 are computed over the same bytes: no second read of the file. At most SLICE_WINDOW slices of an
     object are in memory at once. A short read, a size or checksum mismatch raises CheckpointError naming the
-    object (the caller removes the partial copy)."""
+    object (the caller removes the partial copy). Without `slices`, the object's own SLICE_WINDOW threads."""
+    if slices is None:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=SLICE_WINDOW) as own:
+            return _download_one(blob, dest, object_uri, own)
     import google_crc32c
 
     os.makedirs(os.path.dirname(dest), exist_ok=True)

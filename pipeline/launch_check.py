@@ -3,6 +3,8 @@ submitted, so a job whose programs cannot fit the chips' HBM never starts (and b
 
 The topology comes from the job's `worker_accelerator` service option (as the settings files and `templates/run.sh`
 pass it: `--dataflow_service_options` or, through a Flex Template, `--experiments`), else from a TPU machine type.
+The programs it compiles are written to the job's shared compilation cache (`--compilation_cache_dir`, by default
+under `--temp_location`): a worker whose JAX, libtpu and chips match the launcher's loads them instead of compiling.
 The check compiles at the job's default size, batch, steps, dtype and `--model_shards` (records that ask for more
 pixels are not covered); `--skip_preflight` skips it. Local runners and GPU or CPU workers are never checked.
 """
@@ -89,6 +91,12 @@ def check_fits(job, topology: str):
                                max_sequence_length=job.max_sequence_length, hbm_bytes=hbm_bytes_override())
     logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %d, %d model shard(s) (--skip_preflight skips)",
                 job.model, topology, d.height, d.width, job.batch_size, request.model_shards)
+    cache = job.load.engine.compilation_cache_dir
+    if cache:  # the workers' shared cache: what the launch compiles for their chips is there when they start
+        from model.engine import enable_compilation_cache
+
+        enable_compilation_cache(cache)
+        logger.info("TPU preflight: compiled programs go to the job's compilation cache %s", cache)
     try:
         report = preflight(request)
     except UsageError as e:

@@ -979,6 +979,11 @@ def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket
     # TPU workers: the launch compiled the job for their topology first (pipeline/launch_check.py)
     printed = capsys.readouterr().out
     assert ("TPU preflight: fits v5e:1x1" in printed) == (s.variant == "tpu"), printed
+    if s.variant == "tpu":  # what it compiled is in the workers' shared compilation cache, under --temp_location
+        from model.checkpoint import _client
+
+        cached = [b.name for b in _client().list_blobs(bucket, prefix="temp/flux2-klein-xla-cache/")]
+        assert cached, "the launch's TPU programs did not reach the job's compilation cache"
     assert not waited, "the Flex Template entry point must return without waiting for the job"
     assert_environment_carries(job_environment(result.job), s)
 
