@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
 import typing
 import time
@@ -33,17 +34,19 @@ from .requests import ImageTask
 
 LOGGER = logging.getLogger(__name__)
 DEFAULT_INFERENCE_RETRIES = 2
-# How running out of host or accelerator memory reads (XLA: "RESOURCE_EXHAUSTED: Out of memory allocating ...").
-_OUT_OF_MEMORY_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM", "MemoryError")
+# Running out of memory is told by the error's type (MemoryError) or by XLA's status code, which leads the message of
+# its runtime errors ("RESOURCE_EXHAUSTED: Out of memory allocating ..."); never by a word anywhere in the text, where a
+# prompt or path ("BLOOM", "bathroom") could put it. Text forms: "Type: message" and "Type('message')".
+_OUT_OF_MEMORY_TEXT = re.compile(r"^(?:[\w.]+(?:: |\(['\"]))?RESOURCE_EXHAUSTED\b|^(?:[\w.]+\.)?MemoryError\b")
 
 
 def is_out_of_memory(error: BaseException | str) -> bool:
     """Whether a failed generate call (the exception, or its text as a dead-letter row carries it) ran out of host
-    or accelerator memory: the same batch would need the same memory again."""
+    or accelerator memory, by type or status code: the same batch would need the same memory again."""
     if isinstance(error, MemoryError):
         return True
-    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return any(marker in text for marker in _OUT_OF_MEMORY_MARKERS)
+    text = error if isinstance(error, str) else str(error)
+    return bool(_OUT_OF_MEMORY_TEXT.match(text.strip()))
 
 
 def is_retriable(error: BaseException) -> bool:

@@ -102,6 +102,13 @@ def test_out_of_memory_rows_say_so_and_what_to_change():
     (row,) = failed_batch_rows(([tasks[0]], (type(fault), repr(fault), [])))
     assert row["reason"] == f"inference failed for a batch of 1 image(s): {fault!r}"
     assert is_out_of_memory(MemoryError()) and is_out_of_memory(oom) and not is_out_of_memory(fault)
+    # by status and type, not by a substring that a prompt or a path can hold
+    for text in ("RuntimeError: cannot read gs://b/BLOOM/ref.png", "ValueError: prompt 'BATHROOM OOM' is too long",
+                 "FileNotFoundError: /data/out of memory lane.png", "ValueError: not RESOURCE_EXHAUSTED: really"):
+        assert not is_out_of_memory(text), text
+    assert is_out_of_memory("XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes")
+    assert is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 72000000000 bytes."))
+    assert not is_out_of_memory(RuntimeError("lost device while reading BLOOM.png"))
     assert not is_retriable(MemoryError()) and not is_retriable(RuntimeError(oom)) and is_retriable(fault)
 
 
