@@ -35,7 +35,9 @@ _MAGIC_BYTES = 10  # bytes read to sniff: the bzip2 signature, the longest
 MAX_LAYERS = 3  # compressions inside each other read (gzip in gzip: a .gz file uploaded with gsutil cp -Z)
 _IN_CHUNK = 256 * 1024  # compressed bytes read at a time
 _OUT_CHUNK = 1024 * 1024  # most decompressed bytes produced at a time (a highly compressed file stays bounded)
-_ZSTD_FEED = 64 * 1024  # zstd's decompressobj has no output bound: feed it small pieces instead
+# zstd: the largest window a frame may ask for (memory the decoder allocates); zstd's levels use at most 8 MiB, its
+# --long mode 128 MiB. A frame asking for more is refused, naming this limit.
+ZSTD_MAX_WINDOW = 2**27
 
 
 class InputReadError(Exception):
@@ -132,11 +134,67 @@ def _new_decompressor(kind: str):
         return bz2.BZ2Decompressor()
     if kind == "lzma":
         return lzma.LZMADecompressor()
-    if kind == "zstd":
-        import zstandard  # a Beam dependency
-
-        return zstandard.ZstdDecompressor(max_window_size=2**31).decompressobj()
     raise ValueError(f"unknown compression {kind!r}")
+
+
+class ZstdFrames:
+    """Follows the frame structure of zstd bytes fed to it (RFC 8878: frame headers, block headers and sizes, content
+    checksums, skippable frames), without decompressing: `complete` tells whether the bytes so far end exactly
+    between frames. zstd's bounded stream reader stops silently at a cut frame; this is how a cut file is told."""
+
+    def __init__(self):
+        self._buf = b""     # header bytes being collected
+        self._need = 4      # bytes wanted for the current step
+        self._skip = 0      # body bytes to pass over
+        self._step = "magic"
+        self._checksum = False
+
+    @property
+    def complete(self) -> bool:
+        return self._step == "magic" and not self._buf and not self._skip
+
+    def feed(self, data: bytes) -> None:
+        view, i = memoryview(data), 0
+        while i < len(view):
+            if self._skip:
+                n = min(self._skip, len(view) - i)
+                self._skip -= n
+                i += n
+                continue
+            take = min(self._need - len(self._buf), len(view) - i)
+            self._buf += bytes(view[i:i + take])
+            i += take
+            if len(self._buf) == self._need:
+                self._advance()
+
+    def _advance(self):
+        buf, self._buf = self._buf, b""
+        if self._step == "magic":
+            magic = int.from_bytes(buf, "little")
+            if magic == 0xFD2FB528:
+                self._step, self._need = "descriptor", 1
+            elif magic & 0xFFFFFFF0 == 0x184D2A50:
+                self._step, self._need = "skippable", 4
+            else:
+                raise InputReadError(f"not valid zstd data: no frame starts with bytes {buf.hex()}")
+        elif self._step == "skippable":
+            self._step, self._need, self._skip = "magic", 4, int.from_bytes(buf, "little")
+        elif self._step == "descriptor":
+            d = buf[0]
+            fcs_flag, single, self._checksum, did_flag = d >> 6, bool(d & 0x20), bool(d & 0x04), d & 0x03
+            rest = (0 if single else 1) + (0, 1, 2, 4)[did_flag] + (1 if single else 0, 2, 4, 8)[fcs_flag]
+            self._step, self._need = "block", 3
+            self._skip = rest
+        elif self._step == "block":
+            header = int.from_bytes(buf, "little")
+            last, kind, size = header & 1, (header >> 1) & 3, header >> 3
+            if kind == 3:
+                raise InputReadError("not valid zstd data: a reserved block type")
+            self._skip = 1 if kind == 1 else size
+            if last:
+                self._step, self._need = ("magic", 4) if not self._checksum else ("checksum", 4)
+        elif self._step == "checksum":
+            self._step, self._need = "magic", 4
 
 
 def _decompress_errors() -> tuple[type[BaseException], ...]:
@@ -175,20 +233,50 @@ class DecompressingReader:
         self.complete_lines += piece.count(b"\n")
         return piece
 
+    def _zstd_pieces(self):
+        """zstd through its bounded stream reader (at most _OUT_CHUNK bytes per read, whatever the ratio: a 65 KB
+        bomb cannot expand in one step), frames read one after the other, a window above ZSTD_MAX_WINDOW refused;
+        a cut file is told by following the frame structure of the bytes read (ZstdFrames)."""
+        import zstandard  # a Beam dependency
+
+        frames, raw = ZstdFrames(), self._raw
+
+        class Tee:
+            @staticmethod
+            def read(size=-1):
+                data = raw.read(size)
+                frames.feed(data)
+                return data
+
+        reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
+            Tee(), read_size=_IN_CHUNK, read_across_frames=True)
+        try:
+            while out := reader.read(_OUT_CHUNK):
+                yield out
+            while Tee.read(_IN_CHUNK):  # what the reader left unread still has to be whole frames
+                pass
+        except zstandard.ZstdError as e:
+            text = str(e).lower()
+            window = (f" (a frame may ask for a window of at most {ZSTD_MAX_WINDOW >> 20} MiB)"
+                      if "window" in text or "too much memory" in text else "")
+            raise InputReadError(f"not valid zstd data: {e}{window}") from None
+        if not frames.complete:
+            raise InputReadError("the zstd data ends before its end marker: the file is cut short (an incomplete "
+                                 "upload or copy?)")
+
     def _step(self, d, data: bytes) -> tuple[bytes, bytes, bool]:
         """Feed `data`: (output, the input still to feed, whether the decompressor may hold more output)."""
         if self._kind in ("gzip", "deflate"):
             out = d.decompress(data, _OUT_CHUNK)
             rest = d.unused_data if d.eof else d.unconsumed_tail
             return out, rest, len(out) == _OUT_CHUNK and not d.eof
-        if self._kind in ("bzip2", "lzma"):
-            out = d.decompress(data, _OUT_CHUNK)
-            return out, d.unused_data if d.eof else b"", not d.eof and not d.needs_input
-        piece, later = data[:_ZSTD_FEED], data[_ZSTD_FEED:]
-        out = d.decompress(piece)
-        return out, (d.unused_data + later) if d.eof else later, False
+        out = d.decompress(data, _OUT_CHUNK)  # bzip2, lzma
+        return out, d.unused_data if d.eof else b"", not d.eof and not d.needs_input
 
     def _decompressed(self):
+        if self._kind == "zstd":
+            yield from self._zstd_pieces()
+            return
         errors = _decompress_errors()
         d = None  # the current stream's decompressor (None between streams)
         data = b""  # compressed bytes not fed yet

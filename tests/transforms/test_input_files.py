@@ -125,3 +125,54 @@ def test_layers_are_read_up_to_a_bound():
         packed = gzip.compress(packed)
     reader = open_decompressed(io.BytesIO(packed), "p.jsonl")
     assert gzip.decompress(read_all(reader)) == DATA and reader.compressions == ["gzip"] * MAX_LAYERS
+
+
+# ---------------------------------------------------------------------------------------------- zstd bombs
+
+BOMB_SCRIPT = r'''
+import io, json, resource, sys, zstandard
+from transforms.input_files import open_decompressed
+from transforms.lines import decoded_lines
+line = b"\0" * ((64 << 20) - 1) + b"\n"
+stream = zstandard.ZstdCompressor(level=3).compressobj()  # one frame of 2 GiB in 32 lines
+bomb = b"".join(stream.compress(line) for _ in range(32)) + stream.flush()
+bomb += zstandard.ZstdCompressor().compress(b'{"prompt": "after the bomb"}\n')
+rows = [(n, text, err) for n, text, err in decoded_lines(open_decompressed(io.BytesIO(bomb), "p.jsonl.zst"), "p")]
+print(json.dumps([len(bomb), len(rows), sum(e is not None for _, _, e in rows), rows[-1][1],
+                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))
+'''
+
+
+def test_a_zstd_bomb_is_one_error_row_within_bounded_memory():
+    """One zstd frame of ~70 KB that expands to 2 GiB in 32 lines: one 'line is too long' error row each, the record
+    after them read, and the reader's peak RSS stays far below the expansion (each read returns at most 1 MiB,
+    where one decompress call used to return the whole frame)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", BOMB_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    size, rows, errors, last, rss_kib = json.loads(out.stdout.strip().splitlines()[-1])
+    assert size < 200_000 and rows == 33 and errors == 32 and last == '{"prompt": "after the bomb"}'
+    print(f"zstd bomb: {size / 1e3:.0f} KB -> 2 GiB; peak RSS {rss_kib / 1024:.0f} MiB")
+    assert rss_kib < 400 * 1024
+
+
+def test_a_zstd_window_above_the_limit_is_refused_naming_it():
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=28, enable_ldm=True)
+    stream = zstandard.ZstdCompressor(compression_params=params).compressobj()  # size unknown: the window stays
+    packed = stream.compress(DATA) + stream.flush()
+    with pytest.raises(InputReadError, match="window"):
+        read_all(DecompressingReader(io.BytesIO(packed), "zstd"))
+
+
+def test_zstd_cut_between_blocks_or_frames_and_skippable_frames():
+    one = zstandard.ZstdCompressor(write_checksum=True).compress(DATA)
+    skippable = (0x184D2A53).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"12345"
+    assert read_all(DecompressingReader(io.BytesIO(skippable + one + one), "zstd")) == DATA * 2
+    for cut in (4, 6, len(one) - 4, len(one) - 1, len(one) + 3):
+        with pytest.raises(InputReadError, match="cut short"):
+            read_all(DecompressingReader(io.BytesIO((one + one)[:cut]), "zstd"))
