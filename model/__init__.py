@@ -12,7 +12,8 @@ Importing the package is cheap and JAX-free (the job's readers and launcher use 
 `model.config`); `load` and the generator class import JAX on first use.
 """
 
-from .errors import CheckpointError, ConfigError, ModelError, ReferenceImageError, RequestError, UnsafeWeightsError
+from .errors import (CheckpointError, ConfigError, ModelError, NonFiniteImageError, ReferenceImageError, RequestError,
+                     UnsafeWeightsError)
 from .noise import initial_noise
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "RequestError",
     "ReferenceImageError",
     "UnsafeWeightsError",
+    "NonFiniteImageError",
 ]
 
 

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import warnings
+from typing import NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -67,6 +68,15 @@ PLAIN_UPSAMPLE_PLATFORMS = frozenset({"tpu"})
 def fused_upsample_pays(mesh: Mesh) -> bool:
     """Whether the fused upsample is the faster form on the mesh's devices."""
     return mesh.devices.flat[0].platform not in PLAIN_UPSAMPLE_PLATFORMS
+
+
+class DecodedBatch(NamedTuple):
+    """What the decode program returns: the pixels, and per image the share of non-finite values in the denoised
+    latents and in the decoded image (float32 [B] each; 0 for a sound image)."""
+
+    pixels: jax.Array
+    latents_nonfinite: jax.Array
+    image_nonfinite: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +185,13 @@ class CompiledPrograms:
             model = nnx.merge(vae_graph, state)
             fused = lab.fused_upsample and fused_upsample_pays(mesh)
             image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, fused).astype(jnp.float32), tokens)
-            if not to_uint8:
-                return image
-            return jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)
+            # The share of values that are not finite, per image, in what the denoising loop handed over and in the
+            # decoded pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
+            latents_bad = jnp.mean(~jnp.isfinite(tokens.astype(jnp.float32)), axis=(1, 2))
+            image_bad = jnp.mean(~jnp.isfinite(image), axis=(1, 2, 3))
+            if to_uint8:
+                image = jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)
+            return DecodedBatch(image, latents_bad, image_bad)
 
         # Compiler options ride on the jitted functions, so AOT `.lower().compile()` and plain jit both get them.
         def copts(program):

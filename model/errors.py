@@ -66,3 +66,15 @@ class ReferenceImageError(RequestError):
                  f"prompt {prompt_index}" if prompt_index is not None else None]
         where = ", ".join(w for w in where if w)
         super().__init__(f"{message} ({where})" if where else message, value=value, field="reference_images")
+
+
+class NonFiniteImageError(ModelError):
+    """`generate()` produced images whose values are not finite (NaN or inf: overflow, broken weights, a kernel
+    fault); such pixels are not an image. `images`: {index in the call: model.generator.NonFinite}.
+    `generate_result()` reports them per image instead of raising."""
+
+    def __init__(self, images: dict):
+        self.images = dict(images)
+        first = min(self.images)
+        super().__init__(f"{len(self.images)} image(s) of the call have non-finite values (first: image {first}, "
+                         f"{self.images[first].describe()})")

@@ -24,8 +24,8 @@ from flax import nnx
 from . import contract, shard_layout
 from . import scheduler as sched
 from .config import PipelineConfig
-from .engine import Bucket, CompiledPrograms, enable_compilation_cache, make_mesh
-from .errors import CheckpointError, ConfigError, RequestError
+from .engine import Bucket, CompiledPrograms, DecodedBatch, enable_compilation_cache, make_mesh
+from .errors import CheckpointError, ConfigError, NonFiniteImageError, RequestError
 from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
 from .noise import initial_noise
@@ -180,6 +180,18 @@ class BucketPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """An image whose values stopped being finite (overflow, bad weights, a kernel fault): the stage whose output
+    first held NaN or inf, and the share of that output's values that are not finite."""
+
+    stage: str       # "denoise" (the latents) or "decode" (the pixels)
+    fraction: float
+
+    def describe(self) -> str:
+        return f"non-finite values after {self.stage}: {self.fraction:.1%} of the values are NaN or inf"
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationResult:
     """What `generate_result` returns: the images and the facts a caller reports with them."""
 
@@ -189,6 +201,8 @@ class GenerationResult:
     guidance_scale: float
     model: str
     seconds: float                     # wall time of the call (the lock's wait not counted)
+    # per image: None, or where its values stopped being finite (its pixels are then not an image: do not save them)
+    nonfinite: tuple = ()
 
 
 class Flux2KleinGenerator:
@@ -409,8 +423,9 @@ class Flux2KleinGenerator:
                                       ts_host[i], plan.cos, plan.sin, plan.guidance)
         return latents
 
-    def decode(self, latents, plan: BucketPlan):
-        """Pixels on the devices: uint8 [B, H, W, 3] (float in [-1, 1] with the device_uint8 ablation)."""
+    def decode(self, latents, plan: BucketPlan) -> DecodedBatch:
+        """Pixels on the devices, uint8 [B, H, W, 3] (float in [-1, 1] with the device_uint8 ablation), with each
+        image's share of non-finite values (`DecodedBatch`)."""
         b = plan.bucket
         return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w, self.lab.device_uint8)
 
@@ -422,12 +437,21 @@ class Flux2KleinGenerator:
         return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim,
                                    fused=self.lab.fused if fused is None else fused)
 
-    def to_host(self, pixels, real: int) -> np.ndarray:
+    def to_host(self, decoded: DecodedBatch, real: int) -> np.ndarray:
         """The first `real` images as host uint8 (converted on the host as diffusers does when they are floats)."""
-        host = np.asarray(jax.device_get(pixels))[:real]
+        host = np.asarray(jax.device_get(decoded.pixels))[:real]
         if host.dtype != np.uint8:  # reference path: convert on the host like diffusers' postprocess
             host = np.round(np.clip(host / 2 + 0.5, 0.0, 1.0) * 255.0).astype(np.uint8)
         return host
+
+    @staticmethod
+    def nonfinite(decoded: DecodedBatch, real: int) -> list[NonFinite | None]:
+        """Per image of the first `real`: where non-finite values appeared first (denoise, else decode) and their
+        share of that stage's output, or None for a sound image."""
+        latents, image = (np.asarray(jax.device_get(x))[:real] for x in (decoded.latents_nonfinite,
+                                                                         decoded.image_nonfinite))
+        return [NonFinite("denoise", float(lat)) if lat > 0 else NonFinite("decode", float(img)) if img > 0 else None
+                for lat, img in zip(latents, image)]
 
     # ------------------------------------------------------------------------------------------------ generate
 
@@ -443,8 +467,12 @@ class Flux2KleinGenerator:
         HxWx4 array; None or all lists empty = text-to-image. Every prompt's references must have the same processed
         sizes (`reference_signature`), else ReferenceImageError(reason="signature"). height/width None: the first
         reference's processed size with references, else contract.DEFAULT_SIZE."""
-        return self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
-                                    num_images_per_prompt, sigmas, reference_images).images
+        result = self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                                      num_images_per_prompt, sigmas, reference_images)
+        bad = {i: n for i, n in enumerate(result.nonfinite) if n is not None}
+        if bad:
+            raise NonFiniteImageError(bad)
+        return result.images
 
     def generate_result(self, prompts, seeds, height: int | None = None, width: int | None = None,
                         num_inference_steps: int | None = None, guidance_scale: float | None = None,
@@ -455,17 +483,18 @@ class Flux2KleinGenerator:
             start = time.perf_counter()
             inputs = self.check_inputs(prompts, seeds, height, width, num_inference_steps, guidance_scale,
                                        num_images_per_prompt, reference_images)
-            images, truncated = self._run(inputs, sigmas)
+            images, truncated, nonfinite = self._run(inputs, sigmas)
             return GenerationResult(images=images, prompt_truncated=truncated,
                                     num_inference_steps=inputs.num_inference_steps,
                                     guidance_scale=inputs.guidance_scale, model=self.model_id,
-                                    seconds=time.perf_counter() - start)
+                                    seconds=time.perf_counter() - start, nonfinite=nonfinite)
 
-    def _run(self, inputs: GenerationInputs, sigmas) -> tuple[np.ndarray, tuple[bool, ...]]:
+    def _run(self, inputs: GenerationInputs, sigmas) -> tuple[np.ndarray, tuple[bool, ...], tuple]:
         if not inputs.prompts:
-            return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), ()
+            return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), (), ()
         plan = self.plan_bucket(inputs, sigmas)
         outputs: list[np.ndarray] = []
+        nonfinite: list = []
         truncated: list[bool] = []
         pending = None
         reference_cache: dict = {}  # digest -> tokens: each distinct reference encoded once per call
@@ -485,11 +514,15 @@ class Flux2KleinGenerator:
             # the next batch tokenized) while the device works on this one.
             if pending is not None:
                 outputs.append(self.to_host(*pending))
+                nonfinite.extend(self.nonfinite(*pending))
             pending = (pixels, real)
             if not self.lab.overlap_host:
                 outputs.append(self.to_host(*pending))
+                nonfinite.extend(self.nonfinite(*pending))
                 pending = None
         if pending is not None:
             outputs.append(self.to_host(*pending))
+            nonfinite.extend(self.nonfinite(*pending))
         self.stats["images"] += len(inputs.prompts)
-        return np.concatenate(outputs), tuple(truncated)
+        self.stats["images_nonfinite"] += sum(n is not None for n in nonfinite)
+        return np.concatenate(outputs), tuple(truncated), tuple(nonfinite)

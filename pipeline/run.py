@@ -46,7 +46,8 @@ from transforms.input_check import InputCheckError, check_input_files
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
-    ImageEncoding, SkipExisting, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary, read_bytes, write_bytes_atomic,
+    NON_FINITE_TAG, ImageEncoding, SkipExisting, SplitNonFinite, WriteImagesFn, WriteSummary, failed_batch_rows,
+    format_summary, read_bytes, write_bytes_atomic,
 )
 from transforms.preview import DEFAULT_PREVIEW, WritePreview, check_preview
 from transforms.progress import ProgressReporter, ReportTotal
@@ -347,9 +348,12 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         batches = tasks | "BatchByShape" >> BatchByShape(job.batch_size)
         results, dlq = batches | "RunInference" >> RunInference(make_handler(job).with_no_batching()) \
             .with_exception_handling()
-        manifest = results | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir, job.encoding,
-                                                                           job.encode_threads))
-        failed = dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)
+        split = results | "SplitNonFinite" >> beam.ParDo(SplitNonFinite()).with_outputs(NON_FINITE_TAG,
+                                                                                        main="sound")
+        manifest = split.sound | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir, job.encoding,
+                                                                               job.encode_threads))
+        failed = ((dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)),
+                  split[NON_FINITE_TAG]) | "FailedImages" >> beam.Flatten()
 
     invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()

@@ -162,6 +162,7 @@ class GeneratedImage:
     prompt_truncated: bool
     model: str
     generation_ms: float  # this image's share of its batch's generate() wall time
+    nonfinite: str | None = None  # why its values are not an image (NaN or inf: stage and share), else None
 
 
 class LoadedGenerator:
@@ -183,6 +184,7 @@ class LoadedGenerator:
                                         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                         **extra)
         return {"images": np.asarray(out.images), "truncated": list(out.prompt_truncated),
+                "nonfinite": [None if n is None else n.describe() for n in out.nonfinite],
                 "num_inference_steps": out.num_inference_steps, "guidance_scale": out.guidance_scale,
                 "model": str(out.model), "seconds": out.seconds, "loader_pid": self.loader_pid}
 
@@ -286,7 +288,8 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         for i, task in enumerate(tasks):
             image = GeneratedImage(task=task, pixels=images[i], num_inference_steps=out["num_inference_steps"],
                                    guidance_scale=out["guidance_scale"], prompt_truncated=bool(out["truncated"][i]),
-                                   model=out["model"], generation_ms=per_image_ms)
+                                   model=out["model"], generation_ms=per_image_ms,
+                                   nonfinite=out.get("nonfinite", [None] * len(tasks))[i])
             results.append(PredictionResult(task, image, model_id=out["model"]))
         return results
 

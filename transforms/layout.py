@@ -40,6 +40,7 @@ FILE_NAME_COLLISION = "file_name_collision"  # two requests would write the same
 UNREADABLE_INPUT = "unreadable_input"  # an input file that cannot be read (to its end)
 INFERENCE_FAILED = "inference_failed"
 INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
+NON_FINITE_IMAGE = "non_finite_image"  # generation gave NaN or inf values: nothing is written for that image
 
 MANIFEST_FIELDS = (
     "id",

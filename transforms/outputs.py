@@ -468,12 +468,44 @@ def failed_batch_rows(failed) -> Iterable[dict]:
                   f"{first.height}x{first.width}. {OUT_OF_MEMORY_REMEDY} The error: {message}")
     for task in tasks:
         r = task.request
-        yield layout.error_row(
-            source=r.source, line=r.line, id=r.id, kind=layout.INFERENCE_FAILED, file_name=task.file_name,
-            reason=reason,
-            record={"prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width,
-                    "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale,
-                    **({"reference_images": list(r.reference_images)} if r.reference_images else {})})
+        yield layout.error_row(source=r.source, line=r.line, id=r.id, kind=layout.INFERENCE_FAILED,
+                               file_name=task.file_name, reason=reason, record=_task_record(task))
+
+
+def _task_record(task) -> dict:
+    """What an error row of a generated (or attempted) image carries as its record: the request's parameters."""
+    r = task.request
+    return {"prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width,
+            "num_inference_steps": r.num_inference_steps, "guidance_scale": r.guidance_scale,
+            **({"reference_images": list(r.reference_images)} if r.reference_images else {})}
+
+
+NON_FINITE_TAG = "nonfinite"
+
+
+class SplitNonFinite(beam.DoFn):
+    """PredictionResults -> the sound ones (main output) and, tagged NON_FINITE_TAG, one error row per image whose
+    values are not finite (kind `non_finite_image`, with the stage and the share of NaN/inf values): nothing is
+    written for those. Counted in `images_non_finite`."""
+
+    def __init__(self):
+        self._count = Metrics.counter(METRICS_NAMESPACE, "images_non_finite")
+
+    def process(self, result):
+        generated = result.inference
+        if generated.nonfinite is None:
+            yield result
+            return
+        self._count.inc()
+        yield beam.pvalue.TaggedOutput(NON_FINITE_TAG, non_finite_row(generated.task, generated.nonfinite))
+
+
+def non_finite_row(task, why: str) -> dict:
+    """The error row of an image whose values are not finite."""
+    r = task.request
+    return layout.error_row(source=r.source, line=r.line, id=r.id, file_name=task.file_name,
+                            kind=layout.NON_FINITE_IMAGE, record=_task_record(task),
+                            reason=f"the generated image is not usable, so nothing was written: {why}")
 
 
 # --------------------------------------------------------------------------------------------- summary

@@ -33,7 +33,7 @@ from apache_beam.metrics import Metrics
 
 from . import layout, retries, shards
 from .metrics import NAMESPACE as METRICS_NAMESPACE
-from .outputs import ImageEncoding, default_encode_threads, failed_batch_rows, png_text, read_bytes, \
+from .outputs import ImageEncoding, default_encode_threads, failed_batch_rows, non_finite_row, png_text, read_bytes, \
     write_bytes_atomic
 
 LOGGER = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ class PackShardFn(beam.DoFn):
         self._bytes = Metrics.counter(METRICS_NAMESPACE, "image_bytes_written")
         self._shards_written = Metrics.counter(METRICS_NAMESPACE, "shards_written")
         self._shards_kept = Metrics.counter(METRICS_NAMESPACE, "shards_skipped")
+        self._nonfinite = Metrics.counter(METRICS_NAMESPACE, "images_non_finite")
         self._gen_ms = Metrics.distribution(METRICS_NAMESPACE, "generation_ms_per_image")
 
     def setup(self):
@@ -245,6 +246,10 @@ class PackShardFn(beam.DoFn):
                 for task, result in zip(tasks, results):
                     key = key_of[id(task)]
                     g = result.inference
+                    if g.nonfinite is not None:  # NaN/inf values: an error row, no sample
+                        self._nonfinite.inc()
+                        errors.append((key, task, non_finite_row(task, g.nonfinite)))
+                        continue
                     future = self._pool.submit(_encode_to, os.path.join(spool, key), g, self._encoding)
                     stored[key] = (_Made(g.task, g.num_inference_steps, g.guidance_scale, g.prompt_truncated,
                                          g.model, g.generation_ms), future)
