@@ -1,11 +1,30 @@
-"""Local files that readers see whole or not at all: written under a temporary name in the same folder, synced,
-then renamed over the final name (the local half of the job's atomic writes; object stores are atomic per upload)."""
+"""Files that readers see whole or not at all.
+
+Local: written under a temporary name in the same folder, synced, given the mode the umask allows (as `open` would:
+0644 under umask 022), renamed over the final name, and the folder synced so the rename survives a crash. Object
+stores (gs://): one upload, finalised only when everything was written; on an error the upload is abandoned, so no
+object, not even a short one, appears under the final name (a google-cloud-storage writer otherwise completes the
+upload with what it buffered when it is closed, or garbage-collected, after a failure)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from typing import BinaryIO, Callable
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (Linux /proc), else by setting and restoring it."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_local_atomic(path: str, fill: Callable[[BinaryIO], None]) -> None:
@@ -18,6 +37,7 @@ def write_local_atomic(path: str, fill: Callable[[BinaryIO], None]) -> None:
         with os.fdopen(fd, "wb") as out:
             fill(out)
             out.flush()
+            os.fchmod(out.fileno(), 0o666 & ~umask())  # mkstemp makes 0600 whatever the umask
             os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -26,3 +46,44 @@ def write_local_atomic(path: str, fill: Callable[[BinaryIO], None]) -> None:
         except OSError:
             pass
         raise
+    sync_folder(folder)
+
+
+def sync_folder(folder: str) -> None:
+    """fsync a folder, so that a rename into it is on disk (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_object_atomic(path: str, fill: Callable[[BinaryIO], None], mime_type: str) -> None:
+    """Create the object `path` (gs://...) with what `fill(file)` writes, as one upload that is finalised only when
+    `fill` returned; an error abandons it and leaves no object."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    out = FileSystems.create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED)
+    try:
+        fill(out)
+    except BaseException:
+        abandon_upload(out)
+        raise
+    out.close()
+
+
+def abandon_upload(writer) -> None:
+    """Make an unfinished object writer never finalise its upload: google-cloud-storage's BlobWriter (Beam's GCS
+    writer) uploads what it buffered and completes the object in close(), which garbage collection also calls; with
+    its buffer closed first, close() uploads nothing and the resumable upload is left unfinished (never visible)."""
+    for candidate in (writer, getattr(writer, "_file", None), getattr(writer, "_blob_writer", None)):
+        buffer = getattr(candidate, "_buffer", None)
+        if buffer is not None and hasattr(buffer, "close"):
+            buffer.close()
+            return

@@ -28,7 +28,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.utils.windowed_value import WindowedValue
 
 from . import layout, retries
-from .atomic_files import write_local_atomic
+from .atomic_files import write_local_atomic, write_object_atomic
 from .inference import is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .requests import ImageTask
@@ -47,8 +47,7 @@ def write_bytes_atomic(path: str, data: bytes, mime_type: str = "application/oct
     if is_local(path):
         write_local_atomic(path, lambda f: f.write(data))
         return
-    with FileSystems.create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-        f.write(data)
+    write_object_atomic(path, lambda f: f.write(data), mime_type)
 
 
 def read_bytes(path: str) -> bytes:

@@ -24,7 +24,7 @@ import tarfile
 from typing import Iterable
 
 from . import layout
-from .atomic_files import write_local_atomic
+from .atomic_files import write_local_atomic, write_object_atomic
 
 SHARDS_DIR = "shards"
 DEFAULT_SAMPLES_PER_SHARD = 1000
@@ -261,14 +261,5 @@ def write_file_atomic(path: str, source_path: str, mime_type: str, chunk: int = 
         with open(source_path, "rb") as src:
             write_local_atomic(path, lambda out: shutil.copyfileobj(src, out, chunk))
         return
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    out = FileSystems.create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED)
     with open(source_path, "rb") as src:
-        while True:
-            block = src.read(chunk)
-            if not block:
-                break
-            out.write(block)  # an error here propagates without close(): the upload is never completed
-    out.close()
+        write_object_atomic(path, lambda out: shutil.copyfileobj(src, out, chunk), mime_type)
