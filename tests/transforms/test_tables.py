@@ -345,3 +345,48 @@ def test_read_a_damaged_parquet_object_on_gcs(gcs_emulator, gcs_bucket):
 def test_text_file_read_as_asked_keeps_every_line(tmp_path):
     out = parse_lines(b"prompt,seed\na cat,3\n", "p.txt", "text", D)
     assert [o.prompt for o in out] == ["prompt,seed", "a cat,3"]  # read as asked; the job warns (see above)
+
+
+# ---------------------------------------------------------------------------------------------- Parquet bombs
+
+PARQUET_BOMB = r'''
+import io, json, resource, sys
+import pyarrow as pa, pyarrow.parquet as pq
+from transforms.columns import ColumnMap
+from transforms.parquet_input import iter_parquet
+big = "x" * (1 << 20)                       # 1 MiB, stored once in the dictionary page
+huge = "y" * (20 << 20)                      # 20 MiB: above the 16 MiB bound for one record
+indices = pa.array([0] * 2047 + [1, 2], pa.int32())  # built as a dictionary array: nothing expanded here
+prompts = pa.DictionaryArray.from_arrays(indices, pa.array([big, huge, "a fox"]))
+buf = io.BytesIO()
+pq.write_table(pa.table({"prompt": prompts}), buf, compression="zstd", use_dictionary=True)
+data = buf.getvalue()
+good = errors = 0
+last = None
+for rec in iter_parquet(io.BytesIO(data), "bomb.parquet", ColumnMap()):
+    if rec.error is not None:
+        errors += 1
+        reason = rec.error["reason"]
+    else:
+        good += 1
+        last = rec.fields["prompt"][:5]
+print(json.dumps([len(data), good, errors, reason[:40], last, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))
+'''
+
+
+def test_a_parquet_dictionary_bomb_reads_within_bounded_memory():
+    """A few KB of Parquet whose dictionary page stands for 2 GiB of strings: rows are sized from the dictionary
+    before any is expanded, expanded at most 16 MiB at a time, and a row above the record bound is an error row
+    that is never expanded; peak RSS stays far below the expansion."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PARQUET_BOMB], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    size, good, errors, reason, last, rss_kib = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"parquet bomb: {size / 1e3:.1f} KB -> 2 GiB of strings; peak RSS {rss_kib / 1024:.0f} MiB")
+    assert size < 200_000 and good == 2048 and errors == 1 and reason.startswith("row is too long")
+    assert last == "a fox" and rss_kib < 600 * 1024
