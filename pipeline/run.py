@@ -494,8 +494,10 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         _use_emulator_credentials()
     retries.install()
     retries.take_pending()  # count only this job's retries (an earlier job in this process may have left some)
-    job = resolve_job(options)
     local = is_local_runner(options)
+    if local:
+        quiet_tpu_runtime()
+    job = resolve_job(options)
     wait = local if wait is None else wait
     if not local and not options.view_as(Flux2KleinOptions).skip_preflight:
         _tpu_preflight(options, job)
@@ -540,6 +542,21 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if job.demo:
         print(DEMO_DONE)
     return result, summary
+
+
+def quiet_tpu_runtime() -> None:
+    """On a machine without a TPU, keep JAX from starting the TPU runtime that the [test]/[preflight] extras install
+    (libtpu): it finds no chip and prints INVALID_ARGUMENT / 'could not determine TPU' lines that read like failures.
+    Only when JAX_PLATFORMS is unset, libtpu is installed, and neither a TPU nor an NVIDIA device node exists; the
+    setting reaches the runner's worker processes through the environment."""
+    import glob
+    import importlib.util
+
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _tpu_preflight(options: PipelineOptions, job: JobConfig) -> None:
