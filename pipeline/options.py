@@ -153,6 +153,8 @@ OPTIONS = (
            default=False),
     Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
            default=False),
+    Option("allow_empty", "output", "Exit 0 even when the run generates no image (no record, or every request "
+                                    "invalid or failed).", switch=True, default=False),
     # --- model
     Option("model", "model", "FLUX.2 [klein] checkpoint in diffusers layout: a local folder or a gs:// prefix "
                              "(copied once per machine).", metavar="CHECKPOINT",

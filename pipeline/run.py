@@ -602,11 +602,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        run(argv)
+        result, summary = run(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    reason = empty_run_reason(summary)
+    if reason and not PipelineOptions(argv).view_as(Flux2KleinOptions).allow_empty:
+        print(f"error: {reason} (--allow_empty accepts such a run)", file=sys.stderr)
+        return 1
     return 0
+
+
+def empty_run_reason(summary: dict | None) -> str | None:
+    """Why a finished run that generated nothing is not a success, or None (a submitted job has no summary)."""
+    if not summary or summary.get("images_generated", 0) or summary.get("skipped", 0):
+        return None
+    if not summary.get("records_read", 0):
+        return "no image was generated: the input held no record"
+    bad = summary.get("invalid", 0) + summary.get("failed", 0)
+    if bad:
+        return (f"no image was generated: all {bad} request(s) were invalid or failed (see the errors file: "
+                f"errors/errors-*.jsonl under the output)")
+    return None
 
 
 if __name__ == "__main__":

@@ -179,8 +179,18 @@ def format_help() -> str:
     lines += ["", _wrap(f"Beam's own options pass through to Beam, for example {beam}. With no --runner the job "
                         f"runs on Beam's FnApiRunner, in this process; templates/README.md shows a Dataflow launch. "
                         f"Every Beam option, with its help:"),
-              f"  {PROG} {BEAM_HELP_FLAG}"]
+              f"  {PROG} {BEAM_HELP_FLAG}", "", "exit status:"]
+    lines += [f"  {code}  {_wrap(text, ' ' * 5).strip()}" for code, text in EXIT_STATUSES]
     return "\n".join(lines) + "\n"
+
+
+# What `python -m pipeline.run` exits with (its --help and the README list them).
+EXIT_STATUSES = (
+    (0, "the job ran and generated images (or skipped them as already there), or --allow_empty was given"),
+    (1, "the job ran but generated no image: no record was read, or every request was invalid or failed (the "
+        "errors file names each); or the job itself failed"),
+    (2, "a usage error: an unknown option, a bad value, an input or model that cannot be used; nothing ran"),
+)
 
 
 def format_beam_help() -> str:

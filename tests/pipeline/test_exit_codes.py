@@ -1,0 +1,43 @@
+"""Exit statuses that tell the truth: a run that generates nothing because its input was empty or every request
+was invalid exits 1 with one line saying why (unless --allow_empty); a usage error exits 2; a good run 0."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline_helpers import MODEL_ARGS, ckpt32  # noqa: F401 - ckpt32 is a fixture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cli(ckpt, source, out, *extra):
+    return subprocess.run([sys.executable, "-m", "pipeline.run", f"--model={ckpt}", f"--input={source}",
+                           f"--output={out}", *MODEL_ARGS, "--runner=FnApiRunner", "--no_progress", *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("content,words", [
+    ("", "the input held no record"),
+    ('{"text": "a fox"}\n{"text": "a lighthouse"}\n', "all 2 request(s) were invalid or failed"),
+], ids=["empty-input", "wrong-prompt-key"])
+def test_a_run_that_generates_nothing_exits_1_saying_why(ckpt32, tmp_path, content, words):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(content)
+    out = _cli(ckpt32, source, tmp_path / "out")
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no image was generated") and words in last and "--allow_empty" in last
+    allowed = _cli(ckpt32, source, tmp_path / "out2", "--allow_empty")
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+
+
+def test_exit_statuses_are_documented():
+    from pipeline.usage import EXIT_STATUSES, format_help
+
+    text = format_help()
+    assert "exit status:" in text and all(f"  {code}  " in text for code, _ in EXIT_STATUSES)
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    assert all(f"| {code} |" in readme for code, _ in EXIT_STATUSES)
