@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -498,6 +499,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if local:
         quiet_tpu_runtime()
     job = resolve_job(options)
+    if local:  # what a stopped or killed run left behind
+        remove_beam_temp(job.output)
     wait = local if wait is None else wait
     if not local and not options.view_as(Flux2KleinOptions).skip_preflight:
         _tpu_preflight(options, job)
@@ -601,16 +604,86 @@ def main(argv: list[str] | None = None) -> int:
         print(format_beam_help(), end="")
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         result, summary = run(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:  # noqa: BLE001 - a signal however Beam wrapped it; anything else re-raised
+        signum = _interrupting_signal(e)
+        if signum is None:
+            raise
+        return _stop_after_signal(argv, signum)
     reason = empty_run_reason(summary)
     if reason and not PipelineOptions(argv).view_as(Flux2KleinOptions).allow_empty:
         print(f"error: {reason} (--allow_empty accepts such a run)", file=sys.stderr)
         return 1
     return 0
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT."""
+
+
+def _raise_interrupted(signum, frame):
+    """Stop the run where it is: Beam's own reports of the interrupt (tracebacks from its threads) are silenced, the
+    one line of `_stop_after_signal` says what happened."""
+    logging.disable(logging.CRITICAL)
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
+def _interrupting_signal(error: BaseException) -> int | None:
+    """SIGINT or SIGTERM when `error` is the interrupt (or Beam's RuntimeError wrapping one), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, KeyboardInterrupt) or "KeyboardInterrupt" in str(error):
+            return signal.SIGINT
+        if isinstance(error, Terminated) or "Terminated" in type(error).__name__:
+            return signal.SIGTERM
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _stop_after_signal(argv: list[str], signum: int) -> int:
+    """One line on what was written and how to resume; Beam's temporary folders removed; 128 + the signal."""
+    logging.disable(logging.CRITICAL)  # Beam's threads report the interrupt at length: the line below says it
+    output = PipelineOptions(argv).view_as(Flux2KleinOptions).output or DEFAULT_OUTPUT
+    removed = remove_beam_temp(output)
+    try:
+        written = len(FileSystems.match([layout.join(output, layout.IMAGES_DIR + "/*")])[0].metadata_list)
+    except Exception:  # noqa: BLE001 - nothing listable: say nothing was written
+        written = 0
+    name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
+    print(f"interrupted ({name}): {written} image(s) written under {output}"
+          f"{f', {removed} temporary folder(s) removed' if removed else ''}; to resume, run the same command with "
+          f"--skip_existing", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def remove_beam_temp(output: str) -> int:
+    """Remove the `beam-temp-*` folders Beam's file sinks leave under `output` when a run is stopped (a killed run's
+    too); returns how many. Only runs of this job write under `output`."""
+    import glob
+
+    count = 0
+    for folder in ("", layout.MANIFEST_DIR, layout.ERRORS_DIR):
+        if layout.is_local_path(output):
+            for top in glob.glob(os.path.join(output, folder, "beam-temp-*")):
+                shutil.rmtree(top, ignore_errors=True)
+                count += 1
+            continue
+        try:
+            objects = [m.path for m in FileSystems.match([layout.join(output, (folder + "/" if folder else "")
+                                                                      + "beam-temp-*/**")])[0].metadata_list]
+        except Exception:  # noqa: BLE001 - nothing there
+            continue
+        if objects:
+            FileSystems.delete(objects)
+            count += len({p.split("beam-temp-", 1)[1].split("/", 1)[0] for p in objects})
+    return count
 
 
 def empty_run_reason(summary: dict | None) -> str | None:
