@@ -112,27 +112,21 @@ def test_superseded_copies_are_deleted_once_unused_for_a_while(gcs_emulator, gcs
     assert checkpoint.resolve_checkpoint(uri, cache_dir=cache) == second and os.path.isdir(second)
 
 
-def test_checksum_mismatch_names_the_object(gcs_emulator, gcs_bucket, tmp_path):
+@pytest.mark.parametrize("rel,stored,words", [
+    # same size, different bytes, old checksums
+    ("vae/diffusion_pytorch_model.safetensors", b"\x00\x02" * 5000, "checksum mismatch"),
+    # the stored bytes end before the size GCS lists (a cut upload): the range read comes back short
+    ("transformer/diffusion_pytorch_model.safetensors",
+     FILES["transformer/diffusion_pytorch_model.safetensors"][:8192], "short read|size mismatch"),
+], ids=["checksum", "truncated"])
+def test_a_damaged_object_is_named_and_no_copy_is_kept(gcs_emulator, gcs_bucket, tmp_path, monkeypatch, rel, stored,
+                                                       words):
+    monkeypatch.setattr(checkpoint, "_SLICE", 4096)  # several slices per object
     uri = _upload(gcs_emulator, gcs_bucket, "klein")
-    bad = f"{uri}/vae/diffusion_pytorch_model.safetensors"
-    gcs_emulator.corrupt_object(bad, b"\x00\x02" * 5000)  # same size, different bytes, old checksums
+    bad = f"{uri}/{rel}"
+    gcs_emulator.corrupt_object(bad, stored)
     cache = str(tmp_path / "cache")
-    with pytest.raises(CheckpointError, match="checksum mismatch") as e:
-        checkpoint.resolve_checkpoint(uri, cache_dir=cache)
-    assert bad in str(e.value)
-    _assert_nothing_left(cache)
-
-
-def test_truncated_object_is_a_short_read_naming_it(gcs_emulator, gcs_bucket, tmp_path, monkeypatch):
-    """An object whose stored bytes end before the size GCS lists (a cut upload, bit rot): the range read that comes
-    back short names the object, and no copy is kept."""
-    monkeypatch.setattr(checkpoint, "_SLICE", 4096)  # several slices per object, the last one short
-    uri = _upload(gcs_emulator, gcs_bucket, "klein")
-    bad = f"{uri}/transformer/diffusion_pytorch_model.safetensors"
-    data = FILES["transformer/diffusion_pytorch_model.safetensors"]
-    gcs_emulator.corrupt_object(bad, data[:len(data) // 2])
-    cache = str(tmp_path / "cache")
-    with pytest.raises(CheckpointError, match="short read|size mismatch") as e:
+    with pytest.raises(CheckpointError, match=words) as e:
         checkpoint.resolve_checkpoint(uri, cache_dir=cache)
     assert bad in str(e.value)
     _assert_nothing_left(cache)
