@@ -24,6 +24,7 @@ import logging
 import os
 import posixpath
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import apache_beam as beam
@@ -52,12 +53,13 @@ class ReferenceError(ValueError):
     """A reference that cannot be used: missing, unreadable, not an image, too large, too small, too elongated, or
     replaced during the job. `uri` is the reference, `reason` why (the message names both)."""
 
-    def __init__(self, uri: str, reason: str):
+    def __init__(self, uri: str, reason: str, *, transient: bool = False):
         super().__init__(f"reference image {uri!r} {reason}")
         self.uri = uri
         self.reason = reason
         self.field = FIELD
         self.value = uri
+        self.transient = transient  # a read that failed for a reason that may pass (never cached)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +118,23 @@ def resolve_path(path: str, source: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------- reading
+READ_ATTEMPTS = 3  # reads of a reference whose failure may be transient (a dropped connection, a 5xx)
+READ_BACKOFF_S = 0.5
+
+
 def _read_bounded(uri: str, max_bytes: int) -> bytes:
+    """The reference's bytes; a read that fails for a reason that may pass is tried READ_ATTEMPTS times."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return _read_bounded_once(uri, max_bytes)
+        except ReferenceError as e:
+            if not e.transient or attempt == READ_ATTEMPTS - 1:
+                raise
+            time.sleep(READ_BACKOFF_S * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def _read_bounded_once(uri: str, max_bytes: int) -> bytes:
     try:
         with FileSystems.open(uri, compression_type=CompressionTypes.UNCOMPRESSED) as f:
             data = f.read(max_bytes + 1)
@@ -131,7 +149,7 @@ def _read_bounded(uri: str, max_bytes: int) -> bytes:
             raise ReferenceError(uri, "does not exist") from None
         if isinstance(e, IsADirectoryError):
             raise ReferenceError(uri, "is a folder, not a file") from None
-        raise ReferenceError(uri, f"cannot be read: {text[:300]}") from None
+        raise ReferenceError(uri, f"cannot be read: {text[:300]}", transient=True) from None
     if len(data) > max_bytes:
         raise ReferenceError(uri, f"is larger than {max_bytes} bytes, the most a reference of "
                                   f"--max_reference_pixels may take (refused before decoding)")
@@ -239,6 +257,8 @@ class ReferenceCache:
             value = read_reference(uri, limits)
             cost = value.size[0] * value.size[1] * 3
         except ReferenceError as e:
+            if e.transient:  # not cached: the next request that needs it reads it again
+                return e, 0
             value, cost = e, 1024
         with self._lock:
             self._items[key] = (value, cost)

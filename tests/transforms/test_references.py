@@ -204,3 +204,29 @@ def test_reference_field_in_bigquery_rows_needs_full_paths():
     assert ok.reference_images == ("gs://b/a.png",)
     bad = parse_raw(row_record({"prompt": "p", "reference_images": ["a.png"]}, "bq-query"), D)
     assert bad["field"] == "reference_images" and "relative" in bad["reason"]
+
+
+def test_transient_read_errors_are_retried_and_never_cached(tmp_path, monkeypatch):
+    """A reference read that fails for a reason that may pass (a dropped connection) is tried again; one that still
+    fails is an error for this request only: the next request reads the file again instead of a cached failure."""
+    monkeypatch.setattr(references, "READ_BACKOFF_S", 0.0)
+    real_open = references.FileSystems.open
+    failures = {"left": 0}
+
+    def flaky_open(path, *args, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("connection reset by peer")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(references.FileSystems, "open", flaky_open)
+    a = write(tmp_path, "a.png", png(64, 64, seed=1))
+    cache = ReferenceCache()
+    failures["left"] = references.READ_ATTEMPTS - 1
+    assert cache.get(a, LIMITS).size == (64, 64)  # read on the last attempt
+    b = write(tmp_path, "b.png", png(64, 64, seed=2))
+    failures["left"] = references.READ_ATTEMPTS
+    with pytest.raises(ReferenceError, match="connection reset") as e:
+        cache.get(b, LIMITS)
+    assert e.value.transient
+    assert cache.get(b, LIMITS).size == (64, 64)  # the failure was not cached
