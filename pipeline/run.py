@@ -538,9 +538,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     print(f"summary: {format_summary(summary)}")
     for row in summary.get("warnings", []):
         print(f"warning: {row['warning']}", file=sys.stderr)
-    images = layout.join(job.output, "shards/*.tar" if job.webdataset else layout.IMAGES_DIR + "/")
-    print(f"outputs: {images}, {layout.manifest_prefix(job.output)}-*.jsonl, "
-          f"{layout.errors_prefix(job.output)}-*.jsonl, {layout.summary_path(job.output)}")
+    for line in closing_lines(job, summary):
+        print(line)
     _print_metrics(metrics)
     if job.demo:
         print(DEMO_DONE)
@@ -560,6 +559,22 @@ def quiet_tpu_runtime() -> None:
     if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"):
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def closing_lines(job: JobConfig, summary: dict) -> list[str]:
+    """Where the results are: the images (or shards), the manifest, metadata.jsonl, the preview, and the errors
+    file when the run wrote error rows."""
+    out = job.output
+    lines = [f"images: {layout.join(out, 'shards/*.tar' if job.webdataset else layout.IMAGES_DIR + '/')}",
+             f"manifest: {layout.manifest_prefix(out)}-*.jsonl"
+             + ("" if job.webdataset else f" (and {layout.metadata_path(out)} for Hugging Face imagefolder)")]
+    if job.preview:
+        lines.append(f"preview: {layout.join(out, 'preview/index.html')} (open it in a browser)")
+    if summary.get("invalid", 0) + summary.get("failed", 0) + summary.get("duplicates", 0):
+        lines.append(f"errors: {layout.errors_prefix(out)}-*.jsonl (one row per record or image that failed, "
+                     f"with the reason)")
+    lines.append(f"summary: {layout.summary_path(out)}")
+    return lines
 
 
 def _tpu_preflight(options: PipelineOptions, job: JobConfig) -> None:

@@ -41,3 +41,16 @@ def test_exit_statuses_are_documented():
     with open(os.path.join(ROOT, "README.md")) as fh:
         readme = fh.read()
     assert all(f"| {code} |" in readme for code, _ in EXIT_STATUSES)
+
+
+def test_closing_lines_name_every_result(ckpt32, tmp_path):
+    """The run's last lines say where the images, manifest, metadata.jsonl, preview, errors and summary are."""
+    source = tmp_path / "prompts.jsonl"
+    source.write_text('{"prompt": "a fox"}\n{"prompt": ""}\n')
+    out = _cli(ckpt32, source, tmp_path / "out", "--preview=4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    for line in ("images: ", "manifest: ", "metadata.jsonl for Hugging Face imagefolder", "preview: ",
+                 "preview/index.html", "errors: ", "summary: "):
+        assert line in text, (line, text[-2000:])
+    assert os.path.isfile(tmp_path / "out" / "preview" / "index.html")
