@@ -157,7 +157,7 @@ def test_inference_faults_go_to_errors_and_a_rerun_completes_the_job(gcs_emulato
     assert summary["retries"]["inference"] == 0
     assert outs.rows("existing") == []
     _check_no_partial_objects(outs, set(images))
-    leaked = [r.getMessage()[:120] for r in caplog.records if r.levelno <= logging.INFO and SECRET in r.getMessage()]
+    leaked = [r.getMessage()[:120] for r in caplog.records if SECRET[:20] in r.getMessage()]  # any level, any cut
     assert not leaked, leaked
     generations = outs.generations()
 
