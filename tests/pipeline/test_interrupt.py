@@ -40,6 +40,8 @@ def test_a_signal_stops_the_job_with_one_line_and_a_resume_finishes_it(ckpt32, t
     assert last.startswith("interrupted (") and "image(s) written under" in last and "--skip_existing" in last, last
     assert not _leftovers(out), _leftovers(out)
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    if signum != signal.SIGINT:  # the resume is the same after either signal: run once (CI time)
+        return
     resumed = subprocess.run(argv + ["--skip_existing"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert len(os.listdir(out / "images")) == N and not _leftovers(out)
