@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from model.compile_events import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, CACHE_MISS_EVENT
+
 from . import engines as E
 from .engines import STAGES, JaxEngine
 
@@ -30,7 +32,6 @@ BASE_PROMPTS = [
     "A bowl of fresh fruit on a kitchen table, studio photo",
 ]
 
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def progress(msg: str) -> None:
@@ -105,9 +106,9 @@ class CompileCounter:
                 self.compile_seconds += duration
 
         def on_event(event, **kw):
-            if event == "/jax/compilation_cache/cache_hits":
+            if event == CACHE_HIT_EVENT:
                 self.cache_hits += 1
-            elif event == "/jax/compilation_cache/cache_misses":
+            elif event == CACHE_MISS_EVENT:
                 self.cache_misses += 1
 
         monitoring.register_event_duration_secs_listener(on_duration)

@@ -66,11 +66,6 @@ def splash_blocks(device_kind: str | None, lq: int, lk: int) -> tuple[int, int, 
     return block, block, block
 
 
-def splash_block(device_kind: str | None, lq: int, lk: int) -> int:
-    """The query block `splash_blocks` picks (what the preflight pads sequence lengths to)."""
-    return splash_blocks(device_kind, lq, lk)[0]
-
-
 # The mesh the programs being traced run on (set by the engine around each program body): the splash kernel is
 # partitioned over it with shard_map, and runs compiled (Mosaic) when its devices are TPUs, interpreted elsewhere.
 _MESH: contextvars.ContextVar = contextvars.ContextVar("attention_mesh", default=None)
