@@ -13,6 +13,7 @@ tree's job. Prints both rates, the ratio, and JSON as the last line.
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import json
 import os
@@ -22,12 +23,12 @@ import tempfile
 import time
 
 
-def generate_rate(ckpt: str, height: int, width: int, images: int, batch_size: int) -> float:
+def generate_rate(ckpt: str, height: int, width: int, images: int, batch_size: int, dtype: str = "float32") -> float:
     """Warm `generate()` images/s for `images` images in batches of `batch_size`."""
     import model
     from model.options import EngineOptions, LoadSettings
 
-    gen = model.load(LoadSettings(model=ckpt, dtype="float32", engine=EngineOptions(batch_size=batch_size)))
+    gen = model.load(LoadSettings(model=ckpt, dtype=dtype, engine=EngineOptions(batch_size=batch_size)))
     prompts = [f"ratio prompt {i}" for i in range(images)]
     gen.generate(prompts[:batch_size], list(range(batch_size)), height, width)  # compile
     start = time.perf_counter()
@@ -36,7 +37,8 @@ def generate_rate(ckpt: str, height: int, width: int, images: int, batch_size: i
     return images / (time.perf_counter() - start)
 
 
-def job_rate(ckpt: str, height: int, width: int, images: int, batch_size: int, job_args: list[str]) -> float:
+def job_rate(ckpt: str, height: int, width: int, images: int, batch_size: int, job_args: list[str],
+             dtype: str = "float32") -> float:
     """The job's steady-state images/s (see the module docstring)."""
     from pipeline.run import run
 
@@ -46,7 +48,7 @@ def job_rate(ckpt: str, height: int, width: int, images: int, batch_size: int, j
         for i in range(images):
             f.write(json.dumps({"id": f"p{i:04d}", "prompt": f"ratio prompt {i}", "seed": i}) + "\n")
     run([f"--model={ckpt}", f"--input={prompts}", f"--output={work}/out", f"--height={height}", f"--width={width}",
-         f"--batch_size={batch_size}", "--dtype=float32", "--no_progress", *job_args])
+         f"--batch_size={batch_size}", f"--dtype={dtype}", "--no_progress", *job_args])
     times = sorted(os.path.getmtime(p) for p in glob.glob(f"{work}/out/images/*"))
     if len(times) != images:
         raise RuntimeError(f"the job wrote {len(times)} images of {images}")
@@ -60,17 +62,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--batch_size", type=int, default=4)
     ap.add_argument("--job_args", default="", help="more arguments for the job, e.g. '--image_format=jpeg'")
+    ap.add_argument("--preset", default="demo", help="'demo' (the demo's checkpoint) or a benchmarks preset, e.g. "
+                    "klein-4b on a TPU chip")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
-    from pipeline.demo import demo_checkpoint
+    if args.preset == "demo":
+        from pipeline.demo import demo_checkpoint
 
-    ckpt = demo_checkpoint()
-    gen = generate_rate(ckpt, args.height, args.width, args.images, args.batch_size)
-    job = job_rate(ckpt, args.height, args.width, args.images, args.batch_size, shlex.split(args.job_args))
+        ckpt = demo_checkpoint()
+    else:
+        from benchmarks.presets import ensure_checkpoint
+
+        ckpt = ensure_checkpoint(args.preset)
+    gen = generate_rate(ckpt, args.height, args.width, args.images, args.batch_size, args.dtype)
+    gc.collect()  # the generator's device arrays go before the job loads the model again (one chip holds one copy)
+    job = job_rate(ckpt, args.height, args.width, args.images, args.batch_size, shlex.split(args.job_args),
+                   args.dtype)
     import pipeline
 
     print(f"generate(): {gen:.2f} images/s; job: {job:.2f} images/s; ratio {job / gen:.3f} "
           f"(code from {os.path.dirname(os.path.dirname(pipeline.__file__))})")
-    print(json.dumps({"benchmark": "job_ratio", "height": args.height, "width": args.width, "images": args.images,
+    print(json.dumps({"benchmark": "job_ratio", "preset": args.preset, "dtype": args.dtype, "height": args.height, "width": args.width, "images": args.images,
                       "batch_size": args.batch_size, "job_args": args.job_args, "generate_images_per_s": round(gen, 3),
                       "job_images_per_s": round(job, 3), "ratio": round(job / gen, 4)}))
     return 0

@@ -63,6 +63,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def host_memory_mb() -> dict:
+    """The process's resident memory split as the kernel counts it (MB): `rss`, `anon` (heap, mallocs),
+    `file` (mapped files, shared libraries) and `shmem` (shared memory, e.g. a runtime's DMA buffers)."""
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                name = line.split(None, 1)[0] if line.strip() else ""
+                if name in keys:
+                    out[keys[name]] = round(int(line.split()[1]) / 1024.0, 1)
+    except OSError:  # not Linux
+        pass
+    return out
+
+
 def current_rss_mb() -> float:
     try:
         import psutil

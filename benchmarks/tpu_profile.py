@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 
-from .runs import current_rss_mb, device_memory, measure_matmul_peak, progress
+from .runs import current_rss_mb, device_memory, host_memory_mb, measure_matmul_peak, progress
 
 
 def parse_args(argv=None):
@@ -157,6 +157,7 @@ def main(argv=None) -> dict:
     gen = model.load(path, dtype=args.dtype, batch_size=args.batch, **_overrides(args.engine))
     load_s = time.perf_counter() - start
     rss_after = current_rss_mb()
+    host_after_load = host_memory_mb()
     progress(f"loaded in {load_s:.1f} s; RSS {rss_before:.0f} -> {rss_after:.0f} MB")
     engine = JaxEngine("ours", gen)
     wl = {"height": args.height, "width": args.width, "steps": args.steps}
@@ -181,6 +182,7 @@ def main(argv=None) -> dict:
               "first_call_s": first_s, "load_s": load_s, "rss_mb": {"start": rss_start, "before_load": rss_before,
                                                                    "after_load": rss_after,
                                                                    "after_runs": current_rss_mb()},
+              "host_memory_mb": {"after_load": host_after_load, "after_runs": host_memory_mb()},
               "device_memory": device_memory(), "images_ok": finite}
     peak = measure_matmul_peak(args.dtype)
     result["matmul_peak_tflops"] = peak["best_flops_per_s"] / 1e12

@@ -81,6 +81,12 @@ def mesh_context(mesh):
         _MESH.reset(token)
 
 
+def traced_platform() -> str:
+    """The platform of the mesh being traced for (`mesh_context`), else JAX's default backend."""
+    mesh = _MESH.get()
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def resolve_implementation(name: str, masked: bool = False, devices: int = 1, platform: str | None = None,
                            dtype=None) -> str:
     """Map a requested implementation to one available on the target platform (with a logged fallback).

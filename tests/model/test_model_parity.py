@@ -125,6 +125,49 @@ def test_transformer_matches_diffusers(which, tiny_ckpt, odd_ckpt):
                                        err_msg=f"{impl}, image_only_last_block={image_only}")
 
 
+def test_lane_rope_is_the_pairs_rope_bit_for_bit():
+    """The RoPE form traced for TPUs (rolled lanes, the sign in the sine) gives the very bits of the pairs form."""
+    import jax.numpy as jnp
+
+    from model.transformer import _rope_by_lanes, apply_interleaved_rope
+
+    rng = np.random.default_rng(3)
+    for shape in ((2, 37, 3, 8), (1, 300, 4, 128)):
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        cos, sin = (jnp.asarray(rng.standard_normal(shape[1:2] + shape[3:]), jnp.float32) for _ in range(2))
+        np.testing.assert_array_equal(np.asarray(_rope_by_lanes(x, cos, sin)),
+                                      np.asarray(apply_interleaved_rope(x, cos, sin)))
+
+
+def test_transformer_traced_for_tpu_matches_diffusers(tiny_ckpt, monkeypatch):
+    """The transformer as traced for a TPU (the lane RoPE) matches diffusers on this CPU."""
+    from diffusers import Flux2Transformer2DModel
+
+    import model.transformer as transformer_lib
+    from model.transformer import image_ids, rope_tables, text_ids
+
+    gen = model.load(tiny_ckpt, dtype="float32", max_sequence_length=8)
+    ref = Flux2Transformer2DModel.from_pretrained(tiny_ckpt, subfolder="transformer", torch_dtype=torch.float32)
+    cfg = gen.config.transformer
+    hidden, text, sigma = _transformer_inputs(cfg, gh=3, gw=5)
+    ids_t, ids_i = text_ids(8), image_ids(3, 5)
+    guidance = np.array([3.5, 1.0], np.float32) if cfg.guidance_embeds else None
+    with torch.no_grad():
+        expected = ref(hidden_states=torch.from_numpy(hidden), encoder_hidden_states=torch.from_numpy(text),
+                       timestep=torch.from_numpy(sigma), img_ids=torch.from_numpy(ids_i),
+                       txt_ids=torch.from_numpy(ids_t), guidance=None if guidance is None else torch.from_numpy(
+                           guidance), return_dict=False)[0]
+    cos, sin = rope_tables(np.concatenate([ids_t, ids_i]), cfg.axes_dims_rope, cfg.rope_theta)
+    calls = []
+    lanes = transformer_lib._rope_by_lanes
+    monkeypatch.setattr(transformer_lib, "traced_platform", lambda: "tpu")
+    monkeypatch.setattr(transformer_lib, "_rope_by_lanes", lambda *a: calls.append(1) or lanes(*a))
+    _, transformer, _ = gen.programs.modules()
+    ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation="xla")
+    assert calls, "the lane form was not traced"
+    np.testing.assert_allclose(np.asarray(ours), _np(expected), atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("which", ["tiny", "odd"])
 def test_vae_decode_matches_diffusers(which, tiny_ckpt, odd_ckpt):
     from diffusers import AutoencoderKLFlux2
