@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-PHASES = ("imports", "fetch", "load", "compile", "first_image")
+PHASES = ("imports", "backend_init", "fetch", "load", "compile", "first_image")
 
 
 def parse_args(argv=None):
@@ -47,7 +47,9 @@ def child(args) -> dict:
     import model
     from model.compile_events import counts
     out["imports_s"] = time.perf_counter() - start
-    out["backend"] = jax.default_backend()
+    start = time.perf_counter()
+    out["backend"] = jax.default_backend()  # starts the runtime (on a TPU, its host memory too)
+    out["backend_init_s"] = time.perf_counter() - start
     counts()
     path = args.model
     start = time.perf_counter()
@@ -58,10 +60,12 @@ def child(args) -> dict:
     out["fetch_s"] = time.perf_counter() - start
     weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
                        if f.endswith(".safetensors"))
+    out["rss_before_load_gb"] = _rss_gb()
     start = time.perf_counter()
     gen = model.load(path, args.dtype, max_sequence_length=args.max_sequence_length, batch_size=1,
                      compilation_cache_dir=args.cache)
     out["load_s"] = time.perf_counter() - start
+    out["rss_after_load_gb"] = _rss_gb()
     out["weight_gb"] = weight_bytes / 1e9
     out["load_gb_per_s"] = weight_bytes / 1e9 / out["load_s"]
     size = dict(height=args.height, width=args.width)
@@ -73,12 +77,17 @@ def child(args) -> dict:
     gen.generate(["a red fox"], [0], **size)
     out["first_image_s"] = time.perf_counter() - start
     out["first_image_after_start_s"] = time.time() - t0
+    out["rss_gb"] = _rss_gb()
+    return out
+
+
+def _rss_gb() -> float | None:
+    """This process's resident memory in GB (None off Linux)."""
     try:
         with open("/proc/self/status") as fh:
-            out["rss_gb"] = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1e6
+            return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1e6
     except (OSError, StopIteration):
-        pass
-    return out
+        return None
 
 
 def run_child(args, cache: str, checkpoint_cache: str) -> dict:
@@ -107,9 +116,12 @@ def main(argv=None) -> dict:
         cache, ckpt_cache = os.path.join(tmp, "xla"), os.path.join(tmp, "checkpoints")
         runs = {"cold": run_child(args, cache, ckpt_cache), "warm": run_child(args, cache, ckpt_cache)}
     rows = [("phase", "cold s", "warm s")]
-    for key in ("process_start", "imports", "fetch", "load", "compile", "first_image", "first_image_after_start"):
+    for key in ("process_start", "imports", "backend_init", "fetch", "load", "compile", "first_image",
+                "first_image_after_start"):
         rows.append((key, f"{runs['cold'][key + '_s']:.2f}", f"{runs['warm'][key + '_s']:.2f}"))
     rows.append(("weights GB/s", f"{runs['cold']['load_gb_per_s']:.2f}", f"{runs['warm']['load_gb_per_s']:.2f}"))
+    for key in ("rss_before_load", "rss_after_load", "rss"):
+        rows.append((key + " GB", *(f"{runs[r][key + '_gb'] or float('nan'):.2f}" for r in ("cold", "warm"))))
     rows.append(("XLA compiles / cache hits", f"{runs['cold']['xla_compiles']} / {runs['cold']['xla_cache_hits']}",
                  f"{runs['warm']['xla_compiles']} / {runs['warm']['xla_cache_hits']}"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

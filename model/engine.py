@@ -30,7 +30,7 @@ from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
 from . import attention as attention_lib, shard_layout, sharding
 from .scheduler import euler_step, guidance_mix, model_timestep
-from .transformer import lane_rope_scope
+from .transformer import tpu_rope_scope
 
 logger = logging.getLogger(__name__)
 # Donation is a no-op on backends that cannot alias the buffers (CPU); that is expected, not worth a warning.
@@ -131,7 +131,7 @@ class CompiledPrograms:
         def on_mesh(fn):
             """`fn` traced for this mesh (the attention kernels partition themselves over it)."""
             def traced(*args):
-                with attention_lib.mesh_context(mesh), precision_scope(dtype), lane_rope_scope(lab.lane_rope):
+                with attention_lib.mesh_context(mesh), precision_scope(dtype), tpu_rope_scope(lab.tpu_rope):
                     return fn(*args)
 
             return traced

@@ -22,7 +22,7 @@ class LabSwitches:
     overlap_host: bool = True          # prepare the next batch while the device works on this one
     image_only_last_block: bool = True  # last transformer block: outputs for image tokens only (text ones unused)
     fused_upsample: bool = True        # VAE: upsample x2 + 3x3 conv as one 2x2 conv at the low resolution (4/9 FLOPs)
-    lane_rope: bool = True             # TPU: RoPE by rolling lanes, not by pairs (model.transformer.apply_interleaved_rope)
+    tpu_rope: str = "matmul"           # RoPE's form on TPUs: matmul | roll | pairs (model.transformer._rope_partner)
 
     @property
     def fused(self) -> bool:
@@ -41,7 +41,7 @@ def reference_mode(**engine_overrides) -> dict:
     engine.update(engine_overrides)
     lab = LabSwitches(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
                       dedupe_prompts=False, aot_compile=False, overlap_host=False, image_only_last_block=False,
-                      fused_upsample=False, lane_rope=False)
+                      fused_upsample=False, tpu_rope="pairs")
     return {"options": EngineOptions(**engine), "lab": lab}
 
 

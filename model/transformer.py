@@ -65,41 +65,50 @@ def rope_tables(ids: np.ndarray, axes_dims, theta: float):
             np.concatenate(sin_parts, axis=1).astype(np.float32))
 
 
-# Whether RoPE, when traced for TPUs, rolls lanes (`_rope_by_lanes`) rather than splitting them into pairs. Set by the
-# engine from its lab switch `lane_rope` around each program it traces, so a benchmark can measure both forms.
-_LANE_ROPE: contextvars.ContextVar = contextvars.ContextVar("lane_rope", default=True)
+# How RoPE is traced for TPUs (`TPU_ROPE_FORMS`), set by the engine from its lab switch `tpu_rope` around each program
+# it traces, so a benchmark can measure each form; elsewhere RoPE always splits pairs (the fastest form on XLA:CPU).
+TPU_ROPE_FORMS = ("matmul", "roll", "pairs")
+_TPU_ROPE: contextvars.ContextVar = contextvars.ContextVar("tpu_rope", default="matmul")
 
 
 @contextlib.contextmanager
-def lane_rope_scope(enabled: bool):
-    """Trace RoPE in its lane form on TPUs (`enabled`) or in its pairs form everywhere."""
-    token = _LANE_ROPE.set(bool(enabled))
+def tpu_rope_scope(form: str):
+    """Trace RoPE for TPUs in `form` (one of TPU_ROPE_FORMS)."""
+    if form not in TPU_ROPE_FORMS:
+        raise ValueError(f"unknown TPU RoPE form {form!r}; choose one of {TPU_ROPE_FORMS}")
+    token = _TPU_ROPE.set(form)
     try:
         yield
     finally:
-        _LANE_ROPE.reset(token)
+        _TPU_ROPE.reset(token)
 
 
 def apply_interleaved_rope(x, cos, sin):
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of x [B, S, H, D] by cos/sin [S, D]; float32 math, x's dtype out.
-    Two forms of the same products and sums: on TPUs the lanes are rolled, elsewhere split into pairs (6x faster
-    than rolling on XLA:CPU)."""
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x [B, S, H, D] by cos/sin [S, D]: x * cos + [-x[2i+1], x[2i]] * sin
+    in float32, x's dtype out. Three forms of the same products and sums (see `_rope_partner`)."""
+    form = _TPU_ROPE.get() if traced_platform() == "tpu" else "pairs"
+    partner = _rope_partner(x, form)
+    return (x.astype(jnp.float32) * cos[None, :, None, :] + partner * sin[None, :, None, :]).astype(x.dtype)
+
+
+def _rope_partner(x, form: str):
+    """[-x[2i+1], x[2i]] for each pair of the last axis, float32. `pairs` splits the lanes into pairs (a trailing axis
+    of 2, which a TPU tiles 64x wider than it is); `roll` rolls the lanes one either way and selects; `matmul`
+    multiplies by the signed pair-swap matrix on the MXU (each output is one input times +-1: exact, in bf16 passes
+    too, since bf16 inputs are exact in them and float32 ones trace at the highest precision)."""
     x32 = x.astype(jnp.float32)
-    if _LANE_ROPE.get() and traced_platform() == "tpu":
-        out = _rope_by_lanes(x32, cos, sin)
-    else:
+    d = x.shape[-1]
+    if form == "pairs":
         pairs = x32.reshape(*x.shape[:-1], -1, 2)
-        rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-        out = x32 * cos[None, :, None, :] + rotated * sin[None, :, None, :]
-    return out.astype(x.dtype)
-
-
-def _rope_by_lanes(x32, cos, sin):
-    """RoPE with each lane's partner taken by rolling the head dimension one lane either way and the pair's sign
-    moved into the sine: no trailing axis of 2, which a TPU would tile 64 times wider than it is."""
-    even = jnp.arange(x32.shape[-1]) % 2 == 0
-    partner = jnp.where(even, jnp.roll(x32, -1, axis=-1), jnp.roll(x32, 1, axis=-1))  # x[2i+1] at 2i, x[2i] at 2i+1
-    return x32 * cos[None, :, None, :] + partner * jnp.where(even, -sin, sin)[None, :, None, :]
+        return jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    if form == "roll":
+        even = jnp.arange(d) % 2 == 0
+        return jnp.where(even, -jnp.roll(x32, -1, axis=-1), jnp.roll(x32, 1, axis=-1))
+    swap = np.zeros((d, d), np.float32)
+    swap[np.arange(1, d, 2), np.arange(0, d, 2)] = -1.0  # out[2i] = -x[2i+1]
+    swap[np.arange(0, d, 2), np.arange(1, d, 2)] = 1.0   # out[2i+1] = x[2i]
+    return jnp.einsum("...d,de->...e", x, jnp.asarray(swap, x.dtype), preferred_element_type=jnp.float32,
+                      precision=precision_for(x.dtype))
 
 
 def timestep_from_sigma(sigma, dtype):

@@ -125,22 +125,23 @@ def test_transformer_matches_diffusers(which, tiny_ckpt, odd_ckpt):
                                        err_msg=f"{impl}, image_only_last_block={image_only}")
 
 
-def test_lane_rope_is_the_pairs_rope_bit_for_bit():
-    """The RoPE form traced for TPUs (rolled lanes, the sign in the sine) gives the very bits of the pairs form."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tpu_rope_forms_give_the_pairs_forms_bits(dtype):
+    """RoPE's TPU forms (the signed pair-swap matmul, rolled lanes) give the very bits of the pairs form."""
     import jax.numpy as jnp
 
-    from model.transformer import _rope_by_lanes, apply_interleaved_rope
+    from model.transformer import TPU_ROPE_FORMS, _rope_partner
 
     rng = np.random.default_rng(3)
     for shape in ((2, 37, 3, 8), (1, 300, 4, 128)):
-        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        cos, sin = (jnp.asarray(rng.standard_normal(shape[1:2] + shape[3:]), jnp.float32) for _ in range(2))
-        np.testing.assert_array_equal(np.asarray(_rope_by_lanes(x, cos, sin)),
-                                      np.asarray(apply_interleaved_rope(x, cos, sin)))
+        x = jnp.asarray(rng.standard_normal(shape), dtype)
+        want = np.asarray(_rope_partner(x, "pairs"))
+        for form in TPU_ROPE_FORMS:
+            np.testing.assert_array_equal(np.asarray(_rope_partner(x, form)), want, err_msg=form)
 
 
 def test_transformer_traced_for_tpu_matches_diffusers(tiny_ckpt, monkeypatch):
-    """The transformer as traced for a TPU (the lane RoPE) matches diffusers on this CPU."""
+    """The transformer as traced for a TPU (RoPE by the pair-swap matmul) matches diffusers on this CPU."""
     from diffusers import Flux2Transformer2DModel
 
     import model.transformer as transformer_lib
@@ -158,13 +159,13 @@ def test_transformer_traced_for_tpu_matches_diffusers(tiny_ckpt, monkeypatch):
                        txt_ids=torch.from_numpy(ids_t), guidance=None if guidance is None else torch.from_numpy(
                            guidance), return_dict=False)[0]
     cos, sin = rope_tables(np.concatenate([ids_t, ids_i]), cfg.axes_dims_rope, cfg.rope_theta)
-    calls = []
-    lanes = transformer_lib._rope_by_lanes
+    forms = []
+    partner = transformer_lib._rope_partner
     monkeypatch.setattr(transformer_lib, "traced_platform", lambda: "tpu")
-    monkeypatch.setattr(transformer_lib, "_rope_by_lanes", lambda *a: calls.append(1) or lanes(*a))
+    monkeypatch.setattr(transformer_lib, "_rope_partner", lambda x, form: forms.append(form) or partner(x, form))
     _, transformer, _ = gen.programs.modules()
     ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation="xla")
-    assert calls, "the lane form was not traced"
+    assert set(forms) == {"matmul"}, forms
     np.testing.assert_allclose(np.asarray(ours), _np(expected), atol=2e-4, rtol=1e-4)
 
 
