@@ -5,6 +5,9 @@ from the compilation cache), first image. Each run is a fresh process, as a new 
     python -m benchmarks.startup --preset klein-4b --height 1024 --width 1024       # a TPU chip
     python -m benchmarks.startup --model gs://bucket/ckpt ...                        # with the gs:// copy
 
+By default the measured shape compiles while the weights load (`LoadSettings.precompile`, as the job does): the
+`load` phase then holds both and `compile` only what was left; `--no-precompile` compiles after loading.
+
 Runs cold (an empty compilation cache and, for gs://, an empty checkpoint cache) and then warm (the same caches, as a
 worker that starts after another of the same job). Prints a table and, last, one JSON line. A measurement tool:
 nothing here is asserted.
@@ -31,6 +34,8 @@ def parse_args(argv=None):
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-sequence-length", type=int, default=None)
+    ap.add_argument("--no-precompile", action="store_true", help="compile after loading the weights, not meanwhile "
+                    "(as before model.options.LoadSettings.precompile)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint-cache", default=None, help=argparse.SUPPRESS)
@@ -62,8 +67,12 @@ def child(args) -> dict:
                        if f.endswith(".safetensors"))
     out["rss_before_load_gb"] = _rss_gb()
     start = time.perf_counter()
-    gen = model.load(path, args.dtype, max_sequence_length=args.max_sequence_length, batch_size=1,
-                     compilation_cache_dir=args.cache)
+    from model.options import EngineOptions, LoadSettings
+
+    precompile = () if args.no_precompile else ((args.height, args.width, None, None),)
+    gen = model.load(LoadSettings(model=path, dtype=args.dtype, max_sequence_length=args.max_sequence_length,
+                                  engine=EngineOptions(batch_size=1, compilation_cache_dir=args.cache),
+                                  precompile=precompile))
     out["load_s"] = time.perf_counter() - start
     out["rss_after_load_gb"] = _rss_gb()
     out["weight_gb"] = weight_bytes / 1e9
@@ -93,7 +102,8 @@ def _rss_gb() -> float | None:
 def run_child(args, cache: str, checkpoint_cache: str) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", f"--model={args.model}", f"--cache={cache}",
            f"--checkpoint-cache={checkpoint_cache}", f"--height={args.height}", f"--width={args.width}",
-           f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}"]
+           f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}",
+           *(["--no-precompile"] if args.no_precompile else [])]
     env = dict(os.environ, STARTUP_T0=repr(time.time()))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -128,6 +138,7 @@ def main(argv=None) -> dict:
     print("\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                     for r in rows))
     result = {"model": args.model, "height": args.height, "width": args.width, "dtype": args.dtype,
+              "precompile": not args.no_precompile,
               "backend": runs["cold"]["backend"], **runs}
     print(json.dumps(result))
     return result

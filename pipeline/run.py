@@ -241,6 +241,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     )
     try:
         defaults.validate()
+        # The job's default shape compiles while the weights load (model.options.LoadSettings.precompile).
+        load = dataclasses.replace(load, precompile=((defaults.height, defaults.width, defaults.num_inference_steps,
+                                                      defaults.guidance_scale),))
         columns = ColumnMap(prompt_column=o.prompt_column, id_column=o.id_column,
                             renames=parse_column_map(o.column_map)).validate()
     except ValueError as e:

@@ -1,0 +1,44 @@
+"""Programs compiled from shapes while the weights load (LoadSettings.precompile) are the ones the loaded generator
+runs: nothing compiles again on the first call, and the images are those of a generator that compiled afterwards."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import model
+import model.generator as generator_lib
+from model.options import EngineOptions, LoadSettings
+
+ARGS = dict(prompts=["a red fox", "a kite"], seeds=[3, 4], height=32, width=48)
+
+
+def _settings(ckpt, precompile=()):
+    return LoadSettings(model=ckpt, dtype="float32", max_sequence_length=16, engine=EngineOptions(batch_size=2),
+                        precompile=precompile)
+
+
+def test_precompiled_programs_are_adopted_and_give_the_same_images(tiny_ckpt, monkeypatch, caplog):
+    monkeypatch.setattr(generator_lib, "PRECOMPILE_PLATFORMS", ("cpu", "tpu", "gpu"))  # on CPU too, for the test
+    plain = model.load(_settings(tiny_ckpt))
+    want = plain.generate(**ARGS)
+    with caplog.at_level(logging.WARNING, logger="model.generator"):
+        # 33 is not a multiple of the size step: skipped with a warning, the load goes on
+        gen = model.load(_settings(tiny_ckpt, precompile=((32, 48), (33, 48, None, None))))
+    assert any("not precompiling 33x48" in r.getMessage() for r in caplog.records), caplog.text
+    compiled = gen.programs.compile_count
+    assert compiled > 0, "nothing was compiled while loading"
+    got = gen.generate(**ARGS)
+    assert gen.programs.compile_count == compiled, "the first call compiled again"
+    np.testing.assert_array_equal(got, want)
+
+
+def test_precompile_is_off_on_cpu_by_default(tiny_ckpt):
+    gen = model.load(_settings(tiny_ckpt, precompile=((32, 48),)))
+    assert gen.programs.compile_count == 0
+
+
+@pytest.mark.parametrize("bad", [((32,),), ((0, 48),), ((32, 48, 4, 1.0, 9),), ("32x48",)])
+def test_bad_precompile_shapes_are_refused(bad):
+    with pytest.raises(ValueError, match="precompile"):
+        LoadSettings(model="x", precompile=bad)
