@@ -31,6 +31,7 @@ from . import layout, retries
 from .atomic_files import write_local_atomic, write_object_atomic
 from .inference import is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
+from .fingerprints import request_fingerprint
 from .requests import ImageTask
 
 PNG_SOFTWARE = "flux2-klein-beam"
@@ -57,9 +58,10 @@ def read_bytes(path: str) -> bytes:
 
 # --------------------------------------------------------------------------------------------- PNG
 def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float, model: str,
-             prompt_truncated: bool | None = None) -> dict[str, str]:
-    """The PNG text chunks: prompt, seed, steps, guidance and model (plus the id, size and whether the prompt was
-    truncated), all as strings; a resumed job rebuilds an image's manifest row from them."""
+             prompt_truncated: bool | None = None, model_fingerprint: str | None = None) -> dict[str, str]:
+    """The PNG text chunks: prompt, seed, steps, guidance and model (plus the id, size, whether the prompt was
+    truncated and the request's and the model's fingerprints), all as strings; a resumed job rebuilds an image's
+    manifest row from them."""
     r = task.request
     text = {
         "prompt": r.prompt,
@@ -73,7 +75,10 @@ def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float
         "height": str(r.height),
         "width": str(r.width),
         "Software": PNG_SOFTWARE,
+        "request_fingerprint": request_fingerprint(task),
     }
+    if model_fingerprint:
+        text["model_fingerprint"] = model_fingerprint
     if prompt_truncated is not None:
         text["prompt_truncated"] = "true" if prompt_truncated else "false"
     if r.reference_images:
@@ -196,12 +201,12 @@ class StoredImage:
     sha256: str
 
 
-def store_image(generated, output: str, encoding: ImageEncoding) -> StoredImage:
+def store_image(generated, output: str, encoding: ImageEncoding, model_fingerprint: str | None = None) -> StoredImage:
     """Encode one GeneratedImage and write it atomically under `output`; thread-safe (no Beam state touched)."""
     task: ImageTask = generated.task
     data = encoding.encode(generated.pixels, png_text(
         task, num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-        model=generated.model, prompt_truncated=generated.prompt_truncated))
+        model=generated.model, prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint))
     uri = layout.join(output, encoding.stored_name(task.file_name))
     write_bytes_atomic(uri, data, mime_type=encoding.mime_type)
     return StoredImage(uri, len(data), hashlib.sha256(data).hexdigest())
@@ -216,11 +221,13 @@ class WriteImagesFn(beam.DoFn):
     most `max_in_flight` images wait or run in the pool (back-pressure: `process` then waits for the oldest), which
     bounds memory when the store is slow. Every image is stored before its bundle ends (`finish_bundle` waits), and
     a failed write fails the bundle, so a retry stores the same bytes again: nothing is lost, nothing partial.
+    `model_fingerprint` (transforms/fingerprints.py) goes into each image's text and manifest row.
     """
 
     def __init__(self, output: str, progress_dir: str | None = None, encoding: ImageEncoding | None = None,
-                 threads: int | None = None, max_in_flight: int | None = None):
+                 threads: int | None = None, max_in_flight: int | None = None, model_fingerprint: str | None = None):
         self._output = output
+        self._model_fingerprint = model_fingerprint or None
         self._progress_dir = progress_dir
         self._encoding = encoding or ImageEncoding()
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -255,7 +262,7 @@ class WriteImagesFn(beam.DoFn):
         # Waits for the oldest images while the pool is full, so at most `limit` images are held here.
         while len(self._pending) >= self._limit or (self._pending and self._pending[0][0].done()):
             yield self._take_oldest()
-        future = self._pool.submit(store_image, generated, self._output, self._encoding)
+        future = self._pool.submit(store_image, generated, self._output, self._encoding, self._model_fingerprint)
         self._pending.append((future, generated, window, timestamp))
         self._in_flight.update(len(self._pending))
 
@@ -298,7 +305,8 @@ class WriteImagesFn(beam.DoFn):
             num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
             model=generated.model, sha256=stored.sha256, num_bytes=stored.num_bytes,
             generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values(),
-            reference_images=r.reference_entries())
+            reference_images=r.reference_entries(), request_fingerprint=request_fingerprint(task),
+            model_fingerprint=self._model_fingerprint)
         return WindowedValue(row, timestamp, [window])
 
 
@@ -315,14 +323,21 @@ class ExistingImageMismatch(ValueError):
         self.problem = problem
 
 
-def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: ImageEncoding | None = None) -> dict:
+class StaleImage(ExistingImageMismatch):
+    """A sound image already at a task's name that was made for another request or by another model (its
+    fingerprints, or the fields its text records, differ): generated again and counted `stale`."""
+
+
+def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: ImageEncoding | None = None,
+                          model_fingerprint: str | None = None) -> dict:
     """The manifest row of an image a previous run wrote for `task`, rebuilt from its bytes and the text it carries
     (PNG text chunks; the EXIF description of a WebP or JPEG).
 
     Raises ExistingImageMismatch unless the bytes are a complete, undamaged image of the encoding's format (PNG:
-    every chunk checksum; WebP/JPEG: all pixels decode) and the task's size whose text records the task's id,
-    prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, and its steps and guidance when the
-    record gives them."""
+    every chunk checksum; WebP/JPEG: all pixels decode), and StaleImage unless it has the task's size and its text
+    records the task's id, prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, its steps and
+    guidance when the record gives them, and the task's request fingerprint and `model_fingerprint` when the text
+    has them (images of older runs do not; their row's model_fingerprint is then None)."""
     from PIL import Image
 
     encoding = encoding or ImageEncoding()
@@ -343,8 +358,7 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
     if fmt != expected_format:
         raise ExistingImageMismatch(file_name, f"is {fmt}, not {expected_format}")
     if size != (r.width, r.height):
-        raise ExistingImageMismatch(file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for "
-                                               f"{r.width}x{r.height}")
+        raise StaleImage(file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for {r.width}x{r.height}")
     expected = {"id": r.id, "seed": str(task.seed)}
     if "prompt" in text or "prompt_sha256" not in text:
         expected["prompt"] = r.prompt
@@ -358,7 +372,13 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
     expected["reference_images"] = reference_text(r) if r.reference_images else None
     for key, value in expected.items():
         if text.get(key) != value:
-            raise ExistingImageMismatch(file_name, f"was made for another request (its {key!r} differs)")
+            raise StaleImage(file_name, f"was made for another request (its {key!r} differs)")
+    fingerprint = request_fingerprint(task)
+    if text.get("request_fingerprint", fingerprint) != fingerprint:
+        raise StaleImage(file_name, "was made for another request (its request fingerprint differs)")
+    if model_fingerprint and text.get("model_fingerprint", model_fingerprint) != model_fingerprint:
+        raise StaleImage(file_name, "was made by another model (its model fingerprint differs: another checkpoint, "
+                                    "dtype or max_sequence_length)")
     try:
         steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
     except (KeyError, ValueError):
@@ -369,7 +389,8 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
         seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
         model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
         generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values(),
-        reference_images=r.reference_entries())
+        reference_images=r.reference_entries(), request_fingerprint=fingerprint,
+        model_fingerprint=text.get("model_fingerprint"))
 
 
 class _SkipExistingFn(beam.DoFn):

@@ -32,6 +32,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from . import layout, retries, shards
+from .fingerprints import request_fingerprint
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .outputs import ImageEncoding, default_encode_threads, failed_batch_rows, non_finite_row, png_text, read_bytes, \
     write_bytes_atomic
@@ -115,13 +116,14 @@ class _Made:
     generation_ms: float
 
 
-def _encode_to(path: str, generated, encoding: ImageEncoding) -> tuple[int, str]:
+def _encode_to(path: str, generated, encoding: ImageEncoding, model_fingerprint: str | None = None
+               ) -> tuple[int, str]:
     import hashlib
 
     task = generated.task
     data = encoding.encode(generated.pixels, png_text(
         task, num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-        model=generated.model, prompt_truncated=generated.prompt_truncated))
+        model=generated.model, prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint))
     with open(path, "wb") as f:
         f.write(data)
     return len(data), hashlib.sha256(data).hexdigest()
@@ -130,13 +132,16 @@ def _encode_to(path: str, generated, encoding: ImageEncoding) -> tuple[int, str]
 class PackShardFn(beam.DoFn):
     """(shard, [(index, ImageTask)]) -> generates, packs and writes the shard; main output: manifest rows of its
     images; tagged: `errors` (failed images), `existing` (rows of a complete shard --skip_existing kept),
-    `shards` ({shard, nsamples, ...} for the indexes)."""
+    `shards` ({shard, nsamples, ...} for the indexes). `model_fingerprint` goes into every sample's text, row and
+    sidecar row (transforms/fingerprints.py)."""
 
     def __init__(self, output: str, handler, encoding: ImageEncoding, samples_per_shard: int, batch_size: int,
-                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None):
+                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None,
+                 model_fingerprint: str | None = None):
         from apache_beam.utils import shared
 
         self._output = output
+        self._model_fingerprint = model_fingerprint or None
         self._handler = handler
         self._encoding = encoding
         self._per_shard = samples_per_shard
@@ -250,7 +255,8 @@ class PackShardFn(beam.DoFn):
                         self._nonfinite.inc()
                         errors.append((key, task, non_finite_row(task, g.nonfinite)))
                         continue
-                    future = self._pool.submit(_encode_to, os.path.join(spool, key), g, self._encoding)
+                    future = self._pool.submit(_encode_to, os.path.join(spool, key), g, self._encoding,
+                                               self._model_fingerprint)
                     stored[key] = (_Made(g.task, g.num_inference_steps, g.guidance_scale, g.prompt_truncated,
                                          g.model, g.generation_ms), future)
                     waiting.append(future)
@@ -270,12 +276,13 @@ class PackShardFn(beam.DoFn):
                     num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
                     model=generated.model, sha256=sha256, num_bytes=num_bytes,
                     generation_ms=generated.generation_ms, source=r.source, line=r.line,
-                    metadata=r.metadata_values())
+                    metadata=r.metadata_values(), request_fingerprint=request_fingerprint(task),
+                    model_fingerprint=self._model_fingerprint)
                 row["key"] = key
                 rows.append(row)
                 sidecar.append(shards.success_sidecar_row(row))
             for key, task, error in errors:
-                sidecar.append(shards.failed_sidecar_row(key, task, error))
+                sidecar.append(shards.failed_sidecar_row(key, task, error, self._model_fingerprint))
 
             def samples():
                 for row in rows:
@@ -318,10 +325,11 @@ class WriteShards(beam.PTransform):
     """ImageTasks -> {'manifest', 'errors', 'existing', 'shards'}: every shard generated, packed and marked."""
 
     def __init__(self, output: str, handler, encoding: ImageEncoding, samples_per_shard: int, batch_size: int,
-                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None):
+                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None,
+                 model_fingerprint: str | None = None):
         super().__init__()
         self._fn = PackShardFn(output, handler, encoding, samples_per_shard, batch_size, skip_existing,
-                               progress_dir, threads)
+                               progress_dir, threads, model_fingerprint)
         self._per_shard = samples_per_shard
 
     def expand(self, tasks):
