@@ -331,10 +331,10 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.reference_limits,
                                                                             job.defaults.size_multiple)
     planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
-    tasks, skipped = planned, None
+    tasks, skipped, stale = planned, None, None
     if job.skip_existing and not job.webdataset:  # webdataset: whole shards are kept or made (WriteShards)
-        split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding)
-        tasks, skipped = split["tasks"], split["skipped"]
+        split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding, job.model_fingerprint)
+        tasks, skipped, stale = split["tasks"], split["skipped"], split["stale"]
     if job.max_images is not None:
         # Counts what this run would generate (skipped images excluded; webdataset: every image of the input, as
         # complete shards are only known once grouped) and fails before inference when over.
@@ -351,6 +351,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
             skip_existing=job.skip_existing, progress_dir=progress_dir, threads=job.encode_threads,
             model_fingerprint=job.model_fingerprint)
         manifest, failed, skipped = packed["manifest"], packed["errors"], packed["existing"]
+        stale = packed["stale"] if job.skip_existing else None
         index_files = packed["shards"] | "ShardIndexes" >> WriteShardIndexes(
             job.output, job.samples_per_shard, layout.IMAGE_EXTENSIONS[job.encoding.format])
     else:
@@ -418,6 +419,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     }
     if skipped is not None:
         counted["skipped"] = skipped
+    if stale is not None:
+        counted["stale"] = stale
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns) + [b.source for b in job.bigquery],
         "demo": job.demo, "batch_size": job.batch_size, "dtype": job.dtype, "output_format": job.output_format},

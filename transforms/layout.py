@@ -119,6 +119,11 @@ def existing_prefix(output: str) -> str:
     return join(output, f"{MANIFEST_DIR}/{EXISTING_PREFIX}")
 
 
+def manifest_rows_glob(output: str) -> str:
+    """Every manifest row file under `output` (manifest-* and existing-*): what --skip_existing reads."""
+    return join(output, f"{MANIFEST_DIR}/*{ROWS_SUFFIX}")
+
+
 def errors_prefix(output: str) -> str:
     return join(output, f"{ERRORS_DIR}/{ERRORS_PREFIX}")
 

@@ -42,6 +42,7 @@ LINES_PER_BLOCK = 10_000  # lines of one input file whose tasks are ordered toge
 ERRORS_TAG = "errors"
 EXISTING_TAG = "existing"
 SHARDS_TAG = "shards"
+STALE_TAG = "stale"
 
 
 # --------------------------------------------------------------------------------------------- positions
@@ -105,6 +106,13 @@ def shape_batches(entries: list, batch_size: int) -> list[list]:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Stale:
+    """A complete shard whose samples at `keys` were made for other requests or by another model."""
+
+    keys: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Made:
     """What a packed image's manifest row needs of its GeneratedImage, without the pixels."""
 
@@ -155,6 +163,7 @@ class PackShardFn(beam.DoFn):
         self._bytes = Metrics.counter(METRICS_NAMESPACE, "image_bytes_written")
         self._shards_written = Metrics.counter(METRICS_NAMESPACE, "shards_written")
         self._shards_kept = Metrics.counter(METRICS_NAMESPACE, "shards_skipped")
+        self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
         self._nonfinite = Metrics.counter(METRICS_NAMESPACE, "images_non_finite")
         self._gen_ms = Metrics.distribution(METRICS_NAMESPACE, "generation_ms_per_image")
 
@@ -201,8 +210,14 @@ class PackShardFn(beam.DoFn):
         shard, entries = element
         entries = sorted(entries, key=lambda e: e[0])
         if self._skip_existing:
-            kept = self._complete_shard(shard, len(entries))
-            if kept is not None:
+            kept = self._complete_shard(shard, entries)
+            if kept is not None and not isinstance(kept, list):  # complete, but made for other requests or model
+                self._stale.inc(len(kept.keys))
+                LOGGER.info("--skip_existing: shard %05d has %d image(s) made for another request or model; "
+                            "generating it again", shard, len(kept.keys))
+                for key in kept.keys:
+                    yield beam.pvalue.TaggedOutput(STALE_TAG, key)
+            elif kept is not None:
                 self._shards_kept.inc()
                 for row in kept:
                     yield beam.pvalue.TaggedOutput(EXISTING_TAG, row)
@@ -210,9 +225,12 @@ class PackShardFn(beam.DoFn):
                 return
         yield from self._pack(shard, entries)
 
-    def _complete_shard(self, shard: int, planned: int) -> list[dict] | None:
+    def _complete_shard(self, shard: int, entries: list) -> "list[dict] | _Stale | None":
         """The manifest rows of a shard a previous run completed (its marker says every planned sample is in its
-        tar), read from its sidecar; None when it must be generated (no marker, failures, another plan)."""
+        tar) for the same requests and model (each sidecar row's fingerprints are those of the task at its key),
+        read from its sidecar; None when it must be generated (no marker, failures, another plan); _Stale (the keys
+        whose rows differ) when it is complete but made for other requests or by another model."""
+        planned = len(entries)
         try:
             stats = json.loads(read_bytes(shards.stats_path(self._output, shard)).decode("utf-8"))
             rows = shards.read_sidecar(read_bytes(shards.sidecar_path(self._output, shard)))
@@ -227,6 +245,17 @@ class PackShardFn(beam.DoFn):
             LOGGER.info("--skip_existing: shard %05d is incomplete (%s); generating it again", shard,
                         {k: stats.get(k) for k in ("count", "successes", "failures")})
             return None
+        by_key = {r.get("key"): r for r in rows}
+        stale = []
+        for index, task in entries:
+            key = shards.sample_key(shard, index, self._per_shard)
+            if key not in by_key:
+                LOGGER.info("--skip_existing: shard %05d lacks key %s; generating it again", shard, key)
+                return None
+            if not shards.sidecar_row_matches(by_key[key], task, self._model_fingerprint):
+                stale.append(key)
+        if stale:
+            return _Stale(tuple(stale))
         return [shards.manifest_row_of_sidecar(r) for r in rows]
 
     def _pack(self, shard: int, entries: list):
@@ -336,10 +365,10 @@ class WriteShards(beam.PTransform):
         out = (tasks
                | "AssignShards" >> AssignShards(self._per_shard)
                | "GroupByShard" >> beam.GroupByKey()  # one element per shard: small rows, never pixels
-               | "PackShards" >> beam.ParDo(self._fn).with_outputs(ERRORS_TAG, EXISTING_TAG, SHARDS_TAG,
+               | "PackShards" >> beam.ParDo(self._fn).with_outputs(ERRORS_TAG, EXISTING_TAG, SHARDS_TAG, STALE_TAG,
                                                                    main="manifest"))
         return {"manifest": out.manifest, "errors": out[ERRORS_TAG], "existing": out[EXISTING_TAG],
-                "shards": out[SHARDS_TAG]}
+                "shards": out[SHARDS_TAG], "stale": out[STALE_TAG]}
 
 
 # --------------------------------------------------------------------------------------------- indexes

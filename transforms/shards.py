@@ -248,6 +248,24 @@ def read_sidecar(data: bytes) -> list[dict]:
     return pq.read_table(io.BytesIO(data)).to_pylist()
 
 
+def sidecar_row_matches(row: dict, task, model_fingerprint: str | None) -> bool:
+    """Whether a success sidecar row is the sample `task` asks for, made by the model of `model_fingerprint`:
+    their fingerprints agree. A row of a run before fingerprints (none recorded) is compared field by field
+    (id, prompt, seed, size; steps and guidance where the request sets them), its model taken on trust."""
+    from .fingerprints import request_fingerprint
+
+    if row.get("request_fingerprint"):
+        return row["request_fingerprint"] == request_fingerprint(task) \
+            and row.get("model_fingerprint") == model_fingerprint
+    r = task.request
+    expected = {"id": r.id, "prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width}
+    if r.num_inference_steps is not None:
+        expected["num_inference_steps"] = r.num_inference_steps
+    if r.guidance_scale is not None:
+        expected["guidance_scale"] = float(r.guidance_scale)
+    return all(row.get(k) == v for k, v in expected.items())
+
+
 def manifest_row_of_sidecar(row: dict) -> dict:
     """A success sidecar row back as the manifest row it was made from (for manifest/existing-*.jsonl)."""
     out = {name: row.get(name) for name in SIDECAR_COLUMNS if name not in ("status", "error_message")}
