@@ -106,8 +106,16 @@ CONFIG_FILES = ("model_index.json", "transformer/config.json", "text_encoder/con
 def read_config(uri: str, variant: str | None = None) -> PipelineConfig:
     """The checkpoint's configs alone, local or gs:// (no weight is read or copied; each config object is checked
     against its GCS checksums): what a launcher needs to check requests before any worker starts."""
+    return read_config_and_digest(uri, variant)[0]
+
+
+def read_config_and_digest(uri: str, variant: str | None = None) -> tuple[PipelineConfig, str]:
+    """`read_config`, and the checkpoint's content digest (`checkpoint_digest`) from the same listing and config
+    reads: the launcher learns both at once, without reading a weight."""
     if not (isinstance(uri, str) and uri.startswith("gs://")):
-        return PipelineConfig.from_folder(resolve_checkpoint(uri))
+        folder = resolve_checkpoint(uri)
+        config = PipelineConfig.from_folder(folder)
+        return config, checkpoint_digest(_local_listing(folder, variant), folder)
     uri = uri.rstrip("/")
     bucket, prefix = split_gs_uri(uri)
     blobs = {_relative(b.name, prefix): b for b in _list_objects(_client(), uri, variant)}
@@ -116,9 +124,39 @@ def read_config(uri: str, variant: str | None = None) -> PipelineConfig:
             if rel in blobs:  # a missing one is named by PipelineConfig below
                 _download_one(blobs[rel], os.path.join(tmp, rel), f"{uri}/{rel}")
         try:
-            return PipelineConfig.from_folder(tmp)
+            config = PipelineConfig.from_folder(tmp)
         except ConfigError as e:
             raise ConfigError(str(e).replace(tmp, uri)) from None
+        return config, checkpoint_digest({rel: int(b.size or 0) for rel, b in blobs.items()}, tmp)
+
+
+def _local_listing(folder: str, variant: str | None) -> dict[str, int]:
+    """{path relative to `folder`: size} of a local checkpoint's files, other variants' weights and hidden files
+    (this project's markers, partial copies) left out, as `_list_objects` leaves them out of a GCS listing."""
+    listing = {}
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        visible = [f for f in files if not f.startswith(".") and not f.lower().endswith(UNSAFE_SUFFIXES)]
+        chosen = set(select_weight_files(visible, variant, root))
+        for name in visible:
+            if name in chosen or weight_file_variant(name) is None:
+                rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+                listing[rel] = os.path.getsize(os.path.join(root, name))
+    return listing
+
+
+def checkpoint_digest(listing: dict[str, int], config_folder: str) -> str:
+    """sha256 (hex) of what a checkpoint is, cheaply: the bytes of its config files (CONFIG_FILES, read from
+    `config_folder`) and the name and size of every other file in `listing` ({relative path: size}: weights and
+    their index, tokenizer files). The weights' bytes are never read; where the checkpoint lives does not count."""
+    configs = {}
+    for rel in CONFIG_FILES:
+        path = os.path.join(config_folder, *rel.split("/"))
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                configs[rel] = hashlib.sha256(f.read()).hexdigest()
+    files = sorted((rel, int(size)) for rel, size in listing.items() if rel not in CONFIG_FILES)
+    return hashlib.sha256(json.dumps({"configs": configs, "files": files}, sort_keys=True).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- GCS

@@ -43,6 +43,7 @@ from pipeline.compile_cache import resolve_compilation_cache
 from transforms import layout, retries
 from transforms.bigquery_input import BigQueryInput, ReadBigQueryRequests, dataset_reference, is_table_uri
 from transforms.columns import ColumnMap, parse_column_map
+from transforms.fingerprints import model_fingerprint
 from transforms.input_check import InputCheckError, check_input_files
 from transforms.inference import BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
@@ -60,7 +61,7 @@ from transforms.requests import (
     RequestDefaults, csv_field_limit_for,
 )
 
-from model.checkpoint import read_config
+from model.checkpoint import read_config_and_digest
 from model.contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, optional_count
 from model.errors import ModelError
 from model.options import EngineOptions, LoadSettings
@@ -107,6 +108,8 @@ class JobConfig:
     output_format: str = "files"  # --output_format: files (one object per image) or webdataset (tar shards)
     samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD  # --samples_per_shard (webdataset)
     preview: int = DEFAULT_PREVIEW  # --preview: images in preview/index.html; 0: no preview
+    # What the loaded model is (transforms/fingerprints.py): stored with every image, compared by --skip_existing.
+    model_fingerprint: str = ""
 
     @property
     def reference_limits(self):
@@ -221,7 +224,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:  # the configs alone: the job must accept exactly the sizes that generate() accepts
-        size_multiple = read_config(model_uri, load.variant).size_multiple
+        config, checkpoint = read_config_and_digest(model_uri, load.variant)
+        size_multiple = config.size_multiple
     except ModelError as e:
         raise UsageError(f"--model={model_uri!r} cannot be read as a FLUX.2 [klein] checkpoint: "
                          f"{type(e).__name__}: {e}") from e
@@ -283,7 +287,10 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      encode_threads=o.encode_threads, output_format=o.output_format,
                      samples_per_shard=o.samples_per_shard, preview=o.preview, columns=columns, bigquery=bigquery,
                      bigquery_temp_dataset=o.bigquery_temp_dataset, input_warnings=tuple(input_warnings),
-                     run_token=uuid.uuid4().hex)
+                     run_token=uuid.uuid4().hex,
+                     model_fingerprint=model_fingerprint(
+                         checkpoint, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
+                         text_encoder_out_layers=load.text_encoder_out_layers))
 
 
 def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
@@ -327,10 +334,10 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.reference_limits,
                                                                             job.defaults.size_multiple)
     planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
-    tasks, skipped = planned, None
+    tasks, skipped, stale = planned, None, None
     if job.skip_existing and not job.webdataset:  # webdataset: whole shards are kept or made (WriteShards)
-        split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding)
-        tasks, skipped = split["tasks"], split["skipped"]
+        split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding, job.model_fingerprint)
+        tasks, skipped, stale = split["tasks"], split["skipped"], split["stale"]
     if job.max_images is not None:
         # Counts what this run would generate (skipped images excluded; webdataset: every image of the input, as
         # complete shards are only known once grouped) and fails before inference when over.
@@ -344,8 +351,10 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     if job.webdataset:
         packed = tasks | "WriteShards" >> WriteShards(
             job.output, make_handler(job), job.encoding, job.samples_per_shard, job.batch_size,
-            skip_existing=job.skip_existing, progress_dir=progress_dir, threads=job.encode_threads)
+            skip_existing=job.skip_existing, progress_dir=progress_dir, threads=job.encode_threads,
+            model_fingerprint=job.model_fingerprint)
         manifest, failed, skipped = packed["manifest"], packed["errors"], packed["existing"]
+        stale = packed["stale"] if job.skip_existing else None
         index_files = packed["shards"] | "ShardIndexes" >> WriteShardIndexes(
             job.output, job.samples_per_shard, layout.IMAGE_EXTENSIONS[job.encoding.format])
     else:
@@ -354,8 +363,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
             .with_exception_handling()
         split = results | "SplitNonFinite" >> beam.ParDo(SplitNonFinite()).with_outputs(NON_FINITE_TAG,
                                                                                         main="sound")
-        manifest = split.sound | "WriteImages" >> beam.ParDo(WriteImagesFn(job.output, progress_dir, job.encoding,
-                                                                               job.encode_threads))
+        manifest = split.sound | "WriteImages" >> beam.ParDo(WriteImagesFn(
+            job.output, progress_dir, job.encoding, job.encode_threads, model_fingerprint=job.model_fingerprint))
         failed = ((dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)),
                   split[NON_FINITE_TAG]) | "FailedImages" >> beam.Flatten()
 
@@ -413,6 +422,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     }
     if skipped is not None:
         counted["skipped"] = skipped
+    if stale is not None:
+        counted["stale"] = stale
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns) + [b.source for b in job.bigquery],
         "demo": job.demo, "batch_size": job.batch_size, "dtype": job.dtype, "output_format": job.output_format},

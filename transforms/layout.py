@@ -58,6 +58,8 @@ MANIFEST_FIELDS = (
     "bytes",
     "generation_ms",
     "metadata",
+    "request_fingerprint",  # transforms/fingerprints.py: what --skip_existing compares, without reading the image
+    "model_fingerprint",
 )
 
 
@@ -115,6 +117,11 @@ def manifest_prefix(output: str) -> str:
 def existing_prefix(output: str) -> str:
     """Prefix of the rows for images a --skip_existing run found already written: `manifest/existing-*.jsonl`."""
     return join(output, f"{MANIFEST_DIR}/{EXISTING_PREFIX}")
+
+
+def manifest_rows_glob(output: str) -> str:
+    """Every manifest row file under `output` (manifest-* and existing-*): what --skip_existing reads."""
+    return join(output, f"{MANIFEST_DIR}/*{ROWS_SUFFIX}")
 
 
 def errors_prefix(output: str) -> str:
@@ -223,12 +230,16 @@ def manifest_row(
     line: int | None = None,
     metadata: dict | None = None,
     reference_images: list[dict] | None = None,
+    request_fingerprint: str | None = None,
+    model_fingerprint: str | None = None,
 ) -> dict:
     """One manifest-*.jsonl row (the fixed fields, then `source`/`line` of the record it came from).
     `generation_ms` is None for an image found already written (existing-*.jsonl): its time was not measured.
     `metadata`: the record's extra columns (the columns of its table that are not generation fields), typed as
     read; {} when it had none. `reference_images`: an image-conditioned request's references, [{uri, sha256}]
-    in the record's order; the row has the key only when there are any."""
+    in the record's order; the row has the key only when there are any. `request_fingerprint`/`model_fingerprint`
+    (transforms/fingerprints.py): what the image was made from; None where it is not known (an image of an older
+    run whose text does not record it)."""
     row = {
         "id": request_id,
         "file_name": file_name,
@@ -245,6 +256,8 @@ def manifest_row(
         "bytes": int(num_bytes),
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
         "metadata": dict(metadata or {}),
+        "request_fingerprint": request_fingerprint,
+        "model_fingerprint": model_fingerprint,
     }
     if reference_images:
         row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in reference_images]

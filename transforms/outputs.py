@@ -31,6 +31,7 @@ from . import layout, retries
 from .atomic_files import write_local_atomic, write_object_atomic
 from .inference import is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
+from .fingerprints import request_fingerprint
 from .requests import ImageTask
 
 PNG_SOFTWARE = "flux2-klein-beam"
@@ -57,9 +58,10 @@ def read_bytes(path: str) -> bytes:
 
 # --------------------------------------------------------------------------------------------- PNG
 def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float, model: str,
-             prompt_truncated: bool | None = None) -> dict[str, str]:
-    """The PNG text chunks: prompt, seed, steps, guidance and model (plus the id, size and whether the prompt was
-    truncated), all as strings; a resumed job rebuilds an image's manifest row from them."""
+             prompt_truncated: bool | None = None, model_fingerprint: str | None = None) -> dict[str, str]:
+    """The PNG text chunks: prompt, seed, steps, guidance and model (plus the id, size, whether the prompt was
+    truncated and the request's and the model's fingerprints), all as strings; a resumed job rebuilds an image's
+    manifest row from them."""
     r = task.request
     text = {
         "prompt": r.prompt,
@@ -73,7 +75,10 @@ def png_text(task: ImageTask, *, num_inference_steps: int, guidance_scale: float
         "height": str(r.height),
         "width": str(r.width),
         "Software": PNG_SOFTWARE,
+        "request_fingerprint": request_fingerprint(task),
     }
+    if model_fingerprint:
+        text["model_fingerprint"] = model_fingerprint
     if prompt_truncated is not None:
         text["prompt_truncated"] = "true" if prompt_truncated else "false"
     if r.reference_images:
@@ -196,12 +201,12 @@ class StoredImage:
     sha256: str
 
 
-def store_image(generated, output: str, encoding: ImageEncoding) -> StoredImage:
+def store_image(generated, output: str, encoding: ImageEncoding, model_fingerprint: str | None = None) -> StoredImage:
     """Encode one GeneratedImage and write it atomically under `output`; thread-safe (no Beam state touched)."""
     task: ImageTask = generated.task
     data = encoding.encode(generated.pixels, png_text(
         task, num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-        model=generated.model, prompt_truncated=generated.prompt_truncated))
+        model=generated.model, prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint))
     uri = layout.join(output, encoding.stored_name(task.file_name))
     write_bytes_atomic(uri, data, mime_type=encoding.mime_type)
     return StoredImage(uri, len(data), hashlib.sha256(data).hexdigest())
@@ -216,11 +221,13 @@ class WriteImagesFn(beam.DoFn):
     most `max_in_flight` images wait or run in the pool (back-pressure: `process` then waits for the oldest), which
     bounds memory when the store is slow. Every image is stored before its bundle ends (`finish_bundle` waits), and
     a failed write fails the bundle, so a retry stores the same bytes again: nothing is lost, nothing partial.
+    `model_fingerprint` (transforms/fingerprints.py) goes into each image's text and manifest row.
     """
 
     def __init__(self, output: str, progress_dir: str | None = None, encoding: ImageEncoding | None = None,
-                 threads: int | None = None, max_in_flight: int | None = None):
+                 threads: int | None = None, max_in_flight: int | None = None, model_fingerprint: str | None = None):
         self._output = output
+        self._model_fingerprint = model_fingerprint or None
         self._progress_dir = progress_dir
         self._encoding = encoding or ImageEncoding()
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -255,7 +262,7 @@ class WriteImagesFn(beam.DoFn):
         # Waits for the oldest images while the pool is full, so at most `limit` images are held here.
         while len(self._pending) >= self._limit or (self._pending and self._pending[0][0].done()):
             yield self._take_oldest()
-        future = self._pool.submit(store_image, generated, self._output, self._encoding)
+        future = self._pool.submit(store_image, generated, self._output, self._encoding, self._model_fingerprint)
         self._pending.append((future, generated, window, timestamp))
         self._in_flight.update(len(self._pending))
 
@@ -298,7 +305,8 @@ class WriteImagesFn(beam.DoFn):
             num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
             model=generated.model, sha256=stored.sha256, num_bytes=stored.num_bytes,
             generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values(),
-            reference_images=r.reference_entries())
+            reference_images=r.reference_entries(), request_fingerprint=request_fingerprint(task),
+            model_fingerprint=self._model_fingerprint)
         return WindowedValue(row, timestamp, [window])
 
 
@@ -315,14 +323,21 @@ class ExistingImageMismatch(ValueError):
         self.problem = problem
 
 
-def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: ImageEncoding | None = None) -> dict:
+class StaleImage(ExistingImageMismatch):
+    """A sound image already at a task's name that was made for another request or by another model (its
+    fingerprints, or the fields its text records, differ): generated again and counted `stale`."""
+
+
+def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: ImageEncoding | None = None,
+                          model_fingerprint: str | None = None) -> dict:
     """The manifest row of an image a previous run wrote for `task`, rebuilt from its bytes and the text it carries
     (PNG text chunks; the EXIF description of a WebP or JPEG).
 
     Raises ExistingImageMismatch unless the bytes are a complete, undamaged image of the encoding's format (PNG:
-    every chunk checksum; WebP/JPEG: all pixels decode) and the task's size whose text records the task's id,
-    prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, and its steps and guidance when the
-    record gives them."""
+    every chunk checksum; WebP/JPEG: all pixels decode), and StaleImage unless it has the task's size and its text
+    records the task's id, prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, its steps and
+    guidance when the record gives them, and the task's request fingerprint and `model_fingerprint` when the text
+    has them (images of older runs do not; their row's model_fingerprint is then None)."""
     from PIL import Image
 
     encoding = encoding or ImageEncoding()
@@ -343,8 +358,7 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
     if fmt != expected_format:
         raise ExistingImageMismatch(file_name, f"is {fmt}, not {expected_format}")
     if size != (r.width, r.height):
-        raise ExistingImageMismatch(file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for "
-                                               f"{r.width}x{r.height}")
+        raise StaleImage(file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for {r.width}x{r.height}")
     expected = {"id": r.id, "seed": str(task.seed)}
     if "prompt" in text or "prompt_sha256" not in text:
         expected["prompt"] = r.prompt
@@ -358,7 +372,13 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
     expected["reference_images"] = reference_text(r) if r.reference_images else None
     for key, value in expected.items():
         if text.get(key) != value:
-            raise ExistingImageMismatch(file_name, f"was made for another request (its {key!r} differs)")
+            raise StaleImage(file_name, f"was made for another request (its {key!r} differs)")
+    fingerprint = request_fingerprint(task)
+    if text.get("request_fingerprint", fingerprint) != fingerprint:
+        raise StaleImage(file_name, "was made for another request (its request fingerprint differs)")
+    if model_fingerprint and text.get("model_fingerprint", model_fingerprint) != model_fingerprint:
+        raise StaleImage(file_name, "was made by another model (its model fingerprint differs: another checkpoint, "
+                                    "dtype or max_sequence_length)")
     try:
         steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
     except (KeyError, ValueError):
@@ -369,18 +389,27 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
         seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
         model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
         generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values(),
-        reference_images=r.reference_entries())
+        reference_images=r.reference_entries(), request_fingerprint=fingerprint,
+        model_fingerprint=text.get("model_fingerprint"))
+
+
+STALE_TAG = "stale"
 
 
 class _SkipExistingFn(beam.DoFn):
-    """A task whose image exists and checks out -> its manifest row (tagged `skipped`); else the task, to be
-    generated (an image that does not check out is replaced, and counted)."""
+    """Reads and checks each listed image (the listing as a side input {file name: size}): a task whose image
+    checks out -> its manifest row (tagged `skipped`); else the task, to be generated (an image made for another
+    request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
+    does for an image no earlier manifest row describes; alone, the whole check of runs before fingerprints."""
 
-    def __init__(self, output: str, encoding: ImageEncoding | None = None):
+    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None):
         self._output = output
         self._encoding = encoding or ImageEncoding()
+        self._model_fingerprint = model_fingerprint or None
         self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
         self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
+        self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
+        self._read = Metrics.counter(METRICS_NAMESPACE, "existing_images_read")
 
     def setup(self):
         retries.install()
@@ -389,18 +418,25 @@ class _SkipExistingFn(beam.DoFn):
         retries.flush_to_metrics()
 
     def process(self, task: ImageTask, existing):
-        file_name = self._encoding.stored_name(task.file_name)
-        if file_name not in existing:
+        if self._encoding.stored_name(task.file_name) not in existing:
             yield task
             return
+        yield from self._read_and_check(task)
+
+    def _read_and_check(self, task: ImageTask):
+        file_name = self._encoding.stored_name(task.file_name)
         uri = layout.join(self._output, file_name)
         try:
             data = read_bytes(uri)
         except FileNotFoundError:  # deleted since the listing
             yield task
             return
+        self._read.inc()
         try:
-            row = existing_manifest_row(task, data, uri, self._encoding)
+            row = existing_manifest_row(task, data, uri, self._encoding, self._model_fingerprint)
+        except StaleImage as e:
+            yield from self._stale_task(task, str(e))
+            return
         except ExistingImageMismatch as e:
             self._replaced.inc()
             LOGGER.warning("--skip_existing: %s; generating it again", e)
@@ -409,34 +445,123 @@ class _SkipExistingFn(beam.DoFn):
         self._skipped.inc()
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, row)
 
+    def _stale_task(self, task: ImageTask, why: str):
+        self._stale.inc()
+        LOGGER.info("--skip_existing: %s; generating it again", why)
+        yield beam.pvalue.TaggedOutput(STALE_TAG, self._encoding.stored_name(task.file_name))
+        yield task
+
+
+# What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
+RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "model", "prompt_truncated",
+                   "num_inference_steps", "guidance_scale")
+
+
+def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
+    """An earlier run's manifest file (manifest-*.jsonl or existing-*.jsonl) -> (file name, RECORDED_FIELDS) for
+    each row with both fingerprints, read line by line. Rows without them (older runs) and lines that do not parse
+    are left out: their images are read and checked instead."""
+    with readable_file.open() as f:
+        for number, line in enumerate(io.TextIOWrapper(f, encoding="utf-8", errors="replace"), 1):
+            try:
+                row = json.loads(line)
+                file_name = row["file_name"]
+            except (ValueError, KeyError, TypeError):
+                if line.strip():
+                    LOGGER.warning("--skip_existing: line %d of %s is not a manifest row; ignored", number,
+                                   readable_file.metadata.path)
+                continue
+            if isinstance(file_name, str) and row.get("request_fingerprint") and row.get("model_fingerprint"):
+                yield file_name, {k: row.get(k) for k in RECORDED_FIELDS}
+
+
+class _DecideExistingFn(_SkipExistingFn):
+    """(file name, {tasks, listed sizes, recorded rows}) -> the same outputs as _SkipExistingFn, from the listing
+    and the earlier manifest rows alone: an image listed at the size its rows record, all of whose rows carry the
+    task's request fingerprint and this model's, is skipped without being read; one whose rows all carry other
+    fingerprints is stale; one with no row (a run killed before its manifest was written), rows that disagree, or
+    another size, is read and checked as _SkipExistingFn does."""
+
+    def process(self, element, existing=None):
+        file_name, found = element
+        listed, recorded = list(found["listed"]), list(found["recorded"])
+        for task in found["tasks"]:
+            if not listed:
+                yield task
+            elif not recorded:
+                yield from self._read_and_check(task)
+            else:
+                yield from self._decide(task, file_name, listed[0], recorded)
+
+    def _decide(self, task: ImageTask, file_name: str, size: int, recorded: list[dict]):
+        want = (request_fingerprint(task), self._model_fingerprint)
+        prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in recorded}
+        if want not in prints:
+            which = "request" if all(p[1] == want[1] for p in prints) else "model"
+            yield from self._stale_task(task, f"{file_name}: its manifest row has another {which} fingerprint")
+            return
+        rec = next((r for r in recorded if r.get("bytes") == size), None)
+        if len(prints) > 1 or rec is None:  # rows that disagree, or an object of another size: look at it
+            yield from self._read_and_check(task)
+            return
+        r = task.request
+        self._skipped.inc()
+        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, layout.manifest_row(
+            request_id=r.id, file_name=file_name, uri=layout.join(self._output, file_name), prompt=r.prompt,
+            prompt_truncated=rec["prompt_truncated"], seed=task.seed, height=r.height, width=r.width,
+            num_inference_steps=rec["num_inference_steps"], guidance_scale=rec["guidance_scale"],
+            model=rec["model"], sha256=rec["sha256"], num_bytes=size, generation_ms=None, source=r.source,
+            line=r.line, metadata=r.metadata_values(), reference_images=r.reference_entries(),
+            request_fingerprint=want[0], model_fingerprint=want[1]))
+
 
 class SkipExisting(beam.PTransform):
-    """Image tasks -> {'tasks': those still to generate, 'skipped': manifest rows of the images already there}.
+    """Image tasks -> {'tasks': those still to generate, 'skipped': manifest rows of the images already there,
+    'stale': file names of images already there that were made for another request or model}.
 
     The existing images are listed once (one match of `{output}/images/*.png`, or the extension of the job's
-    --image_format) and handed to the filter as a side
-    input, rather than one existence check per image. Each listed image of a task is then read and checked
-    (`existing_manifest_row`): its row goes to manifest/existing-*.jsonl, so a resumed job's manifests still list
-    every image, including those of a run that was killed before writing its manifest.
+    --image_format), and the earlier runs' manifest rows (`manifest/*.jsonl`: manifest-* and existing-*) read once,
+    keeping only their fingerprints and stored figures. Both are joined with the tasks by file name
+    (_DecideExistingFn), so that an image whose rows say it is this request's, made by this model
+    (`model_fingerprint`), is skipped without being read. Only images no row describes are read and checked
+    (`existing_manifest_row`). Every kept image's row goes to manifest/existing-*.jsonl, so a resumed job's
+    manifests still list every image, including those of a run that was killed before writing its manifest.
+    `read_manifest=False`: every listed image is read and checked (the behaviour before fingerprints; benchmarks).
     """
 
-    def __init__(self, output: str, encoding: ImageEncoding | None = None):
+    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None,
+                 read_manifest: bool = True):
         super().__init__()
         self._output = output
         self._encoding = encoding or ImageEncoding()
+        self._model_fingerprint = model_fingerprint or None
+        self._read_manifest = read_manifest
 
     def expand(self, tasks):
         from apache_beam.io import fileio
 
-        output = self._output
-        existing = (tasks.pipeline
-                    | "ImagesGlob" >> beam.Create([layout.images_glob(output, self._encoding.format)])
-                    | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
-                    | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}", True)))
-        out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(output, self._encoding),
-                                                    beam.pvalue.AsDict(existing)) \
-            .with_outputs(SKIPPED_TAG, main="tasks")
-        return {"tasks": out.tasks, "skipped": out[SKIPPED_TAG]}
+        output, encoding = self._output, self._encoding
+        listed = (tasks.pipeline
+                  | "ImagesGlob" >> beam.Create([layout.images_glob(output, encoding.format)])
+                  | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                  | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}",
+                                                        m.size_in_bytes)))
+        fn_args = (output, encoding, self._model_fingerprint)
+        if not self._read_manifest:
+            out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(*fn_args), beam.pvalue.AsDict(listed)) \
+                .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks")
+        else:
+            recorded = (tasks.pipeline
+                        | "ManifestGlob" >> beam.Create([layout.manifest_rows_glob(output)])
+                        | "ListManifests" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                        | "OpenManifests" >> fileio.ReadMatches()
+                        | "RecordedRows" >> beam.FlatMap(recorded_rows))
+            keyed = tasks | "ByFileName" >> beam.Map(lambda t: (encoding.stored_name(t.file_name), t))
+            out = ({"tasks": keyed, "listed": listed, "recorded": recorded}
+                   | "JoinExisting" >> beam.CoGroupByKey()
+                   | "DecideExisting" >> beam.ParDo(_DecideExistingFn(*fn_args))
+                   .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks"))
+        return {"tasks": out.tasks, "skipped": out[SKIPPED_TAG], "stale": out[STALE_TAG]}
 
 
 # --------------------------------------------------------------------------------------------- failed batches
@@ -510,7 +635,8 @@ def non_finite_row(task, why: str) -> dict:
 # --------------------------------------------------------------------------------------------- summary
 def _row_order(row: dict) -> tuple:
     return str(row.get("source")), row.get("line") if isinstance(row.get("line"), int) else -1
-SUMMARY_FIGURES = ("records_read", "requests", "images_planned", "images_generated", "skipped", "invalid",
+# stale: images already there (--skip_existing) made for another request or model, so generated again.
+SUMMARY_FIGURES = ("records_read", "requests", "images_planned", "images_generated", "skipped", "stale", "invalid",
                    "duplicates", "failed", "prompts_truncated")
 
 
@@ -529,7 +655,9 @@ def build_summary(counts: dict[str, int], *, started_at: float, finished_at: flo
 
 def format_summary(summary: dict) -> str:
     text = (f"records read {summary['records_read']}, images generated {summary['images_generated']}, "
-            f"skipped {summary['skipped']}, invalid {summary['invalid']}, failed {summary['failed']}, "
+            f"skipped {summary['skipped']}, "
+            + (f"stale (generated again) {summary['stale']}, " if summary.get("stale") else "")
+            + f"invalid {summary['invalid']}, failed {summary['failed']}, "
             f"wall time {summary['wall_time_s']:.1f} s, {summary['images_per_s']:.3f} images/s")
     retried = summary.get("retries")
     if retried:

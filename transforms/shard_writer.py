@@ -32,6 +32,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from . import layout, retries, shards
+from .fingerprints import request_fingerprint
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .outputs import ImageEncoding, default_encode_threads, failed_batch_rows, non_finite_row, png_text, read_bytes, \
     write_bytes_atomic
@@ -41,6 +42,7 @@ LINES_PER_BLOCK = 10_000  # lines of one input file whose tasks are ordered toge
 ERRORS_TAG = "errors"
 EXISTING_TAG = "existing"
 SHARDS_TAG = "shards"
+STALE_TAG = "stale"
 
 
 # --------------------------------------------------------------------------------------------- positions
@@ -104,6 +106,13 @@ def shape_batches(entries: list, batch_size: int) -> list[list]:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Stale:
+    """A complete shard whose samples at `keys` were made for other requests or by another model."""
+
+    keys: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Made:
     """What a packed image's manifest row needs of its GeneratedImage, without the pixels."""
 
@@ -115,13 +124,14 @@ class _Made:
     generation_ms: float
 
 
-def _encode_to(path: str, generated, encoding: ImageEncoding) -> tuple[int, str]:
+def _encode_to(path: str, generated, encoding: ImageEncoding, model_fingerprint: str | None = None
+               ) -> tuple[int, str]:
     import hashlib
 
     task = generated.task
     data = encoding.encode(generated.pixels, png_text(
         task, num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-        model=generated.model, prompt_truncated=generated.prompt_truncated))
+        model=generated.model, prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint))
     with open(path, "wb") as f:
         f.write(data)
     return len(data), hashlib.sha256(data).hexdigest()
@@ -130,13 +140,16 @@ def _encode_to(path: str, generated, encoding: ImageEncoding) -> tuple[int, str]
 class PackShardFn(beam.DoFn):
     """(shard, [(index, ImageTask)]) -> generates, packs and writes the shard; main output: manifest rows of its
     images; tagged: `errors` (failed images), `existing` (rows of a complete shard --skip_existing kept),
-    `shards` ({shard, nsamples, ...} for the indexes)."""
+    `shards` ({shard, nsamples, ...} for the indexes). `model_fingerprint` goes into every sample's text, row and
+    sidecar row (transforms/fingerprints.py)."""
 
     def __init__(self, output: str, handler, encoding: ImageEncoding, samples_per_shard: int, batch_size: int,
-                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None):
+                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None,
+                 model_fingerprint: str | None = None):
         from apache_beam.utils import shared
 
         self._output = output
+        self._model_fingerprint = model_fingerprint or None
         self._handler = handler
         self._encoding = encoding
         self._per_shard = samples_per_shard
@@ -150,6 +163,7 @@ class PackShardFn(beam.DoFn):
         self._bytes = Metrics.counter(METRICS_NAMESPACE, "image_bytes_written")
         self._shards_written = Metrics.counter(METRICS_NAMESPACE, "shards_written")
         self._shards_kept = Metrics.counter(METRICS_NAMESPACE, "shards_skipped")
+        self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
         self._nonfinite = Metrics.counter(METRICS_NAMESPACE, "images_non_finite")
         self._gen_ms = Metrics.distribution(METRICS_NAMESPACE, "generation_ms_per_image")
 
@@ -196,8 +210,14 @@ class PackShardFn(beam.DoFn):
         shard, entries = element
         entries = sorted(entries, key=lambda e: e[0])
         if self._skip_existing:
-            kept = self._complete_shard(shard, len(entries))
-            if kept is not None:
+            kept = self._complete_shard(shard, entries)
+            if kept is not None and not isinstance(kept, list):  # complete, but made for other requests or model
+                self._stale.inc(len(kept.keys))
+                LOGGER.info("--skip_existing: shard %05d has %d image(s) made for another request or model; "
+                            "generating it again", shard, len(kept.keys))
+                for key in kept.keys:
+                    yield beam.pvalue.TaggedOutput(STALE_TAG, key)
+            elif kept is not None:
                 self._shards_kept.inc()
                 for row in kept:
                     yield beam.pvalue.TaggedOutput(EXISTING_TAG, row)
@@ -205,9 +225,12 @@ class PackShardFn(beam.DoFn):
                 return
         yield from self._pack(shard, entries)
 
-    def _complete_shard(self, shard: int, planned: int) -> list[dict] | None:
+    def _complete_shard(self, shard: int, entries: list) -> "list[dict] | _Stale | None":
         """The manifest rows of a shard a previous run completed (its marker says every planned sample is in its
-        tar), read from its sidecar; None when it must be generated (no marker, failures, another plan)."""
+        tar) for the same requests and model (each sidecar row's fingerprints are those of the task at its key),
+        read from its sidecar; None when it must be generated (no marker, failures, another plan); _Stale (the keys
+        whose rows differ) when it is complete but made for other requests or by another model."""
+        planned = len(entries)
         try:
             stats = json.loads(read_bytes(shards.stats_path(self._output, shard)).decode("utf-8"))
             rows = shards.read_sidecar(read_bytes(shards.sidecar_path(self._output, shard)))
@@ -222,6 +245,17 @@ class PackShardFn(beam.DoFn):
             LOGGER.info("--skip_existing: shard %05d is incomplete (%s); generating it again", shard,
                         {k: stats.get(k) for k in ("count", "successes", "failures")})
             return None
+        by_key = {r.get("key"): r for r in rows}
+        stale = []
+        for index, task in entries:
+            key = shards.sample_key(shard, index, self._per_shard)
+            if key not in by_key:
+                LOGGER.info("--skip_existing: shard %05d lacks key %s; generating it again", shard, key)
+                return None
+            if not shards.sidecar_row_matches(by_key[key], task, self._model_fingerprint):
+                stale.append(key)
+        if stale:
+            return _Stale(tuple(stale))
         return [shards.manifest_row_of_sidecar(r) for r in rows]
 
     def _pack(self, shard: int, entries: list):
@@ -250,7 +284,8 @@ class PackShardFn(beam.DoFn):
                         self._nonfinite.inc()
                         errors.append((key, task, non_finite_row(task, g.nonfinite)))
                         continue
-                    future = self._pool.submit(_encode_to, os.path.join(spool, key), g, self._encoding)
+                    future = self._pool.submit(_encode_to, os.path.join(spool, key), g, self._encoding,
+                                               self._model_fingerprint)
                     stored[key] = (_Made(g.task, g.num_inference_steps, g.guidance_scale, g.prompt_truncated,
                                          g.model, g.generation_ms), future)
                     waiting.append(future)
@@ -270,12 +305,13 @@ class PackShardFn(beam.DoFn):
                     num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
                     model=generated.model, sha256=sha256, num_bytes=num_bytes,
                     generation_ms=generated.generation_ms, source=r.source, line=r.line,
-                    metadata=r.metadata_values())
+                    metadata=r.metadata_values(), request_fingerprint=request_fingerprint(task),
+                    model_fingerprint=self._model_fingerprint)
                 row["key"] = key
                 rows.append(row)
                 sidecar.append(shards.success_sidecar_row(row))
             for key, task, error in errors:
-                sidecar.append(shards.failed_sidecar_row(key, task, error))
+                sidecar.append(shards.failed_sidecar_row(key, task, error, self._model_fingerprint))
 
             def samples():
                 for row in rows:
@@ -318,20 +354,21 @@ class WriteShards(beam.PTransform):
     """ImageTasks -> {'manifest', 'errors', 'existing', 'shards'}: every shard generated, packed and marked."""
 
     def __init__(self, output: str, handler, encoding: ImageEncoding, samples_per_shard: int, batch_size: int,
-                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None):
+                 skip_existing: bool = False, progress_dir: str | None = None, threads: int | None = None,
+                 model_fingerprint: str | None = None):
         super().__init__()
         self._fn = PackShardFn(output, handler, encoding, samples_per_shard, batch_size, skip_existing,
-                               progress_dir, threads)
+                               progress_dir, threads, model_fingerprint)
         self._per_shard = samples_per_shard
 
     def expand(self, tasks):
         out = (tasks
                | "AssignShards" >> AssignShards(self._per_shard)
                | "GroupByShard" >> beam.GroupByKey()  # one element per shard: small rows, never pixels
-               | "PackShards" >> beam.ParDo(self._fn).with_outputs(ERRORS_TAG, EXISTING_TAG, SHARDS_TAG,
+               | "PackShards" >> beam.ParDo(self._fn).with_outputs(ERRORS_TAG, EXISTING_TAG, SHARDS_TAG, STALE_TAG,
                                                                    main="manifest"))
         return {"manifest": out.manifest, "errors": out[ERRORS_TAG], "existing": out[EXISTING_TAG],
-                "shards": out[SHARDS_TAG]}
+                "shards": out[SHARDS_TAG], "stale": out[STALE_TAG]}
 
 
 # --------------------------------------------------------------------------------------------- indexes

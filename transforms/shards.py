@@ -194,7 +194,7 @@ def is_complete(stats: dict, planned: int) -> bool:
 # --------------------------------------------------------------------------------------------- sidecar rows
 SIDECAR_COLUMNS = ("key", "status", "error_message", "id", "file_name", "uri", "prompt", "prompt_truncated", "seed",
                    "height", "width", "num_inference_steps", "guidance_scale", "model", "sha256", "bytes",
-                   "generation_ms", "metadata", "source", "line")
+                   "generation_ms", "metadata", "source", "line", "request_fingerprint", "model_fingerprint")
 
 
 def sidecar_schema():
@@ -204,7 +204,8 @@ def sidecar_schema():
              "file_name": pa.string(), "uri": pa.string(), "prompt": pa.string(), "prompt_truncated": pa.bool_(),
              "seed": pa.int64(), "height": pa.int64(), "width": pa.int64(), "num_inference_steps": pa.int64(),
              "guidance_scale": pa.float64(), "model": pa.string(), "sha256": pa.string(), "bytes": pa.int64(),
-             "generation_ms": pa.float64(), "metadata": pa.string(), "source": pa.string(), "line": pa.int64()}
+             "generation_ms": pa.float64(), "metadata": pa.string(), "source": pa.string(), "line": pa.int64(),
+             "request_fingerprint": pa.string(), "model_fingerprint": pa.string()}
     return pa.schema([(name, types[name]) for name in SIDECAR_COLUMNS])
 
 
@@ -217,15 +218,17 @@ def success_sidecar_row(row: dict) -> dict:
     return out
 
 
-def failed_sidecar_row(key: str, task, error: dict) -> dict:
+def failed_sidecar_row(key: str, task, error: dict, model_fingerprint: str | None = None) -> dict:
     """A failed image's sidecar row: what was asked for, status failed and the error row's kind and reason."""
+    from .fingerprints import request_fingerprint
+
     r = task.request
     out = {name: None for name in SIDECAR_COLUMNS}
     out.update(key=key, status="failed", error_message=f"{error.get('kind')}: {error.get('reason')}", id=r.id,
                prompt=r.prompt, seed=task.seed, height=r.height, width=r.width,
                num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale,
                metadata=json.dumps(r.metadata_values(), ensure_ascii=False, sort_keys=True), source=r.source,
-               line=r.line)
+               line=r.line, request_fingerprint=request_fingerprint(task), model_fingerprint=model_fingerprint)
     return out
 
 
@@ -245,9 +248,27 @@ def read_sidecar(data: bytes) -> list[dict]:
     return pq.read_table(io.BytesIO(data)).to_pylist()
 
 
+def sidecar_row_matches(row: dict, task, model_fingerprint: str | None) -> bool:
+    """Whether a success sidecar row is the sample `task` asks for, made by the model of `model_fingerprint`:
+    their fingerprints agree. A row of a run before fingerprints (none recorded) is compared field by field
+    (id, prompt, seed, size; steps and guidance where the request sets them), its model taken on trust."""
+    from .fingerprints import request_fingerprint
+
+    if row.get("request_fingerprint"):
+        return row["request_fingerprint"] == request_fingerprint(task) \
+            and row.get("model_fingerprint") == model_fingerprint
+    r = task.request
+    expected = {"id": r.id, "prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width}
+    if r.num_inference_steps is not None:
+        expected["num_inference_steps"] = r.num_inference_steps
+    if r.guidance_scale is not None:
+        expected["guidance_scale"] = float(r.guidance_scale)
+    return all(row.get(k) == v for k, v in expected.items())
+
+
 def manifest_row_of_sidecar(row: dict) -> dict:
     """A success sidecar row back as the manifest row it was made from (for manifest/existing-*.jsonl)."""
-    out = {name: row[name] for name in SIDECAR_COLUMNS if name not in ("status", "error_message")}
+    out = {name: row.get(name) for name in SIDECAR_COLUMNS if name not in ("status", "error_message")}
     out["metadata"] = json.loads(row["metadata"]) if row.get("metadata") else {}
     return out
 

@@ -230,3 +230,18 @@ def test_a_process_that_never_stops_its_emulator_still_exits():
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("left-running-"), proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def test_resume_benchmark_reads_no_image_the_new_way():
+    """benchmarks.resume on 20 images: the old way reads every image, the new one none, and both keep all 20."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.resume", "--images", "20"], cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ways = json.loads(proc.stdout.strip().splitlines()[-1])["ways"]
+    before, after = ways["before: read every image"], ways["after: listing + fingerprints"]
+    assert (before["objects_read"], before["skipped"]) == (20, 20) and before["image_bytes_read"] > 0
+    assert (after["objects_read"], after["image_bytes_read"], after["skipped"]) == (0, 0, 20)
+    assert after["manifest_bytes_read"] > 0 and before["stale"] == after["stale"] == 0

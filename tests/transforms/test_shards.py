@@ -76,7 +76,7 @@ def test_stats_completeness_and_sidecar_round_trip():
     row = {"id": "a", "file_name": "000000000.png", "uri": "u", "prompt": "p", "prompt_truncated": False,
            "seed": 1, "height": 32, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "model": "m",
            "sha256": "s", "bytes": 3, "generation_ms": 1.5, "metadata": {"lang": "en"}, "source": "f", "line": 2,
-           "key": "000000000"}
+           "key": "000000000", "request_fingerprint": "rfp", "model_fingerprint": "mfp"}
     back = shards.read_sidecar(shards.sidecar_bytes([shards.success_sidecar_row(row)]))
     assert shards.manifest_row_of_sidecar(back[0]) == row
 
