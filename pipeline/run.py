@@ -206,10 +206,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         validate_variant(o.model_variant, name="--model_variant")
         worker_env = tuple(o.worker_env_vars().items())
         if not demo and is_hub_id(model_uri):  # downloaded (or found cached) once, here, before anything else
-            if not is_local_runner(options):
-                raise UsageError(f"--model={model_uri!r} is a Hugging Face Hub id, which only local runners take "
-                                 f"for now; give a gs:// copy of the checkpoint on {runner_name(options)}")
-            model_uri = hub_model(model_uri, o.model_variant)
+            model_uri = hub_model(model_uri, o.model_variant, local_runner=is_local_runner(options),
+                                  model_cache=o.model_cache,
+                                  temp_location=options.view_as(GoogleCloudOptions).temp_location)
         encoding = ImageEncoding(o.image_format, o.png_compress_level, o.quality)
         optional_count("--encode_threads", o.encode_threads)
         if o.output_format not in OUTPUT_FORMATS:
