@@ -32,10 +32,17 @@ PREFLIGHT_REQUIREMENTS = [
     "libtpu==0.0.52",
 ]
 
+# Hugging Face Hub ids as --model / model.load (model/hub.py): the launch downloads the snapshot, workers never do.
+# Imported only for a Hub id. transformers and tokenizers already pull in some huggingface_hub (unpinned, <3.0); this
+# extra pins the version model/hub.py is written and tested against.
+HUB_REQUIREMENTS = [
+    "huggingface_hub==2.4.0",
+]
+
 # TPU hosts: the libtpu that matches the JAX pin (jax[tpu]==0.10.2 resolves to it), for running on the chips.
 TPU_REQUIREMENTS = PREFLIGHT_REQUIREMENTS
 
-TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + [
+TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + HUB_REQUIREMENTS + [
     "pytest==9.2.0",
     "pytest-xdist==3.8.0",  # the README's test command runs the suite on 2 processes (CI under 20 minutes on 2 cores)
     "hypothesis==6.170.17",
@@ -58,5 +65,6 @@ setup(
     package_data={"model.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.presets)
     install_requires=RUNTIME_REQUIREMENTS,
     extras_require={"demo": DEMO_REQUIREMENTS, "preflight": PREFLIGHT_REQUIREMENTS, "tpu": TPU_REQUIREMENTS,
+                    "hub": HUB_REQUIREMENTS,
                     "test": TEST_REQUIREMENTS},
 )

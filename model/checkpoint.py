@@ -3,7 +3,8 @@
 A `gs://bucket/prefix` checkpoint is copied once per machine into
 `<cache>/checkpoints/<sha256 of the uri>/<fingerprint>/`, `<cache>` being the project's cache folder
 (model/cache_paths.py: `$FLUX2_KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2-klein-beam`, else
-`~/.cache/flux2-klein-beam`); `cache_dir` replaces `<cache>/checkpoints`. The fingerprint hashes the object listing
+`~/.cache/flux2-klein-beam`); `cache_dir` replaces `<cache>/checkpoints`. A Hugging Face Hub id (`owner/name`) is
+resolved by model/hub.py. The fingerprint hashes the object listing
 (names, sizes, checksums, generations), so a checkpoint re-uploaded under the same URI gets a fresh copy instead of a
 stale one.
 
@@ -83,14 +84,20 @@ def split_gs_uri(uri: str) -> tuple[str, str]:
 
 
 def resolve_checkpoint(uri: str, cache_dir: str | None = None, variant: str | None = None) -> str:
-    """The local folder holding the checkpoint at `uri` (a local folder, or `gs://bucket/prefix`). From GCS only
-    the weight files of `variant` are copied (see `model.weight_files.select_weight_files`)."""
+    """The local folder holding the checkpoint at `uri` (a local folder, `gs://bucket/prefix`, or a Hugging Face
+    Hub id `owner/name[@revision]`, model/hub.py). From GCS and the Hub only the weight files of `variant` are
+    fetched (see `model.weight_files.select_weight_files`); `cache_dir` applies to gs:// copies."""
     if not isinstance(uri, str) or not uri:
         raise CheckpointError("checkpoint location must be a non-empty string", path=repr(uri))
     if uri.startswith("gs://"):
         return _resolve_gcs(uri, cache_dir, variant)
     if "://" in uri:
-        raise CheckpointError("unsupported checkpoint location: use a local folder or a gs:// URI", path=uri)
+        raise CheckpointError("unsupported checkpoint location: use a local folder, a gs:// URI or a Hugging Face "
+                              "Hub id (owner/name)", path=uri)
+    from .hub import is_hub_id, resolve_hub  # an existing local path is never a Hub id
+
+    if is_hub_id(uri):
+        return resolve_hub(uri, variant).path
     if not os.path.exists(uri):
         raise CheckpointError("checkpoint folder does not exist", path=uri)
     if not os.path.isdir(uri):
@@ -113,7 +120,7 @@ def read_config_and_digest(uri: str, variant: str | None = None) -> tuple[Pipeli
     """`read_config`, and the checkpoint's content digest (`checkpoint_digest`) from the same listing and config
     reads: the launcher learns both at once, without reading a weight."""
     if not (isinstance(uri, str) and uri.startswith("gs://")):
-        folder = resolve_checkpoint(uri)
+        folder = resolve_checkpoint(uri, variant=variant)
         config = PipelineConfig.from_folder(folder)
         return config, checkpoint_digest(_local_listing(folder, variant), folder)
     uri = uri.rstrip("/")

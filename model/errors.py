@@ -23,6 +23,42 @@ class UnsafeWeightsError(CheckpointError):
     """A pickle-based weight file (.bin/.pt/.ckpt/.pth) was found where safetensors are required."""
 
 
+class HubError(CheckpointError):
+    """A Hugging Face Hub model id (`owner/name[@revision]`) cannot be turned into a local snapshot. `model` is the
+    id as given, `endpoint` the Hub it was asked of (None when no request was made)."""
+
+    def __init__(self, message: str, *, model: str, endpoint: str | None = None):
+        self.model = model
+        self.endpoint = endpoint
+        self.path = model
+        self.tensor = None
+        ModelError.__init__(self, message)
+
+
+class HubDependencyError(HubError):
+    """The huggingface_hub package, needed only for Hub ids, is not installed."""
+
+
+class HubRepoNotFoundError(HubError):
+    """The Hub has no such repository, or it is private and no token that can read it was sent."""
+
+
+class HubGatedRepoError(HubError):
+    """The repository is gated: its licence must be accepted on the Hub, and a token of that account sent."""
+
+
+class HubRevisionNotFoundError(HubError):
+    """The repository exists but has no such branch, tag or commit."""
+
+
+class HubOfflineError(HubError):
+    """Offline mode (HF_HUB_OFFLINE) and no complete cached snapshot of the id."""
+
+
+class HubNetworkError(HubError):
+    """The Hub endpoint cannot be reached (or answers with a server error) and no cached snapshot can stand in."""
+
+
 class ConfigError(ModelError):
     """A config.json value is missing, malformed or describes something this implementation cannot run."""
 

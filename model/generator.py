@@ -54,7 +54,8 @@ def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
          lab: LabSwitches | None = None, cache_dir: str | None = None, variant: str | None = None,
          **overrides) -> "Flux2KleinGenerator":
-    """Load a checkpoint (local folder or gs:// URI, diffusers layout) in `dtype` and prepare it for generation.
+    """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
+    layout) in `dtype` and prepare it for generation.
 
     `settings` is a `LoadSettings` (as the job passes it), or the checkpoint's path with the other arguments.
     `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
@@ -81,7 +82,9 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     options, variant = settings.engine, settings.variant
     enable_compilation_cache(options.compilation_cache_dir)
     root = settings.model
-    if root.startswith("gs://"):
+    from .hub import is_hub_id
+
+    if root.startswith("gs://") or is_hub_id(root):
         from .checkpoint import resolve_checkpoint
 
         root = resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=variant)

@@ -156,8 +156,9 @@ OPTIONS = (
     Option("allow_empty", "output", "Exit 0 even when the run generates no image (no record, or every request "
                                     "invalid or failed).", switch=True, default=False),
     # --- model
-    Option("model", "model", "FLUX.2 [klein] checkpoint in diffusers layout: a local folder or a gs:// prefix "
-                             "(copied once per machine).", metavar="CHECKPOINT",
+    Option("model", "model", "FLUX.2 [klein] checkpoint in diffusers layout: a local folder, a gs:// prefix or a "
+                             "Hugging Face Hub id owner/name[@rev].",
+           metavar="CHECKPOINT",
            shown_default="the demo's tiny random-weight checkpoint"),
     Option("model_variant", "model", "Weight-file variant of the checkpoint, as diffusers' variant= (fp16 for "
                                      "*.fp16.safetensors).", metavar="VARIANT",
@@ -167,6 +168,9 @@ OPTIONS = (
     Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
                                            "flagged in the manifest.", type=int, metavar="TOKENS",
            shown_default=str(DEFAULT_MAX_SEQUENCE_LENGTH)),
+    Option("model_cache", "model", "gs:// prefix to which a Dataflow launch copies a Hugging Face Hub --model "
+                                   "for its workers, once per commit.", metavar="GS_PREFIX",
+           shown_default="--temp_location"),
     Option("checkpoint_cache_dir", "model", "Local folder for the copy of a gs:// checkpoint.", metavar="FOLDER",
            shown_default="checkpoints/ in $FLUX2_KLEIN_CACHE or ~/.cache/flux2-klein-beam"),
     # --- generation

@@ -3,6 +3,7 @@
     python -m pipeline.run                                   # the bundled demo (tiny random weights -> noise)
     python -m pipeline.run --help                            # the job's options; --help_beam: Beam's
     python -m pipeline.run --model=gs://b/FLUX.2-klein-4B --input='gs://b/prompts/*.jsonl' --output=gs://b/out
+    python -m pipeline.run --model=black-forest-labs/FLUX.2-klein-4B --input=prompts.jsonl   # a Hugging Face Hub id
     python -m pipeline.run ... --direct_running_mode=multi_processing --direct_num_workers=2
     python -m pipeline.run --model=... --input=prompts.tsv --prompt_column=Prompt --output=...
     python -m pipeline.run --model=... --input=bq://project.dataset.table --temp_location=gs://b/tmp ...
@@ -64,12 +65,14 @@ from transforms.requests import (
 from model.checkpoint import read_config_and_digest
 from model.contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, optional_count
 from model.errors import ModelError
+from model.hub import is_hub_id
 from model.options import EngineOptions, LoadSettings
 from model.weight_files import validate_variant
 
 from .demo import DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
 from . import launch_check
 from .errors import UsageError
+from .hub_model import hub_model
 from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
 from .usage import BEAM_HELP_FLAG, HELP_FLAGS, check_arguments, format_beam_help, format_help
 
@@ -77,7 +80,8 @@ logger = logging.getLogger("pipeline.run")
 
 DEFAULT_RUNNER = "FnApiRunner"
 LOCAL_RUNNERS = ("fnapirunner", "directrunner", "bundlebaseddirectrunner", "switchingdirectrunner")
-GLOB_CHARACTERS = ("*", "?", "[", "]")  # pattern characters of Beam's file matching (fnmatch / glob)
+GLOB_CHARACTERS = ("*", "?", "[", "]")
+EXAMPLE_HUB_ID = "black-forest-labs/FLUX.2-klein-4B"  # pattern characters of Beam's file matching (fnmatch / glob)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,9 +186,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         if o.model is None:
             raise UsageError("--model is required with --input (omit both to run the bundled demo)")
         model_uri = o.model
-        if "://" not in model_uri and not os.path.isdir(model_uri):
-            raise UsageError(f"--model={model_uri!r} is not a folder (give a diffusers-layout checkpoint folder or "
-                             f"a gs:// prefix)")
+        if not is_hub_id(model_uri) and "://" not in model_uri and not os.path.isdir(model_uri):
+            raise UsageError(f"--model={model_uri!r} is not a folder (give a diffusers-layout checkpoint folder, "
+                             f"a gs:// prefix or a Hugging Face Hub id such as {EXAMPLE_HUB_ID})")
 
     output = o.output or DEFAULT_OUTPUT
     if any(c in output for c in GLOB_CHARACTERS):
@@ -204,6 +208,10 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         optional_count("--model_copies", o.model_copies)
         validate_variant(o.model_variant, name="--model_variant")
         worker_env = tuple(o.worker_env_vars().items())
+        if not demo and is_hub_id(model_uri):  # downloaded (or found cached) once, here, before anything else
+            model_uri = hub_model(model_uri, o.model_variant, local_runner=is_local_runner(options),
+                                  model_cache=o.model_cache,
+                                  temp_location=options.view_as(GoogleCloudOptions).temp_location)
         encoding = ImageEncoding(o.image_format, o.png_compress_level, o.quality)
         optional_count("--encode_threads", o.encode_threads)
         if o.output_format not in OUTPUT_FORMATS:

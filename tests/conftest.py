@@ -82,3 +82,22 @@ def gcs_emulator():
 def gcs_bucket(gcs_emulator) -> str:
     """A fresh, empty bucket on the emulator (its name, without gs://)."""
     return gcs_emulator.new_bucket()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stand-in Hugging Face Hub (tests/support/hub_server.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stand_in_hub(tiny_ckpt):
+    """A local Hub serving `tiny/klein` (the tiny checkpoint; branch main and tag v1 = HUB_COMMITS, plus files the
+    pipeline must not fetch) and the gated `tiny/gated`; point huggingface_hub at it with HF_ENDPOINT=.endpoint."""
+    from hub_server import HUB_COMMITS, Repo, StandInHub
+
+    extra = {"flux-2-klein-tiny.safetensors": b"a single-file checkpoint the pipeline does not read",
+             "README.md": b"# tiny", "transformer/diffusion_pytorch_model.fp16.safetensors": b"another variant",
+             "vae/diffusion_pytorch_model.bin": b"pickle weights beside the safetensors"}
+    hub = StandInHub({"tiny/klein": Repo(tiny_ckpt, revisions=HUB_COMMITS, extra=extra),
+                      "tiny/gated": Repo(tiny_ckpt, revisions={"main": "3" * 40}, gated=True)})
+    yield hub
+    hub.stop()
