@@ -9,7 +9,7 @@ Standard Beam options (`--runner`, `--direct_running_mode`, `--direct_num_worker
 that is neither is rejected at launch (pipeline/usage.py).
 
 Every option takes `--name=value`, which is how Dataflow Flex Templates pass parameters; the switches
-(`--skip_existing`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
+(`--skip_existing`, `--overwrite`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
 """
 
 from __future__ import annotations
@@ -151,6 +151,8 @@ OPTIONS = (
            metavar="1-100"),
     Option("skip_existing", "output", "Skip images already written under the output: resume a job.", switch=True,
            default=False),
+    Option("overwrite", "output", "Generate every image again into an output that holds a previous run's results, "
+                                  "replacing them.", switch=True, default=False),
     Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
            default=False),
     Option("allow_empty", "output", "Exit 0 even when the run generates no image (no record, or every request "

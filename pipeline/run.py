@@ -68,6 +68,7 @@ from model.weight_files import validate_variant
 
 from .demo import DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
 from . import launch_check
+from .output_check import check_output
 from .errors import UsageError
 from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
 from .usage import BEAM_HELP_FLAG, HELP_FLAGS, check_arguments, format_beam_help, format_help
@@ -499,6 +500,9 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if local:
         quiet_tpu_runtime()
     job = resolve_job(options)
+    o = options.view_as(Flux2KleinOptions)
+    replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
+                             demo_default_output=job.demo and o.output is None)
     if local:  # what a stopped or killed run left behind
         remove_beam_temp(job.output)
     wait = local if wait is None else wait
@@ -506,6 +510,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         _tpu_preflight(options, job)
     if job.demo:
         print(demo_notice(job.model, job.patterns[0], job.output), flush=True)
+    if replacing:
+        print(replacing, flush=True)
 
     progress_dir = None
     show_progress = wait and local and not options.view_as(Flux2KleinOptions).no_progress

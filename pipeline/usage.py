@@ -189,7 +189,8 @@ EXIT_STATUSES = (
     (0, "the job ran and generated images (or skipped them as already there), or --allow_empty was given"),
     (1, "the job ran but generated no image: no record was read, or every request was invalid or failed (the "
         "errors file names each); or the job itself failed"),
-    (2, "a usage error: an unknown option, a bad value, an input or model that cannot be used; nothing ran"),
+    (2, "a usage error: an unknown option, a bad value, an input or model that cannot be used, an output holding a "
+        "previous run's results without --skip_existing or --overwrite; nothing ran"),
 )
 
 

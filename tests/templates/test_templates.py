@@ -686,6 +686,7 @@ BAD_VALUES = {
     "max_reference_images": INT_BAD + ["1000"],
     "max_reference_pixels": INT_BAD + ["100"],
     "skip_existing": ["yes", "1", "TRUE", "on"],
+    "overwrite": ["yes", "1", "TRUE", "on"],
     "allow_empty": ["yes", "1", "TRUE", "on"],
     "skip_preflight": ["yes", "1", "TRUE", "on"],
     "large_model": ["yes", "1", "TRUE", "on"],
