@@ -161,11 +161,14 @@ OPTIONS = (
     Option("model", "model", "FLUX.2 [klein] checkpoint in diffusers layout: a local folder or a gs:// prefix "
                              "(copied once per machine).", metavar="CHECKPOINT",
            shown_default="the demo's tiny random-weight checkpoint"),
+    Option("demo_checkpoint", "model", "Run --input on the bundled tiny random-weight demo checkpoint (noise "
+                                       "images): try an input without a real model.",
+           switch=True, default=False),
     Option("model_variant", "model", "Weight-file variant of the checkpoint, as diffusers' variant= (fp16 for "
                                      "*.fp16.safetensors).", metavar="VARIANT",
            shown_default="the files without a variant"),
     Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
-           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo"),
+           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo checkpoint"),
     Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
                                            "flagged in the manifest.", type=int, metavar="TOKENS",
            shown_default=str(DEFAULT_MAX_SEQUENCE_LENGTH)),
@@ -174,10 +177,10 @@ OPTIONS = (
     # --- generation
     Option("height", "generation", "Image height in pixels for records that give none; a multiple of 16 (the "
                                    "checkpoint's size multiple).", type=int, metavar="PIXELS",
-           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo"),
+           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo checkpoint"),
     Option("width", "generation", "Image width in pixels for records that give none; a multiple of 16 (the "
                                   "checkpoint's size multiple).", type=int, metavar="PIXELS",
-           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo"),
+           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo checkpoint"),
     Option("num_inference_steps", "generation", "Denoising steps for records that give none.", type=int,
            metavar="STEPS", shown_default="the checkpoint's: 4 distilled, 50 base"),
     Option("guidance_scale", "generation", "Guidance scale for records that give none; ignored by the "
