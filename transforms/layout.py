@@ -41,6 +41,8 @@ UNREADABLE_INPUT = "unreadable_input"  # an input file that cannot be read (to i
 INFERENCE_FAILED = "inference_failed"
 INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
 NON_FINITE_IMAGE = "non_finite_image"  # generation gave NaN or inf values: nothing is written for that image
+ERROR_KINDS = (INVALID_RECORD, DUPLICATE_ID, FILE_NAME_COLLISION, UNREADABLE_INPUT, INFERENCE_FAILED, INVALID_REFERENCE,
+               NON_FINITE_IMAGE)  # every kind above (the runbooks list them; a test checks both)
 
 MANIFEST_FIELDS = (
     "id",
