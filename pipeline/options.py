@@ -26,10 +26,10 @@ from model.contract import (
     DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
 )
 from model.options import DTYPE_NAMES as DTYPES
-from transforms.inference import DEFAULT_INFERENCE_RETRIES
-from transforms.outputs import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
+from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.preview import DEFAULT_PREVIEW
 from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
+from transforms.retries import DEFAULT_INFERENCE_RETRIES
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
 
 from .demo import DEMO_DTYPE, DEMO_SIZE

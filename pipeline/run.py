@@ -34,7 +34,12 @@ import tempfile
 import time
 import uuid
 
-import apache_beam as beam
+if __name__ == "__main__":  # `python -m pipeline.run`: --help and argument errors before the heavy imports below
+    from pipeline.usage import exit_on_usage_error
+
+    exit_on_usage_error(sys.argv[1:])
+
+import apache_beam as beam  # noqa: E402 - after the command line's own check
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
