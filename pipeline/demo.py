@@ -1,4 +1,5 @@
-"""The bundled demo: what `python -m pipeline.run` runs when given neither --model nor --input.
+"""The bundled demo: what `python -m pipeline.run` runs when given neither --model nor --input, and the checkpoint
+that `--demo_checkpoint` runs the user's own --input on.
 
 A tiny random-weight FLUX.2 [klein] checkpoint, built on first use by the fixture builder `tiny_klein` (outside the
 runtime packages; building needs the `[demo]` extra, torch and diffusers) into the project's cache folder
@@ -31,6 +32,13 @@ DEMO_NOTICE = """\
     FLUX.2-klein-9B, FLUX.2-klein-base-4B, FLUX.2-klein-base-9B), for example
       python -m pipeline.run --model=gs://my-bucket/FLUX.2-klein-4B --input='gs://my-bucket/prompts/*.jsonl' \\
           --output=gs://my-bucket/out
+"""
+
+DEMO_CHECKPOINT_NOTICE = """\
+==> --demo_checkpoint: your prompts on the bundled tiny RANDOM-WEIGHT checkpoint
+      {model}
+    at the demo's size and dtype unless --height/--width/--dtype say otherwise. The images are noise: this checks
+    your input and the job's outputs, not the model. Give --model=CHECKPOINT instead for real images.
 """
 
 DEMO_DONE = ("demo done: the images are noise (random weights). Use --model with a real FLUX.2 [klein] checkpoint "

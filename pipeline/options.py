@@ -9,7 +9,7 @@ Standard Beam options (`--runner`, `--direct_running_mode`, `--direct_num_worker
 that is neither is rejected at launch (pipeline/usage.py).
 
 Every option takes `--name=value`, which is how Dataflow Flex Templates pass parameters; the switches
-(`--skip_existing`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
+(`--skip_existing`, `--overwrite`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from model.contract import (
     DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
 )
 from model.options import DTYPE_NAMES as DTYPES
-from transforms.inference import DEFAULT_INFERENCE_RETRIES
-from transforms.outputs import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
+from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.preview import DEFAULT_PREVIEW
 from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
+from transforms.retries import DEFAULT_INFERENCE_RETRIES
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
 
 from .demo import DEMO_DTYPE, DEMO_SIZE
@@ -151,6 +151,8 @@ OPTIONS = (
            metavar="1-100"),
     Option("skip_existing", "output", "Skip images already written under the output: resume a job.", switch=True,
            default=False),
+    Option("overwrite", "output", "Generate every image again into an output that holds a previous run's results, "
+                                  "replacing them.", switch=True, default=False),
     Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
            default=False),
     Option("allow_empty", "output", "Exit 0 even when the run generates no image (no record, or every request "
@@ -160,11 +162,14 @@ OPTIONS = (
                              "Hugging Face Hub id owner/name[@rev].",
            metavar="CHECKPOINT",
            shown_default="the demo's tiny random-weight checkpoint"),
+    Option("demo_checkpoint", "model", "Run --input on the bundled tiny random-weight demo checkpoint (noise "
+                                       "images): try an input without a real model.",
+           switch=True, default=False),
     Option("model_variant", "model", "Weight-file variant of the checkpoint, as diffusers' variant= (fp16 for "
                                      "*.fp16.safetensors).", metavar="VARIANT",
            shown_default="the files without a variant"),
     Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
-           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo"),
+           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo checkpoint"),
     Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
                                            "flagged in the manifest.", type=int, metavar="TOKENS",
            shown_default=str(DEFAULT_MAX_SEQUENCE_LENGTH)),
@@ -176,10 +181,10 @@ OPTIONS = (
     # --- generation
     Option("height", "generation", "Image height in pixels for records that give none; a multiple of 16 (the "
                                    "checkpoint's size multiple).", type=int, metavar="PIXELS",
-           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo"),
+           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo checkpoint"),
     Option("width", "generation", "Image width in pixels for records that give none; a multiple of 16 (the "
                                   "checkpoint's size multiple).", type=int, metavar="PIXELS",
-           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo"),
+           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo checkpoint"),
     Option("num_inference_steps", "generation", "Denoising steps for records that give none.", type=int,
            metavar="STEPS", shown_default="the checkpoint's: 4 distilled, 50 base"),
     Option("guidance_scale", "generation", "Guidance scale for records that give none; ignored by the "

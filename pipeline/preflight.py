@@ -729,30 +729,61 @@ def shortfall_message(report: Report) -> str:
             f"more than the {_gib(report.hbm_bytes_per_chip)} of HBM per chip")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.preflight", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="Checkpoint (local folder or gs://; configs only) or a preset: "
-                                                       "klein-4b, klein-9b, klein-base-4b, klein-base-9b.")
+DEMO_MODEL = "demo"  # --model=demo: the bundled demo's tiny random-weight checkpoint (built on first use)
+EXAMPLE = f"""\
+example: the bundled demo's tiny checkpoint for one v5e chip, about a minute on a CPU (needs the TPU compiler:
+pip install -e '.[preflight]', and the demo's: '.[demo]'):
+  python -m pipeline.preflight --model={DEMO_MODEL} --topology=v5e:1x1 --height=128 --width=128 --batch_size=1 \\
+      --max_sequence_length=32
+then the real model, from its preset (configs only, no weights needed), on four chips:
+  python -m pipeline.preflight --model=klein-4b --topology=v5e:2x2 --height=1024 --width=1024 --batch_size=4
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's options, each with its help, and EXAMPLE at the end of --help."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.preflight", description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="Checkpoint (local folder or gs://; configs only), a preset: "
+                                                       "klein-4b, klein-9b, klein-base-4b, klein-base-9b, or "
+                                                       f"'{DEMO_MODEL}' (the bundled demo's tiny checkpoint).")
     parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:1x1, v5e:2x2, v6e:2x2, tpu7x:1x1.")
-    parser.add_argument("--height", type=int, required=True)
-    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--height", type=int, required=True, help="Image height in pixels, as the job's --height.")
+    parser.add_argument("--width", type=int, required=True, help="Image width in pixels, as the job's --width.")
     parser.add_argument("--batch_size", type=int, required=True, help="The job's --batch_size (images per compiled "
                                                                        "batch, rounded up to whole data replicas).")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
-    parser.add_argument("--num_inference_steps", type=int, default=None)
-    parser.add_argument("--guidance_scale", type=float, default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
+                        help="Compute dtype, as the job's --dtype (default: %(default)s).")
+    parser.add_argument("--num_inference_steps", type=int, default=None,
+                        help="Denoising steps (default: the checkpoint's: 4 distilled, 50 base).")
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help="Guidance scale, as the job's --guidance_scale (default: the checkpoint's).")
     parser.add_argument("--model_shards", type=int, default=None,
                         help="Devices sharing one copy of the weights (default: the fewest that fit).")
-    parser.add_argument("--max_sequence_length", type=int, default=contract.DEFAULT_MAX_SEQUENCE_LENGTH)
+    parser.add_argument("--max_sequence_length", type=int, default=contract.DEFAULT_MAX_SEQUENCE_LENGTH,
+                        help="Text-encoder tokens per prompt, as the job's --max_sequence_length "
+                             "(default: %(default)s).")
     parser.add_argument("--dump_dir", default=None, help="Write each compiled program's text to DIR/<program>.txt.")
     parser.add_argument("--hbm_bytes", type=int, default=None, help=argparse.SUPPRESS)  # testing: force a capacity
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     args = parse_args(argv)
+    if args.model == DEMO_MODEL and not os.path.isdir(args.model):
+        from .demo import demo_checkpoint
+
+        try:
+            args.model = demo_checkpoint()
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     request = PreflightRequest(model=args.model, topology=args.topology, height=args.height, width=args.width,
                                batch_size=args.batch_size, dtype=args.dtype,
                                num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,

@@ -35,7 +35,12 @@ import tempfile
 import time
 import uuid
 
-import apache_beam as beam
+if __name__ == "__main__":  # `python -m pipeline.run`: --help and argument errors before the heavy imports below
+    from pipeline.usage import exit_on_usage_error
+
+    exit_on_usage_error(sys.argv[1:])
+
+import apache_beam as beam  # noqa: E402 - after the command line's own check
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
@@ -69,8 +74,9 @@ from model.hub import is_hub_id
 from model.options import EngineOptions, LoadSettings
 from model.weight_files import validate_variant
 
-from .demo import DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
+from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
 from . import launch_check
+from .output_check import check_output
 from .errors import UsageError
 from .hub_model import hub_model
 from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
@@ -175,7 +181,13 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     patterns = o.input_patterns()
     tables = [p for p in patterns if is_table_uri(p)]
     patterns = [p for p in patterns if not is_table_uri(p)]
+    if o.demo_checkpoint and o.model is not None:
+        raise UsageError(f"--demo_checkpoint and --model={o.model!r} both name the checkpoint; give one")
+    if o.demo_checkpoint and not is_local_runner(options):
+        raise UsageError(f"--demo_checkpoint is built on this machine, which the workers of {runner_name(options)} "
+                         f"cannot read; give --model=gs://... (a copy of a checkpoint)")
     demo = not (patterns or tables or o.input_query is not None) and o.model is None
+    tiny = demo or bool(o.demo_checkpoint)  # the demo's checkpoint, sizes and dtype
     if demo:
         model_uri = demo_checkpoint()
         patterns = [DEMO_PROMPTS]
@@ -183,9 +195,11 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         if not (patterns or tables or o.input_query is not None):
             raise UsageError("--input is required with --model (or --input_query; omit --input and --model to run "
                              "the bundled demo)")
-        if o.model is None:
-            raise UsageError("--model is required with --input (omit both to run the bundled demo)")
-        model_uri = o.model
+        if o.model is None and not o.demo_checkpoint:
+            raise UsageError("--model is required with --input; to try your input on the bundled tiny "
+                             "random-weight checkpoint (noise images), add --demo_checkpoint; omit both --input and "
+                             "--model to run the bundled demo")
+        model_uri = o.model if o.model is not None else demo_checkpoint()
         if not is_hub_id(model_uri) and "://" not in model_uri and not os.path.isdir(model_uri):
             raise UsageError(f"--model={model_uri!r} is not a folder (give a diffusers-layout checkpoint folder, "
                              f"a gs:// prefix or a Hugging Face Hub id such as {EXAMPLE_HUB_ID})")
@@ -199,7 +213,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     if not is_local_runner(options) and "://" not in output:
         raise UsageError(f"--output={output!r} is a local path, which the workers of {runner_name(options)} cannot "
                          f"share; give a gs:// location")
-    size = DEMO_SIZE if demo else DEFAULT_SIZE
+    size = DEMO_SIZE if tiny else DEFAULT_SIZE
     if o.max_images is not None and o.max_images < 1:
         raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
     if o.inference_retries is None or o.inference_retries < 0:
@@ -219,7 +233,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         check_samples_per_shard(o.samples_per_shard)
         check_preview(o.preview)
         load = LoadSettings(
-            model=model_uri, dtype=o.dtype or (DEMO_DTYPE if demo else "bfloat16"), variant=o.model_variant,
+            model=model_uri, dtype=o.dtype or (DEMO_DTYPE if tiny else "bfloat16"), variant=o.model_variant,
             max_sequence_length=count("--max_sequence_length", o.max_sequence_length
                                       if o.max_sequence_length is not None else DEFAULT_MAX_SEQUENCE_LENGTH),
             cache_dir=o.checkpoint_cache_dir,
@@ -521,6 +535,9 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if local:
         quiet_tpu_runtime()
     job = resolve_job(options)
+    o = options.view_as(Flux2KleinOptions)
+    replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
+                             demo_default_output=job.demo and o.output is None)
     if local:  # what a stopped or killed run left behind
         remove_beam_temp(job.output)
     wait = local if wait is None else wait
@@ -528,6 +545,10 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         _tpu_preflight(options, job)
     if job.demo:
         print(demo_notice(job.model, job.patterns[0], job.output), flush=True)
+    elif o.demo_checkpoint:
+        print(DEMO_CHECKPOINT_NOTICE.format(model=job.model), flush=True)
+    if replacing:
+        print(replacing, flush=True)
 
     progress_dir = None
     show_progress = wait and local and not options.view_as(Flux2KleinOptions).no_progress

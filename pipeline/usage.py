@@ -91,6 +91,22 @@ def check_arguments(argv: list[str]) -> None:
                                  f"'{PROG} --help' lists the job's options, '{PROG} {BEAM_HELP_FLAG}' Beam's")
 
 
+def exit_on_usage_error(argv: list[str]) -> None:
+    """The command line's first step, before the job's heavy imports (Beam's ML modules, JAX, the transforms): print
+    --help and exit 0, or print the one-line error of an argument that is no option or a value that does not parse
+    and exit 2, so a typo is answered in the time Beam's option classes take to load. Anything else returns."""
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(format_help(), end="")
+        sys.exit(0)
+    if BEAM_HELP_FLAG in argv:
+        return  # Beam's own option classes: every one is registered only once the job's modules are imported
+    try:
+        check_arguments(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _unknown_arguments(unknown: list[str], known: list[str]) -> list[tuple[str, str | None]]:
     """(argument, closest known option) for each argument argparse left over; the value that follows an unknown
     `--name value` belongs to it and is not listed again."""
@@ -189,7 +205,8 @@ EXIT_STATUSES = (
     (0, "the job ran and generated images (or skipped them as already there), or --allow_empty was given"),
     (1, "the job ran but generated no image: no record was read, or every request was invalid or failed (the "
         "errors file names each); or the job itself failed"),
-    (2, "a usage error: an unknown option, a bad value, an input or model that cannot be used; nothing ran"),
+    (2, "a usage error: an unknown option, a bad value, an input or model that cannot be used, an output holding a "
+        "previous run's results without --skip_existing or --overwrite; nothing ran"),
 )
 
 

@@ -31,9 +31,9 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 from . import references
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .requests import ImageTask
+from .retries import DEFAULT_INFERENCE_RETRIES  # noqa: F401  (re-exported)
 
 LOGGER = logging.getLogger(__name__)
-DEFAULT_INFERENCE_RETRIES = 2
 # Running out of memory is told by the error's type (MemoryError) or by XLA's status code, which leads the message of
 # its runtime errors ("RESOURCE_EXHAUSTED: Out of memory allocating ..."); never by a word anywhere in the text, where a
 # prompt or path ("BLOOM", "bathroom") could put it. Text forms: "Type: message" and "Type('message')".

@@ -1,21 +1,26 @@
-"""Launch-time check of the input tables: each CSV/TSV header and Parquet schema must give a prompt column.
+"""Launch-time check of the inputs: each CSV/TSV header and Parquet schema must give a prompt column, and so must
+at least one of the first records of the first JSONL file.
 
 A table without its prompt column would otherwise become one error row per record after the job has started; the
 launcher calls `check_input_files` on the files it matched and stops with the columns the file has. Only the header
-(or the Parquet footer) of each table is read, several files at a time. A file that cannot be read at all is left to
-the job, which reports it as an error row like any damaged file.
+(or the Parquet footer) of each table is read, several files at a time. JSONL records may vary in their keys, so only
+a first file none of whose first JSONL_RECORDS records has the prompt column stops the launch (a `--prompt_column`
+typo); a later record without it is still an error row. A file that cannot be read at all is left to the job, which
+reports it as an error row like any damaged file.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import difflib
+import itertools
 import logging
 
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from . import input_files
-from .columns import ColumnError, ColumnMap
+from .columns import ColumnError, ColumnMap, MissingPromptColumn
 from .delimited import DEFAULT_FIELD_LIMIT, table_header
 from .input_formats import InputFormatError, detect_format
 from .parquet_input import parquet_columns
@@ -23,6 +28,7 @@ from .parquet_input import parquet_columns
 logger = logging.getLogger(__name__)
 
 _PARALLEL = 16  # files whose header is read at once (a glob on gs:// can match thousands)
+JSONL_RECORDS = 100  # non-empty lines of the first JSONL file looked at for the prompt column
 
 
 class InputCheckError(ValueError):
@@ -69,12 +75,72 @@ def _check_one(path: str, input_format: str | None, columns: ColumnMap, field_li
             f"{', '.join(map(repr, header))})" for old in columns.unused_renames(header)]
 
 
+def jsonl_keys(path: str, most: int = JSONL_RECORDS) -> tuple[list[tuple[str, ...]], int]:
+    """(the key sets of the JSON objects among the first `most` non-empty lines of a JSONL file, each once, in
+    order; the lines looked at). Lines are read within the readers' size bound; a line that is no JSON object
+    counts but gives no keys. No key sets when the file cannot be read: the job reports that."""
+    from .requests import iter_jsonl  # requests imports much of the package; only the JSONL check needs it
+
+    found: dict[tuple[str, ...], None] = {}
+    lines = 0
+    try:
+        with FileSystems.open(path, mime_type="application/octet-stream",
+                              compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+            for record in itertools.islice(iter_jsonl(input_files.open_decompressed(raw, path), path), most):
+                lines += 1
+                if record.fields is not None:
+                    found.setdefault(tuple(record.fields), None)
+    except (OSError, input_files.InputReadError) as e:
+        logger.info("cannot read the first records of %s at launch (%s); the job reports it", path, e)
+        return [], lines
+    return list(found), lines
+
+
+def missing_prompt_reason(key_sets: list[tuple[str, ...]], lines: int, columns: ColumnMap) -> str | None:
+    """Why JSONL records with these key sets cannot give a single request because none has the prompt column, with
+    the key closest to --prompt_column as a suggestion; None when one has it (or there is no record to judge)."""
+    if not key_sets:
+        return None
+    for keys in key_sets:
+        try:
+            columns.resolve(keys, "the record")
+        except MissingPromptColumn:
+            continue
+        except ColumnError:  # a record with another fault: its own error row says it
+            return None
+        return None
+    keys = list(dict.fromkeys(k for ks in key_sets for k in ks))
+    folded = {k.casefold(): k for k in keys}
+    close = difflib.get_close_matches(columns.prompt_column.casefold(), list(folded), n=1, cutoff=0.6)
+    hint = f" (did you mean --prompt_column={folded[close[0]]}?)" if close else ""
+    shown = ", ".join(map(repr, keys[:40])) + (f" and {len(keys) - 40} more" if len(keys) > 40 else "")
+    first = f"its {lines} record(s)" if lines < JSONL_RECORDS else f"its first {lines} records"
+    return (f"none of {first} has the prompt column {columns.prompt_column!r} (--prompt_column); "
+            f"their keys are: {shown or '(none)'}{hint}")
+
+
+def _check_first_jsonl(paths: list[str], input_format: str | None, columns: ColumnMap) -> None:
+    """InputCheckError when the first JSONL file among `paths` starts with records none of which has a prompt."""
+    for path in paths:
+        try:
+            fmt = detect_format(path, input_format)
+        except InputFormatError:
+            continue  # reported by the table check
+        if fmt != "jsonl":
+            continue
+        reason = missing_prompt_reason(*jsonl_keys(path), columns=columns)
+        if reason:
+            raise InputCheckError(path, reason)
+        return
+
+
 def check_input_files(paths: list[str], input_format: str | None, columns: ColumnMap,
                       field_limit: int = DEFAULT_FIELD_LIMIT) -> list[str]:
-    """Check every table among `paths`; raise InputCheckError for the first that cannot give requests. Returns
-    warnings (a --column_map column a table does not have)."""
+    """Check every table among `paths` and the first JSONL file; raise InputCheckError for the first that cannot
+    give requests. Returns warnings (a --column_map column a table does not have)."""
     if not paths:
         return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(_PARALLEL, len(paths))) as pool:
         found = list(pool.map(lambda p: _check_one(p, input_format, columns, field_limit), paths))
+    _check_first_jsonl(paths, input_format, columns)
     return [warning for warnings in found for warning in warnings]

@@ -41,6 +41,8 @@ UNREADABLE_INPUT = "unreadable_input"  # an input file that cannot be read (to i
 INFERENCE_FAILED = "inference_failed"
 INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
 NON_FINITE_IMAGE = "non_finite_image"  # generation gave NaN or inf values: nothing is written for that image
+ERROR_KINDS = (INVALID_RECORD, DUPLICATE_ID, FILE_NAME_COLLISION, UNREADABLE_INPUT, INFERENCE_FAILED, INVALID_REFERENCE,
+               NON_FINITE_IMAGE)  # every kind above (the runbooks list them; a test checks both)
 
 MANIFEST_FIELDS = (
     "id",
@@ -72,6 +74,11 @@ def image_file_name(request_id: str, index: int, num_images: int) -> str:
 
 # --image_format -> the extension of the stored image files.
 IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
+IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # --image_format choices
+# zlib level 1 rather than Pillow's 6: measured faster in every row of benchmarks.host_path (1024x1024, 1-4
+# threads) for files about 9% larger; the host's encoding time is what keeps the accelerator waiting.
+DEFAULT_PNG_COMPRESS_LEVEL = 1
+DEFAULT_QUALITY = 90  # --quality of the lossy formats (WebP, JPEG)
 
 
 def stored_image_name(file_name: str, image_format: str = "png") -> str:

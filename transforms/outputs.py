@@ -100,11 +100,8 @@ def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,
 
 
 # --------------------------------------------------------------------------------------------- image formats
-IMAGE_FORMATS = tuple(layout.IMAGE_EXTENSIONS)  # --image_format choices
-# zlib level 1 rather than Pillow's 6: measured faster in every row of benchmarks.host_path (1024x1024, 1-4
-# threads) for files about 9% larger; the host's encoding time is what keeps the accelerator waiting.
-DEFAULT_PNG_COMPRESS_LEVEL = 1
-DEFAULT_QUALITY = 90  # --quality of the lossy formats (WebP, JPEG)
+# --image_format choices and the encoders' defaults live in layout (light enough for the option table)
+from .layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS  # noqa: E402,F401
 MIME_TYPES = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
 PIL_FORMATS = {"png": "PNG", "webp": "WEBP", "jpeg": "JPEG"}
 EXIF_IMAGE_DESCRIPTION = 0x010E  # WebP/JPEG: the PNG text chunks as one JSON object, in this EXIF tag

@@ -16,6 +16,8 @@ from apache_beam.metrics import Metrics
 
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 
+DEFAULT_INFERENCE_RETRIES = 2  # extra attempts for a failed inference batch (--inference_retries; transforms.inference)
+
 GCS_RETRIES = "gcs_retries"
 _RETRY_MESSAGE = "Retrying due to"
 

@@ -7,7 +7,8 @@
 
 A sample's key is `shard * 10**ceil(log10(samples_per_shard)) + index`, zero-padded to 9 digits: digits only,
 because WebDataset cuts a member name at its FIRST dot into key and extension. The tar bytes depend only on the
-samples (fixed mtime, uid, gid, mode, owner names; ustar headers; members sorted), so a rerun over the same input
+samples (fixed mtime, uid, gid, owner names; ustar headers; members sorted) and the umask (members get the mode the
+umask allows, as the job's local files do: 0644 under umask 022, 0600 under 077), so a rerun over the same input
 writes identical shards.
 
 Pure functions only (no Beam); `write_file_atomic` is the one I/O helper, used by the shard packer.
@@ -24,14 +25,13 @@ import tarfile
 from typing import Iterable
 
 from . import layout
-from .atomic_files import write_local_atomic, write_object_atomic
+from .atomic_files import umask, write_local_atomic, write_object_atomic
 
 SHARDS_DIR = "shards"
 DEFAULT_SAMPLES_PER_SHARD = 1000
 OUTPUT_FORMATS = ("files", "webdataset")  # --output_format choices
 KEY_DIGITS = 9
 TAR_MTIME = 0  # every member's mtime: reproducible bytes (img2dataset and TarWriter take a fixed one too)
-TAR_MODE = 0o644
 STATS_SUFFIX = "_stats.json"
 SIDECAR_SUFFIX = ".parquet"
 # KEY.json carries every manifest column; these two are not functions of the input, so the tar keeps them fixed:
@@ -143,6 +143,7 @@ def write_tar(fileobj, samples: Iterable[Sample], shard: int) -> int:
     reproducible ustar tar into `fileobj`; returns the number of samples. ShardLayoutError for keys out of order."""
     n = 0
     previous = None
+    mode = 0o666 & ~umask()  # what `open` gives a file: a private umask keeps the extracted images private too
     with tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
         for sample in samples:
             if previous is not None and sample.key <= previous:
@@ -154,7 +155,7 @@ def write_tar(fileobj, samples: Iterable[Sample], shard: int) -> int:
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 info.mtime = TAR_MTIME
-                info.mode = TAR_MODE
+                info.mode = mode
                 info.uid = info.gid = 0
                 info.uname = info.gname = ""
                 info.type = tarfile.REGTYPE

@@ -192,3 +192,34 @@ def test_demo_checkpoint_has_the_real_models_scale():
     assert (DEMO_SPEC.vae_scale_factor, DEMO_SPEC.size_multiple) == (8, 16)
     assert DEMO_SIZE % DEMO_SPEC.size_multiple == 0
     assert TinySpec().vae_scale_factor == 2  # the test fixtures' checkpoint is unchanged
+
+
+# ------------------------------------------------------------------------------------------------ fast errors
+@pytest.mark.parametrize("args,words", [(["--heigth", "5"], "unknown option --heigth (did you mean --height?)"),
+                                        (["--height=abc"], "--height=abc: expected a whole number")])
+def test_argument_errors_come_before_jax_torch_and_beams_ml_modules(args, words):
+    """A typo or a bad value is answered before the job's heavy imports: neither JAX, torch nor Beam's ML modules
+    (RunInference) are imported when the one-line error is printed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.run", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    said = [line for line in lines if not line.startswith("import time:")]
+    assert len(said) == 1 and said[0].startswith("error: ") and words in said[0], said
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("jax", "torch") or m.startswith("apache_beam.ml"))
+    assert not heavy, f"imported before the argument error: {heavy[:10]}"
+
+
+def test_the_early_check_knows_every_option_the_job_knows():
+    """The command line checks arguments before importing the job: the options known then are all of them."""
+    code = ("from pipeline import usage\n"
+            "names = lambda: {s for a in usage.known_options_parser()._actions for s in a.option_strings}\n"
+            "early = names()\n"
+            "import pipeline.run, apache_beam.runners.dataflow.dataflow_runner\n"
+            "print(sorted(names() - early))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

@@ -20,8 +20,7 @@ def _cli(ckpt, source, out, *extra):
 
 @pytest.mark.parametrize("content,words", [
     ("", "the input held no record"),
-    ('{"text": "a fox"}\n{"text": "a lighthouse"}\n', "all 2 request(s) were invalid or failed"),
-], ids=["empty-input", "wrong-prompt-key"])
+], ids=["empty-input"])
 def test_a_run_that_generates_nothing_exits_1_saying_why(ckpt32, tmp_path, content, words):
     source = tmp_path / "prompts.jsonl"
     source.write_text(content)
@@ -31,6 +30,26 @@ def test_a_run_that_generates_nothing_exits_1_saying_why(ckpt32, tmp_path, conte
     assert last.startswith("error: no image was generated") and words in last and "--allow_empty" in last
     allowed = _cli(ckpt32, source, tmp_path / "out2", "--allow_empty")
     assert allowed.returncode == 0, allowed.stderr[-2000:]
+
+
+def test_every_request_invalid_is_said_as_the_reason():
+    from pipeline.run import empty_run_reason
+
+    reason = empty_run_reason({"records_read": 2, "invalid": 2, "failed": 0, "images_generated": 0})
+    assert "all 2 request(s) were invalid or failed" in reason and "errors/errors-*.jsonl" in reason
+
+
+def test_a_jsonl_input_without_its_prompt_key_is_a_launch_error(ckpt32, tmp_path):
+    """A --prompt_column that none of the first JSONL records has stops the launch (exit 2, one line naming the
+    column, the file and the keys found) instead of running the job into one error row per record."""
+    source = tmp_path / "prompts.jsonl"
+    source.write_text('{"text": "a fox"}\n{"text": "a lighthouse"}\n')
+    out = _cli(ckpt32, source, tmp_path / "out")
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --input {source}: "), lines
+    assert "prompt column 'prompt'" in lines[0] and "'text'" in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_exit_statuses_are_documented():

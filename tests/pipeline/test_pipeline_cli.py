@@ -102,6 +102,35 @@ def test_required_accelerator_stops_a_cpu_job_at_model_load(tmp_path, tiny_ckpt)
     assert not list(out.glob("images/*.png"))
 
 
+def test_demo_checkpoint_runs_your_input_on_the_demo_checkpoint(monkeypatch, tmp_path, tiny_ckpt, capsys):
+    """--demo_checkpoint: the user's --input on the bundled tiny checkpoint at the demo's size and dtype; the refusal
+    of --input without --model says so."""
+    import pipeline.run as job_run
+
+    monkeypatch.setattr(job_run, "demo_checkpoint", lambda: tiny_ckpt)
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    with pytest.raises(UsageError, match="add --demo_checkpoint"):
+        resolve_job(PipelineOptions([f"--input={prompts}"]))
+    job = resolve_job(PipelineOptions([f"--input={prompts}", "--demo_checkpoint", f"--output={tmp_path / 'o'}"]))
+    assert (job.model, job.patterns, job.demo) == (tiny_ckpt, (str(prompts),), False)
+    assert (job.defaults.height, job.defaults.width, job.dtype) == (128, 128, "float32")
+    assert resolve_job(PipelineOptions([f"--input={prompts}", "--demo_checkpoint", "--height=64",
+                                        f"--output={tmp_path / 'o'}"])).defaults.height == 64
+    with pytest.raises(UsageError, match="--demo_checkpoint and --model=.* both name the checkpoint"):
+        resolve_job(PipelineOptions([f"--input={prompts}", "--demo_checkpoint", f"--model={tiny_ckpt}"]))
+    with pytest.raises(UsageError, match="--demo_checkpoint is built on this machine"):
+        resolve_job(PipelineOptions([f"--input={prompts}", "--demo_checkpoint", "--runner=DataflowRunner"]))
+
+    def built(*args, **kwargs):
+        raise RuntimeError("graph built")
+
+    monkeypatch.setattr(job_run, "build_pipeline", built)
+    with pytest.raises(RuntimeError, match="graph built"):
+        run([f"--input={prompts}", "--demo_checkpoint", f"--output={tmp_path / 'o'}", "--no_progress"])
+    assert "--demo_checkpoint: your prompts on the bundled tiny RANDOM-WEIGHT checkpoint" in capsys.readouterr().out
+
+
 def test_command_line_reports_usage_errors(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline.run", f"--input={tmp_path}/p.jsonl"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

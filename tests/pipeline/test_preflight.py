@@ -30,6 +30,25 @@ def _flags(model: str, **overrides) -> list[str]:
     return [f"--{k}={v}" for k, v in {"model": model, **TINY, **overrides}.items()]
 
 
+# ------------------------------------------------------------------------------------------------ --help (no libtpu)
+def test_help_explains_every_option_and_ends_with_a_tiny_example():
+    from pipeline.preflight import DEMO_MODEL, EXAMPLE, build_parser, parse_args
+
+    hidden = {"--hbm_bytes"}  # a test hook, not for users
+    for action in build_parser()._actions:  # noqa: SLF001
+        flag = max(action.option_strings, key=len, default="")
+        if flag in ("--help",) + tuple(hidden):
+            continue
+        assert action.help and len(action.help) > 10, f"{flag} has no help text"
+    result = _cli("--help")
+    assert result.returncode == 0 and result.stdout.rstrip().endswith(EXAMPLE.rstrip()), result.stdout[-1500:]
+    commands = [line.strip() for line in EXAMPLE.replace("\\\n", " ").splitlines()
+                if line.strip().startswith("python -m pipeline.preflight")]
+    tiny = commands[0].split()[3:]
+    args = parse_args(tiny)  # the example is a command line the preflight accepts
+    assert args.model == DEMO_MODEL and args.topology.endswith(":1x1") and args.height * args.width <= 128 * 128
+
+
 # ------------------------------------------------------------------------------------------------ presets (no libtpu)
 
 @pytest.mark.parametrize("name", ["klein-4b", "klein-9b", "klein-base-4b", "klein-base-9b"])

@@ -688,6 +688,7 @@ BAD_VALUES = {
     "max_reference_images": INT_BAD + ["1000"],
     "max_reference_pixels": INT_BAD + ["100"],
     "skip_existing": ["yes", "1", "TRUE", "on"],
+    "overwrite": ["yes", "1", "TRUE", "on"],
     "allow_empty": ["yes", "1", "TRUE", "on"],
     "skip_preflight": ["yes", "1", "TRUE", "on"],
     "large_model": ["yes", "1", "TRUE", "on"],
@@ -758,6 +759,7 @@ def test_settings_template_parameters_are_declared(name):
 # Options of pipeline/options.py that are deliberately not template parameters, and why.
 NOT_TEMPLATE_PARAMETERS = {
     "no_progress": "the live progress line of local runners; a Dataflow job has no terminal",
+    "demo_checkpoint": "the demo checkpoint is built on the launching machine: local runners only",
 }
 # What a Dataflow launch cannot do without (the options themselves default to the local demo).
 REQUIRED_ON_DATAFLOW = {"input", "output"}

@@ -64,6 +64,20 @@ def test_tar_is_reproducible_sorted_and_readable_by_webdataset(tmp_path):
     assert set(got[1]) >= {"jpg", "json", "txt"} and got[0]["png"] == b"\x89PNG fake"
 
 
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_tar_members_get_the_mode_the_umask_allows(mask, mode):
+    """As the job's local files: a private umask keeps the images extracted from a shard private too."""
+    import os
+
+    old = os.umask(mask)
+    try:
+        data = shards.tar_bytes([_sample("000000000"), _sample("000000001", ext="jpg")], 0)
+    finally:
+        os.umask(old)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert {i.mode for i in tar.getmembers()} == {mode}
+
+
 def test_write_tar_refuses_keys_out_of_order():
     with pytest.raises(shards.ShardLayoutError):
         shards.write_tar(io.BytesIO(), [_sample("000000002"), _sample("000000001")], 0)

@@ -287,7 +287,8 @@ def test_launch_check_names_the_columns_a_table_has(tmp_path):
     (tmp_path / "bad.tsv").write_bytes(tsv_bytes([["caption", "cat"], ["a", "b"]]))
     (tmp_path / "bad.parquet").write_bytes(parquet_bytes({"caption": ["a"]}))
     (tmp_path / "cut.parquet").write_bytes(parquet_bytes({"caption": ["a"]})[:30])  # left to the job: an error row
-    (tmp_path / "p.jsonl").write_text('{"caption": "x"}\n')  # records, not a table: checked per record
+    # records, not a table: one with the prompt among the first is enough, the rest are checked per record
+    (tmp_path / "p.jsonl").write_text('{"prompt": "y"}\n{"caption": "x"}\n')
     paths = [str(tmp_path / n) for n in ("ok.tsv", "cut.parquet", "p.jsonl")]
     assert check_input_files(paths, "auto", ColumnMap()) == []
     for name, words in (("bad.tsv", "its header has no prompt column 'prompt' (--prompt_column); its columns are: "
