@@ -78,12 +78,12 @@ class Calibration:
     source: str
 
 
-# Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 (benchmarks/tpu_measured.json): denoise
-# 1109.2 ms, of which the splash kernels 170.0 ms (25.98 TFLOP) and the rest 939.2 ms for XLA's 112.94 TFLOP; decode
-# 89.6 ms for 10.72 TFLOP; host 9.6 ms per image. The text encoder (20.65 ms) was not used: it is the check (the
-# estimate gives it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth; it ran faster than that).
-V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.610, attention=0.776, convolution=0.607, memory=1.0,
-                              host_seconds_per_image=0.0096, source="benchmarks/tpu_measured.json")
+# Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 at be5473a (benchmarks/tpu_measured.json):
+# denoise 998.1 ms, of which the splash kernels 170.6 ms (25.98 TFLOP) and the rest 827.5 ms for XLA's 113.65 TFLOP;
+# decode 89.8 ms for 10.72 TFLOP; host 10.9 ms per image (tokenize, copy back). The text encoder (20.9 ms) was not
+# used: it is the check (the estimate gives it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
+V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.697, attention=0.773, convolution=0.606, memory=1.0,
+                              host_seconds_per_image=0.0109, source="benchmarks/tpu_measured.json")
 
 
 @dataclasses.dataclass(frozen=True)
