@@ -19,9 +19,10 @@ def _settings(ckpt, precompile=()):
 
 
 def test_precompiled_programs_are_adopted_and_give_the_same_images(tiny_ckpt, monkeypatch, caplog):
-    monkeypatch.setattr(generator_lib, "PRECOMPILE_PLATFORMS", ("cpu", "tpu", "gpu"))  # on CPU too, for the test
-    plain = model.load(_settings(tiny_ckpt))
+    plain = model.load(_settings(tiny_ckpt, precompile=((32, 48),)))
+    assert plain.programs.compile_count == 0, "precompiling is for accelerators: off on a CPU by default"
     want = plain.generate(**ARGS)
+    monkeypatch.setattr(generator_lib, "PRECOMPILE_PLATFORMS", ("cpu", "tpu", "gpu"))  # on CPU too, for the test
     with caplog.at_level(logging.WARNING, logger="model.generator"):
         # 33 is not a multiple of the size step: skipped with a warning, the load goes on
         gen = model.load(_settings(tiny_ckpt, precompile=((32, 48), (33, 48, None, None))))
@@ -31,11 +32,6 @@ def test_precompiled_programs_are_adopted_and_give_the_same_images(tiny_ckpt, mo
     got = gen.generate(**ARGS)
     assert gen.programs.compile_count == compiled, "the first call compiled again"
     np.testing.assert_array_equal(got, want)
-
-
-def test_precompile_is_off_on_cpu_by_default(tiny_ckpt):
-    gen = model.load(_settings(tiny_ckpt, precompile=((32, 48),)))
-    assert gen.programs.compile_count == 0
 
 
 @pytest.mark.parametrize("bad", [((32,),), ((0, 48),), ((32, 48, 4, 1.0, 9),), ("32x48",)])
