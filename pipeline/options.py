@@ -214,6 +214,9 @@ OPTIONS = (
                                              "an error row, refused before decoding.", type=int,
            default=DEFAULT_MAX_REFERENCE_PIXELS, metavar="PIXELS",
            shown_default=f"{DEFAULT_MAX_REFERENCE_PIXELS} = 4096 x 4096"),
+    Option("reference_root", "limits", "Folders or gs:// prefixes reference images may be read from; others are "
+                                       "error rows. Repeat the flag or use commas.", repeat=True,
+           metavar="FOLDERS", shown_default="the folders of the --input files; none for BigQuery input"),
     Option("max_images", "limits", "Most images one job may generate; a job that would generate more fails "
                                    "before generating any.", type=int, default=DEFAULT_MAX_IMAGES, metavar="N"),
     # --- reliability

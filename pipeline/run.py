@@ -52,7 +52,7 @@ from transforms.outputs import (
 )
 from transforms.preview import DEFAULT_PREVIEW, WritePreview, check_preview
 from transforms.progress import ProgressReporter, ReportTotal
-from transforms.references import ResolveReferences
+from transforms.references import ResolveReferences, default_roots, normalise_root
 from transforms.shard_writer import WriteShardIndexes, WriteShards
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS, check_samples_per_shard
 from transforms.requests import (
@@ -107,11 +107,14 @@ class JobConfig:
     output_format: str = "files"  # --output_format: files (one object per image) or webdataset (tar shards)
     samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD  # --samples_per_shard (webdataset)
     preview: int = DEFAULT_PREVIEW  # --preview: images in preview/index.html; 0: no preview
+    reference_roots: tuple[str, ...] = ()  # --reference_root (normalised), else the --input files' folders
 
     @property
     def reference_limits(self):
-        """--max_reference_images/--max_reference_pixels, with this run's scope for the reference cache."""
-        return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token)
+        """--max_reference_images/--max_reference_pixels and --reference_root, with this run's scope for the
+        reference cache."""
+        return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token,
+                                   roots=self.reference_roots)
 
     @property
     def webdataset(self) -> bool:
@@ -246,6 +249,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     except ValueError as e:
         raise UsageError(str(e)) from None
     bigquery = _bigquery_inputs(options, tables, o.input_query, o.bigquery_temp_dataset)
+    reference_roots = _reference_roots(o.reference_root, patterns)
 
     files: dict[str, None] = {}  # every matched file once, in order
     for pattern in patterns:
@@ -280,7 +284,19 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      encode_threads=o.encode_threads, output_format=o.output_format,
                      samples_per_shard=o.samples_per_shard, preview=o.preview, columns=columns, bigquery=bigquery,
                      bigquery_temp_dataset=o.bigquery_temp_dataset, input_warnings=tuple(input_warnings),
-                     run_token=uuid.uuid4().hex)
+                     reference_roots=reference_roots, run_token=uuid.uuid4().hex)
+
+
+def _reference_roots(given: list[str] | None, patterns: list[str]) -> tuple[str, ...]:
+    """--reference_root (repeated or comma-separated) normalised; without it the folders of the --input file
+    patterns (BigQuery input adds none: its rows' references must then be allowed explicitly)."""
+    entries = [e for value in given or [] for e in str(value).split(",")]
+    if not entries:
+        return default_roots(patterns)
+    try:
+        return tuple(dict.fromkeys(normalise_root(e) for e in entries))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,

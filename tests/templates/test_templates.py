@@ -685,6 +685,8 @@ BAD_VALUES = {
     "max_images": INT_BAD,
     "max_reference_images": INT_BAD + ["1000"],
     "max_reference_pixels": INT_BAD + ["100"],
+    "reference_root": GS_BAD + ["gs://b/refs,", "gs://my-bucket/refs,/local/refs",
+                                "gs://my-bucket/refs/*.png"],
     "skip_existing": ["yes", "1", "TRUE", "on"],
     "allow_empty": ["yes", "1", "TRUE", "on"],
     "skip_preflight": ["yes", "1", "TRUE", "on"],
