@@ -26,7 +26,7 @@ from model.contract import (
     DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
 )
 from model.options import DTYPE_NAMES as DTYPES
-from transforms.inference import DEFAULT_INFERENCE_RETRIES
+from transforms.inference import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S
 from transforms.outputs import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.preview import DEFAULT_PREVIEW
 from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
@@ -223,6 +223,9 @@ OPTIONS = (
     Option("inference_retries", "reliability", "Times a failed batch is run again before its images become "
                                                "error rows (never for out-of-memory or bad input).", type=int,
            default=DEFAULT_INFERENCE_RETRIES, metavar="N"),
+    Option("inference_timeout_s", "reliability", "Seconds one batch's generate call may take (first batch of a shape "
+                                                 "compiles within it); then error rows. 0: no limit.", type=int,
+           default=DEFAULT_INFERENCE_TIMEOUT_S, metavar="SECONDS"),
     Option("require_accelerator", "reliability", "Stop at model load when JAX on a worker finds another platform "
                                                  "(CPU: no libtpu or NVIDIA driver).",
            choices=ACCELERATORS, shown_default="none: any platform"),

@@ -44,7 +44,7 @@ from transforms import layout, retries
 from transforms.bigquery_input import BigQueryInput, ReadBigQueryRequests, dataset_reference, is_table_uri
 from transforms.columns import ColumnMap, parse_column_map
 from transforms.input_check import InputCheckError, check_input_files
-from transforms.inference import BatchByShape, Flux2KleinModelHandler
+from transforms.inference import DEFAULT_INFERENCE_TIMEOUT_S, BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
     NON_FINITE_TAG, ImageEncoding, SkipExisting, SplitNonFinite, WriteImagesFn, WriteSummary, failed_batch_rows,
@@ -94,6 +94,7 @@ class JobConfig:
     demo: bool = False
     max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
     inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
+    inference_timeout_s: int = DEFAULT_INFERENCE_TIMEOUT_S  # --inference_timeout_s; 0: no limit
     case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
     require_accelerator: str | None = None  # 'tpu' or 'gpu': a worker whose JAX finds another platform stops at load
     worker_env: tuple[tuple[str, str], ...] = ()  # (NAME, value) set on each worker before the model loads
@@ -200,6 +201,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
     if o.inference_retries is None or o.inference_retries < 0:
         raise UsageError(f"--inference_retries must be >= 0, got {o.inference_retries}")
+    if o.inference_timeout_s is None or o.inference_timeout_s < 0:
+        raise UsageError(f"--inference_timeout_s must be >= 0 (0: no limit), got {o.inference_timeout_s}")
     try:
         optional_count("--model_copies", o.model_copies)
         validate_variant(o.model_variant, name="--model_variant")
@@ -279,7 +282,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, load=load,
                      defaults=defaults, skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, demo=demo, max_images=o.max_images,
-                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
+                     inference_retries=o.inference_retries, inference_timeout_s=o.inference_timeout_s,
+                     case_insensitive_output=case_insensitive,
                      require_accelerator=o.require_accelerator, worker_env=worker_env, encoding=encoding,
                      encode_threads=o.encode_threads, output_format=o.output_format,
                      samples_per_shard=o.samples_per_shard, preview=o.preview, columns=columns, bigquery=bigquery,
@@ -328,7 +332,8 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
     """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
     return handler_cls(job.load, large_model=job.large_model, model_copies=job.model_copies,
                        inference_retries=job.inference_retries, require_accelerator=job.require_accelerator,
-                       env_vars=dict(job.worker_env), reference_limits=job.reference_limits, **extra)
+                       env_vars=dict(job.worker_env), reference_limits=job.reference_limits,
+                       inference_timeout_s=job.inference_timeout_s, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:

@@ -693,6 +693,7 @@ BAD_VALUES = {
     "large_model": ["yes", "1", "TRUE", "on"],
     "model_copies": INT_BAD + ["100"],
     "inference_retries": ["-1", "abc", "1.5", "10", "1e3"],
+    "inference_timeout_s": ["-1", "abc", "1.5", "01800", "1e3", "10000000"],
     "checkpoint_cache_dir": ["relative/dir", "gs://b/cache", "~/cache"],
     "compilation_cache_dir": ["relative/dir", "s3://b/cache", "gs://", "~/cache"],
     "input_format": ["json", "JSONL", "TSV", "xlsx"],
