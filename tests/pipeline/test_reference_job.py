@@ -10,7 +10,6 @@ import json
 
 import model
 import numpy as np
-import pytest
 
 from pipeline.run import run
 from pipeline_helpers import counters, decode, image_names, read, rows, xla_cache  # noqa: F401 - xla_cache fixture
@@ -21,12 +20,6 @@ SIZE = 32
 MAX_REFERENCE_PIXELS = 256 * 256  # keeps the byte limit of a reference file small: 4 * 65536 + 1 MiB
 ARGS = ["--dtype=float32", "--max_sequence_length=32", "--batch_size=2", f"--height={SIZE}", f"--width={SIZE}",
         f"--max_reference_pixels={MAX_REFERENCE_PIXELS}", "--runner=FnApiRunner", "--no_progress"]
-
-
-def _model_takes_references() -> bool:
-    from model.generator import Flux2KleinGenerator
-
-    return "reference_images" in inspect.signature(Flux2KleinGenerator.generate).parameters
 
 
 def _job(gcs_emulator, bucket, ckpt, tmp_path, records, xla_cache, extra=()):
@@ -99,9 +92,13 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
     assert c["reference_reads"] == 6  # every distinct allowed reference once, the shared missing one too
 
 
-@pytest.mark.skipif(not _model_takes_references(), reason="the model's generate() takes no reference_images yet "
-                                                          "(branch edit-model)")
 def test_reference_job_gives_the_models_pixels(gcs_emulator, gcs_bucket, tiny_ckpt, xla_cache, tmp_path):
+    # No skip guard: generate() taking reference_images is the contract this test checks, so a rename of that
+    # parameter must fail here, not turn the test into a skip.
+    from model.generator import Flux2KleinGenerator
+
+    assert "reference_images" in inspect.signature(Flux2KleinGenerator.generate).parameters, (
+        "Flux2KleinGenerator.generate() no longer takes reference_images: the job's editing path is broken")
     b = f"gs://{gcs_bucket}"
     a_bytes, c_bytes = png(64, 64, seed=1), png(80, 64, seed=2, mode="RGBA")
     gcs_emulator.upload_bytes(f"{b}/refs/a.png", a_bytes)
