@@ -29,7 +29,7 @@ from model.options import DTYPE_NAMES as DTYPES
 from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.preview import DEFAULT_PREVIEW
 from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
-from transforms.retries import DEFAULT_INFERENCE_RETRIES
+from transforms.retries import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
 
 from .demo import DEMO_DTYPE, DEMO_SIZE
@@ -223,12 +223,18 @@ OPTIONS = (
                                              "an error row, refused before decoding.", type=int,
            default=DEFAULT_MAX_REFERENCE_PIXELS, metavar="PIXELS",
            shown_default=f"{DEFAULT_MAX_REFERENCE_PIXELS} = 4096 x 4096"),
+    Option("reference_root", "limits", "Folders or gs:// prefixes reference images may be read from; others are "
+                                       "error rows. Repeat the flag or use commas.", repeat=True,
+           metavar="FOLDERS", shown_default="the folders of the --input files; none for BigQuery input"),
     Option("max_images", "limits", "Most images one job may generate; a job that would generate more fails "
                                    "before generating any.", type=int, default=DEFAULT_MAX_IMAGES, metavar="N"),
     # --- reliability
     Option("inference_retries", "reliability", "Times a failed batch is run again before its images become "
                                                "error rows (never for out-of-memory or bad input).", type=int,
            default=DEFAULT_INFERENCE_RETRIES, metavar="N"),
+    Option("inference_timeout_s", "reliability", "Seconds one batch's generate call may take (first batch of a shape "
+                                                 "compiles within it); then error rows. 0: no limit.", type=int,
+           default=DEFAULT_INFERENCE_TIMEOUT_S, metavar="SECONDS"),
     Option("require_accelerator", "reliability", "Stop at model load when JAX on a worker finds another platform "
                                                  "(CPU: no libtpu or NVIDIA driver).",
            choices=ACCELERATORS, shown_default="none: any platform"),

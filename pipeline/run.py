@@ -59,7 +59,7 @@ from transforms.outputs import (
 )
 from transforms.preview import DEFAULT_PREVIEW, WritePreview, check_preview
 from transforms.progress import ProgressReporter, ReportTotal
-from transforms.references import ResolveReferences
+from transforms.references import ResolveReferences, default_roots, normalise_root
 from transforms.shard_writer import WriteShardIndexes, WriteShards
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS, check_samples_per_shard
 from transforms.requests import (
@@ -105,6 +105,7 @@ class JobConfig:
     demo: bool = False
     max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
     inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
+    inference_timeout_s: int = DEFAULT_INFERENCE_TIMEOUT_S  # --inference_timeout_s; 0: no limit
     case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
     require_accelerator: str | None = None  # 'tpu' or 'gpu': a worker whose JAX finds another platform stops at load
     worker_env: tuple[tuple[str, str], ...] = ()  # (NAME, value) set on each worker before the model loads
@@ -120,11 +121,14 @@ class JobConfig:
     preview: int = DEFAULT_PREVIEW  # --preview: images in preview/index.html; 0: no preview
     # What the loaded model is (transforms/fingerprints.py): stored with every image, compared by --skip_existing.
     model_fingerprint: str = ""
+    reference_roots: tuple[str, ...] = ()  # --reference_root (normalised), else the --input files' folders
 
     @property
     def reference_limits(self):
-        """--max_reference_images/--max_reference_pixels, with this run's scope for the reference cache."""
-        return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token)
+        """--max_reference_images/--max_reference_pixels and --reference_root, with this run's scope for the
+        reference cache."""
+        return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token,
+                                   roots=self.reference_roots)
 
     @property
     def webdataset(self) -> bool:
@@ -218,6 +222,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
     if o.inference_retries is None or o.inference_retries < 0:
         raise UsageError(f"--inference_retries must be >= 0, got {o.inference_retries}")
+    if o.inference_timeout_s is None or o.inference_timeout_s < 0:
+        raise UsageError(f"--inference_timeout_s must be >= 0 (0: no limit), got {o.inference_timeout_s}")
     try:
         optional_count("--model_copies", o.model_copies)
         validate_variant(o.model_variant, name="--model_variant")
@@ -275,6 +281,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     except ValueError as e:
         raise UsageError(str(e)) from None
     bigquery = _bigquery_inputs(options, tables, o.input_query, o.bigquery_temp_dataset)
+    reference_roots = _reference_roots(o.reference_root, patterns)
 
     files: dict[str, None] = {}  # every matched file once, in order
     for pattern in patterns:
@@ -304,15 +311,28 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, load=load,
                      defaults=defaults, skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
                      model_copies=o.model_copies, demo=demo, max_images=o.max_images,
-                     inference_retries=o.inference_retries, case_insensitive_output=case_insensitive,
+                     inference_retries=o.inference_retries, inference_timeout_s=o.inference_timeout_s,
+                     case_insensitive_output=case_insensitive,
                      require_accelerator=o.require_accelerator, worker_env=worker_env, encoding=encoding,
                      encode_threads=o.encode_threads, output_format=o.output_format,
                      samples_per_shard=o.samples_per_shard, preview=o.preview, columns=columns, bigquery=bigquery,
                      bigquery_temp_dataset=o.bigquery_temp_dataset, input_warnings=tuple(input_warnings),
-                     run_token=uuid.uuid4().hex,
+                     reference_roots=reference_roots, run_token=uuid.uuid4().hex,
                      model_fingerprint=model_fingerprint(
                          checkpoint, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
                          text_encoder_out_layers=load.text_encoder_out_layers))
+
+
+def _reference_roots(given: list[str] | None, patterns: list[str]) -> tuple[str, ...]:
+    """--reference_root (repeated or comma-separated) normalised; without it the folders of the --input file
+    patterns (BigQuery input adds none: its rows' references must then be allowed explicitly)."""
+    entries = [e for value in given or [] for e in str(value).split(",")]
+    if not entries:
+        return default_roots(patterns)
+    try:
+        return tuple(dict.fromkeys(normalise_root(e) for e in entries))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
@@ -344,7 +364,8 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
     """The job's ModelHandler (`handler_cls` lets tests wrap it with the very same arguments)."""
     return handler_cls(job.load, large_model=job.large_model, model_copies=job.model_copies,
                        inference_retries=job.inference_retries, require_accelerator=job.require_accelerator,
-                       env_vars=dict(job.worker_env), reference_limits=job.reference_limits, **extra)
+                       env_vars=dict(job.worker_env), reference_limits=job.reference_limits,
+                       inference_timeout_s=job.inference_timeout_s, **extra)
 
 
 def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:

@@ -10,6 +10,13 @@ Loading: `load_model` imports `model` lazily (pickling the handler never pulls i
 (a `gs://` one is copied once per machine to a local cache by `model.checkpoint`) and compiles it once per worker
 process, or once per machine with `large_model=True` / `model_copies=N` (Beam then serves the model from one
 process to the others; results cross the process boundary as numpy).
+
+Timeout: each generate call runs in a watchdog thread and is waited for at most `--inference_timeout_s`, counted from
+when the call gets the model (loading in `setup` and waiting behind other batches of the process do not count; the
+first batch of a shape compiles within it). A hung device call cannot be cancelled: the batch becomes
+`inference_timeout` error rows, and the model is held by the stuck call, so this process's later batches on that
+model fail fast the same way (the job goes on and ends; a `--skip_existing` rerun generates them) until the call
+returns, when the model is used again.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 from . import references
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .requests import ImageTask
-from .retries import DEFAULT_INFERENCE_RETRIES  # noqa: F401  (re-exported)
+from .retries import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S  # noqa: F401  (re-exported)
 
 LOGGER = logging.getLogger(__name__)
+_WAIT_POLL_S = 0.5  # how often a batch waiting for a model held by a stuck call checks on it
 # Running out of memory is told by the error's type (MemoryError) or by XLA's status code, which leads the message of
 # its runtime errors ("RESOURCE_EXHAUSTED: Out of memory allocating ..."); never by a word anywhere in the text, where a
 # prompt or path ("BLOOM", "bathroom") could put it. Text forms: "Type: message" and "Type('message')".
@@ -49,10 +57,89 @@ def is_out_of_memory(error: BaseException | str) -> bool:
     return bool(_OUT_OF_MEMORY_TEXT.match(text.strip()))
 
 
+class InferenceTimeout(TimeoutError):
+    """A batch whose generate call ran past --inference_timeout_s, or that could not run because an earlier call on
+    the same model is still stuck. Never retried in the job: the device is held by the call that does not return."""
+
+
 def is_retriable(error: BaseException) -> bool:
-    """Whether a failed generate call is worth running again: not for bad input (ValueError/TypeError) or memory
-    exhaustion (the same batch needs the same memory); yes for everything else (a lost device, a runtime fault)."""
-    return not (isinstance(error, (ValueError, TypeError)) or is_out_of_memory(error))
+    """Whether a failed generate call is worth running again: not for bad input (ValueError/TypeError), memory
+    exhaustion (the same batch needs the same memory) or a timeout (the device is still busy with the stuck call);
+    yes for everything else (a lost device, a runtime fault)."""
+    return not (isinstance(error, (ValueError, TypeError, InferenceTimeout)) or is_out_of_memory(error))
+
+
+class _ModelGate:
+    """One model's turn-taking in this process, and the call stuck on it, if any: a call that ran past the timeout
+    keeps the gate until it returns, so that no other batch is queued behind a device that does not answer."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # held by the running call; released by its thread when the call returns
+        self.stuck: tuple[threading.Thread, float, str] | None = None  # (thread, monotonic start, first id)
+
+    def check(self, n_images: int) -> None:
+        """InferenceTimeout while a timed-out call on this model has not returned; forget it once it has."""
+        stuck = self.stuck
+        if stuck is None:
+            return
+        thread, started, first_id = stuck
+        if thread.is_alive():
+            raise InferenceTimeout(
+                f"not run: a batch of this worker process (first id {first_id!r}) timed out "
+                f"{time.monotonic() - started:.0f} s ago and its generate call has not returned, so the model is "
+                f"unusable until it does; these {n_images} image(s) were not generated (rerun with --skip_existing)")
+        self.stuck = None
+        LOGGER.warning("the generate call that timed out (first id %s) returned after %.0f s: the model is used "
+                       "again", first_id, time.monotonic() - started)
+
+
+_gates: dict[int, _ModelGate] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate_for(model: Any) -> _ModelGate:
+    """The gate of `model` (a loaded model or Beam's proxy to a shared one), by identity: one per model object."""
+    with _gates_lock:
+        return _gates.setdefault(id(model), _ModelGate())
+
+
+def call_with_timeout(model: Any, call, timeout_s: float, n_images: int, first_id: str):
+    """`call()` (one generate call on `model`) in a watchdog thread, waited for at most `timeout_s` seconds from
+    when the model is free (0: no limit, called in this thread). InferenceTimeout when it runs longer: the call
+    goes on in its thread, holding the model, and later calls on the model raise InferenceTimeout at once until
+    it returns. The call's own exception is raised unchanged."""
+    if not timeout_s:
+        return call()
+    gate = _gate_for(model)
+    gate.check(n_images)
+    while not gate.lock.acquire(timeout=_WAIT_POLL_S):
+        gate.check(n_images)
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            box["error"] = e
+        finally:
+            gate.lock.release()
+
+    thread = threading.Thread(target=run, name=f"flux2-generate-{first_id}"[:64], daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        gate.stuck = (thread, started, first_id)
+        Metrics.counter(METRICS_NAMESPACE, "inference_timeouts").inc()
+        LOGGER.error("generate for a batch of %d image(s) (first id %s) ran past --inference_timeout_s=%s; its "
+                     "images become error rows and this process's later batches on the model fail until the call "
+                     "returns", n_images, first_id, timeout_s)
+        raise InferenceTimeout(f"timed out: generate for a batch of {n_images} image(s) ran past "
+                               f"--inference_timeout_s={timeout_s:g} s (the first batch of a shape compiles within "
+                               f"it; raise the limit if that is what takes the time)")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
 
 # Why JAX on a worker may find no accelerator of the kind the job asked for (shown in AcceleratorError).
 _LIKELY_CAUSES = {
@@ -197,14 +284,16 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
                  env_vars: dict | None = None, inference_retries: int = DEFAULT_INFERENCE_RETRIES,
                  retry_backoff_s: float = 1.0, load_kwargs: dict | None = None,
                  require_accelerator: str | None = None,
-                 reference_limits: references.ReferenceLimits | None = None, **load_args):
+                 reference_limits: references.ReferenceLimits | None = None,
+                 inference_timeout_s: float = DEFAULT_INFERENCE_TIMEOUT_S, **load_args):
         """`settings` is the `model.options.LoadSettings` that `model.load` receives unchanged, or a checkpoint path
         with `model.load`'s keyword arguments (`dtype=`, `batch_size=`, ...; `load_kwargs` adds more of them). A
         failed batch is run again up to `inference_retries` times (backoff `retry_backoff_s`, doubling) unless the
         failure is deterministic (see `is_retriable`). `env_vars` are set before the model loads (Beam's
         RunInference does it in setup); `require_accelerator` ('tpu' or 'gpu') makes the load fail on another
         platform (see `check_accelerator`). `reference_limits` bound the reference images read for a batch (read
-        through the process's cache: usually already there from ResolveReferences)."""
+        through the process's cache: usually already there from ResolveReferences). A generate call running past
+        `inference_timeout_s` seconds (0: no limit) fails its batch with InferenceTimeout (see `call_with_timeout`)."""
         super().__init__(large_model=large_model, model_copies=model_copies, env_vars=env_vars or {})
         if require_accelerator not in (None, *_LIKELY_CAUSES):
             raise ValueError(f"require_accelerator must be one of {sorted(_LIKELY_CAUSES)} or None, got "
@@ -221,6 +310,9 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
             raise ValueError(f"inference_retries must be >= 0, got {inference_retries}")
         self._inference_retries = int(inference_retries)
         self._retry_backoff_s = float(retry_backoff_s)
+        if not inference_timeout_s >= 0:
+            raise ValueError(f"inference_timeout_s must be >= 0 (0: no limit), got {inference_timeout_s!r}")
+        self._inference_timeout_s = inference_timeout_s
         self.settings = settings
 
     def load_model(self) -> LoadedGenerator:
@@ -275,8 +367,11 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         if first.reference_images:  # the same files the request was resolved with (checked by sha256)
             refs = [[r.image for r in references.read_all(t.request.reference_images, self._reference_limits,
                                                           t.request.reference_sha256)] for t in tasks]
-        out = model.generate_batch([t.request.prompt for t in tasks], [t.seed for t in tasks], first.height,
-                                   first.width, first.num_inference_steps, first.guidance_scale, refs)
+        prompts, seeds = [t.request.prompt for t in tasks], [t.seed for t in tasks]
+        out = call_with_timeout(
+            model, lambda: model.generate_batch(prompts, seeds, first.height, first.width, first.num_inference_steps,
+                                                first.guidance_scale, refs),
+            self._inference_timeout_s, len(tasks), first.id)
         images = out["images"]
         if images.shape[0] != len(tasks):
             raise RuntimeError(f"generate returned {images.shape[0]} images for {len(tasks)} prompts")

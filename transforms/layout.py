@@ -39,6 +39,7 @@ DUPLICATE_ID = "duplicate_id"
 FILE_NAME_COLLISION = "file_name_collision"  # two requests would write the same image file
 UNREADABLE_INPUT = "unreadable_input"  # an input file that cannot be read (to its end)
 INFERENCE_FAILED = "inference_failed"
+INFERENCE_TIMEOUT = "inference_timeout"  # a batch ran past --inference_timeout_s (or waited on one that did)
 INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
 NON_FINITE_IMAGE = "non_finite_image"  # generation gave NaN or inf values: nothing is written for that image
 ERROR_KINDS = (INVALID_RECORD, DUPLICATE_ID, FILE_NAME_COLLISION, UNREADABLE_INPUT, INFERENCE_FAILED, INVALID_REFERENCE,

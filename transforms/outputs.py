@@ -29,7 +29,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from . import layout, retries
 from .atomic_files import write_local_atomic, write_object_atomic
-from .inference import is_out_of_memory
+from .inference import InferenceTimeout, is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .fingerprints import request_fingerprint
 from .requests import ImageTask
@@ -570,7 +570,8 @@ OUT_OF_MEMORY_REMEDY = ("Use a smaller size (the records' height and width, or -
 
 def failed_batch_rows(failed) -> Iterable[dict]:
     """A RunInference dead-letter element `(batch of ImageTask, (exc type, repr, traceback))` -> one error row
-    per image of the batch, carrying the exception; out of memory, the row says so and what to change."""
+    per image of the batch, carrying the exception; out of memory, the row says so and what to change; a timeout
+    (InferenceTimeout) is kind `inference_timeout`."""
     batch, exc_info = failed
     exc_type, exc_repr = (exc_info[0], exc_info[1]) if isinstance(exc_info, tuple) else (type(exc_info), exc_info)
     type_name = getattr(exc_type, "__name__", str(exc_type))
@@ -583,13 +584,17 @@ def failed_batch_rows(failed) -> Iterable[dict]:
     tasks = list(batch)
     Metrics.counter(METRICS_NAMESPACE, "images_failed").inc(len(tasks))
     reason = f"inference failed for a batch of {len(tasks)} image(s): {message}"
-    if tasks and is_out_of_memory(message):
+    kind = layout.INFERENCE_FAILED
+    if type_name == InferenceTimeout.__name__:
+        kind, reason = layout.INFERENCE_TIMEOUT, f"inference did not finish in time for a batch of {len(tasks)} " \
+                                                 f"image(s): {message}"
+    elif tasks and is_out_of_memory(message):
         first = tasks[0].request  # a batch has one shape
         reason = (f"out of memory: this machine cannot hold a batch of {len(tasks)} image(s) at "
                   f"{first.height}x{first.width}. {OUT_OF_MEMORY_REMEDY} The error: {message}")
     for task in tasks:
         r = task.request
-        yield layout.error_row(source=r.source, line=r.line, id=r.id, kind=layout.INFERENCE_FAILED,
+        yield layout.error_row(source=r.source, line=r.line, id=r.id, kind=kind,
                                file_name=task.file_name, reason=reason, record=_task_record(task))
 
 

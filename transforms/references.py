@@ -9,7 +9,11 @@ declaring huge dimensions) is a `ReferenceError`, never an out-of-memory. A side
 does: EXIF orientation applied, then RGB.
 
 `ReferenceCache` holds decoded references per worker process, bounded by their pixel bytes and least recently used
-first out, keyed by URI: many requests sharing a reference read it once. The request remembers each reference's
+first out, keyed by URI: many requests sharing a reference read it once.
+
+Where references may be read from is an allowlist (`--reference_root`, `check_allowed`): a resolved reference must
+lie inside one of the job's roots (local folders or gs:// prefixes; by default the folders of the `--input`
+patterns), after `..` is resolved and, for local files, after symlinks are followed; any other is an error row. The request remembers each reference's
 sha256 when the job first reads it; a later read whose bytes differ (the file was replaced during the job) is an
 error, not a silent mix of two versions.
 """
@@ -71,6 +75,9 @@ class ReferenceLimits:
     max_images: int = DEFAULT_MAX_REFERENCE_IMAGES
     max_pixels: int = DEFAULT_MAX_REFERENCE_PIXELS
     cache_scope: str = ""
+    # --reference_root: the folders / gs:// prefixes references may be read from (normalised, `normalise_root`);
+    # () allows none; None allows any path (library use only: the job always sets them).
+    roots: tuple[str, ...] | None = None
 
     @property
     def max_bytes(self) -> int:
@@ -115,6 +122,79 @@ def resolve_path(path: str, source: str) -> str:
         raise ValueError(f"{path!r} is relative, but the record comes from no input file ({source or 'no source'}); "
                          f"give a gs:// URI or an absolute path")
     return os.path.normpath(os.path.join(os.path.dirname(source), path))
+
+
+# --------------------------------------------------------------------------------------------- allowed roots
+_GLOB_CHARACTERS = ("*", "?", "[")
+
+
+def normalise_root(root: str) -> str:
+    """A --reference_root as the checks compare it: 'gs://bucket' or 'gs://bucket/prefix' (no trailing '/'), or
+    an absolute, normalised local folder. ValueError naming it for another scheme, a bucket-less URI or a glob."""
+    text = root.strip()
+    if not text:
+        raise ValueError("--reference_root has an empty entry")
+    if any(c in text for c in _GLOB_CHARACTERS):
+        raise ValueError(f"--reference_root={root!r} contains a glob character; give a folder or a gs:// prefix")
+    if "://" in text:
+        scheme, rest = text.split("://", 1)
+        bucket, _, name = rest.partition("/")
+        if scheme != "gs" or not bucket:
+            raise ValueError(f"--reference_root={root!r} is neither a local folder nor a gs://bucket[/prefix]")
+        name = posixpath.normpath(name) if name.strip("/") else ""
+        if name == ".." or name.startswith("../"):
+            raise ValueError(f"--reference_root={root!r} leaves its bucket")
+        return f"gs://{bucket}" + (f"/{name}" if name and name != "." else "")
+    return os.path.normpath(os.path.abspath(text))
+
+
+def default_roots(patterns: Sequence[str]) -> tuple[str, ...]:
+    """The roots a job allows when --reference_root is not given: the folder of each --input file pattern (the part
+    before its first glob character, up to its last '/'). BigQuery input has no folder and adds none."""
+    roots: dict[str, None] = {}
+    for pattern in patterns:
+        cut = min([pattern.index(c) for c in _GLOB_CHARACTERS if c in pattern] + [len(pattern)])
+        head = pattern[:cut]
+        if "://" in head:
+            scheme, rest = head.split("://", 1)
+            folder = f"{scheme}://{rest.rsplit('/', 1)[0]}" if "/" in rest else f"{scheme}://{rest}"
+        else:
+            folder = os.path.dirname(head) or "."
+        roots[normalise_root(folder)] = None
+    return tuple(roots)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_allowed(uri: str, roots: Sequence[str] | None) -> None:
+    """ReferenceError naming `uri` and the allowed roots unless the reference lies inside one of `roots`: its
+    normalised path (no '..' left to climb out), and for a local file also its real path (symlinks followed, so a
+    link inside a root to a file outside it is refused). `roots` None: any path is allowed."""
+    if roots is None:
+        return
+    allowed = ", ".join(roots) if roots else "none"
+    hint = (f"the allowed reference roots are: {allowed} (--reference_root; by default the folders of the --input "
+            f"files, none for BigQuery input)")
+    if "://" in uri:
+        scheme, rest = uri.split("://", 1)
+        bucket, _, name = rest.partition("/")
+        name = posixpath.normpath(name) if name else ""
+        if scheme != "gs" or not bucket or name == ".." or name.startswith("../"):
+            raise ReferenceError(uri, f"is not a path inside a reference root; {hint}")
+        if not any(r.startswith("gs://") and _inside(f"gs://{bucket}/{name}", r) for r in roots):
+            raise ReferenceError(uri, f"is outside every reference root; {hint}")
+        return
+    if not os.path.isabs(uri):
+        raise ReferenceError(uri, f"is not an absolute path inside a reference root; {hint}")
+    local = [r for r in roots if "://" not in r]
+    path = os.path.normpath(uri)
+    if not any(_inside(path, r) for r in local):
+        raise ReferenceError(uri, f"is outside every reference root; {hint}")
+    real = os.path.realpath(path)
+    if not any(_inside(real, os.path.realpath(r)) for r in local):
+        raise ReferenceError(uri, f"resolves (through a symlink) to {real!r}, outside every reference root; {hint}")
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -284,7 +364,10 @@ def process_cache() -> ReferenceCache:
 
 def read_all(uris: Sequence[str], limits: ReferenceLimits, sha256: Sequence[str] | None = None,
              cache: Callable[[], ReferenceCache] = process_cache) -> list[Reference]:
-    """The references of one request, through the process cache; the first that cannot be used raises."""
+    """The references of one request, through the process cache; the first that cannot be used (outside the
+    limits' roots included) raises."""
+    for uri in uris:
+        check_allowed(uri, limits.roots)
     c = cache()
     return [c.get(uri, limits, None if sha256 is None else sha256[i]) for i, uri in enumerate(uris)]
 
@@ -334,7 +417,8 @@ class _ResolveReferencesFn(beam.DoFn):
 
 class ResolveReferences(beam.PTransform):
     """Requests -> {'requests': with their references' sha256 and signature, 'invalid': one error row per request
-    with a reference that cannot be used (missing, unreadable, not an image, too large, too small, too elongated)}.
+    with a reference that cannot be used (outside the allowed roots, missing, unreadable, not an image, too large,
+    too small, too elongated)}.
     Runs before the images are planned, so a bad reference costs one row, not one per image."""
 
     def __init__(self, limits: ReferenceLimits, size_multiple: int = DEFAULT_SIZE_MULTIPLE):

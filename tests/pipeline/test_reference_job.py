@@ -10,7 +10,6 @@ import json
 
 import model
 import numpy as np
-import pytest
 
 from pipeline.run import run
 from pipeline_helpers import counters, decode, image_names, read, rows, xla_cache  # noqa: F401 - xla_cache fixture
@@ -23,12 +22,6 @@ ARGS = ["--dtype=float32", "--max_sequence_length=32", "--batch_size=2", f"--hei
         f"--max_reference_pixels={MAX_REFERENCE_PIXELS}", "--runner=FnApiRunner", "--no_progress"]
 
 
-def _model_takes_references() -> bool:
-    from model.generator import Flux2KleinGenerator
-
-    return "reference_images" in inspect.signature(Flux2KleinGenerator.generate).parameters
-
-
 def _job(gcs_emulator, bucket, ckpt, tmp_path, records, xla_cache, extra=()):
     """Upload the references, write the records to a local input file next to refs/, run the job."""
     b = f"gs://{bucket}"
@@ -37,7 +30,7 @@ def _job(gcs_emulator, bucket, ckpt, tmp_path, records, xla_cache, extra=()):
     (local / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = f"{b}/out"
     argv = [f"--model={ckpt}", f"--input={local / 'prompts.jsonl'}", f"--output={out}", *ARGS,
-            f"--compilation_cache_dir={xla_cache}", *extra]
+            f"--compilation_cache_dir={xla_cache}", f"--reference_root={local},{b}/refs", *extra]
     return argv, out, local
 
 
@@ -51,6 +44,8 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
     }
     for name, data in files.items():
         gcs_emulator.upload_bytes(f"{b}/refs/{name}", data)
+    other = f"gs://{gcs_emulator.new_bucket('other')}"
+    gcs_emulator.upload_bytes(f"{other}/refs/a.png", png(64, 64))  # readable by the worker, but not allowed
     records = [
         {"id": "plain", "prompt": "no references", "seed": 1},
         {"id": "missing", "prompt": "p", "reference_images": [f"{b}/refs/nope.png"]},
@@ -61,9 +56,12 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
         {"id": "bomb", "prompt": "p", "reference_images": [f"{b}/refs/bomb.png"]},
         {"id": "big", "prompt": "p", "reference_images": [f"{b}/refs/big.png"]},
         {"id": "too-many", "prompt": "p", "reference_images": ["a.png"] * 5},
+        {"id": "other-bucket", "prompt": "p", "reference_images": [f"{other}/refs/a.png"]},
+        {"id": "escape", "prompt": "p", "reference_images": ["../secret.png"]},  # out of the input's folder
     ]
     argv, out, local = _job(gcs_emulator, gcs_bucket, tiny_ckpt, tmp_path, records, xla_cache)
     (local / "refs" / "long.png").write_bytes(png(64, 600))
+    (tmp_path / "secret.png").write_bytes(png(64, 64))
     result, summary = run(argv)
 
     assert image_names(out) == {"plain.png"}
@@ -78,6 +76,9 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
         "long": (str(local / "refs" / "long.png"), "aspect ratio must be at most 8:1, got 64x600 (9.38:1)"),
         "bomb": (f"{b}/refs/bomb.png", "above --max_reference_pixels=65536 (refused before decoding)"),
         "big": (f"{b}/refs/big.png", "is larger than 1310720 bytes"),
+        "other-bucket": (f"{other}/refs/a.png", f"outside every reference root; the allowed reference roots are: "
+                                                f"{local}, {b}/refs"),
+        "escape": (str(tmp_path / "secret.png"), "outside every reference root"),
     }
     assert set(errors) == set(expected) | {"too-many"}
     for rid, (uri, words) in expected.items():
@@ -86,14 +87,18 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
         assert words in e["reason"] and uri in e["reason"], e
     assert errors["too-many"]["kind"] == "invalid_record"
     assert "above --max_reference_images=4" in errors["too-many"]["reason"]
-    assert (summary["images_generated"], summary["invalid"], summary["failed"]) == (1, 8, 0)
+    assert (summary["images_generated"], summary["invalid"], summary["failed"]) == (1, 10, 0)
     c = counters(result)
-    assert c["reference_reads"] == 6  # every distinct reference once, the shared missing one too
+    assert c["reference_reads"] == 6  # every distinct allowed reference once, the shared missing one too
 
 
-@pytest.mark.skipif(not _model_takes_references(), reason="the model's generate() takes no reference_images yet "
-                                                          "(branch edit-model)")
 def test_reference_job_gives_the_models_pixels(gcs_emulator, gcs_bucket, tiny_ckpt, xla_cache, tmp_path):
+    # No skip guard: generate() taking reference_images is the contract this test checks, so a rename of that
+    # parameter must fail here, not turn the test into a skip.
+    from model.generator import Flux2KleinGenerator
+
+    assert "reference_images" in inspect.signature(Flux2KleinGenerator.generate).parameters, (
+        "Flux2KleinGenerator.generate() no longer takes reference_images: the job's editing path is broken")
     b = f"gs://{gcs_bucket}"
     a_bytes, c_bytes = png(64, 64, seed=1), png(80, 64, seed=2, mode="RGBA")
     gcs_emulator.upload_bytes(f"{b}/refs/a.png", a_bytes)

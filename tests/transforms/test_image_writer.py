@@ -1,7 +1,7 @@
 """The image writer off the critical path: PNG/WebP/JPEG with their metadata, the encoder-thread pool run by Beam's
 own runner (byte-identical outputs whatever the thread count, one manifest row per image, a failed write fails the
-bundle and the rerun completes it), and a slow store (the fault proxy delaying every image upload) that the pool's
-back-pressure keeps to a bounded number of images held in memory, with nothing lost."""
+bundle and the rerun completes it), and a slow store (every image write delayed) that the pool's back-pressure keeps
+to a bounded number of images held in memory, measured from outside the writer, with nothing lost."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
-from fault_proxy import FaultRule, in_front_of
 from transforms import layout
 from transforms.inference import GeneratedImage
 from transforms.outputs import (
@@ -170,25 +169,57 @@ def test_skip_existing_lists_the_images_of_the_jobs_format(tmp_path):
                     equal_to(["images/img001-0.png", "images/img001-1.png"]), label="CheckTodo")
 
 
-@pytest.fixture
-def slow_store(gcs_emulator, monkeypatch):
-    with in_front_of(gcs_emulator, monkeypatch, seed=3) as proxy:
-        yield proxy
+def test_slow_store_holds_a_bounded_number_of_images_and_loses_none(tmp_path, monkeypatch):
+    """Every image write is delayed: measured from outside the writer (weak references to every image handed to
+    it, counted by the slow store at each write and by the feeder after each new image), at most `max_in_flight`
+    images plus the one being handed over are alive at once, the bound is reached (the store is the bottleneck),
+    and every image arrives with the sha256 of its manifest row. The writer is driven directly, so no runner holds
+    copies of the elements: what is alive is what the writer keeps."""
+    import threading
+    import time
+    import weakref
 
+    from apache_beam.transforms.window import GlobalWindow
+    from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
-def test_slow_store_holds_a_bounded_number_of_images_and_loses_none(gcs_emulator, gcs_bucket, slow_store):
-    """Every image upload is delayed 0.25 s: the writer never holds more than `max_in_flight` images (the pool's
-    back-pressure, seen in the runner's `images_in_flight` distribution), and every image arrives with the sha256
-    of its manifest row."""
-    slow_store.add_rule(FaultRule(fraction=1.0, kinds={"upload"}, name=r"/images/", actions=("delay",),
-                                  delay_s=0.25))
-    results = _results(16)
-    out = f"gs://{gcs_bucket}/slow"
-    rows, metrics = _write(results, out, ImageEncoding(), threads=2, max_in_flight=3)
-    (held,) = [d.committed for d in metrics["distributions"] if d.key.metric.name == "images_in_flight"]
-    assert held.max == 3 and held.count == 16  # bounded, and the bound was reached: the store was the bottleneck
-    assert slow_store.stats()["injected"].get("upload/delay", 0) >= 16
-    assert len(rows) == 16 and len({r["file_name"] for r in rows}) == 16
+    from transforms import outputs
+
+    n, limit = 16, 3
+    handed: list = []  # a weak reference to every GeneratedImage handed to the writer
+    peak = {"store": 0, "feeder": 0}
+    lock = threading.Lock()
+    real_write = outputs.write_bytes_atomic
+
+    def note(where):
+        with lock:
+            peak[where] = max(peak[where], sum(ref() is not None for ref in handed))
+
+    def slow_write(uri, data, **kwargs):
+        note("store")
+        time.sleep(0.05)
+        real_write(uri, data, **kwargs)
+
+    monkeypatch.setattr(outputs, "write_bytes_atomic", slow_write)
+    out = str(tmp_path / "slow")
+    tasks = [t for i in range(n // 2) for t in _request(f"img{i:03d}", num_images=2, height=256, width=256).tasks()]
+    fn = WriteImagesFn(out, encoding=ImageEncoding(), threads=2, max_in_flight=limit)
+    fn.setup()
+    rows = []
+    try:
+        fn.start_bundle()
+        for task in tasks:
+            result = PredictionResult(task, _generated(task))  # made just in time, as RunInference hands them over
+            handed.append(weakref.ref(result.inference))
+            note("feeder")
+            rows += [w.value for w in fn.process(result, window=GlobalWindow(), timestamp=MIN_TIMESTAMP)]
+            del result
+        rows += [w.value for w in fn.finish_bundle()]
+    finally:
+        fn.teardown()
+    assert max(peak.values()) <= limit + 1, peak  # the writer's `limit` plus the image being handed over
+    assert peak["feeder"] == limit + 1, peak  # the bound was reached: the store was the bottleneck
+    assert len(rows) == n and len({r["file_name"] for r in rows}) == n
     for row in rows:
         assert hashlib.sha256(read_bytes(row["uri"])).hexdigest() == row["sha256"]
-    assert len(gcs_emulator.list_blobs(out + "/images/")) == 16
+    assert len(os.listdir(os.path.join(out, "images"))) == n
+    assert all(ref() is None for ref in handed)  # nothing kept once written

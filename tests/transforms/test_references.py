@@ -230,3 +230,112 @@ def test_transient_read_errors_are_retried_and_never_cached(tmp_path, monkeypatc
         cache.get(b, LIMITS)
     assert e.value.transient
     assert cache.get(b, LIMITS).size == (64, 64)  # the failure was not cached
+
+
+# --------------------------------------------------------------------------------------------- allowed roots
+def test_reference_roots_normalise_and_default_to_the_input_folders():
+    from transforms.references import default_roots, normalise_root
+
+    assert normalise_root("gs://b/refs/") == "gs://b/refs" and normalise_root("gs://b") == "gs://b"
+    assert normalise_root("gs://b/") == "gs://b" and normalise_root("gs://b/x/../refs") == "gs://b/refs"
+    assert normalise_root("/data/./refs/") == "/data/refs"
+    assert normalise_root("refs") == os.path.join(os.getcwd(), "refs")
+    for bad in ("s3://b/refs", "gs://", "gs:///x", "gs://b/../c", "/data/*.png", " "):
+        with pytest.raises(ValueError, match="reference_root"):
+            normalise_root(bad)
+    assert default_roots(["gs://b/in/*.jsonl", "gs://b/in/more.jsonl", "/data/p.jsonl", "/data/in*/x.csv",
+                          "gs://c/top.jsonl", "p.jsonl"]) == (
+        "gs://b/in", "/data", "gs://c", os.getcwd())
+    assert default_roots([]) == ()  # BigQuery input only: no folder of its own, nothing allowed by default
+
+
+@pytest.mark.parametrize("uri, allowed", [
+    ("gs://b/refs/a.png", True),
+    ("gs://b/refs/sub/a.png", True),
+    ("gs://b/refs/../refs/a.png", True),  # normalised: still inside
+    ("gs://b/refs/../secret/a.png", False),  # '..' climbs out of the root
+    ("gs://b/../other/a.png", False),  # out of the bucket
+    ("gs://b/refs-other/a.png", False),  # a prefix of the name is not the folder
+    ("gs://other-bucket/refs/a.png", False),  # another bucket the worker may read
+    ("gs://b/a.png", False),
+    ("/data/refs/a.png", True),
+    ("/data/refs/../in/a.png", False),
+    ("/etc/passwd", False),
+    ("refs/a.png", False),  # never resolved: not an absolute path
+])
+def test_check_allowed_keeps_references_inside_their_roots(uri, allowed):
+    from transforms.references import check_allowed
+
+    roots = ("gs://b/refs", "/data/refs")
+    if allowed:
+        check_allowed(uri, roots)
+        return
+    with pytest.raises(ReferenceError) as e:
+        check_allowed(uri, roots)
+    assert e.value.uri == uri and uri in str(e.value) and "gs://b/refs, /data/refs" in str(e.value)
+
+
+def test_no_roots_refuse_every_reference_and_none_allows_any():
+    from transforms.references import check_allowed
+
+    with pytest.raises(ReferenceError, match="allowed reference roots are: none"):
+        check_allowed("gs://b/a.png", ())
+    check_allowed("/anything/a.png", None)
+
+
+def _resolve(requests, limits):
+    """ResolveReferences' DoFn on `requests`: (requests passed on, error rows)."""
+    import apache_beam as beam
+
+    fn = references._ResolveReferencesFn(limits, 16)
+    passed, invalid = [], []
+    for request in requests:
+        for out in fn.process(request):
+            (invalid if isinstance(out, beam.pvalue.TaggedOutput) else passed).append(
+                out.value if isinstance(out, beam.pvalue.TaggedOutput) else out)
+    return passed, invalid
+
+
+def test_references_outside_the_roots_are_one_error_row_each(tmp_path):
+    """Inside the root (relative or absolute) is read; a '..' escape, an absolute path elsewhere, another bucket and
+    a symlink inside the root pointing out of it are `invalid_reference` rows naming the path and the roots."""
+    root, outside = tmp_path / "in", tmp_path / "private"
+    (root / "refs").mkdir(parents=True)
+    outside.mkdir()
+    (root / "refs" / "a.png").write_bytes(png(64, 64, seed=1))
+    (outside / "secret.png").write_bytes(png(64, 64, seed=2))
+    os.symlink(outside / "secret.png", root / "refs" / "link.png")
+    source = str(root / "p.jsonl")
+    lines = [{"id": "relative", "prompt": "p", "reference_images": ["refs/a.png"]},
+             {"id": "absolute", "prompt": "p", "reference_images": [str(root / "refs" / "a.png")]},
+             {"id": "dotdot", "prompt": "p", "reference_images": ["../private/secret.png"]},
+             {"id": "elsewhere", "prompt": "p", "reference_images": [str(outside / "secret.png")]},
+             {"id": "bucket", "prompt": "p", "reference_images": ["gs://other-bucket/secret.png"]},
+             {"id": "symlink", "prompt": "p", "reference_images": ["refs/link.png"]},
+             {"id": "plain", "prompt": "p"}]
+    requests = parse("".join(json.dumps(r) + "\n" for r in lines).encode(), source=source)
+    limits = ReferenceLimits(max_images=2, max_pixels=256 * 256, roots=(str(root),))
+    passed, invalid = _resolve(requests, limits)
+
+    assert sorted(r.id for r in passed) == ["absolute", "plain", "relative"]
+    errors = {e["id"]: e for e in invalid}
+    assert set(errors) == {"dotdot", "elsewhere", "bucket", "symlink"}
+    for rid, e in errors.items():
+        assert (e["kind"], e["field"]) == (layout.INVALID_REFERENCE, "reference_images"), e
+        assert e["value"] in e["reason"] and f"allowed reference roots are: {root}" in e["reason"], e
+    assert errors["dotdot"]["value"] == str(outside / "secret.png")
+    assert errors["bucket"]["value"] == "gs://other-bucket/secret.png"
+    assert "through a symlink" in errors["symlink"]["reason"] and str(outside / "secret.png") in \
+        errors["symlink"]["reason"]
+
+
+def test_job_reference_roots_default_to_the_input_folders_and_can_be_given():
+    from pipeline.errors import UsageError
+    from pipeline.run import _reference_roots
+
+    assert _reference_roots(None, ["/data/in/*.jsonl"]) == ("/data/in",)
+    assert _reference_roots(["gs://b/refs/,/data/refs", "gs://c"], ["/data/in/p.jsonl"]) == (
+        "gs://b/refs", "/data/refs", "gs://c")
+    assert _reference_roots(None, []) == ()  # BigQuery input: references must be allowed explicitly
+    with pytest.raises(UsageError, match="s3://b"):
+        _reference_roots(["s3://b/refs"], [])
