@@ -51,7 +51,7 @@ from transforms.bigquery_input import BigQueryInput, ReadBigQueryRequests, datas
 from transforms.columns import ColumnMap, parse_column_map
 from transforms.fingerprints import model_fingerprint
 from transforms.input_check import InputCheckError, check_input_files
-from transforms.inference import BatchByShape, Flux2KleinModelHandler
+from transforms.inference import DEFAULT_INFERENCE_TIMEOUT_S, BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
     NON_FINITE_TAG, ImageEncoding, SkipExisting, SplitNonFinite, WriteImagesFn, WriteSummary, failed_batch_rows,
