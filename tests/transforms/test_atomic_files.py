@@ -1,5 +1,6 @@
-"""Writes that readers see whole or not at all: a gs:// write cut part-way leaves no object (Beam's GCS writer would
-otherwise finalise what it buffered when closed or garbage-collected), and local files get the umask's mode."""
+"""Writes that readers see whole or not at all: a gs:// write cut part-way, by the writer or on the wire (the fault
+proxy), leaves no object (Beam's GCS writer would otherwise finalise what it buffered when closed or
+garbage-collected), and local files get the umask's mode."""
 
 import gc
 import os
