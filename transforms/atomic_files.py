@@ -65,17 +65,19 @@ def sync_folder(folder: str) -> None:
 
 def write_object_atomic(path: str, fill: Callable[[BinaryIO], None], mime_type: str) -> None:
     """Create the object `path` (gs://...) with what `fill(file)` writes, as one upload that is finalised only when
-    `fill` returned; an error abandons it and leaves no object."""
+    `fill` returned; an error abandons it and leaves no object. That includes an error of close() itself: an object
+    smaller than a chunk is sent whole by close(), and a writer left holding it after, say, its session could not
+    be opened would send it again when garbage-collected, publishing an object whose write had been reported failed."""
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
     out = FileSystems.create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED)
     try:
         fill(out)
+        out.close()
     except BaseException:
         abandon_upload(out)
         raise
-    out.close()
 
 
 def abandon_upload(writer) -> None:

@@ -140,3 +140,19 @@ def test_name_filter_limits_faults_to_matching_objects(proxy, gcs_bucket, fast_g
     log = proxy.injected_log()
     assert len(log) == 3 and all(kind == "upload" and names == (f"{gcs_bucket}/images/z.png",)
                                  for kind, _a, names in log), log
+
+
+def test_cut_drops_the_connection_part_way_through_long_bodies_only(proxy, gcs_emulator, gcs_bucket):
+    """A "cut" rule: bodies no longer than `cut_after_bytes` go through (done before the cut), the first
+    `skip_first` longer ones too, and every later one loses its connection part-way and never reaches the emulator."""
+    proxy.set_rules([FaultRule(fraction=1.0, kinds={"upload"}, name=r"/w\d\.bin$", actions=("cut",),
+                               cut_after_bytes=1000, skip_first=1)])
+    url = f"{proxy.url}/upload/storage/v1/b/{gcs_bucket}/o?uploadType=media&name="
+    with requests.Session() as s:
+        assert s.post(url + "w1.bin", data=b"s" * 1000, timeout=10).ok  # not longer than the cut
+        assert s.post(url + "w2.bin", data=b"k" * 5000, timeout=10).ok  # skipped
+        with pytest.raises(requests.ConnectionError):
+            s.post(url + "w3.bin", data=b"c" * 300_000, timeout=10)
+    assert gcs_emulator.read_bytes(f"gs://{gcs_bucket}/w2.bin") == b"k" * 5000
+    assert set(gcs_emulator.list_blobs(f"gs://{gcs_bucket}/")) == {"w1.bin", "w2.bin"}
+    assert proxy.stats()["injected"] == {"upload/cut": 1}

@@ -2,9 +2,9 @@
 
 Point `STORAGE_EMULATOR_HOST` at `proxy.url` and every GCS request of google-cloud-storage and of Beam's GCS
 filesystem (this process and its subprocesses) goes through it. For a configurable fraction of the requests that
-match a rule it answers 503 or 429, resets the connection (before the request reaches the emulator, or after the
-emulator has applied it so that only the response is lost) or delays the response; everything else is forwarded
-unchanged. It counts every request by kind, every fault it injected, and the retries that followed them.
+match a rule it answers 503 or 429, resets the connection (before the request reaches the emulator, after the
+emulator has applied it so that only the response is lost, or part-way through the request body: a write cut on the
+wire) or delays the response; everything else is forwarded unchanged. It counts every request by kind, every fault it injected, and the retries that followed them.
 
 Request kinds (GCS JSON API, as the clients send it):
     read    GET object metadata or media (prompts, checkpoint shards, images read back)
@@ -46,7 +46,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterable
 
-ACTIONS = ("503", "429", "reset", "reset_after", "delay")
+ACTIONS = ("503", "429", "reset", "reset_after", "cut", "delay")
 DEFAULT_ACTIONS = ("503", "429", "reset", "delay")
 KINDS = ("read", "list", "upload", "copy", "delete", "batch", "bucket", "other")
 
@@ -54,21 +54,29 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriz
                "transfer-encoding", "upgrade", "content-length"}
 _NAME_IN_BODY = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _BATCH_LINE = re.compile(rb"^(GET|POST|PUT|DELETE|PATCH)\s+(\S+)", re.M)
+_HEAD_BYTES = 1 << 16  # of a request body, read before deciding: enough for the names classify() looks for
 
 
 @dataclasses.dataclass
 class FaultRule:
     """Inject a fault into `fraction` of the requests that match `kinds` (None: every kind) and whose object
     names match `name` (a regex searched in "bucket/object"; None: any). The action is drawn from `actions`
-    (uniformly). `delay_s` is the delay of a "delay" action. `limit` caps the faults this rule injects."""
+    (uniformly). `delay_s` is the delay of a "delay" action. With `cut_after_bytes` the rule matches only requests
+    whose body is longer than that (a shorter one is through before the cut), and a "cut" action reads that many
+    bytes of the body, then drops the connection (at least the up to 64 KiB read to classify the request). The
+    first `skip_first` matching requests pass untouched (a link that fails part-way through an upload's chunks);
+    `limit` caps the faults this rule injects."""
 
     fraction: float = 0.1
     kinds: Iterable[str] | None = None
     name: str | None = None
     actions: Iterable[str] = DEFAULT_ACTIONS
     delay_s: float = 0.3
+    cut_after_bytes: int | None = None
+    skip_first: int = 0
     limit: int | None = None
     injected: int = 0
+    skipped: int = 0
 
     def __post_init__(self):
         if not 0.0 <= self.fraction <= 1.0:
@@ -80,14 +88,19 @@ class FaultRule:
         self.actions = tuple(self.actions)
         self._name_re = re.compile(self.name) if self.name else None
 
-    def matches(self, kind: str, names: list[str]) -> bool:
+    def matches(self, kind: str, names: list[str], body_bytes: int = 0) -> bool:
         if self.kinds is not None and kind not in self.kinds:
+            return False
+        if self.cut_after_bytes is not None and body_bytes <= self.cut_after_bytes:
             return False
         if self.limit is not None and self.injected >= self.limit:
             return False
-        if self._name_re is None:
-            return True
-        return any(self._name_re.search(n) for n in names)
+        if self._name_re is not None and not any(self._name_re.search(n) for n in names):
+            return False
+        if self.skipped < self.skip_first:
+            self.skipped += 1
+            return False
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +297,8 @@ class FaultProxy:
         self.stop()
 
     # ------------------------------------------------------------------------------------------ decisions
-    def _decide(self, info: RequestInfo, signature: str) -> tuple[str | None, float]:
-        """Count the request; pick the fault to inject (or None) and the delay of a 'delay' action."""
+    def _decide(self, info: RequestInfo, signature: str, body_bytes: int = 0) -> tuple[str | None, FaultRule | None]:
+        """Count the request; pick the fault to inject (or None) and the rule it comes from."""
         with self._lock:
             self._total += 1
             self._requests[info.kind] += 1
@@ -296,9 +309,9 @@ class FaultProxy:
                     self._pending[retried] = (n - 1, kind, names)
                 self._retries[info.kind] += 1
             if self._total > self.max_requests:
-                return "503", 0.0
+                return "503", None
             for rule in self._rules:
-                if rule.matches(info.kind, list(info.names)) and self._rng.random() < rule.fraction:
+                if rule.matches(info.kind, list(info.names), body_bytes) and self._rng.random() < rule.fraction:
                     action = self._rng.choice(rule.actions)
                     rule.injected += 1
                     self._injected[(info.kind, action)] += 1
@@ -306,8 +319,8 @@ class FaultProxy:
                     if action != "delay":
                         n = self._pending.get(signature, (0,))[0]
                         self._pending[signature] = (n + 1, info.kind, frozenset(info.names))
-                    return action, rule.delay_s
-            return None, 0.0
+                    return action, rule
+            return None, None
 
     def _retried_signature(self, info: RequestInfo, signature: str) -> str | None:
         """The pending fault this request retries: the same request again, or failing that a request of the same
@@ -373,9 +386,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_GET
 
-    def _read_body(self) -> bytes | None:
+    def _read_body(self, head_only: bool = False) -> bytes | None:
+        """The request body (None: too large or malformed); with `head_only`, of a Content-Length body only its
+        first _HEAD_BYTES (the rest is read by _read_rest). A chunked body is always read whole."""
         te = (self.headers.get("Transfer-Encoding") or "").lower()
         limit = self.owner.max_body_bytes
+        self._body_left = 0
         if "chunked" in te:
             out = bytearray()
             for _ in range(1_000_000):  # bounded number of chunks
@@ -395,7 +411,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         if length > limit:
             return None
-        return self.rfile.read(length) if length else b""
+        first = min(length, _HEAD_BYTES) if head_only else length
+        self._body_left = length - first
+        return self.rfile.read(first) if first else b""
+
+    def _read_rest(self, at_most: int | None = None) -> bytes:
+        """What _read_body(head_only=True) left unread (at most `at_most` bytes of it)."""
+        n = self._body_left if at_most is None else max(0, min(self._body_left, at_most))
+        self._body_left -= n
+        return self.rfile.read(n) if n else b""
 
     def _reset(self) -> None:
         """Abort the TCP connection (RST), as a dropped load balancer connection looks to the client."""
@@ -433,7 +457,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _proxy(self) -> None:
         self._served += 1
         owner = self.owner
-        body = self._read_body()
+        body = self._read_body(head_only=True)
         if body is None:
             self.close_connection = True
             self._error(413, "request body too large or malformed")
@@ -444,7 +468,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         # What a retry of this request looks like: same method, path and query, same objects (bodies differ between
         # attempts: multipart boundaries are random).
         signature = hashlib.sha1("\0".join((self.command, self.path) + info.names).encode()).hexdigest()
-        action, delay_s = owner._decide(info, signature)
+        action, rule = owner._decide(info, signature, len(body) + self._body_left)
+        if action == "cut":  # the client got part of the body onto the wire, then the connection dropped
+            self._read_rest((rule.cut_after_bytes or 0) - len(body))
+            self._reset()
+            return
+        body += self._read_rest()
         if action == "503":
             self._error(503, "injected 503 Service Unavailable")
             return
@@ -455,7 +484,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._reset()
             return
         if action == "delay":
-            time.sleep(min(delay_s, 30.0))
+            time.sleep(min(rule.delay_s, 30.0))
 
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers["Content-Length"] = str(len(body))
