@@ -185,12 +185,13 @@ class GcsLeases:
         blob = self._bucket.get_blob(self._blob(key).name)
         if blob is None:
             return None
+        generation, created = blob.generation, blob.time_created  # (a download may reset the blob's properties)
         try:
-            text = blob.download_as_text(if_generation_match=blob.generation)
+            text = blob.download_as_text(if_generation_match=generation)
         except (exceptions.NotFound, exceptions.PreconditionFailed):
             return None  # removed or replaced meanwhile: look again
-        created = blob.time_created.timestamp() if blob.time_created else time.time()
-        return Lease(Holder.from_json(text), max(0.0, time.time() - created), blob.generation)
+        age = time.time() - created.timestamp() if created else 0.0
+        return Lease(Holder.from_json(text), max(0.0, age), generation)
 
     def remove(self, key: str, tag) -> bool:
         from google.api_core import exceptions
@@ -279,15 +280,22 @@ def program_key(lowered, devices) -> str:
                      device_kind=first.device_kind, device_count=len(devices))
 
 
+def cache_dir() -> str | None:
+    """JAX's persistent compilation cache folder (model.engine.enable_compilation_cache, or JAX's environment
+    variables), or None when the cache is off."""
+    import jax
+
+    path = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+    return str(path) if path else None
+
+
 def compile_lowered(lowered, devices, **kwargs):
     """`lowered.compile()`, under a lease beside the persistent compilation cache when one is on (`devices`: those
     the program runs on)."""
-    import jax
-
-    cache_dir = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
-    if not cache_dir:
+    folder = cache_dir()
+    if not folder:
         return lowered.compile()  # no shared cache: a waiting worker would find nothing, so nothing to wait for
     from .compile_events import note_lease_wait
 
-    return compile_with_lease(lowered.compile, program_key(lowered, devices), leases_for(str(cache_dir)),
+    return compile_with_lease(lowered.compile, program_key(lowered, devices), leases_for(folder),
                               on_wait=note_lease_wait, **kwargs)
