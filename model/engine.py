@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .compile_lease import compile_lowered
 from .cpu_images import ImageThreads, compiler_options_for, concurrent_images_for, image_by_image, per_image_for
 from .lab import LabSwitches
 from .layers import precision_scope
@@ -302,7 +303,10 @@ class CompiledPrograms:
         start = time.perf_counter()
         lowered = self.lower(b, in_channels, joint_dim, head_dim, fused=self.lab.fused)
         with ThreadPoolExecutor(3) as pool:
-            encode_c, denoise_c, decode_c = pool.map(lambda low: low.compile(), lowered)
+            # Under a compile lease: of the workers sharing the compilation cache only the first compiles a program,
+            # the others wait and then load it from the cache (model/compile_lease.py).
+            devices = list(self.mesh.devices.flat)
+            encode_c, denoise_c, decode_c = pool.map(lambda low: compile_lowered(low, devices), lowered)
         self.compile_count += 3
         # The compilers free most of the host memory they took, but glibc keeps it: 2.5 GB on a v5e chip for
         # klein-4B at 1024x1024 (RSS 18.0 -> 15.5 GB once returned, measured).

@@ -221,12 +221,13 @@ def flush_model_load_metrics() -> None:
         Metrics.counter(METRICS_NAMESPACE, f"model_loads_in_process_{os.getpid()}").inc(n)
 
 
-_reported_compiles = {"compiles": 0, "cache_hits": 0}
+_reported_compiles = {"compiles": 0, "cache_hits": 0, "lease_waits": 0}
 
 
 def flush_compile_metrics() -> None:
     """Report this process's XLA compilations and persistent-cache hits since the last report (`xla_compiles`,
-    `xla_cache_hits`): a job whose programs all come from the compilation cache shows no compiles."""
+    `xla_cache_hits`): a job whose programs all come from the compilation cache shows no compiles. `xla_lease_waits`:
+    the programs it waited for another worker to compile (model/compile_lease.py)."""
     from model.compile_events import counts
 
     now = counts()

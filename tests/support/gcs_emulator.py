@@ -10,6 +10,9 @@ batch requests (copy_batch/delete_batch), which it supports.
 - Beam's credential cache is seeded ("no credentials") in this process, and through a `sitecustomize.py` put on
   `PYTHONPATH` in every Python subprocess (multi-process DirectRunner workers, `python -m pipeline.run`), which
   otherwise each spend ~20 s in Beam's credential retry loop before connecting anonymously.
+
+The emulator ignores generation preconditions; `start_emulator()` adds `ifGenerationMatch` to object uploads and
+deletes (412 when it does not hold, checked and applied atomically) as GCS has it, which compile leases rely on.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import os
 import socket
 import tempfile
+import threading
 import uuid
 
 _SITECUSTOMIZE = '''\
@@ -148,6 +152,60 @@ def split(uri: str) -> tuple[str, str]:
     return bucket, name
 
 
+_preconditions = threading.Lock()
+
+
+def _with_generation_match(handler, name_of):
+    """`handler` that first checks the request's `ifGenerationMatch` against the object's generation (0: absent)."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator.exceptions import NotFound
+
+    def checked(request, response, storage, *args, **kwargs):
+        wanted = request.query.get("ifGenerationMatch")
+        if not wanted:
+            return handler(request, response, storage, *args, **kwargs)
+        with _preconditions:
+            bucket = request.params["bucket_name"]
+            try:
+                generation = str(storage.get_file_obj(bucket, name_of(request)).get("generation") or "0")
+            except NotFound:
+                generation = "0"
+            if generation != str(wanted[0]):
+                response.status = HTTPStatus.PRECONDITION_FAILED
+                response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you "
+                                                                  "specified did not hold."}})
+                return None
+            return handler(request, response, storage, *args, **kwargs)
+
+    return checked
+
+
+def _add_generation_preconditions() -> None:
+    """Make the emulator's object insert and delete honour `ifGenerationMatch` (once per process)."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.handlers import objects
+
+    if getattr(objects, "_generation_match", False):
+        return
+
+    def upload_name(request):
+        if "name" in request.query:
+            return request.query["name"][0]
+        return (request.data.get("meta") or {}).get("name") if isinstance(request.data, dict) else None
+
+    insert = _with_generation_match(objects.insert, upload_name)
+    delete = _with_generation_match(objects.delete, lambda request: request.params["object_id"])
+    for _, handlers in server.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler is objects.insert:
+                handlers[method] = insert
+            elif handler is objects.delete:
+                handlers[method] = delete
+    objects.insert = insert  # the router's fallback for uploads posted without the /upload prefix
+    objects._generation_match = True
+
+
 def start_emulator() -> GcsEmulator:
     """Start an in-memory emulator and point this process (and its future subprocesses) at it; `stop()` or a
     `with` block ends it and restores the environment."""
@@ -157,6 +215,7 @@ def start_emulator() -> GcsEmulator:
 
     # Its per-request warnings ("Content handled as string") would flood the logs of any failing test.
     logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)
+    _add_generation_preconditions()
     port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True)
     # Its serving thread is not a daemon: a process that ends without stop() (an exception, a script that forgot)
