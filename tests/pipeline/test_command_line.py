@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipeline import options as job_options
+from pipeline import option_specs
 from pipeline.errors import OptionValueError, UnknownOptionError, UsageError
 from pipeline.options import GROUPS, OPTIONS, options_by_group
 from pipeline.run import main
@@ -66,7 +66,7 @@ def test_option_declarations():
     """Each option is declared once, in a group, with a one-line description (what --help, the README and
     metadata.json show) and a default --help can show."""
     names = [o.name for o in OPTIONS]
-    assert len(names) == len(set(names)) and job_options.OPTION_NAMES == tuple(names)
+    assert len(names) == len(set(names)) and option_specs.OPTION_NAMES == tuple(names)
     for option in OPTIONS:
         assert option.group in dict(GROUPS), option.name
         assert "\n" not in option.help and len(option.help) <= 120 and option.help.endswith("."), option.name
@@ -76,8 +76,8 @@ def test_option_declarations():
 
 
 def test_an_option_in_an_undeclared_group_is_an_error(monkeypatch):
-    stray = job_options.Option("stray", "no_such_group", "A stray option.")
-    monkeypatch.setattr(job_options, "OPTIONS", OPTIONS + (stray,))
+    stray = option_specs.Option("stray", "no_such_group", "A stray option.")
+    monkeypatch.setattr(option_specs, "OPTIONS", OPTIONS + (stray,))
     with pytest.raises(ValueError, match="--stray has group 'no_such_group'"):
         options_by_group()
 
