@@ -1,8 +1,9 @@
-"""The job's pipeline options, declared once in `OPTIONS`: how each parses, its group and its one-line description.
+"""The job's pipeline options as Beam's `Flux2KleinOptions`, built from the option table `OPTIONS`.
 
-`--help` (pipeline/usage.py), the README's option table and the Flex Template's metadata.json help texts all show
-the description declared here (tests check the last two), so they cannot drift apart. To add an option, add one
-`Option(...)` to `OPTIONS` under its group; the job reads it as `options.view_as(Flux2KleinOptions).<name>`.
+The table (how each option parses, its group, its one-line description) lives in pipeline/option_specs.py, which
+does not import Beam so that the command line can check its arguments before importing it; it is re-exported here.
+To add an option, add one `Option(...)` to `OPTIONS` there; the job reads it as
+`options.view_as(Flux2KleinOptions).<name>`.
 
 Standard Beam options (`--runner`, `--direct_running_mode`, `--direct_num_workers`, Dataflow's `--project`,
 `--region`, `--temp_location`, `--sdk_container_image`, ...) are Beam's own and pass straight through; an argument
@@ -14,249 +15,24 @@ Every option takes `--name=value`, which is how Dataflow Flex Templates pass par
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import re
-from typing import Any, Callable
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from model.contract import (
-    DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
-    DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
+# The option table and its constants, re-exported: callers import them from here.
+from .option_specs import (  # noqa: F401
+    ACCELERATORS, DEFAULT_BATCH_SIZE, DEFAULT_MAX_IMAGES, DEFAULT_OUTPUT, DTYPES, GROUPS, INPUT_FORMATS, OPTION_NAMES,
+    OPTIONS, Option, options_by_group, str2bool,
 )
-from model.options import DTYPE_NAMES as DTYPES
-from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
-from transforms.preview import DEFAULT_PREVIEW
-from transforms.requests import DEFAULT_MAX_METADATA_BYTES, FORMATS
-from transforms.retries import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S
-from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
+# Defaults the option table takes from the model and the transforms, re-exported as before.
+from .option_specs import (  # noqa: F401
+    DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_MAX_SEQUENCE_LENGTH,
+    DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_PREVIEW, DEFAULT_QUALITY, DEFAULT_SAMPLES_PER_SHARD, DEFAULT_SIZE, DEMO_DTYPE,
+    DEMO_SIZE, FORMATS, IMAGE_FORMATS, OUTPUT_FORMATS,
+)
 
-from .demo import DEMO_DTYPE, DEMO_SIZE
-
-DEFAULT_OUTPUT = "./output"
-DEFAULT_BATCH_SIZE = 4
-INPUT_FORMATS = ("auto",) + FORMATS
-DEFAULT_MAX_IMAGES = 10_000_000
-ACCELERATORS = ("tpu", "gpu")  # JAX platform names that --require_accelerator accepts
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
-
-
-def str2bool(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "y", "on"):
-        return True
-    if text in ("0", "false", "no", "n", "off", ""):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-
-
-# The groups of --help and of the README's option table, in their order: (key, title).
-GROUPS = (
-    ("input", "Input"),
-    ("output", "Output"),
-    ("model", "Model"),
-    ("generation", "Generation"),
-    ("limits", "Performance and limits"),
-    ("reliability", "Reliability"),
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One option of the job: how it parses, where --help lists it, and the one-line description that --help, the
-    README and metadata.json show."""
-
-    name: str  # without the leading --
-    group: str  # a key of GROUPS
-    help: str  # one line: what the option does (no default: `default` / `shown_default` say it)
-    default: Any = None
-    type: Callable[[str], Any] | None = None  # argparse type; None: the text as given
-    choices: tuple[str, ...] | None = None
-    metavar: str = "VALUE"  # the value's placeholder in --help
-    shown_default: str | None = None  # the default as --help shows it, when `default` alone would mislead
-    switch: bool = False  # true/false; bare `--name` means true
-    repeat: bool = False  # may be given more than once; the values are collected in a list
-
-    @property
-    def flag(self) -> str:
-        return f"--{self.name}"
-
-    @property
-    def default_text(self) -> str:
-        """The default as --help and the README show it."""
-        if self.shown_default is not None:
-            return self.shown_default
-        if self.default is None:
-            return "none"
-        if isinstance(self.default, bool):
-            return str(self.default).lower()
-        return str(self.default)
-
-    def add_to(self, parser) -> None:
-        """Declare the option on an argparse parser or argument group."""
-        if self.switch:
-            parser.add_argument(self.flag, nargs="?", const=True, default=bool(self.default), type=str2bool,
-                                metavar="true|false", help=self.help)
-            return
-        kwargs: dict[str, Any] = {"default": self.default, "help": self.help}
-        if self.repeat:
-            kwargs["action"] = "append"
-        if self.type is not None:
-            kwargs["type"] = self.type
-        if self.choices is not None:
-            kwargs["choices"] = self.choices
-        parser.add_argument(self.flag, metavar=self.metavar if self.choices is None else None, **kwargs)
-
-
-OPTIONS = (
-    # --- input
-    Option("input", "input", "Prompt files or globs (gs:// or local; JSONL, CSV, TSV, Parquet or text) or "
-                             "bq:// tables; repeat the flag or use commas.",
-           repeat=True, metavar="FILES", shown_default="the demo's prompts"),
-    Option("input_format", "input", "Format of the input files; auto picks it by extension (.jsonl, .csv, .tsv, "
-                                    ".parquet, ...; else text).", default="auto", choices=INPUT_FORMATS),
-    Option("prompt_column", "input", "Column (or JSON key) holding the prompt; matched exactly, else ignoring case.",
-           default="prompt", metavar="NAME"),
-    Option("id_column", "input", "Column (or JSON key) holding the record's id.", default="id", metavar="NAME"),
-    Option("column_map", "input", "Columns named otherwise, as old=new pairs (new: a generation field such as "
-                                  "guidance_scale).", metavar="OLD=NEW,..."),
-    Option("max_metadata_bytes", "input", "Largest size of a record's extra columns (manifest 'metadata') as JSON; "
-                                          "a larger record is an error row.", type=int,
-           default=DEFAULT_MAX_METADATA_BYTES, metavar="BYTES"),
-    Option("input_query", "input", "BigQuery standard-SQL query whose rows are prompt records (needs a gs:// "
-                                   "--temp_location).", metavar="SQL"),
-    Option("bigquery_temp_dataset", "input", "BigQuery dataset (project.dataset) for --input_query's result.",
-           metavar="DATASET", shown_default="a temporary one Beam creates"),
-    # --- output
-    Option("output", "output", "Output folder or gs:// prefix: images/, manifest/, errors/ and summary.json; "
-                               "gs:// on Dataflow.", metavar="FOLDER",
-           shown_default=f"{DEFAULT_OUTPUT} on local runners"),
-    Option("image_format", "output", "Format of the stored images (.png, .webp or .jpg); prompt and parameters go "
-                                     "in PNG text or WebP/JPEG EXIF.", default="png",
-           choices=IMAGE_FORMATS),
-    Option("output_format", "output", "Layout of the outputs: files (one object per image, metadata.jsonl for "
-                                      "datasets) or webdataset (tar shards).", default="files",
-           choices=OUTPUT_FORMATS),
-    Option("samples_per_shard", "output", "Images per WebDataset shard (--output_format webdataset).", type=int,
-           default=DEFAULT_SAMPLES_PER_SHARD, metavar="N"),
-    Option("preview", "output", "Images in the preview gallery (preview/index.html and a contact sheet), the first "
-                                "by id; 0: none.", type=int, default=DEFAULT_PREVIEW, metavar="N"),
-    Option("png_compress_level", "output", "zlib level of PNG images, 0 (fastest, largest) to 9; 1 encodes faster "
-                                           "than 6 for files about 9% larger.", type=int,
-           default=DEFAULT_PNG_COMPRESS_LEVEL, metavar="0-9"),
-    Option("quality", "output", "Quality of WebP and JPEG images, 1 to 100.", type=int, default=DEFAULT_QUALITY,
-           metavar="1-100"),
-    Option("skip_existing", "output", "Skip images already written under the output: resume a job.", switch=True,
-           default=False),
-    Option("overwrite", "output", "Generate every image again into an output that holds a previous run's results, "
-                                  "replacing them.", switch=True, default=False),
-    Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
-           default=False),
-    Option("allow_empty", "output", "Exit 0 even when the run generates no image (no record, or every request "
-                                    "invalid or failed).", switch=True, default=False),
-    # --- model
-    Option("model", "model", "FLUX.2 [klein] checkpoint in diffusers layout: a local folder, a gs:// prefix or a "
-                             "Hugging Face Hub id owner/name[@rev].",
-           metavar="CHECKPOINT",
-           shown_default="the demo's tiny random-weight checkpoint"),
-    Option("demo_checkpoint", "model", "Run --input on the bundled tiny random-weight demo checkpoint (noise "
-                                       "images): try an input without a real model.",
-           switch=True, default=False),
-    Option("model_variant", "model", "Weight-file variant of the checkpoint, as diffusers' variant= (fp16 for "
-                                     "*.fp16.safetensors).", metavar="VARIANT",
-           shown_default="the files without a variant"),
-    Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
-           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo checkpoint"),
-    Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
-                                           "flagged in the manifest.", type=int, metavar="TOKENS",
-           shown_default=str(DEFAULT_MAX_SEQUENCE_LENGTH)),
-    Option("model_cache", "model", "gs:// prefix to which a Dataflow launch copies a Hugging Face Hub --model "
-                                   "for its workers, once per commit.", metavar="GS_PREFIX",
-           shown_default="--temp_location"),
-    Option("checkpoint_cache_dir", "model", "Local folder for the copy of a gs:// checkpoint.", metavar="FOLDER",
-           shown_default="checkpoints/ in $FLUX2_KLEIN_CACHE or ~/.cache/flux2-klein-beam"),
-    # --- generation
-    Option("height", "generation", "Image height in pixels for records that give none; a multiple of 16 (the "
-                                   "checkpoint's size multiple).", type=int, metavar="PIXELS",
-           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo checkpoint"),
-    Option("width", "generation", "Image width in pixels for records that give none; a multiple of 16 (the "
-                                  "checkpoint's size multiple).", type=int, metavar="PIXELS",
-           shown_default=f"{DEFAULT_SIZE}; {DEMO_SIZE} for the demo checkpoint"),
-    Option("num_inference_steps", "generation", "Denoising steps for records that give none.", type=int,
-           metavar="STEPS", shown_default="the checkpoint's: 4 distilled, 50 base"),
-    Option("guidance_scale", "generation", "Guidance scale for records that give none; ignored by the "
-                                           "guidance-distilled models.", type=float, metavar="SCALE",
-           shown_default="the checkpoint's"),
-    Option("num_images", "generation", "Images per prompt for records that give none; image j uses seed + j.",
-           type=int, default=1, metavar="N"),
-    Option("seed", "generation", "Base seed: a record without a seed gets one derived from this and its id.",
-           type=int, default=0, metavar="SEED"),
-    # --- performance and limits
-    Option("batch_size", "limits", "Images per generate call (the compiled batch); a short batch is padded.",
-           type=int, default=DEFAULT_BATCH_SIZE, metavar="N"),
-    Option("model_shards", "limits", "Chips that share one copy of the weights (tensor parallel); the copies on a "
-                                     "host split the batch.", type=int, default=1,
-           metavar="N"),
-    Option("large_model", "limits", "Load one model per machine, shared by its worker processes (Beam "
-                                    "RunInference large_model).", switch=True, default=False),
-    Option("model_copies", "limits", "Exact number of model copies per machine, shared by its worker processes "
-                                     "(Beam RunInference model_copies).", type=int, metavar="N",
-           shown_default="one per worker process"),
-    Option("encode_threads", "limits", "Threads per worker process that encode and upload images while the "
-                                       "device generates the next batch.", type=int, metavar="N",
-           shown_default="the worker's cores"),
-    Option("compilation_cache_dir", "limits", "XLA compilation cache (folder or gs://) shared by the job's workers; "
-                                              "'off' turns it off.", metavar="FOLDER",
-           shown_default="{temp_location}/flux2-klein-xla-cache on Dataflow, the project's cache folder locally"),
-    Option("max_pixels", "limits", "Largest height x width a record may ask for.", type=int,
-           default=DEFAULT_MAX_PIXELS, metavar="PIXELS", shown_default=f"{DEFAULT_MAX_PIXELS} = 2048 x 2048"),
-    Option("max_prompt_bytes", "limits", "Largest prompt in UTF-8 bytes; a longer one is an error row naming its "
-                                         "size and the limit.", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
-           metavar="BYTES", shown_default=f"{DEFAULT_MAX_PROMPT_BYTES} = 64 KiB"),
-    Option("max_reference_images", "limits", "Most reference images one record may list (reference_images); a "
-                                             "record with more is an error row.", type=int,
-           default=DEFAULT_MAX_REFERENCE_IMAGES, metavar="N"),
-    Option("max_reference_pixels", "limits", "Largest reference image, width x height as stored; a larger one is "
-                                             "an error row, refused before decoding.", type=int,
-           default=DEFAULT_MAX_REFERENCE_PIXELS, metavar="PIXELS",
-           shown_default=f"{DEFAULT_MAX_REFERENCE_PIXELS} = 4096 x 4096"),
-    Option("reference_root", "limits", "Folders or gs:// prefixes reference images may be read from; others are "
-                                       "error rows. Repeat the flag or use commas.", repeat=True,
-           metavar="FOLDERS", shown_default="the folders of the --input files; none for BigQuery input"),
-    Option("max_images", "limits", "Most images one job may generate; a job that would generate more fails "
-                                   "before generating any.", type=int, default=DEFAULT_MAX_IMAGES, metavar="N"),
-    # --- reliability
-    Option("inference_retries", "reliability", "Times a failed batch is run again before its images become "
-                                               "error rows (never for out-of-memory or bad input).", type=int,
-           default=DEFAULT_INFERENCE_RETRIES, metavar="N"),
-    Option("inference_timeout_s", "reliability", "Seconds one batch's generate call may take (first batch of a shape "
-                                                 "compiles within it); then error rows. 0: no limit.", type=int,
-           default=DEFAULT_INFERENCE_TIMEOUT_S, metavar="SECONDS"),
-    Option("require_accelerator", "reliability", "Stop at model load when JAX on a worker finds another platform "
-                                                 "(CPU: no libtpu or NVIDIA driver).",
-           choices=ACCELERATORS, shown_default="none: any platform"),
-    Option("skip_preflight", "reliability", "Submit a TPU job without first compiling it for the workers' chips to "
-                                            "check that it fits.", switch=True, default=False),
-    Option("worker_env", "reliability", "Environment variables set on each worker before the model loads, as "
-                                        "NAME=value pairs separated by ';'.", metavar="NAME=value;..."),
-)
-
-# Names of the options above, in --help order (for tooling such as the Flex Template metadata).
-OPTION_NAMES = tuple(option.name for option in OPTIONS)
-
-
-def options_by_group() -> list[tuple[str, list[Option]]]:
-    """(title, options) for each group of GROUPS that has options, in order; ValueError naming an option whose
-    group is not in GROUPS (it would otherwise be missing from --help)."""
-    titles = dict(GROUPS)
-    for option in OPTIONS:
-        if option.group not in titles:
-            raise ValueError(f"option --{option.name} has group {option.group!r}, which is not one of {list(titles)}")
-    grouped = [(title, [o for o in OPTIONS if o.group == key]) for key, title in GROUPS]
-    return [(title, options) for title, options in grouped if options]
 
 
 class Flux2KleinOptions(PipelineOptions):

@@ -6,7 +6,12 @@ arguments against every option of the job and of every registered Beam `Pipeline
 worker, direct-runner options) and raises a UsageError, before any input is read or any model loaded, for an
 argument that is none of them (naming the closest known option) or a value that does not parse.
 
+Importing Beam takes seconds, so this module imports it only where it needs Beam's classes: `--help` and the
+quick check (`check_arguments_quickly`: the job's option table and a snapshot of Beam's flags, pipeline/beam_flags.py)
+answer a typo or a bad value without it.
+
     python -m pipeline.usage --markdown     # the option table of README.md (tests check that the README has it)
+    python -m pipeline.usage --beam_flags > pipeline/beam_flags.py   # the snapshot, after a Beam upgrade
 """
 
 from __future__ import annotations
@@ -19,12 +24,8 @@ import shutil
 import sys
 import textwrap
 
-from apache_beam.options.pipeline_options import PipelineOptions
-# Beam's parser class: its option classes declare some options with `add_value_provider_argument`, which only it has.
-from apache_beam.options.pipeline_options import _BeamArgumentParser
-
 from .errors import OptionValueError, UnknownOptionError, UsageError
-from .options import Flux2KleinOptions, Option, options_by_group
+from .option_specs import Option, options_by_group
 
 PROG = "python -m pipeline.run"
 HELP_FLAGS = ("-h", "--help")
@@ -45,16 +46,34 @@ DESCRIPTION = (
 )
 
 
-class _CheckingParser(_BeamArgumentParser):
-    """Beam's argument parser, raising the job's UsageError instead of printing argparse's usage and exiting."""
+class _CheckingParser(argparse.ArgumentParser):
+    """An argument parser like Beam's, raising the job's UsageError instead of printing argparse's usage and
+    exiting."""
 
     def error(self, message):
         raise UsageError(message)
 
+    def add_value_provider_argument(self, *args, **kwargs):
+        """Beam's option classes declare some options with this, which only Beam's parser class has."""
+        from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+        _BeamArgumentParser.add_value_provider_argument(self, *args, **kwargs)
+
+
+def _new_parser() -> _CheckingParser:
+    # Like Beam's own parsing: no abbreviations (--num_inference_step is not --num_inference_steps), and a later
+    # declaration of an option name replaces an earlier one instead of failing.
+    return _CheckingParser(prog=PROG, add_help=False, allow_abbrev=False, conflict_handler="resolve",
+                           exit_on_error=False)
+
 
 def option_classes() -> list[type]:
     """The job's options class and every registered Beam `PipelineOptions` class that declares options (subclasses
-    of subclasses included), each once."""
+    of subclasses included), each once. Imports Beam."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from .options import Flux2KleinOptions  # noqa: F401 - registers the job's class
+
     found: dict[str, type] = {}
     pending = list(PipelineOptions.__subclasses__())
     while pending:
@@ -67,10 +86,7 @@ def option_classes() -> list[type]:
 
 def known_options_parser() -> _CheckingParser:
     """A parser that knows every option of the job and of Beam (the arguments `PipelineOptions` would use)."""
-    # Like Beam's own parsing: no abbreviations (--num_inference_step is not --num_inference_steps), and a later
-    # declaration of an option name replaces an earlier one instead of failing.
-    parser = _CheckingParser(prog=PROG, add_help=False, allow_abbrev=False, conflict_handler="resolve",
-                             exit_on_error=False)
+    parser = _new_parser()
     for cls in option_classes():
         cls._add_argparse_args(parser)  # noqa: SLF001 - Beam's declared extension point for option classes
     return parser
@@ -80,7 +96,94 @@ def check_arguments(argv: list[str]) -> None:
     """UsageError (exit status 2 from the command line) unless every argument is a known option with a value that
     parses: UnknownOptionError names each unknown argument and the closest known option, OptionValueError the
     option, its value and what it accepts."""
-    parser = known_options_parser()
+    _check(known_options_parser(), argv)
+
+
+def check_arguments_quickly(argv: list[str]) -> None:
+    """`check_arguments` without importing Beam: Beam's options come from the snapshot pipeline/beam_flags.py. Raises
+    only the UsageError `check_arguments` would raise; when the arguments use a Beam option whose values the snapshot
+    cannot check, an error is left to `check_arguments` (that option's value might be the first error)."""
+    parser, unchecked = quick_parser()
+    try:
+        _check(parser, argv)
+    except UsageError:
+        if any(arg.split("=", 1)[0] in unchecked for arg in argv):
+            return
+        raise
+
+
+def quick_parser() -> tuple[_CheckingParser, set[str]]:
+    """A parser like `known_options_parser`'s, from the job's option table and Beam's flags as snapshot in
+    pipeline/beam_flags.py (Beam's parsers in the order Beam registers them, then the job's), and the flags whose
+    values it cannot check as Beam does (a type or action of Beam's own): it accepts any value for those."""
+    from .beam_flags import FLAGS
+
+    parser, unchecked = _new_parser(), set()
+    for flags, nargs, type_name, choices in FLAGS:
+        kwargs = {"action": "store_true"} if nargs == 0 else {"nargs": nargs}
+        if type_name in _QUICK_TYPES:
+            kwargs["type"] = _QUICK_TYPES[type_name]
+        elif type_name is not None:
+            unchecked.update(flags)
+        if choices is not None:
+            kwargs["choices"] = choices
+        parser.add_argument(*flags, **kwargs)
+    for _, options in options_by_group():
+        for option in options:
+            option.add_to(parser)
+    return parser, unchecked
+
+
+# Value types of Beam's flags that the quick parser checks as Beam does (argparse names them in its messages).
+_QUICK_TYPES = {"int": int, "float": float, "str": str}
+
+
+def beam_flag_specs() -> list[tuple[tuple[str, ...], object, str | None, tuple[str, ...] | None]]:
+    """Beam's flags as the quick parser declares them, read from Beam's registered option classes (imports Beam):
+    (option strings, argparse's nargs (0: takes no value), type, choices) per argument, in Beam's order; type 'other'
+    where Beam's check of the value is its own (a type function or action class of Beam's), None where any text is
+    accepted."""
+    from .options import Flux2KleinOptions
+
+    parser = _new_parser()
+    for cls in option_classes():
+        if cls is not Flux2KleinOptions:
+            cls._add_argparse_args(parser)  # noqa: SLF001
+    specs = []
+    for action in parser._actions:  # noqa: SLF001
+        type_name = None if action.type is None else getattr(action.type, "__name__", "other")
+        if type_name not in (None, *_QUICK_TYPES) or type(action).__module__ != "argparse":
+            type_name = "other"
+        choices = tuple(action.choices) if action.choices is not None else None
+        specs.append((tuple(action.option_strings), action.nargs, type_name, choices))
+    return specs
+
+
+def beam_flags_module() -> str:
+    """The text of pipeline/beam_flags.py for the installed Beam (`python -m pipeline.usage --beam_flags`)."""
+    import apache_beam
+
+    entries = "".join(f"    {spec!r},\n" for spec in beam_flag_specs())
+    return _BEAM_FLAGS_MODULE.format(version=apache_beam.__version__, entries=entries)
+
+
+_BEAM_FLAGS_MODULE = '''"""Beam's own flags, from apache-beam {version}: what `check_arguments_quickly` (pipeline/usage.py) accepts
+besides the job's options, so that a typo is answered without importing Beam. Generated; after a Beam upgrade run
+
+    python -m pipeline.usage --beam_flags > pipeline/beam_flags.py
+
+(tests/pipeline/test_command_line.py fails while it is stale). Each entry: (option strings, argparse's nargs (0: no
+value), value type, choices); type 'other' is a check of Beam's own that the quick check does not repeat.
+"""
+
+BEAM_VERSION = "{version}"
+
+FLAGS = (
+{entries})
+'''
+
+
+def _check(parser: _CheckingParser, argv: list[str]) -> None:
     try:
         _, unknown = parser.parse_known_args(list(argv))
     except argparse.ArgumentError as e:
@@ -94,13 +197,15 @@ def check_arguments(argv: list[str]) -> None:
 def exit_on_usage_error(argv: list[str]) -> None:
     """The command line's first step, before the job's heavy imports (Beam's ML modules, JAX, the transforms): print
     --help and exit 0, or print the one-line error of an argument that is no option or a value that does not parse
-    and exit 2, so a typo is answered in the time Beam's option classes take to load. Anything else returns."""
+    and exit 2. A typo or a value that does not parse is answered without importing Beam (`check_arguments_quickly`);
+    arguments it passes are checked against Beam's own option classes too. Anything else returns."""
     if any(arg in HELP_FLAGS for arg in argv):
         print(format_help(), end="")
         sys.exit(0)
     if BEAM_HELP_FLAG in argv:
         return  # Beam's own option classes: every one is registered only once the job's modules are imported
     try:
+        check_arguments_quickly(argv)
         check_arguments(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -212,6 +317,10 @@ EXIT_STATUSES = (
 
 def format_beam_help() -> str:
     """What `python -m pipeline.run --help_beam` prints: every registered Beam option class's options and help."""
+    from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+    from .options import Flux2KleinOptions
+
     formatter = argparse.HelpFormatter(PROG, width=_help_width())
     formatter.add_text(f"Beam's options, which {PROG} passes to Beam ('{PROG} --help' lists the job's own):")
     for cls in option_classes():
@@ -244,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["--markdown"]:
         print(markdown_table(), end="")
         return 0
-    print(f"usage: python -m pipeline.usage --markdown   (the job's own help: {PROG} --help)", file=sys.stderr)
+    if args == ["--beam_flags"]:
+        print(beam_flags_module(), end="")
+        return 0
+    print(f"usage: python -m pipeline.usage --markdown | --beam_flags   (the job's own help: {PROG} --help)",
+          file=sys.stderr)
     return 2
 
 

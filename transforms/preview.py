@@ -24,12 +24,12 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from . import layout, retries
+from .defaults import DEFAULT_PREVIEW  # noqa: F401  (re-exported: --preview's default)
 
 LOGGER = logging.getLogger(__name__)
 PREVIEW_DIR = "preview"
 INDEX_FILE = "index.html"
 CONTACT_SHEET = "contact_sheet.jpg"
-DEFAULT_PREVIEW = 64
 MAX_PREVIEW = 1000  # the page inlines every thumbnail: keep it a page, not a dataset
 THUMB_SIZE = 160
 SHEET_COLUMNS = 8

@@ -34,6 +34,7 @@ from model.errors import RequestError
 
 from . import input_files, layout, references, retries
 from .columns import FIELDS, ColumnError, ColumnMap, ColumnResolver, Resolved  # noqa: F401  (FIELDS re-exported)
+from .defaults import DEFAULT_MAX_METADATA_BYTES
 from .delimited import DEFAULT_FIELD_LIMIT as _CSV_DEFAULT_FIELD_LIMIT
 from .delimited import field_limit_for as csv_field_limit_for
 from .delimited import iter_delimited
@@ -53,9 +54,6 @@ MAX_JSON_DEPTH = 64
 # Every integer field is far below 2**64 (20 digits); longer digit strings are rejected without converting them
 # (int() of more than 4300 digits raises).
 _MAX_INT_DIGITS = 40
-
-# Extra columns of one record, as compact JSON (they are copied into every manifest row of its images).
-DEFAULT_MAX_METADATA_BYTES = 16 * 1024
 
 
 # --------------------------------------------------------------------------------------------- typed requests

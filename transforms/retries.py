@@ -14,13 +14,8 @@ import threading
 
 from apache_beam.metrics import Metrics
 
+from .defaults import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S  # noqa: F401  (re-exported)
 from .metrics import NAMESPACE as METRICS_NAMESPACE
-
-DEFAULT_INFERENCE_RETRIES = 2  # extra attempts for a failed inference batch (--inference_retries; transforms.inference)
-# Seconds one generate call may take (--inference_timeout_s; transforms.inference): generous, since the first batch of
-# each shape compiles within it (minutes for klein-4B on a TPU chip) and a 50-step base-model batch at 2048x2048 takes
-# minutes too.
-DEFAULT_INFERENCE_TIMEOUT_S = 1800
 
 GCS_RETRIES = "gcs_retries"
 _RETRY_MESSAGE = "Retrying due to"

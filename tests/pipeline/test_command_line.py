@@ -9,11 +9,14 @@ import sys
 
 import pytest
 
-from pipeline import options as job_options
+from pipeline import option_specs
 from pipeline.errors import OptionValueError, UnknownOptionError, UsageError
 from pipeline.options import GROUPS, OPTIONS, options_by_group
 from pipeline.run import main
-from pipeline.usage import COMMON_BEAM_OPTIONS, check_arguments, format_help, known_options_parser, markdown_table
+from pipeline.usage import (
+    COMMON_BEAM_OPTIONS, check_arguments, check_arguments_quickly, format_help, known_options_parser, markdown_table,
+    quick_parser,
+)
 
 from paths import REPO  # noqa: E402
 
@@ -66,7 +69,7 @@ def test_option_declarations():
     """Each option is declared once, in a group, with a one-line description (what --help, the README and
     metadata.json show) and a default --help can show."""
     names = [o.name for o in OPTIONS]
-    assert len(names) == len(set(names)) and job_options.OPTION_NAMES == tuple(names)
+    assert len(names) == len(set(names)) and option_specs.OPTION_NAMES == tuple(names)
     for option in OPTIONS:
         assert option.group in dict(GROUPS), option.name
         assert "\n" not in option.help and len(option.help) <= 120 and option.help.endswith("."), option.name
@@ -76,8 +79,8 @@ def test_option_declarations():
 
 
 def test_an_option_in_an_undeclared_group_is_an_error(monkeypatch):
-    stray = job_options.Option("stray", "no_such_group", "A stray option.")
-    monkeypatch.setattr(job_options, "OPTIONS", OPTIONS + (stray,))
+    stray = option_specs.Option("stray", "no_such_group", "A stray option.")
+    monkeypatch.setattr(option_specs, "OPTIONS", OPTIONS + (stray,))
     with pytest.raises(ValueError, match="--stray has group 'no_such_group'"):
         options_by_group()
 
@@ -195,11 +198,15 @@ def test_demo_checkpoint_has_the_real_models_scale():
 
 
 # ------------------------------------------------------------------------------------------------ fast errors
-@pytest.mark.parametrize("args,words", [(["--heigth", "5"], "unknown option --heigth (did you mean --height?)"),
-                                        (["--height=abc"], "--height=abc: expected a whole number")])
-def test_argument_errors_come_before_jax_torch_and_beams_ml_modules(args, words):
-    """A typo or a bad value is answered before the job's heavy imports: neither JAX, torch nor Beam's ML modules
-    (RunInference) are imported when the one-line error is printed."""
+@pytest.mark.parametrize("args,words", [
+    (["--heigth", "5"], "unknown option --heigth (did you mean --height?)"),
+    (["--height=abc"], "--height=abc: expected a whole number"),
+    (["--runer=DataflowRunner"], "unknown option --runer=DataflowRunner (did you mean --runner?)"),  # Beam's
+    (["--direct_num_workers=two"], "--direct_num_workers=two: expected a whole number"),
+])
+def test_argument_errors_come_before_importing_beam_jax_and_torch(args, words):
+    """A typo or a bad value is answered before the job's heavy imports: neither Beam (seconds to import, any module
+    of it), JAX nor torch is imported when the one-line error is printed."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.run", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -208,7 +215,7 @@ def test_argument_errors_come_before_jax_torch_and_beams_ml_modules(args, words)
     said = [line for line in lines if not line.startswith("import time:")]
     assert len(said) == 1 and said[0].startswith("error: ") and words in said[0], said
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
-    heavy = sorted(m for m in imported if m.split(".")[0] in ("jax", "torch") or m.startswith("apache_beam.ml"))
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("apache_beam", "jax", "torch"))
     assert not heavy, f"imported before the argument error: {heavy[:10]}"
 
 
@@ -223,3 +230,48 @@ def test_the_early_check_knows_every_option_the_job_knows():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_beam_flags_snapshot_is_current():
+    """The quick check knows Beam's flags from pipeline/beam_flags.py; regenerated from the installed Beam's option
+    classes (in a fresh interpreter: the classes the command line sees), it must not change."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "pipeline.usage", "--beam_flags"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(os.path.join(REPO, "pipeline", "beam_flags.py")) as f:
+        assert f.read() == proc.stdout, ("pipeline/beam_flags.py does not match the installed apache-beam's options: "
+                                         "regenerate it with `python -m pipeline.usage --beam_flags > "
+                                         "pipeline/beam_flags.py`")
+
+
+def test_the_quick_check_knows_what_the_full_check_knows():
+    """Every option string of the full check (Beam's parsers and the job's) is in the quick check, taking the same
+    values: same nargs, type and choices, except for the flags whose check is Beam's own, which it lists."""
+
+    def table(parser, unchecked=frozenset()):
+        return {s: (a.nargs, None if s in unchecked else getattr(a.type, "__name__", None),
+                    None if s in unchecked else (tuple(a.choices) if a.choices is not None else None))
+                for a in parser._actions for s in a.option_strings}
+
+    quick, unchecked = quick_parser()
+    assert unchecked and "--experiments" in unchecked and "--runner" not in unchecked
+    assert table(quick, unchecked) == table(known_options_parser(), unchecked)
+
+
+@pytest.mark.parametrize("args", [
+    ["--heigth", "5"], ["--height=abc", "--heigth=5"], ["--heigth=5", "--height=abc"], ["--height"],
+    ["--skip_existing=maybe"], ["--streaming=yes"], ["--num_workers=-x"], ["--flexrs_goal=FAST"],
+    ["--runner", "--height=16"], ["stray", "--runner=x", "--seed", "1", "--sed=2"], ["--input", "a", "-x"],
+    ["--experiments=a", "--heigth=5"],  # a flag whose check is Beam's own: the full check says
+    ["--beam_services=not-json", "--heigth=5"],  # its value is the first error
+])
+def test_the_quick_check_says_what_the_full_check_says(args):
+    with pytest.raises(UsageError) as full:
+        check_arguments(args)
+    try:
+        check_arguments_quickly(args)
+    except UsageError as quick:
+        assert (type(quick), str(quick)) == (type(full.value), str(full.value))
+    else:
+        assert {a.split("=", 1)[0] for a in args} & quick_parser()[1], "the quick check missed an error"

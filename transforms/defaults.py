@@ -1,0 +1,14 @@
+"""Defaults of the transforms' settings that the job's options declare (pipeline/option_specs.py), in a Beam-free
+module: the command line checks its arguments against those options without importing Beam. The transforms that use
+each default re-export it from here."""
+
+# Images in the preview gallery (--preview; transforms.preview).
+DEFAULT_PREVIEW = 64
+# Extra columns of one record, as compact JSON (they are copied into every manifest row of its images;
+# --max_metadata_bytes; transforms.requests).
+DEFAULT_MAX_METADATA_BYTES = 16 * 1024
+DEFAULT_INFERENCE_RETRIES = 2  # extra attempts for a failed inference batch (--inference_retries; transforms.inference)
+# Seconds one generate call may take (--inference_timeout_s; transforms.inference): generous, since the first batch of
+# each shape compiles within it (minutes for klein-4B on a TPU chip) and a 50-step base-model batch at 2048x2048 takes
+# minutes too.
+DEFAULT_INFERENCE_TIMEOUT_S = 1800
