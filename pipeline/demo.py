@@ -28,10 +28,9 @@ DEMO_NOTICE = """\
     on the prompts in {input}, writing to {output}.
     Random weights give noise images: this shows the job end to end (layout, manifest, errors, metrics), not the
     model's quality. To generate real images, point --model at a real FLUX.2 [klein] checkpoint in diffusers
-    layout: a local folder or a gs:// copy of a published repository (black-forest-labs/FLUX.2-klein-4B,
-    FLUX.2-klein-9B, FLUX.2-klein-base-4B, FLUX.2-klein-base-9B), for example
-      python -m pipeline.run --model=gs://my-bucket/FLUX.2-klein-4B --input='gs://my-bucket/prompts/*.jsonl' \\
-          --output=gs://my-bucket/out
+    layout: a Hugging Face Hub id (black-forest-labs/FLUX.2-klein-4B, FLUX.2-klein-9B, FLUX.2-klein-base-4B,
+    FLUX.2-klein-base-9B; the 9B and base models are gated), a local folder or a gs:// copy, for example
+      python -m pipeline.run --model=black-forest-labs/FLUX.2-klein-4B --input=my_prompts.jsonl --output=./out
 """
 
 DEMO_CHECKPOINT_NOTICE = """\
