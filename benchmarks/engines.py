@@ -159,6 +159,7 @@ ABLATIONS = {
     "concurrent_images": ("a batch's images one after the other (lax.map)", dict(concurrent_images=1)),
     "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
     "fused_upsample": ("VAE upsamples, then a 3x3 conv at the high resolution", dict(fused_upsample=False)),
+    "tpu_rope": ("RoPE by splitting pairs on TPUs (CPU always does)", dict(tpu_rope="pairs")),
 }
 # Not rows: reference mode is the last row; the persistent cache's effect is the cold/warm compile columns;
 # batch_size is the workload; max_buckets bounds memory over many sizes (one size here); context parallelism is a

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import time
 import uuid
 from typing import Callable, NamedTuple
@@ -106,17 +107,23 @@ class LocalLeases:
         return os.path.join(self.folder, key + ".lease")
 
     def create(self, key: str, holder: Holder):
-        """The new lease's tag, or None when the lease exists."""
+        """The new lease's tag, or None when the lease exists. The holder is written to a private file first, which
+        is then hard-linked to the lease's name (fails if it exists): a reader never sees a lease without its holder."""
         os.makedirs(self.folder, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=self.folder, prefix=".new-", suffix=".lease")
         try:
-            fd = os.open(self._path(key), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return None
-        try:
-            os.write(fd, holder.to_json().encode())
-            st = os.fstat(fd)
+            try:
+                os.write(fd, holder.to_json().encode())
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            os.chmod(temp, 0o644)
+            try:
+                os.link(temp, self._path(key))
+            except FileExistsError:
+                return None
         finally:
-            os.close(fd)
+            os.unlink(temp)
         return st.st_ino, st.st_mtime_ns
 
     def read(self, key: str) -> Lease | None:

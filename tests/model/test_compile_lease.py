@@ -142,8 +142,20 @@ def test_a_holder_never_removes_a_lease_taken_over_from_it(tmp_path):
     assert leases.read("k").holder.host == "other"
 
 
+def test_cache_dir_is_jaxs_setting(tmp_path):
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    try:  # whatever an earlier test of this process set, JAX's current setting is what counts
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+        jax.config.update("jax_enable_compilation_cache", True)
+        assert cl.cache_dir() == str(tmp_path / "jax")
+        jax.config.update("jax_enable_compilation_cache", False)
+        assert cl.cache_dir() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_enable_compilation_cache", before[1])
+
+
 def test_compile_lowered_takes_a_lease_only_with_a_cache(tmp_path, monkeypatch):
-    assert cl.cache_dir() == os.environ["JAX_COMPILATION_CACHE_DIR"]  # JAX's setting (the suite's cache)
     lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((3,), jnp.float32))
     taken = []
     real_create = cl.LocalLeases.create

@@ -102,6 +102,7 @@ SWITCHES = {
     "concurrent_images": dict(concurrent_images=1),  # a batch's images one after the other (lax.map)
     "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
     "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
+    "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
 }
 

@@ -114,8 +114,24 @@ def install_handler(monkeypatch, cls=CachedHandler, **extra):
 
 def load_cached(model: str, *, dtype="float32", max_sequence_length=32, batch_size=2, compilation_cache_dir=None):
     load_kwargs = {"compilation_cache_dir": compilation_cache_dir} if compilation_cache_dir else {}
-    return CachedHandler(model, dtype=dtype, max_sequence_length=max_sequence_length, batch_size=batch_size,
-                         load_kwargs=load_kwargs).load_model()
+    loaded = CachedHandler(model, dtype=dtype, max_sequence_length=max_sequence_length, batch_size=batch_size,
+                           load_kwargs=load_kwargs).load_model()
+    _FINGERPRINTS[id(loaded)] = job_model_fingerprint(model, dtype=dtype, max_sequence_length=max_sequence_length)
+    return loaded
+
+
+_FINGERPRINTS: dict[int, str] = {}  # id(loaded generator) -> the model fingerprint a job with its settings records
+
+
+def job_model_fingerprint(model: str, *, dtype: str, max_sequence_length: int) -> str:
+    """The model fingerprint a job loading `model` with these settings stores with its images (pipeline.run)."""
+    from model.checkpoint import read_config_and_digest
+    from model.options import DEFAULT_TEXT_ENCODER_OUT_LAYERS
+    from transforms.fingerprints import model_fingerprint
+
+    _, digest = read_config_and_digest(model)
+    return model_fingerprint(digest, dtype=dtype, max_sequence_length=max_sequence_length,
+                             text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS)
 
 
 def expected_png(loaded, task) -> bytes:
@@ -123,7 +139,8 @@ def expected_png(loaded, task) -> bytes:
     out = loaded.generate_batch([r.prompt], [task.seed], r.height, r.width, r.num_inference_steps, r.guidance_scale)
     return encode_png(out["images"][0], png_text(task, num_inference_steps=out["num_inference_steps"],
                                                  guidance_scale=out["guidance_scale"], model=out["model"],
-                                                 prompt_truncated=out["truncated"][0]))
+                                                 prompt_truncated=out["truncated"][0],
+                                                 model_fingerprint=_FINGERPRINTS.get(id(loaded))))
 
 
 def fast_gcs_retries(monkeypatch, *, initial=0.02, maximum=0.3, timeout=60.0):
