@@ -66,6 +66,7 @@ def check_table_outputs(out: str, summary: dict, *, text_header: bool) -> dict:
     return by_prompt
 
 
+@pytest.mark.slow  # the same tables through multi-process workers on GCS run in CI (test_tables_on_gcs_multi_process)
 def test_tables_local_multi_process(tmp_path, ckpt32, xla_cache):
     inputs = tmp_path / "in"
     inputs.mkdir()
