@@ -85,11 +85,7 @@ def current_rss_mb() -> float:
 
         return psutil.Process().memory_info().rss / 2**20
     except ImportError:  # e.g. a bare TPU machine: the kernel's own figure
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-        return float("nan")
+        return host_memory_mb().get("rss", float("nan"))
 
 
 def device_memory() -> dict | None:

@@ -92,11 +92,10 @@ def child(args) -> dict:
 
 def _rss_gb() -> float | None:
     """This process's resident memory in GB (None off Linux)."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1e6
-    except (OSError, StopIteration):
-        return None
+    from .runs import host_memory_mb
+
+    rss_mb = host_memory_mb().get("rss")  # MiB, from the kernel's kB
+    return None if rss_mb is None else rss_mb * 1024 / 1e6
 
 
 def run_child(args, cache: str, checkpoint_cache: str) -> dict:

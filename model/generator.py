@@ -108,11 +108,15 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     rngs = lambda: nnx.Rngs(0)  # noqa: E731  (abstract init only; values come from the checkpoint)
 
     full_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=True, dtype=jdtype, rngs=rngs()))
-    run_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not lab.truncated_encoder
-                                                or lab.reference, dtype=jdtype, rngs=rngs()))
-    transformer_abs = _abstract(lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs()))
+    # The modules the programs run, as constructors: loaded here, and made again from shapes by the precompiler.
+    new_run_te = lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not lab.truncated_encoder  # noqa: E731
+                                          or lab.reference, dtype=jdtype, rngs=rngs())
+    new_transformer = lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs())  # noqa: E731
+    new_run_vae = lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs())  # noqa: E731
+    run_te = _abstract(new_run_te)
+    transformer_abs = _abstract(new_transformer)
     full_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, with_encoder=True, dtype=jdtype, rngs=rngs()))
-    run_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs()))
+    run_vae = _abstract(new_run_vae)
     lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
     bn_count = {"bn.num_batches_tracked": ()}
     components = [  # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
@@ -139,10 +143,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
         pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
         precompiling = pool.submit(
             _precompile, settings.precompile, lambda: make_generator(
-                _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not lab.truncated_encoder
-                                                   or lab.reference, dtype=jdtype, rngs=rngs())),
-                _abstract(lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs())),
-                _abstract(lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs())), abstract=True))
+                _abstract(new_run_te), _abstract(new_transformer), _abstract(new_run_vae), abstract=True))
         pool.shutdown(wait=False)  # the thread ends with its one task
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
     text_encoder, transformer, vae = (
