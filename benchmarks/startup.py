@@ -107,7 +107,9 @@ def run_child(args, cache: str, checkpoint_cache: str) -> dict:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"start-up run failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"[startup] run done: {json.dumps(result)}", file=sys.stderr, flush=True)  # kept if a later run is cut off
+    return result
 
 
 def main(argv=None) -> dict:
