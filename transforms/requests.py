@@ -306,12 +306,18 @@ def validate_id(value: Any) -> str:
     return text
 
 
+# The limits that model.contract's messages name by field (`above max_pixels=4096`) and the job sets with the option
+# of that name: its error rows name the option (`above --max_pixels=4096`).
+_OPTION_LIMITS = re.compile(r"(?<![\w-])(max_pixels|max_prompt_bytes|max_reference_images)=")
+
+
 def contract_or_invalid(check, *args):
-    """`check(*args)` (a model.contract validation), its RequestError turned into an InvalidRecord."""
+    """`check(*args)` (a model.contract validation), its RequestError turned into an InvalidRecord whose reason
+    names the job's option for a limit."""
     try:
         return check(*args)
     except RequestError as e:
-        raise InvalidRecord(str(e), field=e.field, value=e.value) from None
+        raise InvalidRecord(_OPTION_LIMITS.sub(r"--\1=", str(e)), field=e.field, value=e.value) from None
 
 
 def metadata_json(extra: Mapping[str, Any], limit: int) -> str:

@@ -33,6 +33,13 @@ def test_max_pixels_is_enforced_per_record_with_the_limit_in_the_reason():
     assert isinstance(_one({"prompt": "p", "height": 64, "width": 64}, d), GenerationRequest)  # at the limit
     row = _one({"prompt": "p", "height": 64, "width": 80}, d)
     assert isinstance(row, dict) and "--max_pixels=4096" in row["reason"] and "64x80" in row["reason"]
+    # the model's contract names the limit by field; the job's row names the option
+    from model import contract
+    from model.errors import RequestError
+
+    with pytest.raises(RequestError, match="above max_pixels=4096") as e:
+        contract.validate(prompt="p", height=64, width=80, limits=contract.Limits(max_pixels=4096))
+    assert "--" not in str(e.value)
     # the default limit: 4 megapixels
     row = _one({"prompt": "p", "height": 2048, "width": 2064}, RequestDefaults())
     assert isinstance(row, dict) and "max_pixels" in row["reason"]
