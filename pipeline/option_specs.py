@@ -24,7 +24,7 @@ from model.options import DTYPE_NAMES as DTYPES
 from transforms.defaults import (
     DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_PREVIEW,
 )
-from transforms.input_formats import FORMATS
+from transforms.inputs.formats import FORMATS
 from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
 

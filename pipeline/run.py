@@ -47,10 +47,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 
 from pipeline.compile_cache import resolve_compilation_cache
 from transforms import layout, retries
-from transforms.bigquery_input import BigQueryInput, ReadBigQueryRequests, dataset_reference, is_table_uri
-from transforms.columns import ColumnMap, parse_column_map
 from transforms.fingerprints import model_fingerprint
-from transforms.input_check import InputCheckError, check_input_files
 from transforms.inference import DEFAULT_INFERENCE_TIMEOUT_S, BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
@@ -62,10 +59,13 @@ from transforms.progress import ProgressReporter, ReportTotal
 from transforms.references import ResolveReferences, default_roots, normalise_root
 from transforms.shard_writer import WriteShardIndexes, WriteShards
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS, check_samples_per_shard
-from transforms.requests import (
-    DUPLICATE_TAG, WARNING_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests,
-    RequestDefaults, csv_field_limit_for,
-)
+from transforms.inputs.bigquery import BigQueryInput, ReadBigQueryRequests, dataset_reference, is_table_uri
+from transforms.inputs.check import InputCheckError, check_input_files
+from transforms.inputs.columns import ColumnMap, parse_column_map
+from transforms.inputs.delimited import field_limit_for as csv_field_limit_for
+from transforms.inputs.readers import WARNING_TAG, ReadRequests
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
 
 from model.checkpoint import read_config_and_digest
 from model.contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, optional_count
@@ -338,7 +338,7 @@ def _reference_roots(given: list[str] | None, patterns: list[str]) -> tuple[str,
 def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
                      temp_dataset: str | None) -> tuple[BigQueryInput, ...]:
     """The BigQuery reads asked for (--input bq://..., --input_query), their spelling and needs checked."""
-    from transforms.bigquery_input import table_spec
+    from transforms.inputs.bigquery import table_spec
 
     reads = []
     try:

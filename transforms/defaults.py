@@ -5,7 +5,7 @@ each default re-export it from here."""
 # Images in the preview gallery (--preview; transforms.preview).
 DEFAULT_PREVIEW = 64
 # Extra columns of one record, as compact JSON (they are copied into every manifest row of its images;
-# --max_metadata_bytes; transforms.requests).
+# --max_metadata_bytes; transforms.inputs.validation).
 DEFAULT_MAX_METADATA_BYTES = 16 * 1024
 DEFAULT_INFERENCE_RETRIES = 2  # extra attempts for a failed inference batch (--inference_retries; transforms.inference)
 # Seconds one generate call may take (--inference_timeout_s; transforms.inference): generous, since the first batch of

@@ -55,7 +55,7 @@ def test_every_output_the_job_writes_is_in_the_runbook():
 
 
 def test_every_input_format_is_in_the_runbook():
-    from transforms.input_formats import FORMATS
+    from transforms.inputs.formats import FORMATS
 
     names = {"jsonl": "JSON Lines", "csv": "CSV", "tsv": "TSV", "parquet": "Parquet", "text": "one prompt per line"}
     assert set(names) == set(FORMATS)

@@ -14,7 +14,10 @@ from reference_files import png, png_declaring
 from transforms import layout, references
 from transforms.outputs import ExistingImageMismatch, encode_png, existing_manifest_row, png_text
 from transforms.references import ReferenceCache, ReferenceError, ReferenceLimits, read_reference, resolve_path
-from transforms.requests import GenerationRequest, ImageTask, RequestDefaults, derive_id, parse_lines
+from transforms.inputs.identity import derive_id
+from transforms.inputs.readers import parse_lines
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import GenerationRequest, ImageTask
 
 D = RequestDefaults(height=32, width=32, seed=7, max_reference_images=2)
 LIMITS = ReferenceLimits(max_images=2, max_pixels=256 * 256)
@@ -197,8 +200,8 @@ def test_reference_field_in_parquet_is_a_list_of_strings(tmp_path):
 
 
 def test_reference_field_in_bigquery_rows_needs_full_paths():
-    from transforms.bigquery_input import row_record
-    from transforms.requests import parse_raw
+    from transforms.inputs.bigquery import row_record
+    from transforms.inputs.validation import parse_raw
 
     ok = parse_raw(row_record({"prompt": "p", "reference_images": ["gs://b/a.png"]}, "bq://p.d.t"), D)
     assert ok.reference_images == ("gs://b/a.png",)
