@@ -166,8 +166,8 @@ OPTIONS = (
     Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
            shown_default=f"bfloat16; {DEMO_DTYPE} for the demo checkpoint"),
     Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
-                                           "flagged in the manifest.", type=int, metavar="TOKENS",
-           shown_default=str(DEFAULT_MAX_SEQUENCE_LENGTH)),
+                                           "flagged in the manifest.", type=int,
+           default=DEFAULT_MAX_SEQUENCE_LENGTH, metavar="TOKENS"),
     Option("model_cache", "model", "gs:// prefix to which a Dataflow launch copies a Hugging Face Hub --model "
                                    "for its workers, once per commit.", metavar="GS_PREFIX",
            shown_default="--temp_location"),

@@ -91,13 +91,6 @@ def test_signature_is_the_processed_size_for_the_checkpoints_multiple():
     assert references.reference_signature(images, 32) == ((64, 64), (704, 1440))
 
 
-def test_defaults_check_the_reference_limits():
-    with pytest.raises(ValueError, match="--max_reference_images"):
-        RequestDefaults(max_reference_images=0).validate()
-    with pytest.raises(ValueError, match="--max_reference_pixels"):
-        RequestDefaults(max_reference_pixels=4000).validate()
-
-
 # --------------------------------------------------------------------------------------------- reading
 def write(tmp_path, name, data):
     path = tmp_path / name
@@ -333,12 +326,20 @@ def test_references_outside_the_roots_are_one_error_row_each(tmp_path):
 
 
 def test_job_reference_roots_default_to_the_input_folders_and_can_be_given():
-    from pipeline.errors import UsageError
-    from pipeline.run import _reference_roots
+    import types
 
-    assert _reference_roots(None, ["/data/in/*.jsonl"]) == ("/data/in",)
-    assert _reference_roots(["gs://b/refs/,/data/refs", "gs://c"], ["/data/in/p.jsonl"]) == (
+    from pipeline.errors import UsageError
+    from pipeline.option_specs import OPTIONS
+    from pipeline.specs import Runner, job_spec
+
+    def roots(reference_root, inputs):
+        given = {**{o.name: o.default for o in OPTIONS}, "model": "ckpt", "input": inputs,
+                 "reference_root": reference_root}
+        return job_spec(types.SimpleNamespace(**given), Runner("FnApiRunner", local=True)).reference_roots
+
+    assert roots(None, ["/data/in/*.jsonl"]) == ("/data/in",)
+    assert roots(["gs://b/refs/,/data/refs", "gs://c"], ["/data/in/p.jsonl"]) == (
         "gs://b/refs", "/data/refs", "gs://c")
-    assert _reference_roots(None, []) == ()  # BigQuery input: references must be allowed explicitly
+    assert roots(None, ["bq://p.d.t"]) == ()  # BigQuery input: references must be allowed explicitly
     with pytest.raises(UsageError, match="s3://b"):
-        _reference_roots(["s3://b/refs"], [])
+        roots(["s3://b/refs"], ["/data/in/p.jsonl"])

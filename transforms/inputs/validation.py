@@ -59,20 +59,11 @@ class RequestDefaults:
                                max_prompt_bytes=self.max_prompt_bytes, max_images=MAX_IMAGES_PER_REQUEST)
 
     def validate(self) -> "RequestDefaults":
-        """Raise ValueError naming the option when a default could never give a valid request."""
+        """Raise ValueError naming the option when a default could never give a valid request with this size
+        multiple (the limits that need no checkpoint are checked with the options, pipeline/specs.py)."""
         smallest = self.size_multiple * self.size_multiple
         if not contract.is_integer(self.max_pixels) or self.max_pixels < smallest:
             raise ValueError(f"--max_pixels must be an integer >= {smallest}, got {self.max_pixels!r}")
-        contract.count("--max_prompt_bytes", self.max_prompt_bytes)
-        if not contract.is_integer(self.max_metadata_bytes) or self.max_metadata_bytes < 0:
-            raise ValueError(f"--max_metadata_bytes must be an integer >= 0, got {self.max_metadata_bytes!r}")
-        contract.count("--max_reference_images", self.max_reference_images)
-        from model.references import MIN_SIDE  # JAX-free
-
-        smallest_reference = MIN_SIDE * MIN_SIDE
-        if not contract.is_integer(self.max_reference_pixels) or self.max_reference_pixels < smallest_reference:
-            raise ValueError(f"--max_reference_pixels must be an integer >= {smallest_reference} (64 x 64), got "
-                             f"{self.max_reference_pixels!r}")
         probe = {"prompt": "x"}
         try:
             validate_record(probe, self, source="<options>", line=0)
