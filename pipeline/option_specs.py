@@ -21,9 +21,12 @@ from model.contract import (
     DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
 )
 from model.options import DTYPE_NAMES as DTYPES
+from model.options import EngineOptions, LoadSettings
 from transforms.defaults import (
-    DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_PREVIEW,
+    DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
+    DEFAULT_PREVIEW, DEFAULT_SEED,
 )
+from transforms.inputs.columns import ColumnMap
 from transforms.inputs.formats import FORMATS
 from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
@@ -114,8 +117,9 @@ OPTIONS = (
     Option("input_format", "input", "Format of the input files; auto picks it by extension (.jsonl, .csv, .tsv, "
                                     ".parquet, ...; else text).", default="auto", choices=INPUT_FORMATS),
     Option("prompt_column", "input", "Column (or JSON key) holding the prompt; matched exactly, else ignoring case.",
-           default="prompt", metavar="NAME"),
-    Option("id_column", "input", "Column (or JSON key) holding the record's id.", default="id", metavar="NAME"),
+           default=ColumnMap.prompt_column, metavar="NAME"),
+    Option("id_column", "input", "Column (or JSON key) holding the record's id.", default=ColumnMap.id_column,
+           metavar="NAME"),
     Option("column_map", "input", "Columns named otherwise, as old=new pairs (new: a generation field such as "
                                   "guidance_scale).", metavar="OLD=NEW,..."),
     Option("max_metadata_bytes", "input", "Largest size of a record's extra columns (manifest 'metadata') as JSON; "
@@ -164,7 +168,7 @@ OPTIONS = (
                                      "*.fp16.safetensors).", metavar="VARIANT",
            shown_default="the files without a variant"),
     Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
-           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo checkpoint"),
+           shown_default=f"{LoadSettings.dtype}; {DEMO_DTYPE} for the demo checkpoint"),
     Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
                                            "flagged in the manifest.", type=int,
            default=DEFAULT_MAX_SEQUENCE_LENGTH, metavar="TOKENS"),
@@ -186,14 +190,14 @@ OPTIONS = (
                                            "guidance-distilled models.", type=float, metavar="SCALE",
            shown_default="the checkpoint's"),
     Option("num_images", "generation", "Images per prompt for records that give none; image j uses seed + j.",
-           type=int, default=1, metavar="N"),
+           type=int, default=DEFAULT_NUM_IMAGES, metavar="N"),
     Option("seed", "generation", "Base seed: a record without a seed gets one derived from this and its id.",
-           type=int, default=0, metavar="SEED"),
+           type=int, default=DEFAULT_SEED, metavar="SEED"),
     # --- performance and limits
     Option("batch_size", "limits", "Images per generate call (the compiled batch); a short batch is padded.",
            type=int, default=DEFAULT_BATCH_SIZE, metavar="N"),
     Option("model_shards", "limits", "Chips that share one copy of the weights (tensor parallel); the copies on a "
-                                     "host split the batch.", type=int, default=1,
+                                     "host split the batch.", type=int, default=EngineOptions.model_shards,
            metavar="N"),
     Option("large_model", "limits", "Load one model per machine, shared by its worker processes (Beam "
                                     "RunInference large_model).", switch=True, default=False),

@@ -1,7 +1,8 @@
 """The job's pipeline options as Beam's `Flux2KleinOptions`, built from the option table `OPTIONS`.
 
-The table (how each option parses, its group, its one-line description) lives in pipeline/option_specs.py, which
-does not import Beam so that the command line can check its arguments before importing it; it is re-exported here.
+The table (how each option parses, its group, its one-line description, its default) lives in
+pipeline/option_specs.py, which does not import Beam so that the command line can check its arguments before
+importing it.
 To add an option, add one `Option(...)` to `OPTIONS` there and a field of that name to its group's spec
 (pipeline/specs.py), which is how the job reads it.
 
@@ -17,18 +18,7 @@ from __future__ import annotations
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-# The option table and its constants, re-exported: callers import them from here.
-from .option_specs import (  # noqa: F401
-    ACCELERATORS, DEFAULT_BATCH_SIZE, DEFAULT_MAX_IMAGES, DEFAULT_OUTPUT, DTYPES, GROUPS, INPUT_FORMATS, OPTION_NAMES,
-    OPTIONS, Option, options_by_group, str2bool,
-)
-# Defaults the option table takes from the model and the transforms, re-exported as before.
-from .option_specs import (  # noqa: F401
-    DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_MAX_PIXELS,
-    DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_MAX_SEQUENCE_LENGTH,
-    DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_PREVIEW, DEFAULT_QUALITY, DEFAULT_SAMPLES_PER_SHARD, DEFAULT_SIZE, DEMO_DTYPE,
-    DEMO_SIZE, FORMATS, IMAGE_FORMATS, OUTPUT_FORMATS,
-)
+from .option_specs import options_by_group
 
 
 class Flux2KleinOptions(PipelineOptions):

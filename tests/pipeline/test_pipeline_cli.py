@@ -8,7 +8,8 @@ import sys
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.options import OPTION_NAMES, Flux2KleinOptions
+from pipeline.option_specs import OPTION_NAMES
+from pipeline.options import Flux2KleinOptions
 from pipeline.run import UsageError, resolve_job, run
 from pipeline.specs import input_list
 

@@ -17,7 +17,7 @@ def _runbook() -> str:
 
 
 def test_every_option_is_in_the_runbook_or_the_template_metadata():
-    from pipeline.options import OPTIONS
+    from pipeline.option_specs import OPTIONS
 
     text = _runbook()
     with open(os.path.join(REPO, "templates", "metadata.json"), encoding="utf-8") as f:

@@ -19,7 +19,7 @@ from model.contract import (
 from model.errors import RequestError
 
 from .. import layout, references
-from ..defaults import DEFAULT_MAX_METADATA_BYTES
+from ..defaults import DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES, DEFAULT_SEED
 from ..requests import GenerationRequest
 from .coercion import InvalidRecord, absent, as_float, as_int, as_references, contract_or_invalid, metadata_json
 from .columns import ColumnError, ColumnMap, ColumnResolver
@@ -37,8 +37,8 @@ class RequestDefaults:
     width: int = DEFAULT_SIZE
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    num_images: int = 1
-    seed: int = 0
+    num_images: int = DEFAULT_NUM_IMAGES
+    seed: int = DEFAULT_SEED
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     # Heights and widths are multiples of this: the checkpoint's (PipelineConfig.size_multiple), which the launcher
