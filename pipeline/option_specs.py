@@ -4,7 +4,8 @@ Beam-free (so are the modules it takes defaults from): the command line checks i
 before importing Beam (pipeline/usage.py), and `Flux2KleinOptions` (pipeline/options.py) declares them to Beam.
 `--help` (pipeline/usage.py), the README's option table and the Flex Template's metadata.json help texts all show
 the description declared here (tests check the last two), so they cannot drift apart. To add an option, add one
-`Option(...)` to `OPTIONS` under its group; the job reads it as `options.view_as(Flux2KleinOptions).<name>`.
+`Option(...)` to `OPTIONS` under its group and a field of the same name to that group's spec (pipeline/specs.py),
+which is where the job reads it (`JobSpec.<group>.<name>`).
 
 Every option takes `--name=value`, which is how Dataflow Flex Templates pass parameters; the switches
 (`--skip_existing`, `--overwrite`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
