@@ -55,9 +55,15 @@ def plain_number(value: Any) -> Any:
     return value
 
 
-def as_int(fields: Mapping, name: str, default, text_values: bool):
+def given(fields: Mapping, name: str, text_values: bool) -> Any:
+    """The field's value (a decimal as the number it holds), or None when the record does not give it."""
     value = plain_number(fields.get(name))
-    if absent(value, text_values):
+    return None if absent(value, text_values) else value
+
+
+def as_int(fields: Mapping, name: str, default, text_values: bool):
+    value = given(fields, name, text_values)
+    if value is None:
         return default
     if text_values and isinstance(value, str):
         s = value.strip()
@@ -87,8 +93,8 @@ def as_int(fields: Mapping, name: str, default, text_values: bool):
 
 
 def as_float(fields: Mapping, name: str, default, text_values: bool):
-    value = plain_number(fields.get(name))
-    if absent(value, text_values):
+    value = given(fields, name, text_values)
+    if value is None:
         return default
     if text_values and isinstance(value, str):
         try:
