@@ -3,6 +3,8 @@
 `generate()` and the batch job's record validation both call `validate`, with the size multiple read from the
 checkpoint's configs (`PipelineConfig.size_multiple`), so the two can never disagree on what is a valid request.
 Pure Python and numpy (no JAX): the job's readers and its launcher import it without loading the model stack.
+Messages name the argument or the limit by its field (`max_pixels=4096`), never a command-line flag: the job names
+its own options when it reports them (transforms/inputs/coercion.py).
 """
 
 from __future__ import annotations

@@ -159,6 +159,7 @@ class OutputSpec:
     overwrite: bool
     no_progress: bool
     allow_empty: bool
+    encoding: ImageEncoding = dataclasses.field(init=False)  # the three image options, checked together
 
     def __post_init__(self):
         if any(c in self.output for c in GLOB_CHARACTERS):
@@ -166,7 +167,7 @@ class OutputSpec:
             # after every image was written, before the manifest.
             raise ValueError(f"--output={self.output!r} contains a glob character ({', '.join(GLOB_CHARACTERS)}), "
                              f"which Beam's file sinks cannot use in a path; choose another output location")
-        self.encoding  # noqa: B018 - checks --image_format, --png_compress_level and --quality together
+        _set(self, encoding=ImageEncoding(self.image_format, self.png_compress_level, self.quality))
         if self.output_format not in OUTPUT_FORMATS:
             raise ValueError(f"--output_format={self.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
         check_samples_per_shard(self.samples_per_shard)
@@ -176,10 +177,6 @@ class OutputSpec:
                              "give one")
         _set(self, image_format=ImageFormat(self.image_format), output_format=OutputFormat(self.output_format),
              skip_existing=bool(self.skip_existing), overwrite=bool(self.overwrite))
-
-    @property
-    def encoding(self) -> ImageEncoding:
-        return ImageEncoding(str(self.image_format), self.png_compress_level, self.quality)
 
     @property
     def webdataset(self) -> bool:
