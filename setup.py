@@ -15,7 +15,7 @@ RUNTIME_REQUIREMENTS = [
     "safetensors==0.8.0",
     "google-cloud-storage==3.17.1",
     "gcsfs==2026.10.1",  # lets JAX keep its persistent compilation cache on gs://
-    "pyarrow==25.0.1",  # Parquet prompt tables (transforms/parquet_input.py); the version Beam 2.77 resolves to
+    "pyarrow==25.0.1",  # Parquet prompt tables (transforms/inputs/parquet.py); the version Beam 2.77 resolves to
 ]
 
 # Test-only reference stack: diffusers/transformers on PyTorch CPU give the numbers we must match and build

@@ -5,7 +5,7 @@ limits images/s).
     python -m benchmarks.inputs --prompts 100000 --repeats 1 --out benchmarks/results/inputs.json
 
 For each format it writes one file of the same prompts (an id, a seed, a size and two extra columns each), then
-times `transforms.requests.ReadRequests` on it on Beam's FnApiRunner (the DirectRunner family, one process): file
+times `transforms.inputs.readers.ReadRequests` on it on Beam's FnApiRunner (the DirectRunner family, one process): file
 match, read, column mapping, validation, counted at the end. That figure includes the runner's fixed cost of
 starting a pipeline (about a second), so it is also given without Beam: the same file parsed in-process
 (`parse_lines`). Prints a table and one JSON object (records/s per format and path); image generation is not run.
@@ -63,7 +63,7 @@ def time_beam(path: str, defaults, expected: int) -> float:
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.testing.util import assert_that, equal_to
 
-    from transforms.requests import ReadRequests
+    from transforms.inputs.readers import ReadRequests
 
     start = time.perf_counter()
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
@@ -74,7 +74,8 @@ def time_beam(path: str, defaults, expected: int) -> float:
 
 def time_parse(path: str, fmt: str, defaults) -> tuple[float, int]:
     """Seconds to parse and validate the file in-process (no Beam), and the requests it gave."""
-    from transforms.requests import GenerationRequest, parse_lines
+    from transforms.inputs.readers import parse_lines
+    from transforms.requests import GenerationRequest
 
     start = time.perf_counter()
     with open(path, "rb") as f:
@@ -85,7 +86,7 @@ def time_parse(path: str, fmt: str, defaults) -> tuple[float, int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from transforms.requests import RequestDefaults
+    from transforms.inputs.validation import RequestDefaults
 
     defaults = RequestDefaults()
     result = {"prompts": args.prompts, "repeats": args.repeats, "runner": "FnApiRunner (in_memory)",

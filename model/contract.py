@@ -3,6 +3,8 @@
 `generate()` and the batch job's record validation both call `validate`, with the size multiple read from the
 checkpoint's configs (`PipelineConfig.size_multiple`), so the two can never disagree on what is a valid request.
 Pure Python and numpy (no JAX): the job's readers and its launcher import it without loading the model stack.
+Messages name the argument or the limit by its field (`max_pixels=4096`), never a command-line flag: the job names
+its own options when it reports them (transforms/inputs/coercion.py).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def validate_prompt(prompt, max_bytes: int | None = None) -> str:
                               f"character {e.start}",
                     prompt.encode("utf-8", "backslashreplace").decode("utf-8")) from None
     if max_bytes is not None and size > max_bytes:
-        raise _fail("prompt", f"prompt is {size} bytes (UTF-8), above --max_prompt_bytes={max_bytes}", prompt)
+        raise _fail("prompt", f"prompt is {size} bytes (UTF-8), above max_prompt_bytes={max_bytes}", prompt)
     return prompt
 
 
@@ -170,10 +172,10 @@ def validate(*, prompt, height, width, num_inference_steps=None, guidance_scale=
     if limits.max_pixels is not None:
         for name, v in (("height", height), ("width", width)):
             if v > limits.max_pixels:  # checked alone first: the product of two huge values is not even printable
-                raise _fail(name, f"{name} = {show(v)} is above --max_pixels={limits.max_pixels}", v)
+                raise _fail(name, f"{name} = {show(v)} is above max_pixels={limits.max_pixels}", v)
         if height * width > limits.max_pixels:
             raise _fail("height", f"height x width = {height}x{width} = {height * width} pixels is above "
-                                  f"--max_pixels={limits.max_pixels}", [height, width])
+                                  f"max_pixels={limits.max_pixels}", [height, width])
     steps = validate_steps(num_inference_steps)
     guidance = validate_guidance(guidance_scale)
     num_images = validate_num_images(num_images, limits.max_images)
@@ -206,8 +208,8 @@ DEFAULT_MAX_REFERENCE_PIXELS = 4096 * 4096
 
 
 def validate_reference_count(count_, limit: int | None = None) -> int:
-    """The number of references of one request: at most `limit` (--max_reference_images)."""
+    """The number of references of one request: at most `limit` (the job's max_reference_images)."""
     if limit is not None and count_ > limit:
-        raise _fail("reference_images", f"reference_images lists {count_} images, above --max_reference_images="
+        raise _fail("reference_images", f"reference_images lists {count_} images, above max_reference_images="
                                         f"{limit}", count_)
     return int(count_)

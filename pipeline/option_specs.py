@@ -4,7 +4,8 @@ Beam-free (so are the modules it takes defaults from): the command line checks i
 before importing Beam (pipeline/usage.py), and `Flux2KleinOptions` (pipeline/options.py) declares them to Beam.
 `--help` (pipeline/usage.py), the README's option table and the Flex Template's metadata.json help texts all show
 the description declared here (tests check the last two), so they cannot drift apart. To add an option, add one
-`Option(...)` to `OPTIONS` under its group; the job reads it as `options.view_as(Flux2KleinOptions).<name>`.
+`Option(...)` to `OPTIONS` under its group and a field of the same name to that group's spec (pipeline/specs.py),
+which is where the job reads it (`JobSpec.<group>.<name>`).
 
 Every option takes `--name=value`, which is how Dataflow Flex Templates pass parameters; the switches
 (`--skip_existing`, `--overwrite`, `--large_model`, `--no_progress`) also work bare, and take `=true` / `=false`.
@@ -21,10 +22,13 @@ from model.contract import (
     DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
 )
 from model.options import DTYPE_NAMES as DTYPES
+from model.options import EngineOptions, LoadSettings
 from transforms.defaults import (
-    DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_PREVIEW,
+    DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
+    DEFAULT_PREVIEW, DEFAULT_SEED,
 )
-from transforms.input_formats import FORMATS
+from transforms.inputs.columns import ColumnMap
+from transforms.inputs.formats import FORMATS
 from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
 
@@ -114,8 +118,9 @@ OPTIONS = (
     Option("input_format", "input", "Format of the input files; auto picks it by extension (.jsonl, .csv, .tsv, "
                                     ".parquet, ...; else text).", default="auto", choices=INPUT_FORMATS),
     Option("prompt_column", "input", "Column (or JSON key) holding the prompt; matched exactly, else ignoring case.",
-           default="prompt", metavar="NAME"),
-    Option("id_column", "input", "Column (or JSON key) holding the record's id.", default="id", metavar="NAME"),
+           default=ColumnMap.prompt_column, metavar="NAME"),
+    Option("id_column", "input", "Column (or JSON key) holding the record's id.", default=ColumnMap.id_column,
+           metavar="NAME"),
     Option("column_map", "input", "Columns named otherwise, as old=new pairs (new: a generation field such as "
                                   "guidance_scale).", metavar="OLD=NEW,..."),
     Option("max_metadata_bytes", "input", "Largest size of a record's extra columns (manifest 'metadata') as JSON; "
@@ -164,10 +169,10 @@ OPTIONS = (
                                      "*.fp16.safetensors).", metavar="VARIANT",
            shown_default="the files without a variant"),
     Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
-           shown_default=f"bfloat16; {DEMO_DTYPE} for the demo checkpoint"),
+           shown_default=f"{LoadSettings.dtype}; {DEMO_DTYPE} for the demo checkpoint"),
     Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
-                                           "flagged in the manifest.", type=int, metavar="TOKENS",
-           shown_default=str(DEFAULT_MAX_SEQUENCE_LENGTH)),
+                                           "flagged in the manifest.", type=int,
+           default=DEFAULT_MAX_SEQUENCE_LENGTH, metavar="TOKENS"),
     Option("model_cache", "model", "gs:// prefix to which a Dataflow launch copies a Hugging Face Hub --model "
                                    "for its workers, once per commit.", metavar="GS_PREFIX",
            shown_default="--temp_location"),
@@ -186,14 +191,14 @@ OPTIONS = (
                                            "guidance-distilled models.", type=float, metavar="SCALE",
            shown_default="the checkpoint's"),
     Option("num_images", "generation", "Images per prompt for records that give none; image j uses seed + j.",
-           type=int, default=1, metavar="N"),
+           type=int, default=DEFAULT_NUM_IMAGES, metavar="N"),
     Option("seed", "generation", "Base seed: a record without a seed gets one derived from this and its id.",
-           type=int, default=0, metavar="SEED"),
+           type=int, default=DEFAULT_SEED, metavar="SEED"),
     # --- performance and limits
     Option("batch_size", "limits", "Images per generate call (the compiled batch); a short batch is padded.",
            type=int, default=DEFAULT_BATCH_SIZE, metavar="N"),
     Option("model_shards", "limits", "Chips that share one copy of the weights (tensor parallel); the copies on a "
-                                     "host split the batch.", type=int, default=1,
+                                     "host split the batch.", type=int, default=EngineOptions.model_shards,
            metavar="N"),
     Option("large_model", "limits", "Load one model per machine, shared by its worker processes (Beam "
                                     "RunInference large_model).", switch=True, default=False),

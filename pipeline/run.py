@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -45,83 +46,94 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
 
-from pipeline.compile_cache import resolve_compilation_cache
 from transforms import layout, retries
-from transforms.bigquery_input import BigQueryInput, ReadBigQueryRequests, dataset_reference, is_table_uri
-from transforms.columns import ColumnMap, parse_column_map
 from transforms.fingerprints import model_fingerprint
-from transforms.input_check import InputCheckError, check_input_files
-from transforms.inference import DEFAULT_INFERENCE_TIMEOUT_S, BatchByShape, Flux2KleinModelHandler
+from transforms.inference import BatchByShape, Flux2KleinModelHandler
+from transforms.inputs.bigquery import ReadBigQueryRequests, dataset_reference
+from transforms.inputs.readers import WARNING_TAG, ReadRequests
+from transforms.inputs.validation import RequestDefaults
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.outputs import (
-    NON_FINITE_TAG, ImageEncoding, SkipExisting, SplitNonFinite, WriteImagesFn, WriteSummary, failed_batch_rows,
-    format_summary, read_bytes, write_bytes_atomic,
+    NON_FINITE_TAG, SkipExisting, SplitNonFinite, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary,
+    read_bytes, write_bytes_atomic,
 )
-from transforms.preview import DEFAULT_PREVIEW, WritePreview, check_preview
+from transforms.preview import WritePreview
 from transforms.progress import ProgressReporter, ReportTotal
-from transforms.references import ResolveReferences, default_roots, normalise_root
+from transforms.references import ResolveReferences
+from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
 from transforms.shard_writer import WriteShardIndexes, WriteShards
-from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS, check_samples_per_shard
-from transforms.requests import (
-    DUPLICATE_TAG, WARNING_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded, ReadRequests,
-    RequestDefaults, csv_field_limit_for,
-)
 
-from model.checkpoint import read_config_and_digest
-from model.contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, optional_count
-from model.errors import ModelError
-from model.hub import is_hub_id
-from model.options import EngineOptions, LoadSettings
-from model.weight_files import validate_variant
+from model.options import LoadSettings
 
-from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
-from . import launch_check
-from .output_check import check_output
+from . import launch_check, probes
+from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
 from .errors import UsageError
-from .hub_model import hub_model
-from .options import DEFAULT_BATCH_SIZE, DEFAULT_OUTPUT, DEFAULT_SIZE, Flux2KleinOptions
+from .option_specs import DEFAULT_OUTPUT
+from .options import Flux2KleinOptions
+from .output_check import check_output
+from .specs import JobSpec, Runner, job_spec
 from .usage import BEAM_HELP_FLAG, HELP_FLAGS, check_arguments, format_beam_help, format_help
 
 logger = logging.getLogger("pipeline.run")
 
 DEFAULT_RUNNER = "FnApiRunner"
 LOCAL_RUNNERS = ("fnapirunner", "directrunner", "bundlebaseddirectrunner", "switchingdirectrunner")
-GLOB_CHARACTERS = ("*", "?", "[", "]")
-EXAMPLE_HUB_ID = "black-forest-labs/FLUX.2-klein-4B"  # pattern characters of Beam's file matching (fnmatch / glob)
+
+
+def _from_spec(group: str, name: str):
+    """A JobConfig attribute read from one group of its spec, with an enum as its plain value: the names the graph
+    (build_pipeline, make_handler, the sinks) reads, as before the groups."""
+
+    def get(job: "JobConfig"):
+        value = getattr(getattr(job.spec, group), name)
+        return value.value if isinstance(value, enum.Enum) else value
+
+    return property(get, doc=f"spec.{group}.{name}")
 
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    """Everything the graph needs, resolved from the options (demo defaults applied)."""
+    """Everything the graph needs: the options as checked groups (`spec`: input, output, model, generation, limits,
+    reliability; pipeline/specs.py) and what the launch resolved with the checkpoint and the files
+    (pipeline/probes.py)."""
 
-    patterns: tuple[str, ...]
-    input_format: str
-    output: str
+    spec: JobSpec
     load: LoadSettings  # goes unchanged through the handler to model.load
-    defaults: RequestDefaults
-    skip_existing: bool
-    large_model: bool
-    model_copies: int | None
-    demo: bool = False
-    max_images: int | None = None  # most images the job may generate (--max_images); None: no limit
-    inference_retries: int = 2  # extra attempts for a failed inference batch (--inference_retries)
-    inference_timeout_s: int = DEFAULT_INFERENCE_TIMEOUT_S  # --inference_timeout_s; 0: no limit
-    case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
-    require_accelerator: str | None = None  # 'tpu' or 'gpu': a worker whose JAX finds another platform stops at load
-    worker_env: tuple[tuple[str, str], ...] = ()  # (NAME, value) set on each worker before the model loads
-    columns: ColumnMap = ColumnMap()  # which column is which generation field (--prompt_column, --column_map, ...)
-    bigquery: tuple[BigQueryInput, ...] = ()  # BigQuery tables (--input bq://...) and --input_query
-    bigquery_temp_dataset: str | None = None  # project.dataset for --input_query's result (None: Beam makes one)
+    defaults: RequestDefaults  # what a record that does not say gets, and its limits (the checkpoint's size multiple)
     input_warnings: tuple[str, ...] = ()  # found at launch (a --column_map column a table lacks)
-    encoding: ImageEncoding = ImageEncoding()  # --image_format, --png_compress_level, --quality
-    encode_threads: int | None = None  # encoder threads per worker process (--encode_threads); None: its cores
-    run_token: str = ""  # this launch, so a worker process's reference cache never serves an earlier job's copy
-    output_format: str = "files"  # --output_format: files (one object per image) or webdataset (tar shards)
-    samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD  # --samples_per_shard (webdataset)
-    preview: int = DEFAULT_PREVIEW  # --preview: images in preview/index.html; 0: no preview
+    case_insensitive_output: bool = False  # a local output folder where 'A.png' and 'a.png' are one file
     # What the loaded model is (transforms/fingerprints.py): stored with every image, compared by --skip_existing.
     model_fingerprint: str = ""
-    reference_roots: tuple[str, ...] = ()  # --reference_root (normalised), else the --input files' folders
+    run_token: str = ""  # this launch, so a worker process's reference cache never serves an earlier job's copy
+
+    patterns = _from_spec("input", "files")  # input file patterns (the demo's prompts for the demo)
+    input_format = _from_spec("input", "input_format")
+    columns = _from_spec("input", "columns")  # which column is which generation field
+    bigquery = _from_spec("input", "bigquery")  # BigQuery tables (--input bq://...) and --input_query
+    bigquery_temp_dataset = _from_spec("input", "bigquery_temp_dataset")  # None: Beam makes one
+    output = _from_spec("output", "output")
+    encoding = _from_spec("output", "encoding")  # --image_format, --png_compress_level, --quality
+    output_format = _from_spec("output", "output_format")  # files (one object per image) or webdataset (tar shards)
+    webdataset = _from_spec("output", "webdataset")
+    samples_per_shard = _from_spec("output", "samples_per_shard")
+    preview = _from_spec("output", "preview")  # images in preview/index.html; 0: no preview
+    skip_existing = _from_spec("output", "skip_existing")
+    large_model = _from_spec("limits", "large_model")
+    model_copies = _from_spec("limits", "model_copies")
+    encode_threads = _from_spec("limits", "encode_threads")  # per worker process; None: its cores
+    max_images = _from_spec("limits", "max_images")  # most images the job may generate; None: no limit
+    inference_retries = _from_spec("reliability", "inference_retries")
+    inference_timeout_s = _from_spec("reliability", "inference_timeout_s")  # 0: no limit
+    require_accelerator = _from_spec("reliability", "require_accelerator")  # a worker on another platform stops
+    worker_env = _from_spec("reliability", "worker_env")  # (NAME, value) set on each worker before the model loads
+
+    @property
+    def demo(self) -> bool:
+        return self.spec.demo
+
+    @property
+    def reference_roots(self) -> tuple[str, ...]:
+        return self.spec.reference_roots
 
     @property
     def reference_limits(self):
@@ -129,10 +141,6 @@ class JobConfig:
         reference cache."""
         return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token,
                                    roots=self.reference_roots)
-
-    @property
-    def webdataset(self) -> bool:
-        return self.output_format == "webdataset"
 
     @property
     def model(self) -> str:
@@ -155,19 +163,6 @@ class JobConfig:
         return self.load.engine.batch_size
 
 
-def is_case_insensitive_folder(folder: str) -> bool:
-    """Whether file names differing only in case name the same file in `folder` (macOS, Windows; created if needed):
-    a probe file with a lower-case name is looked up under its upper-case name."""
-    os.makedirs(folder, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=".case-probe-", dir=folder)
-    os.close(fd)
-    try:
-        head, name = os.path.split(probe)
-        return os.path.exists(os.path.join(head, name.upper()))
-    finally:
-        os.remove(probe)
-
-
 def runner_name(options: PipelineOptions) -> str:
     runner = options.view_as(StandardOptions).runner
     if runner is None:
@@ -180,184 +175,23 @@ def is_local_runner(options: PipelineOptions) -> bool:
 
 
 def resolve_job(options: PipelineOptions) -> JobConfig:
-    """Apply defaults (and the demo's), and check everything that can be checked before the job starts."""
-    o = options.view_as(Flux2KleinOptions)
-    patterns = o.input_patterns()
-    tables = [p for p in patterns if is_table_uri(p)]
-    patterns = [p for p in patterns if not is_table_uri(p)]
-    if o.demo_checkpoint and o.model is not None:
-        raise UsageError(f"--demo_checkpoint and --model={o.model!r} both name the checkpoint; give one")
-    if o.demo_checkpoint and not is_local_runner(options):
-        raise UsageError(f"--demo_checkpoint is built on this machine, which the workers of {runner_name(options)} "
-                         f"cannot read; give --model=gs://... (a copy of a checkpoint)")
-    demo = not (patterns or tables or o.input_query is not None) and o.model is None
-    tiny = demo or bool(o.demo_checkpoint)  # the demo's checkpoint, sizes and dtype
-    if demo:
-        model_uri = demo_checkpoint()
-        patterns = [DEMO_PROMPTS]
-    else:
-        if not (patterns or tables or o.input_query is not None):
-            raise UsageError("--input is required with --model (or --input_query; omit --input and --model to run "
-                             "the bundled demo)")
-        if o.model is None and not o.demo_checkpoint:
-            raise UsageError("--model is required with --input; to try your input on the bundled tiny "
-                             "random-weight checkpoint (noise images), add --demo_checkpoint; omit both --input and "
-                             "--model to run the bundled demo")
-        model_uri = o.model if o.model is not None else demo_checkpoint()
-        if not is_hub_id(model_uri) and "://" not in model_uri and not os.path.isdir(model_uri):
-            raise UsageError(f"--model={model_uri!r} is not a folder (give a diffusers-layout checkpoint folder, "
-                             f"a gs:// prefix or a Hugging Face Hub id such as {EXAMPLE_HUB_ID})")
-
-    output = o.output or DEFAULT_OUTPUT
-    if any(c in output for c in GLOB_CHARACTERS):
-        # Beam's file sinks find their temporary files by pattern: a '[' in the path would make the job fail after
-        # every image was written, before the manifest.
-        raise UsageError(f"--output={output!r} contains a glob character ({', '.join(GLOB_CHARACTERS)}), which "
-                         f"Beam's file sinks cannot use in a path; choose another output location")
-    if not is_local_runner(options) and "://" not in output:
-        raise UsageError(f"--output={output!r} is a local path, which the workers of {runner_name(options)} cannot "
-                         f"share; give a gs:// location")
-    size = DEMO_SIZE if tiny else DEFAULT_SIZE
-    if o.max_images is not None and o.max_images < 1:
-        raise UsageError(f"--max_images must be >= 1, got {o.max_images}")
-    if o.inference_retries is None or o.inference_retries < 0:
-        raise UsageError(f"--inference_retries must be >= 0, got {o.inference_retries}")
-    if o.inference_timeout_s is None or o.inference_timeout_s < 0:
-        raise UsageError(f"--inference_timeout_s must be >= 0 (0: no limit), got {o.inference_timeout_s}")
-    try:
-        optional_count("--model_copies", o.model_copies)
-        validate_variant(o.model_variant, name="--model_variant")
-        worker_env = tuple(o.worker_env_vars().items())
-        if not demo and is_hub_id(model_uri):  # downloaded (or found cached) once, here, before anything else
-            model_uri = hub_model(model_uri, o.model_variant, local_runner=is_local_runner(options),
-                                  model_cache=o.model_cache,
-                                  temp_location=options.view_as(GoogleCloudOptions).temp_location)
-        encoding = ImageEncoding(o.image_format, o.png_compress_level, o.quality)
-        optional_count("--encode_threads", o.encode_threads)
-        if o.output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"--output_format={o.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
-        check_samples_per_shard(o.samples_per_shard)
-        check_preview(o.preview)
-        load = LoadSettings(
-            model=model_uri, dtype=o.dtype or (DEMO_DTYPE if tiny else "bfloat16"), variant=o.model_variant,
-            max_sequence_length=count("--max_sequence_length", o.max_sequence_length
-                                      if o.max_sequence_length is not None else DEFAULT_MAX_SEQUENCE_LENGTH),
-            cache_dir=o.checkpoint_cache_dir,
-            engine=EngineOptions(batch_size=count("--batch_size", o.batch_size if o.batch_size is not None
-                                                  else DEFAULT_BATCH_SIZE),
-                                 model_shards=count("--model_shards", o.model_shards),
-                                 compilation_cache_dir=resolve_compilation_cache(
-                                     o.compilation_cache_dir, local_runner=is_local_runner(options),
-                                     temp_location=options.view_as(GoogleCloudOptions).temp_location)))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:  # the configs alone: the job must accept exactly the sizes that generate() accepts
-        config, checkpoint = read_config_and_digest(model_uri, load.variant)
-        size_multiple = config.size_multiple
-    except ModelError as e:
-        raise UsageError(f"--model={model_uri!r} cannot be read as a FLUX.2 [klein] checkpoint: "
-                         f"{type(e).__name__}: {e}") from e
-    defaults = RequestDefaults(
-        height=o.height if o.height is not None else size,
-        width=o.width if o.width is not None else size,
-        num_inference_steps=o.num_inference_steps,
-        guidance_scale=o.guidance_scale,
-        num_images=o.num_images,
-        seed=o.seed,
-        max_pixels=o.max_pixels,
-        max_prompt_bytes=o.max_prompt_bytes,
-        size_multiple=size_multiple,
-        max_metadata_bytes=o.max_metadata_bytes,
-        max_reference_images=o.max_reference_images,
-        max_reference_pixels=o.max_reference_pixels,
-    )
-    try:
-        defaults.validate()
-        # The job's default shape compiles while the weights load (model.options.LoadSettings.precompile).
-        load = dataclasses.replace(load, precompile=((defaults.height, defaults.width, defaults.num_inference_steps,
-                                                      defaults.guidance_scale),))
-        columns = ColumnMap(prompt_column=o.prompt_column, id_column=o.id_column,
-                            renames=parse_column_map(o.column_map)).validate()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    bigquery = _bigquery_inputs(options, tables, o.input_query, o.bigquery_temp_dataset)
-    reference_roots = _reference_roots(o.reference_root, patterns)
-
-    files: dict[str, None] = {}  # every matched file once, in order
-    for pattern in patterns:
-        try:
-            matched = FileSystems.match([pattern])[0].metadata_list
-        except Exception as e:  # noqa: BLE001 - any filesystem error means the same thing to the user
-            raise UsageError(f"--input {pattern!r} cannot be read: {e}") from e
-        if not matched:
-            raise UsageError(f"--input {pattern!r} matches no file")
-        if all("://" not in m.path and os.path.isdir(m.path) for m in matched):
-            raise UsageError(f"--input {pattern!r} is a folder, not a file; give the files in it, e.g. "
-                             f"{os.path.join(pattern, '*.jsonl')!r}")
-        files.update((m.path, None) for m in matched)
-    try:  # a table must have its prompt column: say so now, not in one error row per record
-        input_warnings = check_input_files(list(files), o.input_format, columns,
-                                           csv_field_limit_for(defaults.max_prompt_bytes))
-    except InputCheckError as e:
-        raise UsageError(str(e)) from None
-    for warning in input_warnings:
-        logger.warning("%s", warning)
-    case_insensitive = False
-    if "://" not in output:
-        try:
-            case_insensitive = is_case_insensitive_folder(output)
-        except OSError as e:
-            raise UsageError(f"--output={output!r} cannot be written: {e}") from e
-    return JobConfig(patterns=tuple(patterns), input_format=o.input_format, output=output, load=load,
-                     defaults=defaults, skip_existing=bool(o.skip_existing), large_model=bool(o.large_model),
-                     model_copies=o.model_copies, demo=demo, max_images=o.max_images,
-                     inference_retries=o.inference_retries, inference_timeout_s=o.inference_timeout_s,
-                     case_insensitive_output=case_insensitive,
-                     require_accelerator=o.require_accelerator, worker_env=worker_env, encoding=encoding,
-                     encode_threads=o.encode_threads, output_format=o.output_format,
-                     samples_per_shard=o.samples_per_shard, preview=o.preview, columns=columns, bigquery=bigquery,
-                     bigquery_temp_dataset=o.bigquery_temp_dataset, input_warnings=tuple(input_warnings),
-                     reference_roots=reference_roots, run_token=uuid.uuid4().hex,
-                     model_fingerprint=model_fingerprint(
-                         checkpoint, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
+    """The options as checked groups (pipeline/specs.py), then what the launch finds with them (pipeline/probes.py):
+    the checkpoint and its configs, what BigQuery needs, the input files and their headers, the output folder.
+    UsageError before any work for anything the job could not run."""
+    cloud = options.view_as(GoogleCloudOptions)
+    runner = Runner(runner_name(options), is_local_runner(options), cloud.temp_location, cloud.project)
+    spec = job_spec(options.view_as(Flux2KleinOptions), runner)
+    checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
+    defaults = spec.request_defaults(checkpoint.size_multiple)
+    load = spec.load_settings(checkpoint.location, defaults)
+    probes.check_bigquery(spec.input, runner)
+    files = probes.match_inputs(spec.input.files)
+    return JobConfig(spec=spec, load=load, defaults=defaults,
+                     input_warnings=probes.check_inputs(files, spec.input, spec.limits.max_prompt_bytes),
+                     case_insensitive_output=probes.case_insensitive_output(spec.output.output),
+                     run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
+                         checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
                          text_encoder_out_layers=load.text_encoder_out_layers))
-
-
-def _reference_roots(given: list[str] | None, patterns: list[str]) -> tuple[str, ...]:
-    """--reference_root (repeated or comma-separated) normalised; without it the folders of the --input file
-    patterns (BigQuery input adds none: its rows' references must then be allowed explicitly)."""
-    entries = [e for value in given or [] for e in str(value).split(",")]
-    if not entries:
-        return default_roots(patterns)
-    try:
-        return tuple(dict.fromkeys(normalise_root(e) for e in entries))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
-def _bigquery_inputs(options: PipelineOptions, tables: list[str], query: str | None,
-                     temp_dataset: str | None) -> tuple[BigQueryInput, ...]:
-    """The BigQuery reads asked for (--input bq://..., --input_query), their spelling and needs checked."""
-    from transforms.bigquery_input import table_spec
-
-    reads = []
-    try:
-        for uri in dict.fromkeys(tables):
-            table_spec(uri)
-            reads.append(BigQueryInput(uri=uri))
-        if query is not None:
-            if not query.strip():
-                raise ValueError("--input_query is empty")
-            reads.append(BigQueryInput(query=query))
-        if temp_dataset is not None:
-            dataset_reference(temp_dataset, options.view_as(GoogleCloudOptions).project)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    temp_location = options.view_as(GoogleCloudOptions).temp_location
-    if reads and not (temp_location or "").startswith("gs://"):
-        raise UsageError("reading from BigQuery exports the rows through --temp_location: give a gs:// one, e.g. "
-                         "--temp_location=gs://BUCKET/tmp")
-    return tuple(reads)
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:

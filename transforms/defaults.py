@@ -1,11 +1,17 @@
 """Defaults of the transforms' settings that the job's options declare (pipeline/option_specs.py), in a Beam-free
-module: the command line checks its arguments against those options without importing Beam. The transforms that use
-each default re-export it from here."""
+module: the command line checks its arguments against those options without importing Beam. Each is defined here
+only; the transforms and the option table import it from here. (Beam-free modules own theirs: transforms/layout.py
+the image encoding's, transforms/shards.py the shard size, transforms/inputs/columns.py the column names,
+model/contract.py the request limits and sizes, model/options.py the load settings'.)"""
+
+# What a record that does not give them gets (--num_images, --seed; transforms.inputs.validation.RequestDefaults).
+DEFAULT_NUM_IMAGES = 1
+DEFAULT_SEED = 0
 
 # Images in the preview gallery (--preview; transforms.preview).
 DEFAULT_PREVIEW = 64
 # Extra columns of one record, as compact JSON (they are copied into every manifest row of its images;
-# --max_metadata_bytes; transforms.requests).
+# --max_metadata_bytes; transforms.inputs.validation).
 DEFAULT_MAX_METADATA_BYTES = 16 * 1024
 DEFAULT_INFERENCE_RETRIES = 2  # extra attempts for a failed inference batch (--inference_retries; transforms.inference)
 # Seconds one generate call may take (--inference_timeout_s; transforms.inference): generous, since the first batch of

@@ -38,7 +38,7 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 from . import references
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .requests import ImageTask
-from .retries import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S  # noqa: F401  (re-exported)
+from .defaults import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S
 
 LOGGER = logging.getLogger(__name__)
 _WAIT_POLL_S = 0.5  # how often a batch waiting for a model held by a stuck call checks on it

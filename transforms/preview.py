@@ -24,7 +24,6 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
 from . import layout, retries
-from .defaults import DEFAULT_PREVIEW  # noqa: F401  (re-exported: --preview's default)
 
 LOGGER = logging.getLogger(__name__)
 PREVIEW_DIR = "preview"

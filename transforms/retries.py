@@ -14,7 +14,6 @@ import threading
 
 from apache_beam.metrics import Metrics
 
-from .defaults import DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S  # noqa: F401  (re-exported)
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 
 GCS_RETRIES = "gcs_retries"

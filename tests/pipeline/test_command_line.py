@@ -11,7 +11,7 @@ import pytest
 
 from pipeline import option_specs
 from pipeline.errors import OptionValueError, UnknownOptionError, UsageError
-from pipeline.options import GROUPS, OPTIONS, options_by_group
+from pipeline.option_specs import GROUPS, OPTIONS, options_by_group
 from pipeline.run import main
 from pipeline.usage import (
     COMMON_BEAM_OPTIONS, check_arguments, check_arguments_quickly, format_help, known_options_parser, markdown_table,

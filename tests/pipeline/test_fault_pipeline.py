@@ -43,7 +43,9 @@ from pipeline.run import run
 # The end-to-end tests' checkpoint, image shape and persistent XLA cache: the session compiles the job's programs once.
 from pipeline_helpers import HEIGHT, WIDTH, ckpt32, xla_cache  # noqa: F401 - ckpt32 and xla_cache are fixtures
 from transforms import layout
-from transforms.requests import GenerationRequest, RequestDefaults, parse_lines
+from transforms.inputs.readers import parse_lines
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import GenerationRequest
 
 from paths import REPO  # noqa: E402
 SECRET = "SECRET-PROMPT " + "lighthouse " * 20 + "END"

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import pipeline.run as job_run
+from pipeline import probes
 from pipeline.errors import UsageError
 from pipeline.output_check import RESULTS, check_output, previous_results
 
@@ -74,7 +75,7 @@ class _Built(Exception):
 def launch_only(monkeypatch, tiny_ckpt, tmp_path):
     """`pipeline.run` up to building the graph, in tmp_path, the demo on the tiny checkpoint (no model loads)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(job_run, "demo_checkpoint", lambda: tiny_ckpt)
+    monkeypatch.setattr(probes, "demo_checkpoint", lambda: tiny_ckpt)
 
     def build(*args, **kwargs):
         raise _Built()

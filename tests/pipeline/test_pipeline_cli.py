@@ -8,8 +8,10 @@ import sys
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.options import OPTION_NAMES, Flux2KleinOptions
+from pipeline.option_specs import OPTION_NAMES
+from pipeline.options import Flux2KleinOptions
 from pipeline.run import UsageError, resolve_job, run
+from pipeline.specs import input_list
 
 from paths import REPO  # noqa: E402
 
@@ -21,7 +23,7 @@ def options(*argv):
 def test_option_parsing():
     o = options("--input=a.jsonl,gs://b/*.csv", "--input", "c.txt", "--skip_existing", "--large_model=false",
                 "--num_images=3", "--guidance_scale=2.5", "--dtype=float32")
-    assert o.input_patterns() == ["a.jsonl", "gs://b/*.csv", "c.txt"]
+    assert input_list(o.input) == ("a.jsonl", "gs://b/*.csv", "c.txt")
     assert o.skip_existing is True and o.large_model is False and o.no_progress is False
     assert (o.num_images, o.guidance_scale, o.dtype, o.height, o.num_inference_steps) == (3, 2.5, "float32", None,
                                                                                          None)
@@ -57,7 +59,7 @@ def test_usage_errors(tmp_path, tiny_ckpt):
 
     job = resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--model_variant=fp16"]))
     assert job.model_variant == "fp16" and make_handler(job).settings.variant == "fp16"
-    from pipeline.run import is_case_insensitive_folder
+    from pipeline.probes import is_case_insensitive_folder
 
     assert is_case_insensitive_folder(str(tmp_path / "new")) is False  # Linux; created, and the probe removed
     assert os.listdir(tmp_path / "new") == []
@@ -106,8 +108,9 @@ def test_demo_checkpoint_runs_your_input_on_the_demo_checkpoint(monkeypatch, tmp
     """--demo_checkpoint: the user's --input on the bundled tiny checkpoint at the demo's size and dtype; the refusal
     of --input without --model says so."""
     import pipeline.run as job_run
+    from pipeline import probes
 
-    monkeypatch.setattr(job_run, "demo_checkpoint", lambda: tiny_ckpt)
+    monkeypatch.setattr(probes, "demo_checkpoint", lambda: tiny_ckpt)
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     with pytest.raises(UsageError, match="add --demo_checkpoint"):

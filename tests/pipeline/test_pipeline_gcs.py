@@ -20,7 +20,8 @@ from pipeline_helpers import (  # noqa: F401 - ckpt32 and xla_cache are fixtures
     HEIGHT, MODEL_ARGS, WIDTH, check_manifest_matches_images, ckpt32, counters, decode, image_names, read, rows,
     xla_cache,
 )
-from transforms.requests import RequestDefaults, derive_id, derive_seed
+from transforms.inputs.identity import derive_id, derive_seed
+from transforms.inputs.validation import RequestDefaults
 
 JSONL = "\n".join([
     '{"id": "cat", "prompt": "a cat on a mat", "seed": 1}',                    # 1 valid

@@ -14,7 +14,7 @@ import numpy as np
 from pipeline.run import run
 from pipeline_helpers import counters, decode, image_names, read, rows, xla_cache  # noqa: F401 - xla_cache fixture
 from reference_files import pil, png, png_declaring
-from transforms.requests import derive_id
+from transforms.inputs.identity import derive_id
 
 SIZE = 32
 MAX_REFERENCE_PIXELS = 256 * 256  # keeps the byte limit of a reference file small: 4 * 65536 + 1 MiB

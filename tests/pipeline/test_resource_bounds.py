@@ -1,6 +1,6 @@
 """Resource bounds: what one request (or one job) may ask for is bounded, with a clear error naming the limit.
 
-Enforced (transforms/requests.py, pipeline/run.py):
+Enforced (transforms/inputs/, pipeline/run.py):
 - `--max_pixels` (default 4 MP) for every record and for the job's own defaults;
 - images per request (`num_images` <= 64), steps (<= 1000), seed range;
 - a request's images are generated `--batch_size` at a time, never all at once;
@@ -18,8 +18,11 @@ import tracemalloc
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from transforms import requests as req
-from transforms.requests import GenerationRequest, RequestDefaults, iter_raw_records, parse_lines
+from model.contract import DEFAULT_MAX_PROMPT_BYTES, MAX_IMAGES_PER_REQUEST
+from transforms.inputs.lines import MAX_LINE_BYTES
+from transforms.inputs.readers import iter_raw_records, parse_lines
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import GenerationRequest
 
 
 def _one(record: dict, defaults: RequestDefaults):
@@ -33,6 +36,13 @@ def test_max_pixels_is_enforced_per_record_with_the_limit_in_the_reason():
     assert isinstance(_one({"prompt": "p", "height": 64, "width": 64}, d), GenerationRequest)  # at the limit
     row = _one({"prompt": "p", "height": 64, "width": 80}, d)
     assert isinstance(row, dict) and "--max_pixels=4096" in row["reason"] and "64x80" in row["reason"]
+    # the model's contract names the limit by field; the job's row names the option
+    from model import contract
+    from model.errors import RequestError
+
+    with pytest.raises(RequestError, match="above max_pixels=4096") as e:
+        contract.validate(prompt="p", height=64, width=80, limits=contract.Limits(max_pixels=4096))
+    assert "--" not in str(e.value)
     # the default limit: 4 megapixels
     row = _one({"prompt": "p", "height": 2048, "width": 2064}, RequestDefaults())
     assert isinstance(row, dict) and "max_pixels" in row["reason"]
@@ -57,7 +67,7 @@ def test_images_per_request_steps_and_seeds_are_bounded(tmp_path, tiny_ckpt):
     from pipeline.run import UsageError, resolve_job
 
     d = RequestDefaults(height=32, width=32)
-    for record, words in [({"num_images": req.MAX_IMAGES_PER_REQUEST + 1}, "num_images must be in [1, 64]"),
+    for record, words in [({"num_images": MAX_IMAGES_PER_REQUEST + 1}, "num_images must be in [1, 64]"),
                           ({"num_images": 10**12}, "num_images must be in"),
                           ({"num_inference_steps": 10**9}, "num_inference_steps must be in [1, 1000]"),
                           ({"seed": 2**64}, "seed must be a non-negative integer")]:
@@ -75,11 +85,11 @@ def test_a_request_for_many_images_is_generated_batch_size_at_a_time():
 
     from transforms.inference import BatchByShape
 
-    r = _one({"id": "many", "prompt": "p", "num_images": req.MAX_IMAGES_PER_REQUEST}, RequestDefaults(32, 32))
+    r = _one({"id": "many", "prompt": "p", "num_images": MAX_IMAGES_PER_REQUEST}, RequestDefaults(32, 32))
 
     def check(batches):
         sizes = sorted(len(b) for b in batches)
-        assert sum(sizes) == req.MAX_IMAGES_PER_REQUEST and max(sizes) <= 4, sizes
+        assert sum(sizes) == MAX_IMAGES_PER_REQUEST and max(sizes) <= 4, sizes
 
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
         batches = p | beam.Create(r.tasks()) | BatchByShape(4)
@@ -90,7 +100,7 @@ def test_a_request_for_many_images_is_generated_batch_size_at_a_time():
 @pytest.mark.parametrize("fmt", ["jsonl", "text"])
 def test_prompt_size_is_bounded(fmt):
     limit = RequestDefaults().max_prompt_bytes
-    assert limit == req.DEFAULT_MAX_PROMPT_BYTES == 64 * 1024
+    assert limit == DEFAULT_MAX_PROMPT_BYTES == 64 * 1024
     big = "a" * (10 * 1024 * 1024)
     data = json.dumps({"prompt": big}).encode() if fmt == "jsonl" else big.encode()
     out = parse_lines(data, "big." + fmt, fmt, RequestDefaults(32, 32))
@@ -139,7 +149,7 @@ def test_reading_a_line_is_bounded_in_memory():
 
 
 def test_a_line_over_the_cap_is_one_error_row_and_the_file_goes_on():
-    cap = req.MAX_LINE_BYTES
+    cap = MAX_LINE_BYTES
     data = b"first\n" + b"x" * cap + b"\n" + b"y" * (cap + 1) + b"\r\nlast\n"
     out = [r for r in iter_raw_records(io.BufferedReader(io.BytesIO(data)), "f.txt", "text")]
     assert [r.line for r in out] == [1, 2, 3, 4]

@@ -33,7 +33,8 @@ def _accepted_by_generate(gen, height, width) -> bool:
 def test_job_and_generate_accept_the_same_sizes(ckpt_scale4, tmp_path):
     import model
     from pipeline.run import resolve_job
-    from transforms.requests import GenerationRequest, parse_lines
+    from transforms.inputs.readers import parse_lines
+    from transforms.requests import GenerationRequest
 
     gen = model.load(ckpt_scale4, dtype="float32", max_sequence_length=16)
     assert gen.size_multiple == 8  # not the published 16: the job must not assume it

@@ -17,7 +17,7 @@ def _runbook() -> str:
 
 
 def test_every_option_is_in_the_runbook_or_the_template_metadata():
-    from pipeline.options import OPTIONS
+    from pipeline.option_specs import OPTIONS
 
     text = _runbook()
     with open(os.path.join(REPO, "templates", "metadata.json"), encoding="utf-8") as f:
@@ -55,7 +55,7 @@ def test_every_output_the_job_writes_is_in_the_runbook():
 
 
 def test_every_input_format_is_in_the_runbook():
-    from transforms.input_formats import FORMATS
+    from transforms.inputs.formats import FORMATS
 
     names = {"jsonl": "JSON Lines", "csv": "CSV", "tsv": "TSV", "parquet": "Parquet", "text": "one prompt per line"}
     assert set(names) == set(FORMATS)

@@ -821,7 +821,7 @@ def test_required_template_parameters():
 def test_metadata_help_texts_are_the_option_descriptions():
     """A job option's help text in metadata.json starts with its one-line description in pipeline/options.py (what
     --help and the README show); what follows is for template launches only, then the examples."""
-    from pipeline.options import OPTIONS
+    from pipeline.option_specs import OPTIONS
 
     params = metadata_params()
     for option in OPTIONS:

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the request parser (transforms/requests.py) over JSONL, CSV, TSV and text.
+"""Property-based fuzzing of the request parser (transforms/inputs/) over JSONL, CSV, TSV and text.
 
 Properties, for every input the strategies can build:
 - the parser never raises: every record becomes either a GenerationRequest or an error row;
@@ -29,12 +29,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from model.contract import DEFAULT_SIZE_MULTIPLE as SIZE_MULTIPLE
+from model.contract import MAX_IMAGES_PER_REQUEST, MAX_SEED, MAX_STEPS
 from transforms import layout
-from transforms.delimited import DIALECTS
-from transforms.requests import (
-    ID_PATTERN, MAX_IMAGES_PER_REQUEST, MAX_JSON_DEPTH, MAX_SEED, MAX_STEPS, GenerationRequest, RequestDefaults,
-    derive_id, derive_seed, parse_lines,
-)
+from transforms.inputs.delimited import DIALECTS
+from transforms.inputs.identity import ID_PATTERN, derive_id, derive_seed
+from transforms.inputs.jsonl import MAX_JSON_DEPTH
+from transforms.inputs.readers import parse_lines
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import GenerationRequest
 
 D = RequestDefaults(height=64, width=32, seed=7)
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from transforms.columns import ColumnMap
-from transforms.input_check import JSONL_RECORDS, InputCheckError, check_input_files
+from transforms.inputs.check import JSONL_RECORDS, InputCheckError, check_input_files
+from transforms.inputs.columns import ColumnMap
 
 
 def _jsonl(records) -> bytes:

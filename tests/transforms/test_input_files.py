@@ -10,7 +10,7 @@ import zlib
 import pytest
 import zstandard
 
-from transforms.input_files import DecompressingReader, InputReadError, compression_of, open_decompressed
+from transforms.inputs.files import DecompressingReader, InputReadError, compression_of, open_decompressed
 
 DATA = b"".join(b'{"id": "r%d", "prompt": "prompt number %d"}\n' % (i, i) for i in range(4000))
 COMPRESS = {"gzip": gzip.compress, "bzip2": bz2.compress, "lzma": lzma.compress, "deflate": zlib.compress,
@@ -118,7 +118,7 @@ def test_compressed_data_inside_compressed_data_is_read_through(name, inner):
 
 def test_layers_are_read_up_to_a_bound():
     """Compression inside compression is undone at most MAX_LAYERS times; deeper bytes come back as they are."""
-    from transforms.input_files import MAX_LAYERS
+    from transforms.inputs.files import MAX_LAYERS
 
     packed = DATA
     for _ in range(MAX_LAYERS + 1):
@@ -131,8 +131,8 @@ def test_layers_are_read_up_to_a_bound():
 
 BOMB_SCRIPT = r'''
 import io, json, sys, zstandard
-from transforms.input_files import open_decompressed
-from transforms.lines import decoded_lines
+from transforms.inputs.files import open_decompressed
+from transforms.inputs.lines import decoded_lines
 line = b"\0" * ((64 << 20) - 1) + b"\n"
 stream = zstandard.ZstdCompressor(level=3).compressobj()  # one frame of 2 GiB in 32 lines
 bomb = b"".join(stream.compress(line) for _ in range(32)) + stream.flush()

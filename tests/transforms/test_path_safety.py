@@ -28,7 +28,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transforms import layout
-from transforms.requests import ID_PATTERN, GenerationRequest, InvalidRecord, RequestDefaults, parse_lines, validate_id
+from transforms.inputs.coercion import InvalidRecord
+from transforms.inputs.identity import ID_PATTERN, validate_id
+from transforms.inputs.readers import parse_lines
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import GenerationRequest
 
 from paths import REPO  # noqa: E402
 RUNTIME_PACKAGES = ("model", "transforms", "pipeline")
@@ -163,7 +167,8 @@ def test_requests_are_only_built_by_the_validator():
                             name == "GenerationRequest" or any(
                                 isinstance(a, ast.Name) and a.id in ("request", "r", "req") for a in node.args)):
                         builders.append((rel, fn.name, name))
-    assert builders == [(os.path.join("transforms", "requests.py"), "validate_record", "GenerationRequest")], builders
+    validator = os.path.join("transforms", "inputs", "validation.py")
+    assert builders == [(validator, "validate_record", "GenerationRequest")], builders
 
 
 def test_image_names_come_from_the_request_id_only():
@@ -198,7 +203,8 @@ def test_reading_hostile_records_logs_no_prompt_at_info(tmp_path, caplog):
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from transforms.requests import DeduplicateRequests, ReadRequests
+    from transforms.inputs.readers import ReadRequests
+    from transforms.requests import DeduplicateRequests
 
     lines = [
         {"id": "ok", "prompt": SECRET},

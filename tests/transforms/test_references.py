@@ -14,7 +14,10 @@ from reference_files import png, png_declaring
 from transforms import layout, references
 from transforms.outputs import ExistingImageMismatch, encode_png, existing_manifest_row, png_text
 from transforms.references import ReferenceCache, ReferenceError, ReferenceLimits, read_reference, resolve_path
-from transforms.requests import GenerationRequest, ImageTask, RequestDefaults, derive_id, parse_lines
+from transforms.inputs.identity import derive_id
+from transforms.inputs.readers import parse_lines
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import GenerationRequest, ImageTask
 
 D = RequestDefaults(height=32, width=32, seed=7, max_reference_images=2)
 LIMITS = ReferenceLimits(max_images=2, max_pixels=256 * 256)
@@ -86,13 +89,6 @@ def test_signature_is_the_processed_size_for_the_checkpoints_multiple():
     images = [Image.new("RGB", (80, 64)), Image.new("RGB", (2000, 1000))]
     assert references.reference_signature(images) == ((64, 80), (720, 1440))  # 1448x724 at 1 MP -> 16s
     assert references.reference_signature(images, 32) == ((64, 64), (704, 1440))
-
-
-def test_defaults_check_the_reference_limits():
-    with pytest.raises(ValueError, match="--max_reference_images"):
-        RequestDefaults(max_reference_images=0).validate()
-    with pytest.raises(ValueError, match="--max_reference_pixels"):
-        RequestDefaults(max_reference_pixels=4000).validate()
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -197,8 +193,8 @@ def test_reference_field_in_parquet_is_a_list_of_strings(tmp_path):
 
 
 def test_reference_field_in_bigquery_rows_needs_full_paths():
-    from transforms.bigquery_input import row_record
-    from transforms.requests import parse_raw
+    from transforms.inputs.bigquery import row_record
+    from transforms.inputs.validation import parse_raw
 
     ok = parse_raw(row_record({"prompt": "p", "reference_images": ["gs://b/a.png"]}, "bq://p.d.t"), D)
     assert ok.reference_images == ("gs://b/a.png",)
@@ -330,12 +326,20 @@ def test_references_outside_the_roots_are_one_error_row_each(tmp_path):
 
 
 def test_job_reference_roots_default_to_the_input_folders_and_can_be_given():
-    from pipeline.errors import UsageError
-    from pipeline.run import _reference_roots
+    import types
 
-    assert _reference_roots(None, ["/data/in/*.jsonl"]) == ("/data/in",)
-    assert _reference_roots(["gs://b/refs/,/data/refs", "gs://c"], ["/data/in/p.jsonl"]) == (
+    from pipeline.errors import UsageError
+    from pipeline.option_specs import OPTIONS
+    from pipeline.specs import Runner, job_spec
+
+    def roots(reference_root, inputs):
+        given = {**{o.name: o.default for o in OPTIONS}, "model": "ckpt", "input": inputs,
+                 "reference_root": reference_root}
+        return job_spec(types.SimpleNamespace(**given), Runner("FnApiRunner", local=True)).reference_roots
+
+    assert roots(None, ["/data/in/*.jsonl"]) == ("/data/in",)
+    assert roots(["gs://b/refs/,/data/refs", "gs://c"], ["/data/in/p.jsonl"]) == (
         "gs://b/refs", "/data/refs", "gs://c")
-    assert _reference_roots(None, []) == ()  # BigQuery input: references must be allowed explicitly
+    assert roots(None, ["bq://p.d.t"]) == ()  # BigQuery input: references must be allowed explicitly
     with pytest.raises(UsageError, match="s3://b"):
-        _reference_roots(["s3://b/refs"], [])
+        roots(["s3://b/refs"], ["/data/in/p.jsonl"])

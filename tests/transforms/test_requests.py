@@ -9,11 +9,13 @@ from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model.contract import MAX_SEED
 from transforms import layout
-from transforms.requests import (
-    DUPLICATE_TAG, MAX_SEED, DeduplicateRequests, GenerationRequest, ReadRequests, RequestDefaults, derive_id,
-    detect_format, parse_lines,
-)
+from transforms.inputs.formats import detect_format
+from transforms.inputs.identity import derive_id
+from transforms.inputs.readers import ReadRequests, parse_lines
+from transforms.inputs.validation import RequestDefaults
+from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, GenerationRequest
 
 D = RequestDefaults(height=64, width=32, seed=7)
 

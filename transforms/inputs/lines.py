@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from . import layout
+from .. import layout
 from .records import RawRecord
 
 MAX_LINE_BYTES = 16 * 1024 * 1024

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-from . import layout
+from .. import layout
 from .columns import ColumnError, ColumnMap
-from .input_files import compression_of
+from .files import compression_of
 from .lines import MAX_LINE_BYTES
 from .records import RawRecord, unreadable
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from . import layout
+from .. import layout
 from .columns import Resolved
 
 

@@ -19,11 +19,12 @@ import logging
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from . import input_files
 from .columns import ColumnError, ColumnMap, MissingPromptColumn
 from .delimited import DEFAULT_FIELD_LIMIT, table_header
-from .input_formats import InputFormatError, detect_format
-from .parquet_input import parquet_columns
+from .files import InputReadError, open_decompressed
+from .formats import InputFormatError, detect_format
+from .jsonl import iter_jsonl
+from .parquet import parquet_columns
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ def table_columns(path: str, fmt: str, field_limit: int = DEFAULT_FIELD_LIMIT) -
         if fmt == "parquet":
             return parquet_columns(raw, path)
         try:
-            return table_header(input_files.open_decompressed(raw, path), path, fmt, field_limit)
-        except input_files.InputReadError:
+            return table_header(open_decompressed(raw, path), path, fmt, field_limit)
+        except InputReadError:
             return None
 
 
@@ -79,18 +80,17 @@ def jsonl_keys(path: str, most: int = JSONL_RECORDS) -> tuple[list[tuple[str, ..
     """(the key sets of the JSON objects among the first `most` non-empty lines of a JSONL file, each once, in
     order; the lines looked at). Lines are read within the readers' size bound; a line that is no JSON object
     counts but gives no keys. No key sets when the file cannot be read: the job reports that."""
-    from .requests import iter_jsonl  # requests imports much of the package; only the JSONL check needs it
 
     found: dict[tuple[str, ...], None] = {}
     lines = 0
     try:
         with FileSystems.open(path, mime_type="application/octet-stream",
                               compression_type=CompressionTypes.UNCOMPRESSED) as raw:
-            for record in itertools.islice(iter_jsonl(input_files.open_decompressed(raw, path), path), most):
+            for record in itertools.islice(iter_jsonl(open_decompressed(raw, path), path), most):
                 lines += 1
                 if record.fields is not None:
                     found.setdefault(tuple(record.fields), None)
-    except (OSError, input_files.InputReadError) as e:
+    except (OSError, InputReadError) as e:
         logger.info("cannot read the first records of %s at launch (%s); the job reports it", path, e)
         return [], lines
     return list(found), lines

@@ -1,9 +1,9 @@
 """CSV and TSV tables with a header row -> raw records; quoting as Python's csv `excel` / `excel-tab` dialects.
 
-The header names the columns and is resolved once (`transforms/columns.py`): a header that cannot give requests (no
-prompt column, a column named twice, two columns for one field) is one error row for the whole file, never one per
-row. Quoted fields may span lines; a row's line is where it starts. A row with a line that cannot be read (not
-UTF-8, too long) is rejected whole, with that line's reason: its other lines are not spliced into another record.
+The header names the columns and is resolved once (`columns.py`): a header that cannot give requests (no prompt
+column, a column named twice, two columns for one field) is one error row for the whole file, never one per row.
+Quoted fields may span lines; a row's line is where it starts. A row with a line that cannot be read (not UTF-8, too
+long) is rejected whole, with that line's reason: its other lines are not spliced into another record.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import csv
 import io
 from typing import Any, Iterable, Iterator
 
-from . import layout
+from .. import layout
 from .columns import ColumnError, ColumnMap
 from .lines import decoded_lines
 from .records import RawRecord, unreadable

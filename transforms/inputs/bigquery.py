@@ -20,9 +20,11 @@ from typing import Any, Mapping
 
 import apache_beam as beam
 
+from ..requests import INVALID_TAG
 from .columns import ColumnMap
+from .readers import ParseRecordsFn
 from .records import RawRecord
-from .requests import INVALID_TAG, ParseRecordsFn, RequestDefaults
+from .validation import RequestDefaults
 
 SCHEME = "bq://"
 QUERY_SOURCE = "bq-query"  # the `source` of the rows of --input_query

@@ -1,0 +1,133 @@
+"""What the launch finds out from the machine and the storage the options name, before the job starts.
+
+The checkpoint (the demo's, built on first use; a local folder; a gs:// prefix; a Hugging Face Hub id, downloaded
+once) and its configs, the files each `--input` pattern matches and their headers, what a BigQuery read needs, and
+whether the output folder tells 'A.png' from 'a.png'. Everything that only looks at the option values is
+pipeline/specs.py; pipeline/output_check.py looks for a previous run's results in the output. Each probe raises a
+UsageError naming the option whose value it could not use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+
+from apache_beam.io.filesystems import FileSystems
+
+from model.checkpoint import read_config_and_digest
+from model.errors import ModelError
+from model.hub import is_hub_id
+from transforms.inputs.bigquery import dataset_reference
+from transforms.inputs.check import InputCheckError, check_input_files
+from transforms.inputs.delimited import field_limit_for
+
+from .demo import demo_checkpoint
+from .errors import UsageError
+from .hub_model import hub_model
+from .specs import InputSpec, ModelSpec, Runner
+
+logger = logging.getLogger("pipeline.probes")
+
+EXAMPLE_HUB_ID = "black-forest-labs/FLUX.2-klein-4B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The checkpoint the workers load, as the launch found it (its configs only: no weight is read)."""
+
+    location: str  # a local folder or a gs:// prefix
+    size_multiple: int  # heights and widths are multiples of it (the job accepts what generate() accepts)
+    digest: str  # what the checkpoint holds (model.checkpoint.checkpoint_digest): part of the model fingerprint
+
+
+def checkpoint_location(spec: ModelSpec, runner: Runner) -> str:
+    """Where the checkpoint `--model` names is for the workers: the demo's (none named; built on first use), a
+    local folder or gs:// prefix as given, or a Hub id's snapshot (downloaded, or found cached, once, here)."""
+    model = spec.model
+    if model is None:
+        return demo_checkpoint()
+    if is_hub_id(model):
+        return hub_model(model, spec.model_variant, local_runner=runner.local, model_cache=spec.model_cache,
+                         temp_location=runner.temp_location)
+    if "://" not in model and not os.path.isdir(model):
+        raise UsageError(f"--model={model!r} is not a folder (give a diffusers-layout checkpoint folder, "
+                         f"a gs:// prefix or a Hugging Face Hub id such as {EXAMPLE_HUB_ID})")
+    return model
+
+
+def read_checkpoint(location: str, variant: str | None) -> Checkpoint:
+    """The checkpoint's configs and digest; UsageError when they cannot be read as FLUX.2 [klein]'s."""
+    try:
+        config, digest = read_config_and_digest(location, variant)
+    except ModelError as e:
+        raise UsageError(f"--model={location!r} cannot be read as a FLUX.2 [klein] checkpoint: "
+                         f"{type(e).__name__}: {e}") from e
+    return Checkpoint(location=location, size_multiple=config.size_multiple, digest=digest)
+
+
+def check_bigquery(spec: InputSpec, runner: Runner) -> None:
+    """What BigQuery reads need from the runner's options: --bigquery_temp_dataset in --project (or named whole),
+    and a gs:// --temp_location to export the rows through."""
+    if spec.bigquery_temp_dataset is not None:
+        try:
+            dataset_reference(spec.bigquery_temp_dataset, runner.project)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if spec.bigquery and not (runner.temp_location or "").startswith("gs://"):
+        raise UsageError("reading from BigQuery exports the rows through --temp_location: give a gs:// one, e.g. "
+                         "--temp_location=gs://BUCKET/tmp")
+
+
+def match_inputs(patterns: tuple[str, ...]) -> list[str]:
+    """Every file the --input patterns match, once each, in order; UsageError for a pattern that matches none, only
+    folders, or cannot be listed."""
+    files: dict[str, None] = {}
+    for pattern in patterns:
+        try:
+            matched = FileSystems.match([pattern])[0].metadata_list
+        except Exception as e:  # noqa: BLE001 - any filesystem error means the same thing to the user
+            raise UsageError(f"--input {pattern!r} cannot be read: {e}") from e
+        if not matched:
+            raise UsageError(f"--input {pattern!r} matches no file")
+        if all("://" not in m.path and os.path.isdir(m.path) for m in matched):
+            raise UsageError(f"--input {pattern!r} is a folder, not a file; give the files in it, e.g. "
+                             f"{os.path.join(pattern, '*.jsonl')!r}")
+        files.update((m.path, None) for m in matched)
+    return list(files)
+
+
+def check_inputs(files: list[str], spec: InputSpec, max_prompt_bytes: int) -> tuple[str, ...]:
+    """Each table's header (and the first JSONL records) must give the prompt column: said now, not in one error
+    row per record. Returns the warnings (logged), such as a --column_map column a table lacks."""
+    try:
+        warnings = check_input_files(files, str(spec.input_format), spec.columns, field_limit_for(max_prompt_bytes))
+    except InputCheckError as e:
+        raise UsageError(str(e)) from None
+    for warning in warnings:
+        logger.warning("%s", warning)
+    return tuple(warnings)
+
+
+def is_case_insensitive_folder(folder: str) -> bool:
+    """Whether file names differing only in case name the same file in `folder` (macOS, Windows; created if needed):
+    a probe file with a lower-case name is looked up under its upper-case name."""
+    os.makedirs(folder, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".case-probe-", dir=folder)
+    os.close(fd)
+    try:
+        head, name = os.path.split(probe)
+        return os.path.exists(os.path.join(head, name.upper()))
+    finally:
+        os.remove(probe)
+
+
+def case_insensitive_output(output: str) -> bool:
+    """Whether a local --output folder folds case (created if needed); a gs:// output never does."""
+    if "://" in output:
+        return False
+    try:
+        return is_case_insensitive_folder(output)
+    except OSError as e:
+        raise UsageError(f"--output={output!r} cannot be written: {e}") from e

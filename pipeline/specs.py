@@ -1,0 +1,385 @@
+"""The job's options as typed, checked groups: one frozen spec a group of the option table (pipeline/option_specs.py
+GROUPS): input, output, model, generation, limits, reliability.
+
+`job_spec(options, runner)` takes the parsed options (Beam's `Flux2KleinOptions` view, or any object with the
+options as attributes) and the runner they launch on, and returns a `JobSpec`, or raises a UsageError naming the
+option. A group's fields are its options, by name (tests keep them in step with the table); a value that is one of
+a set is an enum. Here the options' own checks, the checks of options against each other, and the defaults that
+depend on the run (the demo's prompts, size and dtype; the output folder; the reference roots) are applied; what
+needs the machine or storage (the checkpoint, the input files, the output folder) is pipeline/probes.py's, and
+what depends on the checkpoint's configs is applied once they are read (`JobSpec.request_defaults`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Any
+
+from model.contract import DEFAULT_SIZE, count, is_integer, optional_count
+from model.options import DTYPE_NAMES, EngineOptions, LoadSettings
+from model.references import MIN_SIDE
+from model.weight_files import validate_variant
+from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
+from transforms.inputs.columns import ColumnMap, parse_column_map
+from transforms.inputs.validation import RequestDefaults
+from transforms.layout import IMAGE_FORMATS
+from transforms.outputs import ImageEncoding
+from transforms.preview import check_preview
+from transforms.references import default_roots, normalise_root
+from transforms.shards import OUTPUT_FORMATS, check_samples_per_shard
+
+from .compile_cache import resolve_compilation_cache
+from .demo import DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE
+from .errors import UsageError
+from .option_specs import ACCELERATORS, DEFAULT_OUTPUT, GROUPS, INPUT_FORMATS, OPTIONS
+
+
+def _choices(name: str, values: tuple[str, ...]) -> type[enum.StrEnum]:
+    """An enum of an option's choices, from the tuple that owns them (its members compare equal to the strings)."""
+    return enum.StrEnum(name, [(value.upper(), value) for value in values], module=__name__)
+
+
+InputFormat = _choices("InputFormat", INPUT_FORMATS)  # --input_format
+ImageFormat = _choices("ImageFormat", IMAGE_FORMATS)  # --image_format
+OutputFormat = _choices("OutputFormat", OUTPUT_FORMATS)  # --output_format
+Dtype = _choices("Dtype", DTYPE_NAMES)  # --dtype
+Accelerator = _choices("Accelerator", ACCELERATORS)  # --require_accelerator
+
+
+class ExistingResults(enum.StrEnum):
+    """What a run does with a previous run's results in its output (pipeline/output_check.py)."""
+
+    STOP = "stop"  # neither switch: the launch stops when there are any
+    SKIP = "skip"  # --skip_existing: keep them, generate only what is missing
+    OVERWRITE = "overwrite"  # --overwrite: generate everything again and replace them
+
+
+# Options whose default depends on the checkpoint, applied when they are not given: (default, the demo's).
+CHECKPOINT_DEFAULTS = {"height": (DEFAULT_SIZE, DEMO_SIZE), "width": (DEFAULT_SIZE, DEMO_SIZE),
+                       "dtype": (LoadSettings.dtype, DEMO_DTYPE)}
+# Pattern characters of Beam's file matching (fnmatch / glob), which an output path cannot hold.
+GLOB_CHARACTERS = ("*", "?", "[", "]")
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def _set(spec, **values) -> None:
+    """Store normalised values on a frozen spec (from its __post_init__)."""
+    for name, value in values.items():
+        object.__setattr__(spec, name, value)
+
+
+def _at_least(option: str, value, low: int, note: str = "") -> None:
+    if value is None or value < low:
+        raise ValueError(f"--{option} must be >= {low}{note}, got {value}")
+
+
+def input_list(values) -> tuple[str, ...]:
+    """--input as a flat tuple: repeated flags and comma-separated values both work."""
+    if isinstance(values, str):
+        values = [values]
+    return tuple(p.strip() for value in values or () for p in str(value).split(",") if p.strip())
+
+
+def parse_worker_env(text: str | None) -> tuple[tuple[str, str], ...]:
+    """--worker_env as (NAME, value) pairs; ValueError naming the entry that is not a new NAME=value."""
+    env: dict[str, str] = {}
+    for entry in filter(None, (text or "").split(";")):
+        name, sep, value = entry.partition("=")
+        if not sep or not _ENV_NAME.fullmatch(name) or name in env:
+            raise ValueError(f"--worker_env entry {entry!r} is not a new NAME=value pair (NAME in capitals, "
+                             f"digits and '_'; pairs separated by ';')")
+        env[name] = value
+    return tuple(env.items())
+
+
+def reference_root_list(values) -> tuple[str, ...]:
+    """--reference_root (repeated or comma-separated), each normalised (transforms/references.py); () for none."""
+    if isinstance(values, str):
+        values = [values]
+    entries = [e for value in values or () for e in str(value).split(",")]
+    return tuple(dict.fromkeys(normalise_root(e) for e in entries))
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """Where the prompt records come from and how their columns are read."""
+
+    input: tuple[str, ...]  # file patterns and bq:// tables, in order (the demo's prompts for the demo)
+    input_format: InputFormat
+    prompt_column: str
+    id_column: str
+    column_map: str | None
+    max_metadata_bytes: int
+    input_query: str | None
+    bigquery_temp_dataset: str | None
+    columns: ColumnMap = dataclasses.field(init=False)  # the three column options, checked together
+
+    def __post_init__(self):
+        _set(self, input=input_list(self.input), input_format=InputFormat(self.input_format),
+             columns=ColumnMap(prompt_column=self.prompt_column, id_column=self.id_column,
+                               renames=parse_column_map(self.column_map)).validate())
+        if not is_integer(self.max_metadata_bytes) or self.max_metadata_bytes < 0:
+            raise ValueError(f"--max_metadata_bytes must be an integer >= 0, got {self.max_metadata_bytes!r}")
+        for uri in self.tables:
+            table_spec(uri)
+        if self.input_query is not None and not self.input_query.strip():
+            raise ValueError("--input_query is empty")
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The file patterns of --input."""
+        return tuple(p for p in self.input if not is_table_uri(p))
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        """The BigQuery tables of --input, each once."""
+        return tuple(dict.fromkeys(p for p in self.input if is_table_uri(p)))
+
+    @property
+    def bigquery(self) -> tuple[BigQueryInput, ...]:
+        """The BigQuery reads: each table, then --input_query."""
+        query = () if self.input_query is None else (BigQueryInput(query=self.input_query),)
+        return tuple(BigQueryInput(uri=uri) for uri in self.tables) + query
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """Where and how the results are written."""
+
+    output: str
+    image_format: ImageFormat
+    output_format: OutputFormat
+    samples_per_shard: int
+    preview: int
+    png_compress_level: int
+    quality: int
+    skip_existing: bool
+    overwrite: bool
+    no_progress: bool
+    allow_empty: bool
+    encoding: ImageEncoding = dataclasses.field(init=False)  # the three image options, checked together
+
+    def __post_init__(self):
+        if any(c in self.output for c in GLOB_CHARACTERS):
+            # Beam's file sinks find their temporary files by pattern: a '[' in the path would make the job fail
+            # after every image was written, before the manifest.
+            raise ValueError(f"--output={self.output!r} contains a glob character ({', '.join(GLOB_CHARACTERS)}), "
+                             f"which Beam's file sinks cannot use in a path; choose another output location")
+        _set(self, encoding=ImageEncoding(self.image_format, self.png_compress_level, self.quality))
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"--output_format={self.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+        check_samples_per_shard(self.samples_per_shard)
+        check_preview(self.preview)
+        if self.skip_existing and self.overwrite:
+            raise ValueError("--skip_existing keeps the images already written and --overwrite replaces them; "
+                             "give one")
+        _set(self, image_format=ImageFormat(self.image_format), output_format=OutputFormat(self.output_format),
+             skip_existing=bool(self.skip_existing), overwrite=bool(self.overwrite))
+
+    @property
+    def webdataset(self) -> bool:
+        return self.output_format == OutputFormat.WEBDATASET
+
+    @property
+    def existing(self) -> ExistingResults:
+        if self.skip_existing:
+            return ExistingResults.SKIP
+        return ExistingResults.OVERWRITE if self.overwrite else ExistingResults.STOP
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which checkpoint, which of its files, and how it is loaded."""
+
+    model: str | None  # as given: a folder, a gs:// prefix or a Hub id; None: the demo's checkpoint
+    demo_checkpoint: bool
+    model_variant: str | None
+    dtype: Dtype
+    max_sequence_length: int
+    model_cache: str | None
+    checkpoint_cache_dir: str | None
+
+    def __post_init__(self):
+        validate_variant(self.model_variant, name="--model_variant")
+        count("--max_sequence_length", self.max_sequence_length)
+        _set(self, dtype=Dtype(self.dtype), demo_checkpoint=bool(self.demo_checkpoint))
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSpec:
+    """What a record that does not say gets. Checked with the checkpoint's size multiple, once its configs are read
+    (`JobSpec.request_defaults`). None steps or guidance: the checkpoint's own."""
+
+    height: int
+    width: int
+    num_inference_steps: int | None
+    guidance_scale: float | None
+    num_images: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitsSpec:
+    """How the work is laid out and what one request or one job may ask for."""
+
+    batch_size: int
+    model_shards: int
+    large_model: bool
+    model_copies: int | None
+    encode_threads: int | None
+    compilation_cache_dir: str | None
+    max_pixels: int  # checked against the checkpoint's size multiple (JobSpec.request_defaults)
+    max_prompt_bytes: int
+    max_reference_images: int
+    max_reference_pixels: int
+    reference_root: tuple[str, ...]  # normalised; (): the folders of the --input files (JobSpec.reference_roots)
+    max_images: int | None  # None: no limit
+
+    def __post_init__(self):
+        if self.max_images is not None:
+            _at_least("max_images", self.max_images, 1)
+        optional_count("--model_copies", self.model_copies)
+        optional_count("--encode_threads", self.encode_threads)
+        count("--batch_size", self.batch_size)
+        count("--model_shards", self.model_shards)
+        count("--max_prompt_bytes", self.max_prompt_bytes)
+        count("--max_reference_images", self.max_reference_images)
+        smallest = MIN_SIDE * MIN_SIDE
+        if not is_integer(self.max_reference_pixels) or self.max_reference_pixels < smallest:
+            raise ValueError(f"--max_reference_pixels must be an integer >= {smallest} ({MIN_SIDE} x {MIN_SIDE}), "
+                             f"got {self.max_reference_pixels!r}")
+        _set(self, reference_root=reference_root_list(self.reference_root), large_model=bool(self.large_model))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReliabilitySpec:
+    """What happens when a batch fails or a worker is not what the job needs."""
+
+    inference_retries: int
+    inference_timeout_s: int  # 0: no limit
+    require_accelerator: Accelerator | None
+    skip_preflight: bool
+    worker_env: tuple[tuple[str, str], ...]  # (NAME, value) set on each worker before the model loads
+
+    def __post_init__(self):
+        _at_least("inference_retries", self.inference_retries, 0)
+        _at_least("inference_timeout_s", self.inference_timeout_s, 0, " (0: no limit)")
+        env = self.worker_env
+        _set(self, worker_env=parse_worker_env(env) if env is None or isinstance(env, str) else tuple(env),
+             require_accelerator=None if self.require_accelerator is None else Accelerator(self.require_accelerator))
+
+
+# The spec of each group of the option table.
+SPECS = {"input": InputSpec, "output": OutputSpec, "model": ModelSpec, "generation": GenerationSpec,
+         "limits": LimitsSpec, "reliability": ReliabilitySpec}
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """The Beam runner the job launches on, as the job's checks need it."""
+
+    name: str
+    local: bool  # its workers share this machine (and its files)
+    temp_location: str | None = None
+    project: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """The job's options, grouped and checked, and the runner they launch on."""
+
+    input: InputSpec
+    output: OutputSpec
+    model: ModelSpec
+    generation: GenerationSpec
+    limits: LimitsSpec
+    reliability: ReliabilitySpec
+    runner: Runner
+    demo: bool = False  # neither --input (nor --input_query) nor --model: the bundled demo
+
+    @property
+    def tiny(self) -> bool:
+        """Whether the demo's checkpoint runs (the demo, or --demo_checkpoint)."""
+        return self.demo or self.model.demo_checkpoint
+
+    @property
+    def reference_roots(self) -> tuple[str, ...]:
+        """Where reference images may be read from: --reference_root, else the folders of the --input files."""
+        return self.limits.reference_root or default_roots(self.input.files)
+
+    def request_defaults(self, size_multiple: int) -> RequestDefaults:
+        """What a record that does not say gets, and the limits it is held to, for a checkpoint of this size
+        multiple; UsageError when they could never give a valid request."""
+        g, limits = self.generation, self.limits
+        try:
+            return RequestDefaults(
+                height=g.height, width=g.width, num_inference_steps=g.num_inference_steps,
+                guidance_scale=g.guidance_scale, num_images=g.num_images, seed=g.seed, max_pixels=limits.max_pixels,
+                max_prompt_bytes=limits.max_prompt_bytes, size_multiple=size_multiple,
+                max_metadata_bytes=self.input.max_metadata_bytes, max_reference_images=limits.max_reference_images,
+                max_reference_pixels=limits.max_reference_pixels).validate()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    def load_settings(self, location: str, defaults: RequestDefaults) -> LoadSettings:
+        """What every worker hands to model.load: the checkpoint at `location`, and the job's default shape compiled
+        while the weights load (model.options.LoadSettings.precompile)."""
+        cache = resolve_compilation_cache(self.limits.compilation_cache_dir, local_runner=self.runner.local,
+                                          temp_location=self.runner.temp_location)
+        try:
+            return LoadSettings(
+                model=location, dtype=str(self.model.dtype), variant=self.model.model_variant,
+                max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
+                engine=EngineOptions(batch_size=self.limits.batch_size, model_shards=self.limits.model_shards,
+                                     compilation_cache_dir=cache),
+                precompile=((defaults.height, defaults.width, defaults.num_inference_steps,
+                             defaults.guidance_scale),))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+
+def _is_demo(values: dict[str, Any], runner: Runner) -> bool:
+    """Whether the options ask for the bundled demo; UsageError for a checkpoint or input that is missing or named
+    twice, or a demo checkpoint the runner's workers cannot read."""
+    model, demo_checkpoint = values["model"], values["demo_checkpoint"]
+    if demo_checkpoint and model is not None:
+        raise UsageError(f"--demo_checkpoint and --model={model!r} both name the checkpoint; give one")
+    if demo_checkpoint and not runner.local:
+        raise UsageError(f"--demo_checkpoint is built on this machine, which the workers of {runner.name} cannot "
+                         f"read; give --model=gs://... (a copy of a checkpoint)")
+    inputs = bool(input_list(values["input"])) or values["input_query"] is not None
+    if not inputs and model is None:
+        return True
+    if not inputs:
+        raise UsageError("--input is required with --model (or --input_query; omit --input and --model to run the "
+                         "bundled demo)")
+    if model is None and not demo_checkpoint:
+        raise UsageError("--model is required with --input; to try your input on the bundled tiny random-weight "
+                         "checkpoint (noise images), add --demo_checkpoint; omit both --input and --model to run "
+                         "the bundled demo")
+    return False
+
+
+def job_spec(options, runner: Runner) -> JobSpec:
+    """The options as a JobSpec (the demo's defaults applied); UsageError naming the option for a value or a
+    combination the job cannot run."""
+    values = {option.name: getattr(options, option.name) for option in OPTIONS}
+    demo = _is_demo(values, runner)
+    tiny = demo or bool(values["demo_checkpoint"])
+    for name, (default, demo_default) in CHECKPOINT_DEFAULTS.items():
+        if values[name] is None:
+            values[name] = demo_default if tiny else default
+    values.update(output=values["output"] or DEFAULT_OUTPUT, input=[DEMO_PROMPTS] if demo else values["input"])
+    try:
+        groups = {key: SPECS[key](**{o.name: values[o.name] for o in OPTIONS if o.group == key}) for key, _ in GROUPS}
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    spec = JobSpec(**groups, runner=runner, demo=demo)
+    if not runner.local and "://" not in spec.output.output:
+        raise UsageError(f"--output={spec.output.output!r} is a local path, which the workers of {runner.name} "
+                         f"cannot share; give a gs:// location")
+    return spec
