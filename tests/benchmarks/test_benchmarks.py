@@ -81,6 +81,7 @@ def test_similarity_command_line(tmp_path):
 # ------------------------------------------------------------------------------------------------ generation benchmark
 
 
+@pytest.mark.slow  # CI time: the benchmark command runs in CI through test_benchmark_runs_where_torch_and_diffusers_cannot_be_imported
 def test_benchmark_command_reports_bf16_vs_fp32(tiny_ckpt, tmp_path):
     """The benchmark's one command runs end to end (tiny checkpoint, bf16) and reports, with the similarity tool,
     how far bf16 images are from fp32 ones on the same prompts and noise; its last line is the documented JSON."""

@@ -128,7 +128,14 @@ def test_every_switch_is_covered():
     assert fields <= set(SWITCHES), f"add the new EngineOptions switches to SWITCHES: {sorted(fields - set(SWITCHES))}"
 
 
-@pytest.mark.parametrize("switch", sorted(SWITCHES))
+# The slowest switches, each covered elsewhere, run with -m slow (CI time): context_parallel by the four-device test,
+# compilation_cache_dir by tests/pipeline/test_compile_cache.py; per_image, concurrent_images and cpu_compiler_options
+# are lab forms of the same programs that no default path takes.
+SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options"}
+
+
+@pytest.mark.parametrize("switch", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SWITCHES else s
+                                    for s in sorted(SWITCHES)])
 def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path, restore_compilation_cache):
     import model
     from model.lab import reference_mode
@@ -358,7 +365,8 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("base", [False, True], ids=["distilled", "base-cfg"])
+# The distilled case runs with -m slow (CI time): the base model with CFG goes through the same sharded programs and more.
+@pytest.mark.parametrize("base", [pytest.param(False, marks=pytest.mark.slow), True], ids=["distilled", "base-cfg"])
 def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, base):
     """Tensor parallel weights (model.sharding) over 2 and 4 devices, and data x model = 2 x 2: the images of one
     device within 1/255 (fused projections laid out per shard, model.shard_layout), each weight placed split as it is

@@ -143,7 +143,7 @@ def test_reference_errors_are_typed_and_carry_the_value(gen16):
 # ------------------------------------------------------------------------------------------------- VAE encoder
 
 
-@pytest.mark.parametrize("which", ["tiny", "m16"])
+@pytest.mark.parametrize("which", ["tiny", pytest.param("m16", marks=pytest.mark.slow)])  # m16: -m slow (CI time)
 def test_vae_encoder_matches_diffusers(which, tiny_ckpt, m16_ckpt):
     from types import SimpleNamespace
 

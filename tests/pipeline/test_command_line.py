@@ -173,6 +173,7 @@ def test_known_beam_options_pass(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- the demo
+@pytest.mark.slow  # CI time: the demo itself runs in CI (test_pipeline_cli.py::test_readme_demo_command)
 def test_demo_at_512(tmp_path):
     """The demo checkpoint has the real model's VAE scale (8) and patching (multiples of 16), so 512x512 costs it
     what it costs the real model, relatively (1024 image tokens), and completes here."""

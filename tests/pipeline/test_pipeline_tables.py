@@ -66,7 +66,7 @@ def check_table_outputs(out: str, summary: dict, *, text_header: bool) -> dict:
     return by_prompt
 
 
-@pytest.mark.slow  # the same tables through multi-process workers on GCS run in CI (test_tables_on_gcs_multi_process)
+@pytest.mark.slow  # CI time: the tables are read in CI by tests/transforms/test_tables.py, multi-process jobs by test_pipeline_local.py
 def test_tables_local_multi_process(tmp_path, ckpt32, xla_cache):
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -88,6 +88,7 @@ def test_tables_local_multi_process(tmp_path, ckpt32, xla_cache):
     assert summary["invalid"] == len(errors) == 3
 
 
+@pytest.mark.slow  # CI time: as above; the GCS job path runs in CI through test_pipeline_gcs.py
 def test_tables_on_gcs_multi_process(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_path):
     b = f"gs://{gcs_bucket}"
     gcs_emulator.upload_dir(ckpt32, f"{b}/models/klein-tiny")
