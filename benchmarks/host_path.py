@@ -47,7 +47,7 @@ def synthetic_pixels(height: int, width: int, seed: int) -> np.ndarray:
 
 def parse_format(name: str):
     """'png1' / 'png6' / 'png' / 'webp' / 'jpeg' -> ImageEncoding; ValueError naming an unknown one."""
-    from transforms.outputs import ImageEncoding
+    from transforms.sinks.encoding import ImageEncoding
 
     if name.startswith("png") and name[3:].isdigit():
         return ImageEncoding("png", png_compress_level=int(name[3:]))
@@ -82,7 +82,7 @@ def run_host_path(results: list, output: str, encoding, threads: int) -> dict:
     from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
     from transforms import layout
-    from transforms.outputs import WriteImagesFn, write_bytes_atomic
+    from transforms.sinks.writes import WriteImagesFn, write_bytes_atomic
 
     fn = WriteImagesFn(output, encoding=encoding, threads=threads)
     fn.setup()

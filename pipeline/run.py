@@ -53,10 +53,11 @@ from transforms.fingerprints import model_fingerprint
 from transforms.input_check import InputCheckError, check_input_files
 from transforms.inference import DEFAULT_INFERENCE_TIMEOUT_S, BatchByShape, Flux2KleinModelHandler
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
-from transforms.outputs import (
-    NON_FINITE_TAG, ImageEncoding, SkipExisting, SplitNonFinite, WriteImagesFn, WriteSummary, failed_batch_rows,
-    format_summary, read_bytes, write_bytes_atomic,
-)
+from transforms.generation import NON_FINITE_TAG, SplitNonFinite, failed_batch_rows
+from transforms.sinks.encoding import ImageEncoding
+from transforms.sinks.existing import SkipExisting
+from transforms.sinks.writes import WriteImagesFn, read_bytes, write_bytes_atomic
+from transforms.summary import WriteSummary, format_summary
 from transforms.preview import DEFAULT_PREVIEW, WritePreview, check_preview
 from transforms.progress import ProgressReporter, ReportTotal
 from transforms.references import ResolveReferences, default_roots, normalise_root

@@ -152,7 +152,7 @@ class _WritePreviewFn(beam.DoFn):
         retries.flush_to_metrics()
 
     def process(self, rows, total):
-        from .outputs import write_bytes_atomic
+        from .sinks.writes import write_bytes_atomic
 
         rows = sorted(rows, key=lambda r: (r["id"], r["file_name"]))
         data: dict[int, bytes] = {}

@@ -34,8 +34,9 @@ from apache_beam.metrics import Metrics
 from . import layout, retries, shards
 from .fingerprints import request_fingerprint
 from .metrics import NAMESPACE as METRICS_NAMESPACE
-from .outputs import ImageEncoding, default_encode_threads, failed_batch_rows, non_finite_row, png_text, read_bytes, \
-    write_bytes_atomic
+from .generation import failed_batch_rows, non_finite_row
+from .sinks.encoding import ImageEncoding, generated_text
+from .sinks.writes import default_encode_threads, read_bytes, write_bytes_atomic
 
 LOGGER = logging.getLogger(__name__)
 LINES_PER_BLOCK = 10_000  # lines of one input file whose tasks are ordered together (bounds one group's size)
@@ -128,10 +129,7 @@ def _encode_to(path: str, generated, encoding: ImageEncoding, model_fingerprint:
                ) -> tuple[int, str]:
     import hashlib
 
-    task = generated.task
-    data = encoding.encode(generated.pixels, png_text(
-        task, num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-        model=generated.model, prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint))
+    data = encoding.encode(generated.pixels, generated_text(generated, model_fingerprint))
     with open(path, "wb") as f:
         f.write(data)
     return len(data), hashlib.sha256(data).hexdigest()

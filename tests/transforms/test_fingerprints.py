@@ -9,8 +9,9 @@ import numpy as np
 from model import checkpoint
 from transforms import layout, shards
 from transforms.fingerprints import model_fingerprint, request_fingerprint
-from transforms.outputs import encode_png, existing_manifest_row, png_text
 from transforms.requests import GenerationRequest, ImageTask
+from transforms.sinks.encoding import encode_png, png_text
+from transforms.sinks.existing import existing_manifest_row
 
 
 def task(**kw) -> ImageTask:

@@ -20,10 +20,9 @@ from PIL import Image
 
 from transforms import layout
 from transforms.inference import GeneratedImage
-from transforms.outputs import (
-    ExistingImageMismatch, ImageEncoding, SkipExisting, WriteImagesFn, existing_manifest_row, png_text,
-    read_bytes, read_image_text,
-)
+from transforms.sinks.encoding import ImageEncoding, png_text, read_image_text
+from transforms.sinks.existing import ExistingImageMismatch, SkipExisting, existing_manifest_row
+from transforms.sinks.writes import WriteImagesFn, read_bytes
 from transforms.requests import GenerationRequest, ImageTask
 
 FORMATS = {"png": ImageEncoding("png"), "png6": ImageEncoding("png", png_compress_level=6),
@@ -182,13 +181,13 @@ def test_slow_store_holds_a_bounded_number_of_images_and_loses_none(tmp_path, mo
     from apache_beam.transforms.window import GlobalWindow
     from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
-    from transforms import outputs
+    from transforms.sinks import writes
 
     n, limit = 16, 3
     handed: list = []  # a weak reference to every GeneratedImage handed to the writer
     peak = {"store": 0, "feeder": 0}
     lock = threading.Lock()
-    real_write = outputs.write_bytes_atomic
+    real_write = writes.write_bytes_atomic
 
     def note(where):
         with lock:
@@ -199,7 +198,7 @@ def test_slow_store_holds_a_bounded_number_of_images_and_loses_none(tmp_path, mo
         time.sleep(0.05)
         real_write(uri, data, **kwargs)
 
-    monkeypatch.setattr(outputs, "write_bytes_atomic", slow_write)
+    monkeypatch.setattr(writes, "write_bytes_atomic", slow_write)
     out = str(tmp_path / "slow")
     tasks = [t for i in range(n // 2) for t in _request(f"img{i:03d}", num_images=2, height=256, width=256).tasks()]
     fn = WriteImagesFn(out, encoding=ImageEncoding(), threads=2, max_in_flight=limit)

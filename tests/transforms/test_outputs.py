@@ -14,12 +14,13 @@ from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
 from transforms import layout
-from transforms.outputs import (
-    ExistingImageMismatch, SkipExisting, build_summary, encode_png, existing_manifest_row, failed_batch_rows,
-    png_text, read_bytes, write_bytes_atomic,
-)
+from transforms.generation import failed_batch_rows
 from transforms.progress import ProgressWriter, progress_line, read_progress
 from transforms.requests import GenerationRequest, ImageTask
+from transforms.sinks.encoding import encode_png, png_text
+from transforms.sinks.existing import ExistingImageMismatch, SkipExisting, existing_manifest_row
+from transforms.sinks.writes import read_bytes, write_bytes_atomic
+from transforms.summary import build_summary
 
 
 def request(id="r1", num_images=1, **kw):

@@ -12,9 +12,10 @@ from PIL import Image
 
 from reference_files import png, png_declaring
 from transforms import layout, references
-from transforms.outputs import ExistingImageMismatch, encode_png, existing_manifest_row, png_text
 from transforms.references import ReferenceCache, ReferenceError, ReferenceLimits, read_reference, resolve_path
 from transforms.requests import GenerationRequest, ImageTask, RequestDefaults, derive_id, parse_lines
+from transforms.sinks.encoding import encode_png, png_text
+from transforms.sinks.existing import ExistingImageMismatch, existing_manifest_row
 
 D = RequestDefaults(height=32, width=32, seed=7, max_reference_images=2)
 LIMITS = ReferenceLimits(max_images=2, max_pixels=256 * 256)

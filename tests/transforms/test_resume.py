@@ -11,14 +11,15 @@ from apache_beam.ml.inference.base import PredictionResult
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
 
-import transforms.outputs as outputs
 from transforms import layout, shards
 from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.inference import GeneratedImage
-from transforms.outputs import ImageEncoding, SkipExisting, encode_png, existing_manifest_row, png_text, \
-    write_bytes_atomic
 from transforms.requests import GenerationRequest, ImageTask
 from transforms.shard_writer import EXISTING_TAG, STALE_TAG, PackShardFn
+from transforms.sinks import writes
+from transforms.sinks.encoding import ImageEncoding, encode_png, png_text
+from transforms.sinks.existing import SkipExisting, existing_manifest_row
+from transforms.sinks.writes import write_bytes_atomic
 
 MODEL = model_fingerprint("ckpt", dtype="float32", max_sequence_length=64)
 OTHER_DTYPE = model_fingerprint("ckpt", dtype="bfloat16", max_sequence_length=64)
@@ -56,14 +57,14 @@ def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00
 def image_reads(monkeypatch):
     """The images SkipExisting reads (FnApiRunner runs in this process, so the module's read_bytes is the one)."""
     reads = []
-    real = outputs.read_bytes
+    real = writes.read_bytes
 
     def counting(path):
         if f"/{layout.IMAGES_DIR}/" in path.replace(os.sep, "/"):
             reads.append(path)
         return real(path)
 
-    monkeypatch.setattr(outputs, "read_bytes", counting)
+    monkeypatch.setattr(writes, "read_bytes", counting)
     return reads
 
 

@@ -1,0 +1,274 @@
+"""What an output already holds, for `--skip_existing`: an image written earlier is checked against the task it
+would be made for, from the earlier manifest rows' fingerprints or from the image's own bytes and text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+from typing import Iterable
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from .. import layout, retries
+from ..fingerprints import request_fingerprint
+from ..metrics import NAMESPACE as METRICS_NAMESPACE
+from ..requests import ImageTask
+from . import writes
+from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_text
+
+LOGGER = logging.getLogger(__name__)
+SKIPPED_TAG = "skipped"
+
+
+class ExistingImageMismatch(ValueError):
+    """An image already at a task's name is not that task's image (other request, wrong size, damaged bytes)."""
+
+    def __init__(self, file_name: str, problem: str):
+        super().__init__(f"{file_name}: {problem}")
+        self.file_name = file_name
+        self.problem = problem
+
+
+class StaleImage(ExistingImageMismatch):
+    """A sound image already at a task's name that was made for another request or by another model (its
+    fingerprints, or the fields its text records, differ): generated again and counted `stale`."""
+
+
+def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: ImageEncoding | None = None,
+                          model_fingerprint: str | None = None) -> dict:
+    """The manifest row of an image a previous run wrote for `task`, rebuilt from its bytes and the text it carries
+    (PNG text chunks; the EXIF description of a WebP or JPEG).
+
+    Raises ExistingImageMismatch unless the bytes are a complete, undamaged image of the encoding's format (PNG:
+    every chunk checksum; WebP/JPEG: all pixels decode), and StaleImage unless it has the task's size and its text
+    records the task's id, prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, its steps and
+    guidance when the record gives them, and the task's request fingerprint and `model_fingerprint` when the text
+    has them (images of older runs do not; their row's model_fingerprint is then None)."""
+    from PIL import Image
+
+    encoding = encoding or ImageEncoding()
+    expected_format = PIL_FORMATS[encoding.format]
+    r = task.request
+    file_name = encoding.stored_name(task.file_name)
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt, size, text = im.format, im.size, read_image_text(im)
+            if fmt != "PNG":
+                im.load()  # a truncated WebP/JPEG fails to decode here
+        if fmt == "PNG":
+            with Image.open(io.BytesIO(data)) as im:
+                im.verify()  # every chunk's CRC, through IEND: a truncated or damaged file fails here
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes; all mean the same here
+        raise ExistingImageMismatch(file_name, f"not a readable {expected_format} ({type(e).__name__}: {e})") \
+            from None
+    if fmt != expected_format:
+        raise ExistingImageMismatch(file_name, f"is {fmt}, not {expected_format}")
+    if size != (r.width, r.height):
+        raise StaleImage(file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for {r.width}x{r.height}")
+    expected = {"id": r.id, "seed": str(task.seed)}
+    if "prompt" in text or "prompt_sha256" not in text:
+        expected["prompt"] = r.prompt
+    else:
+        expected["prompt_sha256"] = hashlib.sha256(r.prompt.encode("utf-8")).hexdigest()
+    if r.num_inference_steps is not None:
+        expected["num_inference_steps"] = str(int(r.num_inference_steps))
+    if r.guidance_scale is not None:
+        expected["guidance_scale"] = repr(float(r.guidance_scale))
+    # References: the same files (URIs and sha256); an image without references is not one made with them.
+    expected["reference_images"] = reference_text(r) if r.reference_images else None
+    for key, value in expected.items():
+        if text.get(key) != value:
+            raise StaleImage(file_name, f"was made for another request (its {key!r} differs)")
+    fingerprint = request_fingerprint(task)
+    if text.get("request_fingerprint", fingerprint) != fingerprint:
+        raise StaleImage(file_name, "was made for another request (its request fingerprint differs)")
+    if model_fingerprint and text.get("model_fingerprint", model_fingerprint) != model_fingerprint:
+        raise StaleImage(file_name, "was made by another model (its model fingerprint differs: another checkpoint, "
+                                    "dtype or max_sequence_length)")
+    try:
+        steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
+    except (KeyError, ValueError):
+        raise ExistingImageMismatch(file_name, "lacks its steps/guidance text") from None
+    truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
+    return layout.manifest_row(
+        request_id=r.id, file_name=file_name, uri=uri, prompt=r.prompt, prompt_truncated=truncated,
+        seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
+        model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
+        generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values(),
+        reference_images=r.reference_entries(), request_fingerprint=fingerprint,
+        model_fingerprint=text.get("model_fingerprint"))
+
+
+STALE_TAG = "stale"
+
+
+class _SkipExistingFn(beam.DoFn):
+    """Reads and checks each listed image (the listing as a side input {file name: size}): a task whose image
+    checks out -> its manifest row (tagged `skipped`); else the task, to be generated (an image made for another
+    request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
+    does for an image no earlier manifest row describes; alone, the whole check of runs before fingerprints."""
+
+    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None):
+        self._output = output
+        self._encoding = encoding or ImageEncoding()
+        self._model_fingerprint = model_fingerprint or None
+        self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
+        self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
+        self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
+        self._read = Metrics.counter(METRICS_NAMESPACE, "existing_images_read")
+
+    def setup(self):
+        retries.install()
+
+    def finish_bundle(self):
+        retries.flush_to_metrics()
+
+    def process(self, task: ImageTask, existing):
+        if self._encoding.stored_name(task.file_name) not in existing:
+            yield task
+            return
+        yield from self._read_and_check(task)
+
+    def _read_and_check(self, task: ImageTask):
+        file_name = self._encoding.stored_name(task.file_name)
+        uri = layout.join(self._output, file_name)
+        try:
+            data = writes.read_bytes(uri)
+        except FileNotFoundError:  # deleted since the listing
+            yield task
+            return
+        self._read.inc()
+        try:
+            row = existing_manifest_row(task, data, uri, self._encoding, self._model_fingerprint)
+        except StaleImage as e:
+            yield from self._stale_task(task, str(e))
+            return
+        except ExistingImageMismatch as e:
+            self._replaced.inc()
+            LOGGER.warning("--skip_existing: %s; generating it again", e)
+            yield task
+            return
+        self._skipped.inc()
+        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, row)
+
+    def _stale_task(self, task: ImageTask, why: str):
+        self._stale.inc()
+        LOGGER.info("--skip_existing: %s; generating it again", why)
+        yield beam.pvalue.TaggedOutput(STALE_TAG, self._encoding.stored_name(task.file_name))
+        yield task
+
+
+# What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
+RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "model", "prompt_truncated",
+                   "num_inference_steps", "guidance_scale")
+
+
+def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
+    """An earlier run's manifest file (manifest-*.jsonl or existing-*.jsonl) -> (file name, RECORDED_FIELDS) for
+    each row with both fingerprints, read line by line. Rows without them (older runs) and lines that do not parse
+    are left out: their images are read and checked instead."""
+    with readable_file.open() as f:
+        for number, line in enumerate(io.TextIOWrapper(f, encoding="utf-8", errors="replace"), 1):
+            try:
+                row = json.loads(line)
+                file_name = row["file_name"]
+            except (ValueError, KeyError, TypeError):
+                if line.strip():
+                    LOGGER.warning("--skip_existing: line %d of %s is not a manifest row; ignored", number,
+                                   readable_file.metadata.path)
+                continue
+            if isinstance(file_name, str) and row.get("request_fingerprint") and row.get("model_fingerprint"):
+                yield file_name, {k: row.get(k) for k in RECORDED_FIELDS}
+
+
+class _DecideExistingFn(_SkipExistingFn):
+    """(file name, {tasks, listed sizes, recorded rows}) -> the same outputs as _SkipExistingFn, from the listing
+    and the earlier manifest rows alone: an image listed at the size its rows record, all of whose rows carry the
+    task's request fingerprint and this model's, is skipped without being read; one whose rows all carry other
+    fingerprints is stale; one with no row (a run killed before its manifest was written), rows that disagree, or
+    another size, is read and checked as _SkipExistingFn does."""
+
+    def process(self, element, existing=None):
+        file_name, found = element
+        listed, recorded = list(found["listed"]), list(found["recorded"])
+        for task in found["tasks"]:
+            if not listed:
+                yield task
+            elif not recorded:
+                yield from self._read_and_check(task)
+            else:
+                yield from self._decide(task, file_name, listed[0], recorded)
+
+    def _decide(self, task: ImageTask, file_name: str, size: int, recorded: list[dict]):
+        want = (request_fingerprint(task), self._model_fingerprint)
+        prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in recorded}
+        if want not in prints:
+            which = "request" if all(p[1] == want[1] for p in prints) else "model"
+            yield from self._stale_task(task, f"{file_name}: its manifest row has another {which} fingerprint")
+            return
+        rec = next((r for r in recorded if r.get("bytes") == size), None)
+        if len(prints) > 1 or rec is None:  # rows that disagree, or an object of another size: look at it
+            yield from self._read_and_check(task)
+            return
+        r = task.request
+        self._skipped.inc()
+        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, layout.manifest_row(
+            request_id=r.id, file_name=file_name, uri=layout.join(self._output, file_name), prompt=r.prompt,
+            prompt_truncated=rec["prompt_truncated"], seed=task.seed, height=r.height, width=r.width,
+            num_inference_steps=rec["num_inference_steps"], guidance_scale=rec["guidance_scale"],
+            model=rec["model"], sha256=rec["sha256"], num_bytes=size, generation_ms=None, source=r.source,
+            line=r.line, metadata=r.metadata_values(), reference_images=r.reference_entries(),
+            request_fingerprint=want[0], model_fingerprint=want[1]))
+
+
+class SkipExisting(beam.PTransform):
+    """Image tasks -> {'tasks': those still to generate, 'skipped': manifest rows of the images already there,
+    'stale': file names of images already there that were made for another request or model}.
+
+    The existing images are listed once (one match of `{output}/images/*.png`, or the extension of the job's
+    --image_format), and the earlier runs' manifest rows (`manifest/*.jsonl`: manifest-* and existing-*) read once,
+    keeping only their fingerprints and stored figures. Both are joined with the tasks by file name
+    (_DecideExistingFn), so that an image whose rows say it is this request's, made by this model
+    (`model_fingerprint`), is skipped without being read. Only images no row describes are read and checked
+    (`existing_manifest_row`). Every kept image's row goes to manifest/existing-*.jsonl, so a resumed job's
+    manifests still list every image, including those of a run that was killed before writing its manifest.
+    `read_manifest=False`: every listed image is read and checked (the behaviour before fingerprints; benchmarks).
+    """
+
+    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None,
+                 read_manifest: bool = True):
+        super().__init__()
+        self._output = output
+        self._encoding = encoding or ImageEncoding()
+        self._model_fingerprint = model_fingerprint or None
+        self._read_manifest = read_manifest
+
+    def expand(self, tasks):
+        from apache_beam.io import fileio
+
+        output, encoding = self._output, self._encoding
+        listed = (tasks.pipeline
+                  | "ImagesGlob" >> beam.Create([layout.images_glob(output, encoding.format)])
+                  | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                  | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}",
+                                                        m.size_in_bytes)))
+        fn_args = (output, encoding, self._model_fingerprint)
+        if not self._read_manifest:
+            out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(*fn_args), beam.pvalue.AsDict(listed)) \
+                .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks")
+        else:
+            recorded = (tasks.pipeline
+                        | "ManifestGlob" >> beam.Create([layout.manifest_rows_glob(output)])
+                        | "ListManifests" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                        | "OpenManifests" >> fileio.ReadMatches()
+                        | "RecordedRows" >> beam.FlatMap(recorded_rows))
+            keyed = tasks | "ByFileName" >> beam.Map(lambda t: (encoding.stored_name(t.file_name), t))
+            out = ({"tasks": keyed, "listed": listed, "recorded": recorded}
+                   | "JoinExisting" >> beam.CoGroupByKey()
+                   | "DecideExisting" >> beam.ParDo(_DecideExistingFn(*fn_args))
+                   .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks"))
+        return {"tasks": out.tasks, "skipped": out[SKIPPED_TAG], "stale": out[STALE_TAG]}
