@@ -32,7 +32,6 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from . import layout, retries, shards
-from .fingerprints import request_fingerprint
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 from .generation import failed_batch_rows, non_finite_row
 from .sinks.encoding import ImageEncoding, generated_text
@@ -254,7 +253,17 @@ class PackShardFn(beam.DoFn):
                 stale.append(key)
         if stale:
             return _Stale(tuple(stale))
-        return [shards.manifest_row_of_sidecar(r) for r in rows]
+        uri = shards.shard_path(self._output, shard)
+        kept = []
+        for index, task in entries:
+            key = shards.sample_key(shard, index, self._per_shard)
+            row = by_key[key]
+            kept.append(layout.manifest_row(
+                task, file_name=row["file_name"], uri=uri, sha256=row["sha256"], num_bytes=row["bytes"],
+                num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
+                prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
+                model_fingerprint=row["model_fingerprint"], key=key))
+        return kept
 
     def _pack(self, shard: int, entries: list):
         started = time.time()
@@ -296,16 +305,11 @@ class PackShardFn(beam.DoFn):
             for key in sorted(stored):
                 generated, future = stored[key]
                 num_bytes, sha256 = future.result()
-                task, r = generated.task, generated.task.request
                 row = layout.manifest_row(
-                    request_id=r.id, file_name=f"{key}.{extension}", uri=uri, prompt=r.prompt,
-                    prompt_truncated=generated.prompt_truncated, seed=task.seed, height=r.height, width=r.width,
+                    generated.task, file_name=f"{key}.{extension}", uri=uri, sha256=sha256, num_bytes=num_bytes,
                     num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-                    model=generated.model, sha256=sha256, num_bytes=num_bytes,
-                    generation_ms=generated.generation_ms, source=r.source, line=r.line,
-                    metadata=r.metadata_values(), request_fingerprint=request_fingerprint(task),
-                    model_fingerprint=self._model_fingerprint)
-                row["key"] = key
+                    prompt_truncated=generated.prompt_truncated, model=generated.model,
+                    generation_ms=generated.generation_ms, model_fingerprint=self._model_fingerprint, key=key)
                 rows.append(row)
                 sidecar.append(shards.success_sidecar_row(row))
             for key, task, error in errors:

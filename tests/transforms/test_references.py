@@ -181,9 +181,9 @@ def test_manifest_and_image_text_carry_the_references():
     plain = GenerationRequest(**{**r.__dict__, "reference_images": (), "reference_sha256": ()})
     with pytest.raises(ExistingImageMismatch, match="reference_images"):
         existing_manifest_row(ImageTask(plain, 0), data, "gs://o/images/e.png")
-    no_refs = layout.manifest_row(request_id="x", file_name="images/x.png", uri="u", prompt="p",
-                                  prompt_truncated=False, seed=1, height=32, width=32, num_inference_steps=4,
-                                  guidance_scale=1.0, model="m", sha256="s", num_bytes=1, generation_ms=1.0)
+    no_refs = layout.manifest_row(ImageTask(plain, 0), file_name="images/x.png", uri="u", sha256="s",
+                                  num_bytes=1, num_inference_steps=4, guidance_scale=1.0, prompt_truncated=False,
+                                  model="m", generation_ms=1.0, model_fingerprint=None)
     assert "reference_images" not in no_refs  # text-to-image rows are unchanged
 
 

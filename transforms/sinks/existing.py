@@ -4,6 +4,7 @@ would be made for, from the earlier manifest rows' fingerprints or from the imag
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -16,12 +17,12 @@ from apache_beam.metrics import Metrics
 from .. import layout, retries
 from ..fingerprints import request_fingerprint
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
-from ..requests import ImageTask
 from . import writes
 from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_text
 
 LOGGER = logging.getLogger(__name__)
 SKIPPED_TAG = "skipped"
+STALE_TAG = "stale"
 
 
 class ExistingImageMismatch(ValueError):
@@ -38,22 +39,45 @@ class StaleImage(ExistingImageMismatch):
     fingerprints, or the fields its text records, differ): generated again and counted `stale`."""
 
 
-def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: ImageEncoding | None = None,
-                          model_fingerprint: str | None = None) -> dict:
-    """The manifest row of an image a previous run wrote for `task`, rebuilt from its bytes and the text it carries
-    (PNG text chunks; the EXIF description of a WebP or JPEG).
+@dataclasses.dataclass(frozen=True)
+class FoundImage:
+    """What an image already written says of itself, once checked against its task: the figures of its manifest
+    row that the task does not give."""
+
+    sha256: str
+    num_bytes: int
+    num_inference_steps: int
+    guidance_scale: float
+    prompt_truncated: bool | None
+    model: str
+    model_fingerprint: str | None
+
+    def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
+        """Its manifest row (generation_ms None: its time was not measured by this run)."""
+        return layout.manifest_row(
+            task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
+            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+            prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
+            model_fingerprint=self.model_fingerprint, key=key)
+
+
+def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
+                         model_fingerprint: str | None = None, name: str | None = None) -> FoundImage:
+    """Check that `data` (an image a previous run wrote, named `name` in messages: the task's stored file name by
+    default) is `task`'s image, from its bytes and the text it carries (PNG text chunks; the EXIF description of a
+    WebP or JPEG).
 
     Raises ExistingImageMismatch unless the bytes are a complete, undamaged image of the encoding's format (PNG:
     every chunk checksum; WebP/JPEG: all pixels decode), and StaleImage unless it has the task's size and its text
     records the task's id, prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, its steps and
     guidance when the record gives them, and the task's request fingerprint and `model_fingerprint` when the text
-    has them (images of older runs do not; their row's model_fingerprint is then None)."""
+    has them (images of older runs do not; their model_fingerprint is then None)."""
     from PIL import Image
 
     encoding = encoding or ImageEncoding()
     expected_format = PIL_FORMATS[encoding.format]
     r = task.request
-    file_name = encoding.stored_name(task.file_name)
+    file_name = name or encoding.stored_name(task.file_name)
     try:
         with Image.open(io.BytesIO(data)) as im:
             fmt, size, text = im.format, im.size, read_image_text(im)
@@ -94,16 +118,18 @@ def existing_manifest_row(task: ImageTask, data: bytes, uri: str, encoding: Imag
     except (KeyError, ValueError):
         raise ExistingImageMismatch(file_name, "lacks its steps/guidance text") from None
     truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
-    return layout.manifest_row(
-        request_id=r.id, file_name=file_name, uri=uri, prompt=r.prompt, prompt_truncated=truncated,
-        seed=task.seed, height=r.height, width=r.width, num_inference_steps=steps, guidance_scale=guidance,
-        model=text.get("model", ""), sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
-        generation_ms=None, source=r.source, line=r.line, metadata=r.metadata_values(),
-        reference_images=r.reference_entries(), request_fingerprint=fingerprint,
-        model_fingerprint=text.get("model_fingerprint"))
+    return FoundImage(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data), num_inference_steps=steps,
+                      guidance_scale=guidance, prompt_truncated=truncated, model=text.get("model", ""),
+                      model_fingerprint=text.get("model_fingerprint"))
 
 
-STALE_TAG = "stale"
+def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding | None = None,
+                          model_fingerprint: str | None = None) -> dict:
+    """The manifest row of an image a previous run wrote for `task` at `uri` under its stored file name, rebuilt
+    from its bytes and text; ExistingImageMismatch / StaleImage as `check_existing_image` says."""
+    encoding = encoding or ImageEncoding()
+    found = check_existing_image(task, data, encoding, model_fingerprint)
+    return found.row(task, file_name=encoding.stored_name(task.file_name), uri=uri)
 
 
 class _SkipExistingFn(beam.DoFn):
@@ -127,13 +153,13 @@ class _SkipExistingFn(beam.DoFn):
     def finish_bundle(self):
         retries.flush_to_metrics()
 
-    def process(self, task: ImageTask, existing):
+    def process(self, task, existing):
         if self._encoding.stored_name(task.file_name) not in existing:
             yield task
             return
         yield from self._read_and_check(task)
 
-    def _read_and_check(self, task: ImageTask):
+    def _read_and_check(self, task):
         file_name = self._encoding.stored_name(task.file_name)
         uri = layout.join(self._output, file_name)
         try:
@@ -155,7 +181,7 @@ class _SkipExistingFn(beam.DoFn):
         self._skipped.inc()
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, row)
 
-    def _stale_task(self, task: ImageTask, why: str):
+    def _stale_task(self, task, why: str):
         self._stale.inc()
         LOGGER.info("--skip_existing: %s; generating it again", why)
         yield beam.pvalue.TaggedOutput(STALE_TAG, self._encoding.stored_name(task.file_name))
@@ -203,7 +229,7 @@ class _DecideExistingFn(_SkipExistingFn):
             else:
                 yield from self._decide(task, file_name, listed[0], recorded)
 
-    def _decide(self, task: ImageTask, file_name: str, size: int, recorded: list[dict]):
+    def _decide(self, task, file_name: str, size: int, recorded: list[dict]):
         want = (request_fingerprint(task), self._model_fingerprint)
         prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in recorded}
         if want not in prints:
@@ -214,15 +240,12 @@ class _DecideExistingFn(_SkipExistingFn):
         if len(prints) > 1 or rec is None:  # rows that disagree, or an object of another size: look at it
             yield from self._read_and_check(task)
             return
-        r = task.request
         self._skipped.inc()
-        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, layout.manifest_row(
-            request_id=r.id, file_name=file_name, uri=layout.join(self._output, file_name), prompt=r.prompt,
-            prompt_truncated=rec["prompt_truncated"], seed=task.seed, height=r.height, width=r.width,
-            num_inference_steps=rec["num_inference_steps"], guidance_scale=rec["guidance_scale"],
-            model=rec["model"], sha256=rec["sha256"], num_bytes=size, generation_ms=None, source=r.source,
-            line=r.line, metadata=r.metadata_values(), reference_images=r.reference_entries(),
-            request_fingerprint=want[0], model_fingerprint=want[1]))
+        found = FoundImage(sha256=rec["sha256"], num_bytes=size, num_inference_steps=rec["num_inference_steps"],
+                           guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
+                           model=rec["model"], model_fingerprint=want[1])
+        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
+                                                              uri=layout.join(self._output, file_name)))
 
 
 class SkipExisting(beam.PTransform):

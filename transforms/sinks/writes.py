@@ -23,7 +23,6 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from .. import layout, retries
 from ..atomic_files import write_local_atomic, write_object_atomic
-from ..fingerprints import request_fingerprint
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from ..requests import ImageTask
 from .encoding import ImageEncoding, generated_text
@@ -152,13 +151,9 @@ class WriteImagesFn(beam.DoFn):
         if self._progress is not None:
             self._progress.add(1)
         task: ImageTask = generated.task
-        r = task.request
         row = layout.manifest_row(
-            request_id=r.id, file_name=self._encoding.stored_name(task.file_name), uri=stored.uri, prompt=r.prompt,
-            prompt_truncated=generated.prompt_truncated, seed=task.seed, height=r.height, width=r.width,
-            num_inference_steps=generated.num_inference_steps, guidance_scale=generated.guidance_scale,
-            model=generated.model, sha256=stored.sha256, num_bytes=stored.num_bytes,
-            generation_ms=generated.generation_ms, source=r.source, line=r.line, metadata=r.metadata_values(),
-            reference_images=r.reference_entries(), request_fingerprint=request_fingerprint(task),
-            model_fingerprint=self._model_fingerprint)
+            task, file_name=self._encoding.stored_name(task.file_name), uri=stored.uri, sha256=stored.sha256,
+            num_bytes=stored.num_bytes, num_inference_steps=generated.num_inference_steps,
+            guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
+            model=generated.model, generation_ms=generated.generation_ms, model_fingerprint=self._model_fingerprint)
         return WindowedValue(row, timestamp, [window])
