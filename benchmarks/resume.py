@@ -67,7 +67,7 @@ def _run_skip(output: str, tasks, model_fp: str, read_manifest: bool, counts_pat
         with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
             split = p | beam.Create(tasks) | SkipExisting(output, ImageEncoding(), model_fp,
                                                           read_manifest=read_manifest)
-            for name in ("tasks", "skipped", "stale"):
+            for name in ("tasks", "existing", "stale"):
                 path = os.path.join(counts_path, f"{name}-{read_manifest}")
                 _ = (split[name] | f"Count{name}" >> beam.combiners.Count.Globally()
                      | f"Save{name}" >> beam.Map(lambda n, path=path: open(path, "w").write(str(n))))
@@ -75,11 +75,11 @@ def _run_skip(output: str, tasks, model_fp: str, read_manifest: bool, counts_pat
     finally:
         writes.read_bytes = real
     counted = {}
-    for name in ("tasks", "skipped", "stale"):
+    for name in ("tasks", "existing", "stale"):
         with open(os.path.join(counts_path, f"{name}-{read_manifest}")) as f:
             counted[name] = int(f.read())
     return {"seconds": round(seconds, 3), "objects_read": reads["objects"], "image_bytes_read": reads["bytes"],
-            "skipped": counted["skipped"], "to_generate": counted["tasks"], "stale": counted["stale"]}
+            "skipped": counted["existing"], "to_generate": counted["tasks"], "stale": counted["stale"]}
 
 
 def main(argv=None) -> dict:

@@ -1,5 +1,10 @@
-"""What the job's generation gives besides images: an error row for every image that has none (a failed batch,
-RunInference's dead letters; values that are not finite)."""
+"""The job's one generation stage: image tasks -> shape batches -> RunInference -> generated images, and an error
+row for every image that has none (a failed batch, RunInference's dead letters; values that are not finite).
+
+Every sink (transforms/sinks/) receives what this stage gives, so retries (the handler's), dead letters, timeouts,
+RunInference's metrics and the model's sharing across processes (`large_model` / `model_copies`) are the same
+whichever way the images are stored.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,47 @@ from typing import Iterable
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import RunInference
 
 from . import layout
-from .inference import InferenceTimeout, is_out_of_memory
+from .inference import BatchByShape, InferenceTimeout, is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
+
+IMAGES = "images"  # GeneratedImage (transforms/inference.py) of every image whose values are finite
+FAILED = "failed"  # (ImageTask, error row) of every image that could not be generated
+NON_FINITE_TAG = "nonfinite"
 
 # What the error row of a batch that ran out of memory suggests.
 OUT_OF_MEMORY_REMEDY = ("Use a smaller size (the records' height and width, or --height / --width) or a smaller "
                         "--batch_size; on TPU or GPU workers, a machine type with more chips (each batch is sharded "
                         "over a worker's chips) or more memory per chip.")
+
+
+class Generate(beam.PTransform):
+    """ImageTasks -> {IMAGES: GeneratedImage, FAILED: (ImageTask, error row)}.
+
+    Tasks are batched by shape (BatchByShape: at most `batch_size` per batch) and each batch is one generate call
+    of `handler` through `RunInference(handler.with_no_batching()).with_exception_handling()`; a batch that still
+    fails after the handler's retries is a dead letter, one error row per image (`failed_batch_rows`); an image
+    whose values are not finite is one error row too (SplitNonFinite). The tasks may be any ImageTask, subclasses
+    included: a sink that needs to know more of an image once generated (its shard, its key) gives its tasks that
+    (transforms/sinks/webdataset.py), and gets the same object back as `GeneratedImage.task`.
+    """
+
+    def __init__(self, handler, batch_size: int):
+        super().__init__()
+        self._handler = handler
+        self._batch_size = batch_size
+
+    def expand(self, tasks):
+        batches = tasks | "BatchByShape" >> BatchByShape(self._batch_size)
+        results, dlq = batches | "RunInference" >> RunInference(self._handler.with_no_batching()) \
+            .with_exception_handling()
+        split = results | "SplitNonFinite" >> beam.ParDo(SplitNonFinite()).with_outputs(NON_FINITE_TAG,
+                                                                                        main=IMAGES)
+        failed = ((dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_images)), split[NON_FINITE_TAG]) \
+            | "FailedImages" >> beam.Flatten()
+        return {IMAGES: split[IMAGES], FAILED: failed}
 
 
 def failed_batch_rows(failed) -> Iterable[dict]:
@@ -48,6 +85,12 @@ def failed_batch_rows(failed) -> Iterable[dict]:
                                file_name=task.file_name, reason=reason, record=_task_record(task))
 
 
+def failed_images(failed) -> Iterable[tuple]:
+    """A dead-letter element -> (ImageTask, its error row) for each image of the batch."""
+    tasks = list(failed[0])
+    return zip(tasks, failed_batch_rows((tasks, failed[1])))
+
+
 def _task_record(task) -> dict:
     """What an error row of a generated (or attempted) image carries as its record: the request's parameters."""
     r = task.request
@@ -56,13 +99,10 @@ def _task_record(task) -> dict:
             **({"reference_images": list(r.reference_images)} if r.reference_images else {})}
 
 
-NON_FINITE_TAG = "nonfinite"
-
-
 class SplitNonFinite(beam.DoFn):
-    """PredictionResults -> the sound ones (main output) and, tagged NON_FINITE_TAG, one error row per image whose
-    values are not finite (kind `non_finite_image`, with the stage and the share of NaN/inf values): nothing is
-    written for those. Counted in `images_non_finite`."""
+    """PredictionResults -> the sound images (main output: their GeneratedImage) and, tagged NON_FINITE_TAG,
+    (task, error row) for each image whose values are not finite (kind `non_finite_image`, with the stage and the
+    share of NaN/inf values): nothing is written for those. Counted in `images_non_finite`."""
 
     def __init__(self):
         self._count = Metrics.counter(METRICS_NAMESPACE, "images_non_finite")
@@ -70,10 +110,11 @@ class SplitNonFinite(beam.DoFn):
     def process(self, result):
         generated = result.inference
         if generated.nonfinite is None:
-            yield result
+            yield generated
             return
         self._count.inc()
-        yield beam.pvalue.TaggedOutput(NON_FINITE_TAG, non_finite_row(generated.task, generated.nonfinite))
+        task = generated.task
+        yield beam.pvalue.TaggedOutput(NON_FINITE_TAG, (task, non_finite_row(task, generated.nonfinite)))
 
 
 def non_finite_row(task, why: str) -> dict:

@@ -47,17 +47,11 @@ def format_summary(summary: dict) -> str:
     return text
 
 
-class _WriteSummaryFn(beam.DoFn):
+class _WriteSummaryFn(retries.CountingRetriesFn):
     def __init__(self, path: str, started_at: float, extra: dict):
         self._path = path
         self._started_at = started_at
         self._extra = extra
-
-    def setup(self):
-        retries.install()
-
-    def finish_bundle(self):
-        retries.flush_to_metrics()
 
     def process(self, _, **side):
         counts = {k: v for k, v in side.items() if not k.startswith(("_after_", "_rows_", "_tally_"))}

@@ -135,7 +135,7 @@ def test_skip_existing_keeps_checked_images_and_replaces_the_rest(tmp_path):
         assert_that(split["tasks"] | "t" >> beam.Map(lambda t: t.file_name),
                     equal_to(["images/todo.png", "images/multi-0.png", "images/damaged.png", "images/other.png"]),
                     label="todo")
-        assert_that(split["skipped"] | "s" >> beam.Map(lambda row: (row["file_name"], row["seed"],
+        assert_that(split["existing"] | "s" >> beam.Map(lambda row: (row["file_name"], row["seed"],
                                                                      row["generation_ms"])),
                     equal_to([("images/done.png", 11, None), ("images/multi-1.png", 12, None)]), label="skipped")
 

@@ -1,5 +1,8 @@
 """What an output already holds, for `--skip_existing`: an image written earlier is checked against the task it
 would be made for, from the earlier manifest rows' fingerprints or from the image's own bytes and text.
+
+The files sink uses `SkipExisting` (every image of `images/`); the WebDataset sink checks whole shards from their
+sidecars and reuses staged images with `check_existing_image` (transforms/sinks/webdataset.py).
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding |
     return found.row(task, file_name=encoding.stored_name(task.file_name), uri=uri)
 
 
-class _SkipExistingFn(beam.DoFn):
+class _SkipExistingFn(retries.CountingRetriesFn):
     """Reads and checks each listed image (the listing as a side input {file name: size}): a task whose image
     checks out -> its manifest row (tagged `skipped`); else the task, to be generated (an image made for another
     request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
@@ -146,12 +149,6 @@ class _SkipExistingFn(beam.DoFn):
         self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
         self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
         self._read = Metrics.counter(METRICS_NAMESPACE, "existing_images_read")
-
-    def setup(self):
-        retries.install()
-
-    def finish_bundle(self):
-        retries.flush_to_metrics()
 
     def process(self, task, existing):
         if self._encoding.stored_name(task.file_name) not in existing:
@@ -249,8 +246,9 @@ class _DecideExistingFn(_SkipExistingFn):
 
 
 class SkipExisting(beam.PTransform):
-    """Image tasks -> {'tasks': those still to generate, 'skipped': manifest rows of the images already there,
-    'stale': file names of images already there that were made for another request or model}.
+    """Image tasks -> {'tasks': those still to generate, 'existing': manifest rows of the images already there,
+    'stale': file names of images already there that were made for another request or model}: the files sink's
+    plan (transforms/sinks/files.py) under --skip_existing.
 
     The existing images are listed once (one match of `{output}/images/*.png`, or the extension of the job's
     --image_format), and the earlier runs' manifest rows (`manifest/*.jsonl`: manifest-* and existing-*) read once,
@@ -294,4 +292,4 @@ class SkipExisting(beam.PTransform):
                    | "JoinExisting" >> beam.CoGroupByKey()
                    | "DecideExisting" >> beam.ParDo(_DecideExistingFn(*fn_args))
                    .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks"))
-        return {"tasks": out.tasks, "skipped": out[SKIPPED_TAG], "stale": out[STALE_TAG]}
+        return {"tasks": out.tasks, "existing": out[SKIPPED_TAG], "stale": out[STALE_TAG]}

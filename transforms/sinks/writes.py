@@ -1,10 +1,9 @@
-"""Storing images: atomic object writes, and the encoder-thread pool the job stores its images with.
+"""Storing images: atomic object writes, and the encoder-thread pool every sink stores its images with.
 
-An image goes to its final name as one atomic object write: on GCS (and any other object store Beam's FileSystems
-knows) a single object upload that only becomes visible when complete; on a local disk a temporary file in the same
-folder, then an atomic rename. The image bytes depend only on the pixels, the request and the encoding options
-(never on the thread that encoded them), so a retried bundle rewrites the same bytes and no partial image is ever
-visible.
+An image goes to its object as one atomic write: on GCS (and any other object store Beam's FileSystems knows) a
+single upload that only becomes visible when complete; on a local disk a temporary file in the same folder, then an
+atomic rename. The bytes depend only on the pixels, the request and the encoding options (never on the thread that
+encoded them), so a retried bundle rewrites the same bytes and no partial image is ever visible.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
+from typing import Callable
 
 import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
@@ -24,7 +24,6 @@ from apache_beam.utils.windowed_value import WindowedValue
 from .. import layout, retries
 from ..atomic_files import write_local_atomic, write_object_atomic
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
-from ..requests import ImageTask
 from .encoding import ImageEncoding, generated_text
 
 
@@ -50,36 +49,49 @@ def default_encode_threads() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class StoredImage:
-    """What an encoder thread reports back for one image: where it went, its size and its sha256."""
+class Placement:
+    """Where a sink puts one image: `file_name` and `uri` as its manifest row names them, `write_to` the object its
+    bytes are written to (the uri itself, or a staging object that a later step packs), and `key`, its sample key
+    in a shard (None outside shards)."""
 
+    file_name: str
     uri: str
+    write_to: str
+    key: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredImage:
+    """What an encoder thread reports back for one image: its size and sha256."""
+
     num_bytes: int
     sha256: str
 
-def store_image(generated, output: str, encoding: ImageEncoding, model_fingerprint: str | None = None) -> StoredImage:
-    """Encode one GeneratedImage and write it atomically under `output`; thread-safe (no Beam state touched)."""
-    task: ImageTask = generated.task
+
+def store_image(generated, place: Placement, encoding: ImageEncoding,
+                model_fingerprint: str | None = None) -> StoredImage:
+    """Encode one GeneratedImage and write it atomically to `place.write_to`; thread-safe (no Beam state touched)."""
     data = encoding.encode(generated.pixels, generated_text(generated, model_fingerprint))
-    uri = layout.join(output, encoding.stored_name(task.file_name))
-    write_bytes_atomic(uri, data, mime_type=encoding.mime_type)
-    return StoredImage(uri, len(data), hashlib.sha256(data).hexdigest())
+    write_bytes_atomic(place.write_to, data, mime_type=encoding.mime_type)
+    return StoredImage(len(data), hashlib.sha256(data).hexdigest())
 
 
-class WriteImagesFn(beam.DoFn):
-    """PredictionResult(example=ImageTask, inference=GeneratedImage) -> writes the image, yields its manifest row.
+class StoreImagesFn(retries.CountingRetriesFn):
+    """GeneratedImage -> encodes it, writes it where `place(task)` says, yields its manifest row.
 
     Encoding and upload run on a pool of `threads` encoder threads (zlib, libwebp and libjpeg release the GIL), so
     `process` returns at once and RunInference starts the next batch on the device while this one is stored. At
     most `max_in_flight` images wait or run in the pool (back-pressure: `process` then waits for the oldest), which
     bounds memory when the store is slow. Every image is stored before its bundle ends (`finish_bundle` waits), and
     a failed write fails the bundle, so a retry stores the same bytes again: nothing is lost, nothing partial.
-    `model_fingerprint` (transforms/fingerprints.py) goes into each image's text and manifest row.
+    `model_fingerprint` (transforms/fingerprints.py) goes into each image's text and manifest row. Counted in every
+    sink alike: `images_generated`, `image_bytes_written`, `generation_ms_per_image`, the progress line.
     """
 
-    def __init__(self, output: str, progress_dir: str | None = None, encoding: ImageEncoding | None = None,
-                 threads: int | None = None, max_in_flight: int | None = None, model_fingerprint: str | None = None):
-        self._output = output
+    def __init__(self, place: Callable[..., Placement], encoding: ImageEncoding | None = None,
+                 threads: int | None = None, max_in_flight: int | None = None, model_fingerprint: str | None = None,
+                 progress_dir: str | None = None):
+        self._place = place
         self._model_fingerprint = model_fingerprint or None
         self._progress_dir = progress_dir
         self._encoding = encoding or ImageEncoding()
@@ -98,7 +110,7 @@ class WriteImagesFn(beam.DoFn):
         self._pending: collections.deque = collections.deque()
 
     def setup(self):
-        retries.install()
+        super().setup()
         threads = self._threads or default_encode_threads()
         self._limit = self._max_in_flight or 2 * threads
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="flux2-encode")
@@ -110,13 +122,13 @@ class WriteImagesFn(beam.DoFn):
     def start_bundle(self):
         self._pending = collections.deque()
 
-    def process(self, result, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam):
-        generated = result.inference
+    def process(self, generated, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam):
         # Waits for the oldest images while the pool is full, so at most `limit` images are held here.
         while len(self._pending) >= self._limit or (self._pending and self._pending[0][0].done()):
             yield self._take_oldest()
-        future = self._pool.submit(store_image, generated, self._output, self._encoding, self._model_fingerprint)
-        self._pending.append((future, generated, window, timestamp))
+        place = self._place(generated.task)
+        future = self._pool.submit(store_image, generated, place, self._encoding, self._model_fingerprint)
+        self._pending.append((future, generated, place, window, timestamp))
         self._in_flight.update(len(self._pending))
 
     def finish_bundle(self):
@@ -126,7 +138,7 @@ class WriteImagesFn(beam.DoFn):
         from ..inference import flush_model_load_metrics
 
         flush_model_load_metrics()
-        retries.flush_to_metrics()
+        super().finish_bundle()
         if self._progress is not None:
             self._progress.flush()
 
@@ -138,7 +150,7 @@ class WriteImagesFn(beam.DoFn):
     def _take_oldest(self) -> WindowedValue:
         """Wait for the oldest pending image; its manifest row in its element's window. A failed write cancels the
         images not yet started and fails the bundle (the runner retries it)."""
-        future, generated, window, timestamp = self._pending.popleft()
+        future, generated, place, window, timestamp = self._pending.popleft()
         try:
             stored: StoredImage = future.result()
         except BaseException:
@@ -150,10 +162,10 @@ class WriteImagesFn(beam.DoFn):
         self._gen_ms.update(int(round(generated.generation_ms)))
         if self._progress is not None:
             self._progress.add(1)
-        task: ImageTask = generated.task
         row = layout.manifest_row(
-            task, file_name=self._encoding.stored_name(task.file_name), uri=stored.uri, sha256=stored.sha256,
+            generated.task, file_name=place.file_name, uri=place.uri, sha256=stored.sha256,
             num_bytes=stored.num_bytes, num_inference_steps=generated.num_inference_steps,
             guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
-            model=generated.model, generation_ms=generated.generation_ms, model_fingerprint=self._model_fingerprint)
+            model=generated.model, generation_ms=generated.generation_ms, model_fingerprint=self._model_fingerprint,
+            key=place.key)
         return WindowedValue(row, timestamp, [window])
