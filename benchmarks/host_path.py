@@ -4,9 +4,9 @@
         --image_format png1,png6,webp,jpeg --store local,emulator [--device_images_per_s 10.9]
 
 Ready-made pixel arrays (smooth, seeded, with a little noise: compressible like a generated image, unlike pure
-noise) go through `WriteImagesFn` exactly as the job runs it (its encoder-thread pool, atomic writes, manifest rows
-with the stored bytes' sha256), then the rows are written as the manifest file. No model and no Beam runner: the
-device side is what RunInference adds on top. `png1`/`png6` are PNG at zlib level 1/6. `--store emulator` writes to
+noise) go through `StoreImagesFn` exactly as the job's sinks run it (its encoder-thread pool, atomic writes,
+manifest rows with the stored bytes' sha256), then the rows are written as the manifest file. No model and no Beam
+runner: the device side is what RunInference adds on top. `png1`/`png6` are PNG at zlib level 1/6. `--store emulator` writes to
 the local GCS emulator (tests/support/gcs_emulator.py), which runs in this process and shares its cores.
 
 The device rates the host must sustain come first: images/s per worker host and per chip from the TPU compiler's
@@ -47,7 +47,7 @@ def synthetic_pixels(height: int, width: int, seed: int) -> np.ndarray:
 
 def parse_format(name: str):
     """'png1' / 'png6' / 'png' / 'webp' / 'jpeg' -> ImageEncoding; ValueError naming an unknown one."""
-    from transforms.outputs import ImageEncoding
+    from transforms.sinks.encoding import ImageEncoding
 
     if name.startswith("png") and name[3:].isdigit():
         return ImageEncoding("png", png_compress_level=int(name[3:]))
@@ -58,9 +58,7 @@ def parse_format(name: str):
 
 
 def make_results(height: int, width: int, n: int) -> list:
-    """n PredictionResults like RunInference's, for distinct requests (one image each), pixels cycled."""
-    from apache_beam.ml.inference.base import PredictionResult
-
+    """n GeneratedImages like the generation stage's, for distinct requests (one image each), pixels cycled."""
     from transforms.inference import GeneratedImage
     from transforms.requests import GenerationRequest, ImageTask
 
@@ -71,8 +69,7 @@ def make_results(height: int, width: int, n: int) -> list:
                                     width=width, num_inference_steps=None, guidance_scale=None, num_images=1,
                                     source="bench.jsonl", line=i + 1)
         task = ImageTask(request, 0)
-        out.append(PredictionResult(task, GeneratedImage(task, pixels[i % DISTINCT_IMAGES], 4, 1.0, False,
-                                                         "bench", 0.0)))
+        out.append(GeneratedImage(task, pixels[i % DISTINCT_IMAGES], 4, 1.0, False, "bench", 0.0))
     return out
 
 
@@ -82,9 +79,10 @@ def run_host_path(results: list, output: str, encoding, threads: int) -> dict:
     from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
     from transforms import layout
-    from transforms.outputs import WriteImagesFn, write_bytes_atomic
+    from transforms.sinks.files import InImages
+    from transforms.sinks.writes import StoreImagesFn, write_bytes_atomic
 
-    fn = WriteImagesFn(output, encoding=encoding, threads=threads)
+    fn = StoreImagesFn(InImages(output, encoding), encoding, threads=threads)
     fn.setup()
     try:
         start = time.perf_counter()

@@ -25,7 +25,8 @@ def _fake_images(n: int, model_fp: str):
     """N tasks and, for each, the PNG bytes and manifest row an earlier run would have left."""
     import numpy as np
 
-    from transforms.outputs import encode_png, existing_manifest_row, png_text
+    from transforms.sinks.encoding import encode_png, png_text
+    from transforms.sinks.existing import existing_manifest_row
     from transforms.requests import GenerationRequest, ImageTask
 
     rng = np.random.default_rng(0)
@@ -42,15 +43,17 @@ def _fake_images(n: int, model_fp: str):
 
 
 def _run_skip(output: str, tasks, model_fp: str, read_manifest: bool, counts_path: str) -> dict:
-    """SkipExisting over `tasks`; objects and bytes read through transforms.outputs.read_bytes (FnApiRunner runs
+    """SkipExisting over `tasks`; objects and bytes read through transforms.sinks.writes.read_bytes (FnApiRunner runs
     in this process), and the skipped/stale/to-generate counts."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    import transforms.outputs as outputs
+    from transforms.sinks import writes
+    from transforms.sinks.encoding import ImageEncoding
+    from transforms.sinks.existing import SkipExisting
 
     reads = {"objects": 0, "bytes": 0}
-    real = outputs.read_bytes
+    real = writes.read_bytes
 
     def counting(path):
         data = real(path)
@@ -58,25 +61,25 @@ def _run_skip(output: str, tasks, model_fp: str, read_manifest: bool, counts_pat
         reads["bytes"] += len(data)
         return data
 
-    outputs.read_bytes = counting
+    writes.read_bytes = counting
     try:
         start = time.perf_counter()
         with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
-            split = p | beam.Create(tasks) | outputs.SkipExisting(output, outputs.ImageEncoding(), model_fp,
-                                                                  read_manifest=read_manifest)
-            for name in ("tasks", "skipped", "stale"):
+            split = p | beam.Create(tasks) | SkipExisting(output, ImageEncoding(), model_fp,
+                                                          read_manifest=read_manifest)
+            for name in ("tasks", "existing", "stale"):
                 path = os.path.join(counts_path, f"{name}-{read_manifest}")
                 _ = (split[name] | f"Count{name}" >> beam.combiners.Count.Globally()
                      | f"Save{name}" >> beam.Map(lambda n, path=path: open(path, "w").write(str(n))))
         seconds = time.perf_counter() - start
     finally:
-        outputs.read_bytes = real
+        writes.read_bytes = real
     counted = {}
-    for name in ("tasks", "skipped", "stale"):
+    for name in ("tasks", "existing", "stale"):
         with open(os.path.join(counts_path, f"{name}-{read_manifest}")) as f:
             counted[name] = int(f.read())
     return {"seconds": round(seconds, 3), "objects_read": reads["objects"], "image_bytes_read": reads["bytes"],
-            "skipped": counted["skipped"], "to_generate": counted["tasks"], "stale": counted["stale"]}
+            "skipped": counted["existing"], "to_generate": counted["tasks"], "stale": counted["stale"]}
 
 
 def main(argv=None) -> dict:

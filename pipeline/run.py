@@ -15,8 +15,9 @@ runner, a binary it downloads from GitHub (fails or hangs offline); naming FnApi
 
 The graph (every step a transform from `transforms/`):
   patterns -> ReadRequests (+ ReadBigQueryRequests per table or query) -> DeduplicateRequests -> image tasks
-  -> [SkipExisting] -> BatchByShape
-  -> RunInference(Flux2KleinModelHandler).with_exception_handling() -> WriteImages -> manifest
+  -> sink.plan() (what the output holds: --skip_existing; where each image goes)
+  -> Generate: BatchByShape -> RunInference(Flux2KleinModelHandler).with_exception_handling()
+  -> the sink of --output_format (transforms/sinks/: files or webdataset) -> manifest, existing rows
   invalid records + conflicting ids + failed batches -> errors;   counts of everything -> summary.json
 """
 
@@ -43,25 +44,22 @@ if __name__ == "__main__":  # `python -m pipeline.run`: --help and argument erro
 
 import apache_beam as beam  # noqa: E402 - after the command line's own check
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.ml.inference.base import RunInference
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
 
-from transforms import layout, retries
+from transforms import layout, retries, sinks
 from transforms.fingerprints import model_fingerprint
-from transforms.inference import BatchByShape, Flux2KleinModelHandler
+from transforms.generation import Generate
+from transforms.inference import Flux2KleinModelHandler
 from transforms.inputs.bigquery import ReadBigQueryRequests, dataset_reference
 from transforms.inputs.readers import WARNING_TAG, ReadRequests
 from transforms.inputs.validation import RequestDefaults
 from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
-from transforms.outputs import (
-    NON_FINITE_TAG, SkipExisting, SplitNonFinite, WriteImagesFn, WriteSummary, failed_batch_rows, format_summary,
-    read_bytes, write_bytes_atomic,
-)
+from transforms.sinks.writes import read_bytes, write_bytes_atomic
+from transforms.summary import WriteSummary, format_summary
 from transforms.preview import WritePreview
 from transforms.progress import ProgressReporter, ReportTotal
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
-from transforms.shard_writer import WriteShardIndexes, WriteShards
 
 from model.options import LoadSettings
 
@@ -211,76 +209,42 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     resolved = dedup["requests"] | "ResolveReferences" >> ResolveReferences(job.reference_limits,
                                                                             job.defaults.size_multiple)
     planned = resolved["requests"] | "ExpandImages" >> beam.FlatMap(lambda r: r.tasks())
-    tasks, skipped, stale = planned, None, None
-    if job.skip_existing and not job.webdataset:  # webdataset: whole shards are kept or made (WriteShards)
-        split = planned | "SkipExisting" >> SkipExisting(job.output, job.encoding, job.model_fingerprint)
-        tasks, skipped, stale = split["tasks"], split["skipped"], split["stale"]
+    sink = _sink(job, progress_dir)
+    # What the output already holds (--skip_existing) and where each image will go, before anything is generated.
+    placed = dict(planned | "PlanOutput" >> sink.plan())
+    tasks = placed.pop(sinks.TASKS)
     if job.max_images is not None:
-        # Counts what this run would generate (skipped images excluded; webdataset: every image of the input, as
-        # complete shards are only known once grouped) and fails before inference when over.
+        # Counts what this run would generate (images kept from an earlier run excluded) and fails before
+        # inference when over.
         tasks = tasks | "MaxImages" >> EnforceMaxImages(job.max_images)
     if progress_dir:
         total = tasks | "ProgressTotal" >> ReportTotal(progress_dir)
         # Taking the total as a side input makes the runner finish counting before any batch is generated, so the
         # progress line knows the total from the first image on.
         tasks = tasks | "AfterTotal" >> beam.Map(lambda t, _n: t, beam.pvalue.AsSingleton(total))
-
-    if job.webdataset:
-        packed = tasks | "WriteShards" >> WriteShards(
-            job.output, make_handler(job), job.encoding, job.samples_per_shard, job.batch_size,
-            skip_existing=job.skip_existing, progress_dir=progress_dir, threads=job.encode_threads,
-            model_fingerprint=job.model_fingerprint)
-        manifest, failed, skipped = packed["manifest"], packed["errors"], packed["existing"]
-        stale = packed["stale"] if job.skip_existing else None
-        index_files = packed["shards"] | "ShardIndexes" >> WriteShardIndexes(
-            job.output, job.samples_per_shard, layout.IMAGE_EXTENSIONS[job.encoding.format])
-    else:
-        batches = tasks | "BatchByShape" >> BatchByShape(job.batch_size)
-        results, dlq = batches | "RunInference" >> RunInference(make_handler(job).with_no_batching()) \
-            .with_exception_handling()
-        split = results | "SplitNonFinite" >> beam.ParDo(SplitNonFinite()).with_outputs(NON_FINITE_TAG,
-                                                                                        main="sound")
-        manifest = split.sound | "WriteImages" >> beam.ParDo(WriteImagesFn(
-            job.output, progress_dir, job.encoding, job.encode_threads, model_fingerprint=job.model_fingerprint))
-        failed = ((dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_batch_rows)),
-                  split[NON_FINITE_TAG]) | "FailedImages" >> beam.Flatten()
+    generated = tasks | "Generate" >> Generate(make_handler(job), job.batch_size)
+    written = {**generated, **placed} | "WriteOutput" >> sink
+    manifest, existing, failed = written[sinks.MANIFEST], written[sinks.EXISTING], written[sinks.ERRORS]
 
     invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
     # One shard each, under fixed names: a rerun into the same output replaces the previous run's files instead of
     # leaving stale shards next to them (so the manifest always lists exactly what the latest run generated, and
-    # existing-* what it found already there).
-    manifest_files = (manifest
-                      | "ManifestJson" >> beam.Map(layout.to_json_line)
-                      | "WriteManifest" >> beam.io.WriteToText(layout.manifest_prefix(job.output),
-                                                               file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
-    # Rows of the images found already written. Written (empty) by every run, so that an earlier run's file never
-    # lingers, and only once this run's images are all written (a failed run leaves the previous files as they
-    # were): manifest-* and existing-* of the latest run list every image of the output exactly once.
-    found = skipped if skipped is not None else p | "NoExistingRows" >> beam.Create([])
-    manifest_done = manifest | "ImagesDone" >> beam.combiners.Count.Globally()
-    existing_rows = found | "AfterImages" >> beam.Map(lambda row, _done: row, beam.pvalue.AsSingleton(manifest_done))
-    existing_files = (existing_rows
-                      | "ExistingJson" >> beam.Map(layout.to_json_line)
-                      | "WriteExisting" >> beam.io.WriteToText(layout.existing_prefix(job.output),
-                                                               file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
-    error_files = (errors
-                   | "ErrorsJson" >> beam.Map(layout.to_json_line)
-                   | "WriteErrors" >> beam.io.WriteToText(layout.errors_prefix(job.output),
-                                                          file_name_suffix=layout.ROWS_SUFFIX, num_shards=1))
-    every_image = (manifest, existing_rows) | "EveryImage" >> beam.Flatten()
-    after = [manifest_files, existing_files, error_files]
-    if job.webdataset:
-        after.append(index_files)
-    else:
-        # datasets' imagefolder: metadata.jsonl at the output's root, `file_name` relative to it, one row per image
-        # of the output (this run's and those a --skip_existing run kept), written once every image is.
-        after.append(every_image
-                     | "MetadataJson" >> beam.Map(layout.to_json_line)
-                     | "WriteMetadata" >> beam.io.WriteToText(layout.metadata_path(job.output),
-                                                              shard_name_template="", num_shards=1))
+    # existing-* what it found already there). existing-* is written (empty) by every run, so that an earlier run's
+    # file never lingers, and only once this run's images are all written (the sink releases those rows then): a
+    # failed run leaves the previous files as they were, and manifest-* and existing-* of the latest run list every
+    # image of the output exactly once.
+    rows_files = [
+        rows
+        | f"{name}Json" >> beam.Map(layout.to_json_line)
+        | f"Write{name}" >> beam.io.WriteToText(prefix, file_name_suffix=layout.ROWS_SUFFIX, num_shards=1)
+        for name, rows, prefix in (("Manifest", manifest, layout.manifest_prefix(job.output)),
+                                   ("Existing", existing, layout.existing_prefix(job.output)),
+                                   ("Errors", errors, layout.errors_prefix(job.output)))]
+    after = [*rows_files, written[sinks.DONE]]
     if job.preview:
-        after.append(every_image | "Preview" >> WritePreview(job.output, job.preview, job.webdataset))
+        every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
+        after.append(every_image | "Preview" >> WritePreview(job.output, job.preview))
 
     records = (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten()
     truncated = (manifest
@@ -292,21 +256,28 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         "requests": resolved["requests"],
         "images_planned": planned,
         "images_generated": manifest,
+        "skipped": existing,
+        "stale": written[sinks.STALE],
         "invalid": invalid,
         "duplicates": dedup[DUPLICATE_TAG],
         "failed": failed,
         "prompts_truncated": truncated,
     }
-    if skipped is not None:
-        counted["skipped"] = skipped
-    if stale is not None:
-        counted["stale"] = stale
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns) + [b.source for b in job.bigquery],
         "demo": job.demo, "batch_size": job.batch_size, "dtype": job.dtype, "output_format": job.output_format},
         after=after, rows={"warnings": read[WARNING_TAG]},
         tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
+
+
+def _sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
+    """The sink of --output_format: the one place the job chooses how its images are stored."""
+    settings = sinks.SinkSettings(job.output, job.encoding, job.model_fingerprint or None, job.skip_existing,
+                                  job.encode_threads, progress_dir)
+    if job.output_format == sinks.WebDatasetSink.output_format:
+        return sinks.WebDatasetSink(settings, job.samples_per_shard)
+    return sinks.FilesSink(settings)
 
 
 def _read_inputs(p: beam.Pipeline, job: JobConfig) -> dict:

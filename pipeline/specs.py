@@ -25,7 +25,7 @@ from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
 from transforms.layout import IMAGE_FORMATS
-from transforms.outputs import ImageEncoding
+from transforms.sinks.encoding import ImageEncoding
 from transforms.preview import check_preview
 from transforms.references import default_roots, normalise_root
 from transforms.shards import OUTPUT_FORMATS, check_samples_per_shard

@@ -219,59 +219,57 @@ def error_row(
 
 
 def manifest_row(
+    task,
     *,
-    request_id: str,
     file_name: str,
     uri: str,
-    prompt: str,
-    prompt_truncated: bool | None,
-    seed: int,
-    height: int,
-    width: int,
-    num_inference_steps: int,
-    guidance_scale: float,
-    model: str,
     sha256: str,
     num_bytes: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    prompt_truncated: bool | None,
+    model: str,
     generation_ms: float | None,
-    source: str | None = None,
-    line: int | None = None,
-    metadata: dict | None = None,
-    reference_images: list[dict] | None = None,
-    request_fingerprint: str | None = None,
-    model_fingerprint: str | None = None,
+    model_fingerprint: str | None,
+    key: str | None = None,
 ) -> dict:
-    """One manifest-*.jsonl row (the fixed fields, then `source`/`line` of the record it came from).
-    `generation_ms` is None for an image found already written (existing-*.jsonl): its time was not measured.
-    `metadata`: the record's extra columns (the columns of its table that are not generation fields), typed as
-    read; {} when it had none. `reference_images`: an image-conditioned request's references, [{uri, sha256}]
-    in the record's order; the row has the key only when there are any. `request_fingerprint`/`model_fingerprint`
-    (transforms/fingerprints.py): what the image was made from; None where it is not known (an image of an older
-    run whose text does not record it)."""
+    """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
+    metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
+    record's extra columns, typed as read; {} when it had none), `reference_images` ([{uri, sha256}] in the
+    record's order; the row has the key only when there are any), the request fingerprint and `source`/`line`; the
+    caller gives where the image is (`file_name`, `uri`), its bytes' sha256 and size, what its generate call
+    reported (steps, guidance, truncation, model, `generation_ms`: None for an image found already written, whose
+    time was not measured) and the model fingerprint (None where an older image does not record it). `key`: the
+    sample's key in a WebDataset shard, last."""
+    from .fingerprints import request_fingerprint
+
+    r = task.request
     row = {
-        "id": request_id,
+        "id": r.id,
         "file_name": file_name,
         "uri": uri,
-        "prompt": prompt,
+        "prompt": r.prompt,
         "prompt_truncated": None if prompt_truncated is None else bool(prompt_truncated),
-        "seed": int(seed),
-        "height": int(height),
-        "width": int(width),
+        "seed": int(task.seed),
+        "height": int(r.height),
+        "width": int(r.width),
         "num_inference_steps": int(num_inference_steps),
         "guidance_scale": float(guidance_scale),
         "model": model,
         "sha256": sha256,
         "bytes": int(num_bytes),
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
-        "metadata": dict(metadata or {}),
-        "request_fingerprint": request_fingerprint,
+        "metadata": dict(r.metadata_values()),
+        "request_fingerprint": request_fingerprint(task),
         "model_fingerprint": model_fingerprint,
     }
-    if reference_images:
-        row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in reference_images]
-    if source is not None:
-        row["source"] = source
-        row["line"] = line
+    if r.reference_images:
+        row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in r.reference_entries()]
+    if r.source is not None:
+        row["source"] = r.source
+        row["line"] = r.line
+    if key is not None:
+        row["key"] = key
     return row
 
 

@@ -139,44 +139,41 @@ def shard_relpath_of(uri: str) -> str:
     return "/".join(uri.replace("\\", "/").rsplit("/", 2)[-2:])
 
 
-class _WritePreviewFn(beam.DoFn):
-    def __init__(self, output: str, webdataset: bool):
+def in_shard(row: dict) -> bool:
+    """Whether a manifest row's image is a member of a WebDataset shard (its `uri` is the tar) rather than a file."""
+    return row["uri"].endswith(".tar")
+
+
+class _WritePreviewFn(retries.CountingRetriesFn):
+    def __init__(self, output: str):
         self._output = output
-        self._webdataset = webdataset
-
-    def setup(self):
-        retries.install()
-
-    def finish_bundle(self):
-        retries.flush_to_metrics()
 
     def process(self, rows, total):
-        from .outputs import write_bytes_atomic
+        from .sinks.writes import write_bytes_atomic
 
         rows = sorted(rows, key=lambda r: (r["id"], r["file_name"]))
         data: dict[int, bytes] = {}
-        if self._webdataset:
-            by_shard: dict[str, list[int]] = {}
-            for i, row in enumerate(rows):
+        by_shard: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            if in_shard(row):
                 by_shard.setdefault(shard_relpath_of(row["uri"]), []).append(i)
-            for rel, indices in sorted(by_shard.items()):
-                members = _member_bytes(layout.join(self._output, rel), {rows[i]["file_name"] for i in indices})
-                for i in indices:
-                    if rows[i]["file_name"] in members:
-                        data[i] = members[rows[i]["file_name"]]
-        else:
-            for i, row in enumerate(rows):
-                try:
-                    data[i] = _read(layout.join(self._output, row["file_name"]))
-                except FileNotFoundError:
-                    LOGGER.warning("preview: %s is gone; left out", row["file_name"])
+                continue
+            try:
+                data[i] = _read(layout.join(self._output, row["file_name"]))
+            except FileNotFoundError:
+                LOGGER.warning("preview: %s is gone; left out", row["file_name"])
+        for rel, indices in sorted(by_shard.items()):
+            members = _member_bytes(layout.join(self._output, rel), {rows[i]["file_name"] for i in indices})
+            for i in indices:
+                if rows[i]["file_name"] in members:
+                    data[i] = members[rows[i]["file_name"]]
         items, thumbs = [], []
         for i, row in enumerate(rows):
             if i not in data:
                 continue
             thumb = thumbnail(data[i])
             thumbs.append(thumb)
-            if self._webdataset:
+            if in_shard(row):
                 link = shard_relpath_of(row["uri"])
                 member = row["file_name"]
             else:
@@ -193,18 +190,16 @@ class _WritePreviewFn(beam.DoFn):
 
 class WritePreview(beam.PTransform):
     """Manifest rows (this run's and those found already written) -> preview/index.html and contact_sheet.jpg of
-    the first `n` by id. Only the n rows are gathered in one place; the images are read back from the output."""
+    the first `n` by id. Only the n rows are gathered in one place; the images are read back from the output (a
+    row whose `uri` is a tar, from that WebDataset shard; else its file)."""
 
-    def __init__(self, output: str, n: int, webdataset: bool):
+    def __init__(self, output: str, n: int):
         super().__init__()
         self._output = output
         self._n = check_preview(n)
-        self._webdataset = webdataset
 
     def expand(self, rows):
         first = rows | "FirstById" >> beam.combiners.Top.Of(
             self._n, key=lambda r: (r["id"], r["file_name"]), reverse=True)
         total = rows | "CountAll" >> beam.combiners.Count.Globally()
-        return first | "WritePreview" >> beam.ParDo(_WritePreviewFn(self._output, self._webdataset),
-                                                    beam.pvalue.AsSingleton(total))
-
+        return first | "WritePreview" >> beam.ParDo(_WritePreviewFn(self._output), beam.pvalue.AsSingleton(total))

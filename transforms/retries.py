@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from .metrics import NAMESPACE as METRICS_NAMESPACE
@@ -74,3 +75,14 @@ def flush_to_metrics() -> None:
     n = take_pending()
     if n:
         Metrics.counter(METRICS_NAMESPACE, GCS_RETRIES).inc(n)
+
+
+class CountingRetriesFn(beam.DoFn):
+    """A DoFn that reads or writes through GCS, whose client's retries are counted: `setup` installs the count in
+    the worker process, each bundle's end reports it. A subclass that overrides either calls super()'s."""
+
+    def setup(self):
+        install()
+
+    def finish_bundle(self):
+        flush_to_metrics()

@@ -267,13 +267,6 @@ def sidecar_row_matches(row: dict, task, model_fingerprint: str | None) -> bool:
     return all(row.get(k) == v for k, v in expected.items())
 
 
-def manifest_row_of_sidecar(row: dict) -> dict:
-    """A success sidecar row back as the manifest row it was made from (for manifest/existing-*.jsonl)."""
-    out = {name: row.get(name) for name in SIDECAR_COLUMNS if name not in ("status", "error_message")}
-    out["metadata"] = json.loads(row["metadata"]) if row.get("metadata") else {}
-    return out
-
-
 # --------------------------------------------------------------------------------------------- I/O
 def write_file_atomic(path: str, source_path: str, mime_type: str, chunk: int = 8 << 20) -> None:
     """Copy the local file `source_path` to `path` so that no reader ever sees part of it: a local path gets a

@@ -153,10 +153,10 @@ def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket, tiny_ckpt):
                            "--experiments=no_use_multiple_sdk_containers", "--large_model"])
     assert summary is None and str(result.state) == "DONE"
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
-    for name in ("ReadRequests", "Deduplicate", "BatchByShape", "RunInference", "WriteImages", "WriteManifest",
-                 "WriteErrors", "Summary"):
+    for name in ("ReadRequests", "Deduplicate", "PlanOutput", "Generate/BatchByShape", "Generate/RunInference",
+                 "WriteOutput/WriteImages", "WriteManifest", "WriteErrors", "Summary"):
         assert name in labels, name
-    assert not any(label.startswith("SkipExisting") for label in labels)
+    assert "PlanOutput/NoExisting" in labels and not any("ListImages" in label for label in labels)  # no resume
     assert not gcs_emulator.list_blobs(f"{b}/out")  # nothing ran, nothing written
 
 

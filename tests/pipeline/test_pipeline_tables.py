@@ -151,6 +151,7 @@ def test_bigquery_graph_validates_in_the_dataflow_dry_run(gcs_emulator, gcs_buck
     assert summary is None and str(result.state) == "DONE"
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
     for name in ("ReadRequests", "ReadBigQuery0", "ReadBigQuery0/ReadRows", "ReadBigQuery0/ParseRows",
-                 "ReadBigQuery1/ReadRows", "AllRequests", "Deduplicate", "RunInference", "WriteManifest", "Summary"):
+                 "ReadBigQuery1/ReadRows", "AllRequests", "Deduplicate", "Generate/RunInference", "WriteManifest",
+                 "Summary"):
         assert name in labels, name
     assert not gcs_emulator.list_blobs(f"{b}/out")

@@ -23,7 +23,7 @@ import threading
 
 from transforms import layout
 from transforms.inference import Flux2KleinModelHandler
-from transforms.outputs import encode_png, png_text
+from transforms.sinks.encoding import encode_png, png_text
 
 _MODELS: dict = {}
 _MODELS_LOCK = threading.Lock()

@@ -42,12 +42,13 @@ def test_every_error_kind_is_in_the_runbook():
 
 def test_every_output_the_job_writes_is_in_the_runbook():
     from transforms import dataset_card, layout, preview, shards
+    from transforms.sinks import webdataset
 
     written = [f"{layout.IMAGES_DIR}/", f"{layout.MANIFEST_DIR}/{layout.MANIFEST_PREFIX}-",
                f"{layout.MANIFEST_DIR}/{layout.EXISTING_PREFIX}-", f"{layout.ERRORS_DIR}/{layout.ERRORS_PREFIX}-",
                layout.SUMMARY_FILE, layout.METADATA_FILE, f"{preview.PREVIEW_DIR}/{preview.INDEX_FILE}",
                preview.CONTACT_SHEET, f"{shards.SHARDS_DIR}/", shards.STATS_SUFFIX, dataset_card.WIDS_INDEX,
-               dataset_card.SIZES_FILE]
+               dataset_card.SIZES_FILE, f"{webdataset.STAGING_DIR}/"]
     text = _runbook()
     layout_section = text.split("## Where outputs and errors land", 1)[1].split("\n## ", 1)[0]
     missing = [name for name in written if name not in layout_section]

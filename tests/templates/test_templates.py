@@ -957,7 +957,8 @@ def job_model_handler(job):
     from apache_beam.portability.api import beam_runner_api_pb2
 
     for transform in job.proto_pipeline.components.transforms.values():
-        if transform.spec.urn == common_urns.primitives.PAR_DO.urn and transform.unique_name.startswith("RunInference"):
+        if transform.spec.urn == common_urns.primitives.PAR_DO.urn \
+                and "RunInference" in transform.unique_name.split("/"):
             payload = beam_runner_api_pb2.ParDoPayload.FromString(transform.spec.payload)
             fn = pickler.loads(payload.do_fn.payload)[0]
             while not hasattr(fn, "_model_handler") and hasattr(fn, "_fn"):  # exception-handling wrappers
@@ -1005,7 +1006,7 @@ def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket
     job_opts = options.view_as(Flux2KleinOptions)
     assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 64 and job_opts.batch_size == 2
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
-    assert any(label.startswith("RunInference") for label in labels)
+    assert "Generate/RunInference" in labels
     # what the workers receive: the settings' environment (set before the model loads) and the accelerator check
     handler = job_model_handler(result.job)
     assert handler._env_vars == EXPECTED_WORKER_ENV[name]

@@ -117,7 +117,7 @@ def test_an_upload_cut_on_the_wire_leaves_no_object(gcs_emulator, bucket, small_
     the failed writer has been garbage-collected is there an object under its name; one written beside it is whole."""
     from apache_beam.io.filesystems import FileSystems
 
-    from transforms.outputs import write_bytes_atomic
+    from transforms.sinks.writes import write_bytes_atomic
     from transforms.shards import write_file_atomic
 
     size, writer, skip_first, cut_after, arrived = WIRE_CUTS[case]

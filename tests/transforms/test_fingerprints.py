@@ -9,8 +9,9 @@ import numpy as np
 from model import checkpoint
 from transforms import layout, shards
 from transforms.fingerprints import model_fingerprint, request_fingerprint
-from transforms.outputs import encode_png, existing_manifest_row, png_text
 from transforms.requests import GenerationRequest, ImageTask
+from transforms.sinks.encoding import encode_png, png_text
+from transforms.sinks.existing import existing_manifest_row
 
 
 def task(**kw) -> ImageTask:
@@ -96,10 +97,11 @@ def test_rows_and_image_text_carry_the_fingerprints():
     row = existing_manifest_row(t, data, "u", model_fingerprint="mfp")
     assert (row["request_fingerprint"], row["model_fingerprint"]) == (request_fingerprint(t), "mfp")
     assert list(row)[:len(layout.MANIFEST_FIELDS)] == list(layout.MANIFEST_FIELDS)
-    # The sidecar keeps them, and gives them back in the manifest row of a kept shard.
+    # The sidecar keeps them: a kept shard's rows are compared by them (shards.sidecar_row_matches).
     side = shards.success_sidecar_row(dict(row, key="000000000"))
-    back = shards.manifest_row_of_sidecar(shards.read_sidecar(shards.sidecar_bytes([side]))[0])
+    back = shards.read_sidecar(shards.sidecar_bytes([side]))[0]
     assert (back["request_fingerprint"], back["model_fingerprint"]) == (request_fingerprint(t), "mfp")
+    assert shards.sidecar_row_matches(back, t, "mfp") and not shards.sidecar_row_matches(back, t, "other")
     failed = shards.failed_sidecar_row("000000001", t, {"kind": "k", "reason": "r"}, "mfp")
     assert (failed["request_fingerprint"], failed["model_fingerprint"]) == (request_fingerprint(t), "mfp")
 

@@ -13,17 +13,16 @@ import os
 import apache_beam as beam
 import numpy as np
 import pytest
-from apache_beam.ml.inference.base import PredictionResult
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
 from transforms import layout
 from transforms.inference import GeneratedImage
-from transforms.outputs import (
-    ExistingImageMismatch, ImageEncoding, SkipExisting, WriteImagesFn, existing_manifest_row, png_text,
-    read_bytes, read_image_text,
-)
+from transforms.sinks.encoding import ImageEncoding, png_text, read_image_text
+from transforms.sinks.existing import ExistingImageMismatch, SkipExisting, existing_manifest_row
+from transforms.sinks.files import InImages
+from transforms.sinks.writes import StoreImagesFn, read_bytes
 from transforms.requests import GenerationRequest, ImageTask
 
 FORMATS = {"png": ImageEncoding("png"), "png6": ImageEncoding("png", png_compress_level=6),
@@ -47,20 +46,21 @@ def _generated(task: ImageTask) -> GeneratedImage:
                           prompt_truncated=False, model="gs://m/klein", generation_ms=12.5)
 
 
-def _results(n: int) -> list[PredictionResult]:
+def _results(n: int) -> list[GeneratedImage]:
     tasks = [t for i in range(n // 2) for t in _request(f"img{i:03d}", num_images=2).tasks()]
-    return [PredictionResult(t, _generated(t)) for t in tasks]
+    return [_generated(t) for t in tasks]
 
 
 def _write(results, output, encoding, threads, max_in_flight=None):
-    """Run Create(results) -> WriteImagesFn -> WriteToText on FnApiRunner; the manifest rows and the runner's
-    metrics. The rows go to a local file next to a local output (to a temporary folder for a gs:// one)."""
+    """Run Create(results) -> StoreImagesFn (as the files sink runs it) -> WriteToText on FnApiRunner; the manifest
+    rows and the runner's metrics. The rows go to a local file next to a local output (to a temporary folder for a gs:// one)."""
     import tempfile
 
     rows_prefix = os.path.join(tempfile.mkdtemp(prefix="rows-"), "manifest")
     p = beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"]))
     _ = (p | beam.Create(results, reshuffle=False)
-         | beam.ParDo(WriteImagesFn(str(output), encoding=encoding, threads=threads, max_in_flight=max_in_flight))
+         | beam.ParDo(StoreImagesFn(InImages(str(output), encoding), encoding, threads=threads,
+                                    max_in_flight=max_in_flight))
          | beam.Map(layout.to_json_line)
          | beam.io.WriteToText(rows_prefix, file_name_suffix=".jsonl", num_shards=1))
     result = p.run()
@@ -116,7 +116,7 @@ def test_bad_encoding_values_are_named(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         ImageEncoding(**bad)
     with pytest.raises(ValueError, match="--encode_threads=0"):
-        WriteImagesFn("out", threads=0)
+        StoreImagesFn(InImages("out"), threads=0)
 
 
 @pytest.mark.parametrize("name", ["png", "webp", "jpeg"])
@@ -161,8 +161,8 @@ def test_skip_existing_lists_the_images_of_the_jobs_format(tmp_path):
     results = _results(4)
     _write(results[:2], out, webp, threads=2)
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
-        split = p | beam.Create([r.example for r in results]) | SkipExisting(out, webp)
-        assert_that(split["skipped"] | "Skipped" >> beam.Map(lambda r: r["file_name"]),
+        split = p | beam.Create([r.task for r in results]) | SkipExisting(out, webp)
+        assert_that(split["existing"] | "Skipped" >> beam.Map(lambda r: r["file_name"]),
                     equal_to(["images/img000-0.webp", "images/img000-1.webp"]), label="CheckSkipped")
         # The tasks keep their own (format-free) names; the writer gives them the format's extension.
         assert_that(split["tasks"] | "Todo" >> beam.Map(lambda t: t.file_name),
@@ -182,13 +182,13 @@ def test_slow_store_holds_a_bounded_number_of_images_and_loses_none(tmp_path, mo
     from apache_beam.transforms.window import GlobalWindow
     from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
-    from transforms import outputs
+    from transforms.sinks import writes
 
     n, limit = 16, 3
     handed: list = []  # a weak reference to every GeneratedImage handed to the writer
     peak = {"store": 0, "feeder": 0}
     lock = threading.Lock()
-    real_write = outputs.write_bytes_atomic
+    real_write = writes.write_bytes_atomic
 
     def note(where):
         with lock:
@@ -199,17 +199,17 @@ def test_slow_store_holds_a_bounded_number_of_images_and_loses_none(tmp_path, mo
         time.sleep(0.05)
         real_write(uri, data, **kwargs)
 
-    monkeypatch.setattr(outputs, "write_bytes_atomic", slow_write)
+    monkeypatch.setattr(writes, "write_bytes_atomic", slow_write)
     out = str(tmp_path / "slow")
     tasks = [t for i in range(n // 2) for t in _request(f"img{i:03d}", num_images=2, height=256, width=256).tasks()]
-    fn = WriteImagesFn(out, encoding=ImageEncoding(), threads=2, max_in_flight=limit)
+    fn = StoreImagesFn(InImages(out), ImageEncoding(), threads=2, max_in_flight=limit)
     fn.setup()
     rows = []
     try:
         fn.start_bundle()
         for task in tasks:
-            result = PredictionResult(task, _generated(task))  # made just in time, as RunInference hands them over
-            handed.append(weakref.ref(result.inference))
+            result = _generated(task)  # made just in time, as the generation stage hands them over
+            handed.append(weakref.ref(result))
             note("feeder")
             rows += [w.value for w in fn.process(result, window=GlobalWindow(), timestamp=MIN_TIMESTAMP)]
             del result

@@ -15,7 +15,7 @@ from apache_beam.testing.util import assert_that
 
 from transforms import layout
 from transforms.inference import Flux2KleinModelHandler, InferenceTimeout, is_retriable
-from transforms.outputs import failed_batch_rows
+from transforms.generation import failed_batch_rows
 from transforms.requests import GenerationRequest, ImageTask
 
 TIMEOUT_S = 1

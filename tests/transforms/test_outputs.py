@@ -14,12 +14,13 @@ from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
 from transforms import layout
-from transforms.outputs import (
-    ExistingImageMismatch, SkipExisting, build_summary, encode_png, existing_manifest_row, failed_batch_rows,
-    png_text, read_bytes, write_bytes_atomic,
-)
+from transforms.generation import failed_batch_rows
 from transforms.progress import ProgressWriter, progress_line, read_progress
 from transforms.requests import GenerationRequest, ImageTask
+from transforms.sinks.encoding import encode_png, png_text
+from transforms.sinks.existing import ExistingImageMismatch, SkipExisting, existing_manifest_row
+from transforms.sinks.writes import read_bytes, write_bytes_atomic
+from transforms.summary import build_summary
 
 
 def request(id="r1", num_images=1, **kw):
@@ -134,7 +135,7 @@ def test_skip_existing_keeps_checked_images_and_replaces_the_rest(tmp_path):
         assert_that(split["tasks"] | "t" >> beam.Map(lambda t: t.file_name),
                     equal_to(["images/todo.png", "images/multi-0.png", "images/damaged.png", "images/other.png"]),
                     label="todo")
-        assert_that(split["skipped"] | "s" >> beam.Map(lambda row: (row["file_name"], row["seed"],
+        assert_that(split["existing"] | "s" >> beam.Map(lambda row: (row["file_name"], row["seed"],
                                                                      row["generation_ms"])),
                     equal_to([("images/done.png", 11, None), ("images/multi-1.png", 12, None)]), label="skipped")
 

@@ -12,12 +12,13 @@ from PIL import Image
 
 from reference_files import png, png_declaring
 from transforms import layout, references
-from transforms.outputs import ExistingImageMismatch, encode_png, existing_manifest_row, png_text
 from transforms.references import ReferenceCache, ReferenceError, ReferenceLimits, read_reference, resolve_path
 from transforms.inputs.identity import derive_id
 from transforms.inputs.readers import parse_lines
 from transforms.inputs.validation import RequestDefaults
 from transforms.requests import GenerationRequest, ImageTask
+from transforms.sinks.encoding import encode_png, png_text
+from transforms.sinks.existing import ExistingImageMismatch, existing_manifest_row
 
 D = RequestDefaults(height=32, width=32, seed=7, max_reference_images=2)
 LIMITS = ReferenceLimits(max_images=2, max_pixels=256 * 256)
@@ -176,9 +177,9 @@ def test_manifest_and_image_text_carry_the_references():
     plain = GenerationRequest(**{**r.__dict__, "reference_images": (), "reference_sha256": ()})
     with pytest.raises(ExistingImageMismatch, match="reference_images"):
         existing_manifest_row(ImageTask(plain, 0), data, "gs://o/images/e.png")
-    no_refs = layout.manifest_row(request_id="x", file_name="images/x.png", uri="u", prompt="p",
-                                  prompt_truncated=False, seed=1, height=32, width=32, num_inference_steps=4,
-                                  guidance_scale=1.0, model="m", sha256="s", num_bytes=1, generation_ms=1.0)
+    no_refs = layout.manifest_row(ImageTask(plain, 0), file_name="images/x.png", uri="u", sha256="s",
+                                  num_bytes=1, num_inference_steps=4, guidance_scale=1.0, prompt_truncated=False,
+                                  model="m", generation_ms=1.0, model_fingerprint=None)
     assert "reference_images" not in no_refs  # text-to-image rows are unchanged
 
 

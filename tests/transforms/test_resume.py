@@ -7,18 +7,17 @@ import os
 import apache_beam as beam
 import numpy as np
 import pytest
-from apache_beam.ml.inference.base import PredictionResult
 from apache_beam.options.pipeline_options import PipelineOptions
-from apache_beam.testing.util import assert_that, equal_to
 
-import transforms.outputs as outputs
-from transforms import layout, shards
+from transforms import layout, shards, sinks
 from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.inference import GeneratedImage
-from transforms.outputs import ImageEncoding, SkipExisting, encode_png, existing_manifest_row, png_text, \
-    write_bytes_atomic
 from transforms.requests import GenerationRequest, ImageTask
-from transforms.shard_writer import EXISTING_TAG, STALE_TAG, PackShardFn
+from transforms.sinks import writes
+from transforms.sinks.encoding import ImageEncoding, encode_png, png_text
+from transforms.sinks.existing import SkipExisting, existing_manifest_row
+from transforms.sinks.webdataset import staged_path, staging_dir
+from transforms.sinks.writes import write_bytes_atomic
 
 MODEL = model_fingerprint("ckpt", dtype="float32", max_sequence_length=64)
 OTHER_DTYPE = model_fingerprint("ckpt", dtype="bfloat16", max_sequence_length=64)
@@ -56,31 +55,31 @@ def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00
 def image_reads(monkeypatch):
     """The images SkipExisting reads (FnApiRunner runs in this process, so the module's read_bytes is the one)."""
     reads = []
-    real = outputs.read_bytes
+    real = writes.read_bytes
 
     def counting(path):
         if f"/{layout.IMAGES_DIR}/" in path.replace(os.sep, "/"):
             reads.append(path)
         return real(path)
 
-    monkeypatch.setattr(outputs, "read_bytes", counting)
+    monkeypatch.setattr(writes, "read_bytes", counting)
     return reads
 
 
 def _skip(out: str, tasks, model_fp=MODEL):
-    """Run SkipExisting; ({'tasks': file names, 'skipped': rows, 'stale': file names})."""
+    """Run SkipExisting; ({'tasks': file names, 'existing': rows, 'stale': file names})."""
     import pickle
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="skip-")
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
         split = p | beam.Create(tasks) | SkipExisting(out, ImageEncoding(), model_fp)
-        for name in ("tasks", "skipped", "stale"):
+        for name in ("tasks", "existing", "stale"):
             path = os.path.join(folder, name)
             _ = (split[name] | f"Collect{name}" >> beam.combiners.ToList()
                  | f"Keep{name}" >> beam.Map(lambda items, path=path: open(path, "wb").write(pickle.dumps(items))))
     got = {}
-    for name in ("tasks", "skipped", "stale"):
+    for name in ("tasks", "existing", "stale"):
         with open(os.path.join(folder, name), "rb") as f:
             got[name] = pickle.load(f)
     got["tasks"] = sorted(t.file_name for t in got["tasks"])
@@ -94,7 +93,7 @@ def test_same_fingerprints_skip_without_reading_any_image(tmp_path, image_reads)
     got = _skip(out, done + [task("new")])
     assert image_reads == []
     assert got["tasks"] == ["images/new.png"] and got["stale"] == []
-    by_name = {r["file_name"]: r for r in got["skipped"]}
+    by_name = {r["file_name"]: r for r in got["existing"]}
     for row in rows:
         kept = by_name[row["file_name"]]
         assert {k: kept[k] for k in ("sha256", "bytes", "uri", "prompt", "seed", "request_fingerprint",
@@ -109,7 +108,7 @@ def test_an_edited_prompt_is_generated_again_and_counted_stale(tmp_path, image_r
     _write_run(out, [task("a"), task("b")])
     got = _skip(out, [task("a", prompt="a fox, edited"), task("b")])
     assert got["tasks"] == ["images/a.png"] and got["stale"] == ["images/a.png"]
-    assert [r["file_name"] for r in got["skipped"]] == ["images/b.png"]
+    assert [r["file_name"] for r in got["existing"]] == ["images/b.png"]
     assert image_reads == []
 
 
@@ -119,7 +118,7 @@ def test_another_model_regenerates_every_image(tmp_path, image_reads, new_model)
     _write_run(out, [task("a"), task("b")])
     got = _skip(out, [task("a"), task("b")], model_fp=new_model)
     assert got["tasks"] == ["images/a.png", "images/b.png"]
-    assert sorted(got["stale"]) == ["images/a.png", "images/b.png"] and got["skipped"] == []
+    assert sorted(got["stale"]) == ["images/a.png", "images/b.png"] and got["existing"] == []
 
 
 def test_images_of_a_run_killed_before_its_manifest_are_read_and_checked(tmp_path, image_reads):
@@ -133,7 +132,7 @@ def test_images_of_a_run_killed_before_its_manifest_are_read_and_checked(tmp_pat
     got = _skip(out, kept + [task("old"), damaged])
     assert sorted(os.path.basename(p) for p in image_reads) == ["b.png", "cut.png", "old.png"]
     assert got["tasks"] == ["images/cut.png", "images/old.png"] and got["stale"] == ["images/old.png"]
-    rows = {r["file_name"]: r for r in got["skipped"]}
+    rows = {r["file_name"]: r for r in got["existing"]}
     assert sorted(rows) == ["images/a.png", "images/b.png"]
     assert rows["images/b.png"]["request_fingerprint"] == request_fingerprint(kept[1])
     assert rows["images/b.png"]["model_fingerprint"] == MODEL
@@ -148,63 +147,91 @@ def test_a_recorded_row_of_another_size_than_the_listed_image_is_read(tmp_path, 
 
 
 # --------------------------------------------------------------------------------------------- webdataset
-class _FakeModel:
-    """What load_model returns (Beam's Shared keeps a weak reference to it)."""
+def _pixels(t) -> np.ndarray:
+    r = t.request
+    return np.random.default_rng(t.seed).integers(0, 256, (r.height, r.width, 3), dtype=np.uint8)
 
 
-class _FakeHandler:
-    """Just enough of Flux2KleinModelHandler for PackShardFn: seeded pixels, counted calls."""
-
-    def __init__(self):
-        self.batches = 0
-
-    def set_environment_vars(self):
-        pass
-
-    def share_model_across_processes(self):
-        return False
-
-    def load_model(self):
-        return _FakeModel()
-
-    def run_inference(self, tasks, model):
-        self.batches += 1
-        for t in tasks:
-            r = t.request
-            pixels = np.random.default_rng(t.seed).integers(0, 256, (r.height, r.width, 3), dtype=np.uint8)
-            yield PredictionResult(t, GeneratedImage(task=t, pixels=pixels, num_inference_steps=4, guidance_scale=1.0,
-                                                     prompt_truncated=False, model="m", generation_ms=1.0))
+def _generate(t) -> GeneratedImage:
+    """What the generation stage gives for a task (the same task object back, as RunInference does)."""
+    return GeneratedImage(task=t, pixels=_pixels(t), num_inference_steps=4, guidance_scale=1.0,
+                          prompt_truncated=False, model="m", generation_ms=1.0)
 
 
-def _pack(out: str, tasks, skip_existing: bool, model_fp=MODEL):
-    handler = _FakeHandler()
-    fn = PackShardFn(out, handler, ImageEncoding(), samples_per_shard=4, batch_size=4, skip_existing=skip_existing,
-                     threads=1, model_fingerprint=model_fp)
-    fn.setup()
-    try:
-        outs = list(fn.process((0, list(enumerate(tasks)))))
-    finally:
-        fn.teardown()
-    tagged = {}
-    for o in outs:
-        tagged.setdefault(getattr(o, "tag", "manifest"), []).append(getattr(o, "value", o))
-    return handler, tagged
+def _wds(out: str, tasks, skip_existing: bool, model_fp=MODEL, per_shard=4) -> dict:
+    """The WebDataset sink around a stand-in generation stage, on FnApiRunner: {name: elements} of what it planned
+    and wrote ('generated': keys of the tasks it had generated)."""
+    import pickle
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="wds-")
+    sink = sinks.WebDatasetSink(sinks.SinkSettings(out, ImageEncoding(), model_fp, skip_existing, 1), per_shard)
+    with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
+        planned = dict(p | beam.Create(tasks) | sink.plan())
+        todo = planned.pop(sinks.TASKS)
+        made = {sinks.IMAGES: todo | "Generate" >> beam.Map(_generate),
+                sinks.FAILED: p | "NoFailures" >> beam.Create([])}
+        written = {**made, **planned} | sink
+        found = {"generated": todo | beam.Map(lambda t: t.key), "manifest": written[sinks.MANIFEST],
+                 "existing": written[sinks.EXISTING], "stale": written[sinks.STALE]}
+        for name, pcoll in found.items():
+            path = os.path.join(folder, name)
+            _ = (pcoll | f"Collect{name}" >> beam.combiners.ToList()
+                 | f"Keep{name}" >> beam.Map(lambda items, path=path: open(path, "wb").write(pickle.dumps(items))))
+    got = {}
+    for name in found:
+        with open(os.path.join(folder, name), "rb") as f:
+            got[name] = pickle.load(f)
+    got["generated"] = sorted(got["generated"])
+    return got
+
+
+def _sidecar(out: str, shard: int = 0) -> list[dict]:
+    with open(shards.sidecar_path(out, shard), "rb") as f:
+        return shards.read_sidecar(f.read())
 
 
 def test_webdataset_shard_with_an_edited_prompt_is_generated_again(tmp_path):
     out = str(tmp_path / "out")
-    tasks = [task("a"), task("b"), task("c")]
-    _pack(out, tasks, skip_existing=False)
-    handler, tagged = _pack(out, tasks, skip_existing=True)  # same requests and model: kept, nothing generated
-    assert handler.batches == 0 and len(tagged[EXISTING_TAG]) == 3 and STALE_TAG not in tagged
-    edited = [tasks[0], task("b", prompt="a hen"), tasks[2]]
-    handler, tagged = _pack(out, edited, skip_existing=True)
-    assert handler.batches == 1 and tagged[STALE_TAG] == ["000000001"] and EXISTING_TAG not in tagged
-    with open(shards.sidecar_path(out, 0), "rb") as f:
-        assert [r["prompt"] for r in shards.read_sidecar(f.read())] == ["a fox", "a hen", "a fox"]
-    handler, tagged = _pack(out, edited, skip_existing=True, model_fp=OTHER_LENGTH)  # another model
-    assert handler.batches == 1 and len(tagged[STALE_TAG]) == 3
-    with open(shards.sidecar_path(out, 0), "rb") as f:
-        assert {r["model_fingerprint"] for r in shards.read_sidecar(f.read())} == {OTHER_LENGTH}
+    tasks = [task("a", line=1), task("b", line=2), task("c", line=3)]
+    first = _wds(out, tasks, skip_existing=False)
+    assert first["generated"] == ["000000000", "000000001", "000000002"] and len(first["manifest"]) == 3
+    assert not os.path.exists(staging_dir(out))  # the staged images are gone once the shard is packed
+    kept = _wds(out, tasks, skip_existing=True)  # same requests and model: kept, nothing generated
+    assert kept["generated"] == [] and kept["manifest"] == [] and kept["stale"] == []
+    assert sorted(r["key"] for r in kept["existing"]) == ["000000000", "000000001", "000000002"]
+    by_key = {r["key"]: r for r in first["manifest"]}
+    for row in kept["existing"]:  # the one row builder: the same row, but for the time it took
+        assert dict(row, generation_ms=None) == dict(by_key[row["key"]], generation_ms=None)
+    edited = [tasks[0], task("b", prompt="a hen", line=2), tasks[2]]
+    again = _wds(out, edited, skip_existing=True)
+    assert len(again["generated"]) == 3 and again["stale"] == ["000000001"] and again["existing"] == []
+    assert [r["prompt"] for r in _sidecar(out)] == ["a fox", "a hen", "a fox"]
+    other = _wds(out, edited, skip_existing=True, model_fp=OTHER_LENGTH)  # another model
+    assert len(other["generated"]) == 3 and len(other["stale"]) == 3
+    assert {r["model_fingerprint"] for r in _sidecar(out)} == {OTHER_LENGTH}
     with open(shards.stats_path(out, 0)) as f:
         assert json.load(f)["successes"] == 3
+
+
+def test_webdataset_rerun_reuses_the_images_a_killed_run_staged(tmp_path):
+    """A run killed after generating, before packing, left staged images: a --skip_existing rerun packs those that
+    are the tasks' (their text says so) without generating them, generates the rest, and removes the staging."""
+    out = str(tmp_path / "out")
+    tasks = [task(rid, line=i) for i, rid in enumerate("abcde", 1)]
+    reference = _wds(str(tmp_path / "reference"), tasks, skip_existing=False)
+    keys = {t.request.id: shards.sample_key(*divmod(i, 4), 4) for i, t in enumerate(tasks)}
+    for rid, prompt in (("a", "a fox"), ("b", "a fox"), ("e", "a fox"), ("c", "another prompt")):
+        t = task(rid, prompt=prompt, line="abcde".index(rid) + 1)
+        write_bytes_atomic(staged_path(out, keys[rid], "png"), encode_png(_pixels(t), png_text(
+            t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_fingerprint=MODEL)))
+    got = _wds(out, tasks, skip_existing=True)
+    assert got["generated"] == [keys["c"], keys["d"]]  # c's staged image is another request's
+    assert sorted(r["key"] for r in got["existing"]) == [keys["a"], keys["b"], keys["e"]]
+    assert all(r["generation_ms"] is None for r in got["existing"])
+    assert not os.path.exists(staging_dir(out))
+    for shard in (0, 1):  # the same shards as a run that generated everything
+        with open(shards.shard_path(out, shard), "rb") as f, \
+                open(shards.shard_path(str(tmp_path / "reference"), shard), "rb") as g:
+            assert f.read() == g.read()
+    assert len(reference["manifest"]) == 5

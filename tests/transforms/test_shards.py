@@ -1,4 +1,4 @@
-"""WebDataset shard layout (transforms/shards.py), shard placement (transforms/shard_writer.py) and the indexes
+"""WebDataset shard layout (transforms/shards.py), shard placement (transforms/sinks/webdataset.py) and the indexes
 (transforms/dataset_card.py): pure functions, checked against the readers' own rules (tarfile, webdataset, yaml)."""
 
 import hashlib
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from transforms import dataset_card, shards
-from transforms.shard_writer import block_offsets, shape_batches
+from transforms.sinks.webdataset import block_offsets
 
 
 @pytest.mark.parametrize("per_shard", [1, 2, 9, 10, 11, 999, 1000, 1001, 10_000, 123_456])
@@ -92,7 +92,7 @@ def test_stats_completeness_and_sidecar_round_trip():
            "sha256": "s", "bytes": 3, "generation_ms": 1.5, "metadata": {"lang": "en"}, "source": "f", "line": 2,
            "key": "000000000", "request_fingerprint": "rfp", "model_fingerprint": "mfp"}
     back = shards.read_sidecar(shards.sidecar_bytes([shards.success_sidecar_row(row)]))
-    assert shards.manifest_row_of_sidecar(back[0]) == row
+    assert back[0] == dict(row, status="success", error_message=None, metadata='{"lang": "en"}')
 
 
 def test_indexes_and_card():
@@ -108,14 +108,5 @@ def test_indexes_and_card():
     assert "pipe:gcloud storage cat gs://b/out/shards/{00000..00001}.tar" in text
 
 
-class _Task:
-    def __init__(self, shape, i):
-        self.shape_key, self.i = shape, i
-
-
-def test_block_offsets_and_shape_batches():
+def test_block_offsets():
     assert block_offsets([(("b", 0), 2), (("a", 1), 5), (("a", 0), 3)]) == {("a", 0): 0, ("a", 1): 3, ("b", 0): 8}
-    entries = [(i, _Task("32x32" if i % 3 else "64x64", i)) for i in range(7)]
-    batches = shape_batches(entries, 2)
-    assert all(len({t.shape_key for _, t in b}) == 1 and len(b) <= 2 for b in batches)
-    assert sorted(i for b in batches for i, _ in b) == list(range(7))

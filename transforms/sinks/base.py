@@ -1,0 +1,85 @@
+"""The sink interface: where a job's generated images go, and what the output already holds.
+
+A sink is a PTransform, as Beam's own sinks are (WriteToText, WriteToParquet: one `expand` each), applied after the
+job's one generation stage (transforms/generation.py):
+
+    planned = tasks | sink.plan()            # {TASKS: to generate, EXISTING: rows, STALE: names, ...}
+    made = planned[TASKS] | Generate(handler, batch_size)          # {IMAGES, FAILED}
+    written = {**made, **the rest of planned} | sink
+    # {MANIFEST: rows of the images this run stored, EXISTING: rows of the images found already there,
+    #  ERRORS: error rows of the images that failed, STALE: names of images made again, DONE: the sink's own files}
+
+`plan()` runs before anything is generated: it looks at what the output already holds (`--skip_existing`) and may
+give the tasks what the sink needs to know of them once generated (a shard and a key); whatever else it returns
+besides TASKS (EXISTING, STALE and the sink's own collections) comes back to `expand` with the generated images.
+Every sink builds its rows with the one builder (`layout.manifest_row`), encodes with `sinks.encoding` and stores
+with `sinks.writes.StoreImagesFn`, so references, metrics and error rows are alike whichever sink is chosen. What
+is common to every sink (the manifest, existing and errors files, the preview, the summary) the pipeline writes
+from the collections a sink returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import apache_beam as beam
+
+from ..generation import FAILED, IMAGES  # noqa: F401  (re-exported: the keys of what `expand` receives)
+from .encoding import ImageEncoding
+
+TASKS = "tasks"
+MANIFEST = "manifest"
+EXISTING = "existing"
+ERRORS = "errors"
+STALE = "stale"
+DONE = "done"
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkSettings:
+    """What every sink is told: the output folder (local or gs://), how images are encoded, the model fingerprint
+    every image records, whether to keep what the output already holds (--skip_existing), encoder threads per
+    worker process (None: its cores) and the local progress folder (None: no progress line)."""
+
+    output: str
+    encoding: ImageEncoding = ImageEncoding()
+    model_fingerprint: str | None = None
+    skip_existing: bool = False
+    encode_threads: int | None = None
+    progress_dir: str | None = None
+
+
+class Sink(beam.PTransform):
+    """Generated images -> stored, with their manifest rows. Subclasses set `output_format` (the --output_format
+    that selects them), implement `expand` (see the module docstring for what it receives and returns) and, if
+    the output can already hold images or the tasks need placing first, `plan`."""
+
+    output_format: str = ""
+
+    def __init__(self, settings: SinkSettings):
+        super().__init__()
+        self.settings = settings
+
+    def plan(self) -> beam.PTransform:
+        """Tasks -> {TASKS: those to generate, EXISTING: manifest rows of images already there, STALE: names of
+        images there that were made for another request or model, ...}. By default the output holds nothing."""
+        return NothingExisting()
+
+
+class NothingExisting(beam.PTransform):
+    """Tasks -> {TASKS: all of them, EXISTING and STALE: empty}."""
+
+    def expand(self, tasks):
+        return {TASKS: tasks, EXISTING: tasks.pipeline | "NoExisting" >> beam.Create([]),
+                STALE: tasks.pipeline | "NoStale" >> beam.Create([])}
+
+
+def after(rows, done, label: str = "After"):
+    """`rows`, released only once `done` is complete (a side input: the runner finishes `done` first)."""
+    finished = done | f"{label}Count" >> beam.combiners.Count.Globally()
+    return rows | label >> beam.Map(lambda row, _n: row, beam.pvalue.AsSingleton(finished))
+
+
+def error_rows(failed):
+    """FAILED ((task, error row) pairs) -> the error rows."""
+    return failed | "ErrorRows" >> beam.Map(lambda pair: pair[1])

@@ -1,0 +1,295 @@
+"""What an output already holds, for `--skip_existing`: an image written earlier is checked against the task it
+would be made for, from the earlier manifest rows' fingerprints or from the image's own bytes and text.
+
+The files sink uses `SkipExisting` (every image of `images/`); the WebDataset sink checks whole shards from their
+sidecars and reuses staged images with `check_existing_image` (transforms/sinks/webdataset.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+from typing import Iterable
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from .. import layout, retries
+from ..fingerprints import request_fingerprint
+from ..metrics import NAMESPACE as METRICS_NAMESPACE
+from . import writes
+from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_text
+
+LOGGER = logging.getLogger(__name__)
+SKIPPED_TAG = "skipped"
+STALE_TAG = "stale"
+
+
+class ExistingImageMismatch(ValueError):
+    """An image already at a task's name is not that task's image (other request, wrong size, damaged bytes)."""
+
+    def __init__(self, file_name: str, problem: str):
+        super().__init__(f"{file_name}: {problem}")
+        self.file_name = file_name
+        self.problem = problem
+
+
+class StaleImage(ExistingImageMismatch):
+    """A sound image already at a task's name that was made for another request or by another model (its
+    fingerprints, or the fields its text records, differ): generated again and counted `stale`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FoundImage:
+    """What an image already written says of itself, once checked against its task: the figures of its manifest
+    row that the task does not give."""
+
+    sha256: str
+    num_bytes: int
+    num_inference_steps: int
+    guidance_scale: float
+    prompt_truncated: bool | None
+    model: str
+    model_fingerprint: str | None
+
+    def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
+        """Its manifest row (generation_ms None: its time was not measured by this run)."""
+        return layout.manifest_row(
+            task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
+            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+            prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
+            model_fingerprint=self.model_fingerprint, key=key)
+
+
+def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
+                         model_fingerprint: str | None = None, name: str | None = None) -> FoundImage:
+    """Check that `data` (an image a previous run wrote, named `name` in messages: the task's stored file name by
+    default) is `task`'s image, from its bytes and the text it carries (PNG text chunks; the EXIF description of a
+    WebP or JPEG).
+
+    Raises ExistingImageMismatch unless the bytes are a complete, undamaged image of the encoding's format (PNG:
+    every chunk checksum; WebP/JPEG: all pixels decode), and StaleImage unless it has the task's size and its text
+    records the task's id, prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, its steps and
+    guidance when the record gives them, and the task's request fingerprint and `model_fingerprint` when the text
+    has them (images of older runs do not; their model_fingerprint is then None)."""
+    from PIL import Image
+
+    encoding = encoding or ImageEncoding()
+    expected_format = PIL_FORMATS[encoding.format]
+    r = task.request
+    file_name = name or encoding.stored_name(task.file_name)
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt, size, text = im.format, im.size, read_image_text(im)
+            if fmt != "PNG":
+                im.load()  # a truncated WebP/JPEG fails to decode here
+        if fmt == "PNG":
+            with Image.open(io.BytesIO(data)) as im:
+                im.verify()  # every chunk's CRC, through IEND: a truncated or damaged file fails here
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes; all mean the same here
+        raise ExistingImageMismatch(file_name, f"not a readable {expected_format} ({type(e).__name__}: {e})") \
+            from None
+    if fmt != expected_format:
+        raise ExistingImageMismatch(file_name, f"is {fmt}, not {expected_format}")
+    if size != (r.width, r.height):
+        raise StaleImage(file_name, f"is {size[0]}x{size[1]} (WxH), the request asks for {r.width}x{r.height}")
+    expected = {"id": r.id, "seed": str(task.seed)}
+    if "prompt" in text or "prompt_sha256" not in text:
+        expected["prompt"] = r.prompt
+    else:
+        expected["prompt_sha256"] = hashlib.sha256(r.prompt.encode("utf-8")).hexdigest()
+    if r.num_inference_steps is not None:
+        expected["num_inference_steps"] = str(int(r.num_inference_steps))
+    if r.guidance_scale is not None:
+        expected["guidance_scale"] = repr(float(r.guidance_scale))
+    # References: the same files (URIs and sha256); an image without references is not one made with them.
+    expected["reference_images"] = reference_text(r) if r.reference_images else None
+    for key, value in expected.items():
+        if text.get(key) != value:
+            raise StaleImage(file_name, f"was made for another request (its {key!r} differs)")
+    fingerprint = request_fingerprint(task)
+    if text.get("request_fingerprint", fingerprint) != fingerprint:
+        raise StaleImage(file_name, "was made for another request (its request fingerprint differs)")
+    if model_fingerprint and text.get("model_fingerprint", model_fingerprint) != model_fingerprint:
+        raise StaleImage(file_name, "was made by another model (its model fingerprint differs: another checkpoint, "
+                                    "dtype or max_sequence_length)")
+    try:
+        steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
+    except (KeyError, ValueError):
+        raise ExistingImageMismatch(file_name, "lacks its steps/guidance text") from None
+    truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
+    return FoundImage(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data), num_inference_steps=steps,
+                      guidance_scale=guidance, prompt_truncated=truncated, model=text.get("model", ""),
+                      model_fingerprint=text.get("model_fingerprint"))
+
+
+def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding | None = None,
+                          model_fingerprint: str | None = None) -> dict:
+    """The manifest row of an image a previous run wrote for `task` at `uri` under its stored file name, rebuilt
+    from its bytes and text; ExistingImageMismatch / StaleImage as `check_existing_image` says."""
+    encoding = encoding or ImageEncoding()
+    found = check_existing_image(task, data, encoding, model_fingerprint)
+    return found.row(task, file_name=encoding.stored_name(task.file_name), uri=uri)
+
+
+class _SkipExistingFn(retries.CountingRetriesFn):
+    """Reads and checks each listed image (the listing as a side input {file name: size}): a task whose image
+    checks out -> its manifest row (tagged `skipped`); else the task, to be generated (an image made for another
+    request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
+    does for an image no earlier manifest row describes; alone, the whole check of runs before fingerprints."""
+
+    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None):
+        self._output = output
+        self._encoding = encoding or ImageEncoding()
+        self._model_fingerprint = model_fingerprint or None
+        self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
+        self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
+        self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
+        self._read = Metrics.counter(METRICS_NAMESPACE, "existing_images_read")
+
+    def process(self, task, existing):
+        if self._encoding.stored_name(task.file_name) not in existing:
+            yield task
+            return
+        yield from self._read_and_check(task)
+
+    def _read_and_check(self, task):
+        file_name = self._encoding.stored_name(task.file_name)
+        uri = layout.join(self._output, file_name)
+        try:
+            data = writes.read_bytes(uri)
+        except FileNotFoundError:  # deleted since the listing
+            yield task
+            return
+        self._read.inc()
+        try:
+            row = existing_manifest_row(task, data, uri, self._encoding, self._model_fingerprint)
+        except StaleImage as e:
+            yield from self._stale_task(task, str(e))
+            return
+        except ExistingImageMismatch as e:
+            self._replaced.inc()
+            LOGGER.warning("--skip_existing: %s; generating it again", e)
+            yield task
+            return
+        self._skipped.inc()
+        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, row)
+
+    def _stale_task(self, task, why: str):
+        self._stale.inc()
+        LOGGER.info("--skip_existing: %s; generating it again", why)
+        yield beam.pvalue.TaggedOutput(STALE_TAG, self._encoding.stored_name(task.file_name))
+        yield task
+
+
+# What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
+RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "model", "prompt_truncated",
+                   "num_inference_steps", "guidance_scale")
+
+
+def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
+    """An earlier run's manifest file (manifest-*.jsonl or existing-*.jsonl) -> (file name, RECORDED_FIELDS) for
+    each row with both fingerprints, read line by line. Rows without them (older runs) and lines that do not parse
+    are left out: their images are read and checked instead."""
+    with readable_file.open() as f:
+        for number, line in enumerate(io.TextIOWrapper(f, encoding="utf-8", errors="replace"), 1):
+            try:
+                row = json.loads(line)
+                file_name = row["file_name"]
+            except (ValueError, KeyError, TypeError):
+                if line.strip():
+                    LOGGER.warning("--skip_existing: line %d of %s is not a manifest row; ignored", number,
+                                   readable_file.metadata.path)
+                continue
+            if isinstance(file_name, str) and row.get("request_fingerprint") and row.get("model_fingerprint"):
+                yield file_name, {k: row.get(k) for k in RECORDED_FIELDS}
+
+
+class _DecideExistingFn(_SkipExistingFn):
+    """(file name, {tasks, listed sizes, recorded rows}) -> the same outputs as _SkipExistingFn, from the listing
+    and the earlier manifest rows alone: an image listed at the size its rows record, all of whose rows carry the
+    task's request fingerprint and this model's, is skipped without being read; one whose rows all carry other
+    fingerprints is stale; one with no row (a run killed before its manifest was written), rows that disagree, or
+    another size, is read and checked as _SkipExistingFn does."""
+
+    def process(self, element, existing=None):
+        file_name, found = element
+        listed, recorded = list(found["listed"]), list(found["recorded"])
+        for task in found["tasks"]:
+            if not listed:
+                yield task
+            elif not recorded:
+                yield from self._read_and_check(task)
+            else:
+                yield from self._decide(task, file_name, listed[0], recorded)
+
+    def _decide(self, task, file_name: str, size: int, recorded: list[dict]):
+        want = (request_fingerprint(task), self._model_fingerprint)
+        prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in recorded}
+        if want not in prints:
+            which = "request" if all(p[1] == want[1] for p in prints) else "model"
+            yield from self._stale_task(task, f"{file_name}: its manifest row has another {which} fingerprint")
+            return
+        rec = next((r for r in recorded if r.get("bytes") == size), None)
+        if len(prints) > 1 or rec is None:  # rows that disagree, or an object of another size: look at it
+            yield from self._read_and_check(task)
+            return
+        self._skipped.inc()
+        found = FoundImage(sha256=rec["sha256"], num_bytes=size, num_inference_steps=rec["num_inference_steps"],
+                           guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
+                           model=rec["model"], model_fingerprint=want[1])
+        yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
+                                                              uri=layout.join(self._output, file_name)))
+
+
+class SkipExisting(beam.PTransform):
+    """Image tasks -> {'tasks': those still to generate, 'existing': manifest rows of the images already there,
+    'stale': file names of images already there that were made for another request or model}: the files sink's
+    plan (transforms/sinks/files.py) under --skip_existing.
+
+    The existing images are listed once (one match of `{output}/images/*.png`, or the extension of the job's
+    --image_format), and the earlier runs' manifest rows (`manifest/*.jsonl`: manifest-* and existing-*) read once,
+    keeping only their fingerprints and stored figures. Both are joined with the tasks by file name
+    (_DecideExistingFn), so that an image whose rows say it is this request's, made by this model
+    (`model_fingerprint`), is skipped without being read. Only images no row describes are read and checked
+    (`existing_manifest_row`). Every kept image's row goes to manifest/existing-*.jsonl, so a resumed job's
+    manifests still list every image, including those of a run that was killed before writing its manifest.
+    `read_manifest=False`: every listed image is read and checked (the behaviour before fingerprints; benchmarks).
+    """
+
+    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None,
+                 read_manifest: bool = True):
+        super().__init__()
+        self._output = output
+        self._encoding = encoding or ImageEncoding()
+        self._model_fingerprint = model_fingerprint or None
+        self._read_manifest = read_manifest
+
+    def expand(self, tasks):
+        from apache_beam.io import fileio
+
+        output, encoding = self._output, self._encoding
+        listed = (tasks.pipeline
+                  | "ImagesGlob" >> beam.Create([layout.images_glob(output, encoding.format)])
+                  | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                  | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}",
+                                                        m.size_in_bytes)))
+        fn_args = (output, encoding, self._model_fingerprint)
+        if not self._read_manifest:
+            out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(*fn_args), beam.pvalue.AsDict(listed)) \
+                .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks")
+        else:
+            recorded = (tasks.pipeline
+                        | "ManifestGlob" >> beam.Create([layout.manifest_rows_glob(output)])
+                        | "ListManifests" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                        | "OpenManifests" >> fileio.ReadMatches()
+                        | "RecordedRows" >> beam.FlatMap(recorded_rows))
+            keyed = tasks | "ByFileName" >> beam.Map(lambda t: (encoding.stored_name(t.file_name), t))
+            out = ({"tasks": keyed, "listed": listed, "recorded": recorded}
+                   | "JoinExisting" >> beam.CoGroupByKey()
+                   | "DecideExisting" >> beam.ParDo(_DecideExistingFn(*fn_args))
+                   .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks"))
+        return {"tasks": out.tasks, "existing": out[SKIPPED_TAG], "stale": out[STALE_TAG]}

@@ -1,0 +1,62 @@
+"""`--output_format files`: one object per image under `{output}/images/`, and `metadata.jsonl` for datasets.
+
+    {output}/images/{id}.png (or {id}-{j}.png; .webp / .jpg)   written atomically as each image is generated
+    {output}/metadata.jsonl    every image's manifest row (this run's and those found already there), `file_name`
+                               relative to {output}: what Hugging Face `datasets`' imagefolder reads
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import apache_beam as beam
+
+from .. import layout
+from .base import DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, STALE, NothingExisting, Sink, after, error_rows
+from .encoding import ImageEncoding
+from .existing import SkipExisting
+from .writes import Placement, StoreImagesFn
+
+
+@dataclasses.dataclass(frozen=True)
+class InImages:
+    """Where the files sink puts an image: `images/{name}` with the encoding's extension, written in place."""
+
+    output: str
+    encoding: ImageEncoding = ImageEncoding()
+
+    def __call__(self, task) -> Placement:
+        name = self.encoding.stored_name(task.file_name)
+        uri = layout.join(self.output, name)
+        return Placement(file_name=name, uri=uri, write_to=uri)
+
+
+class FilesSink(Sink):
+    """Each generated image stored at its own name as it comes (StoreImagesFn); `--skip_existing` keeps the images
+    already there that were made for the same request and model (SkipExisting). `metadata.jsonl` lists every image
+    of the output once all are written."""
+
+    output_format = "files"
+
+    def plan(self) -> beam.PTransform:
+        s = self.settings
+        if not s.skip_existing:
+            return NothingExisting()
+        return SkipExisting(s.output, s.encoding, s.model_fingerprint)
+
+    def expand(self, inputs):
+        s = self.settings
+        manifest = inputs[IMAGES] | "WriteImages" >> beam.ParDo(StoreImagesFn(
+            InImages(s.output, s.encoding), s.encoding, s.encode_threads, model_fingerprint=s.model_fingerprint,
+            progress_dir=s.progress_dir))
+        # Rows of the images found already written, released once this run's images are all written.
+        existing = after(inputs[EXISTING], manifest, "AfterImages")
+        # datasets' imagefolder: metadata.jsonl at the output's root, `file_name` relative to it, one row per image
+        # of the output (this run's and those a --skip_existing run kept), written once every image is.
+        metadata = ((manifest, existing)
+                    | "EveryImage" >> beam.Flatten()
+                    | "MetadataJson" >> beam.Map(layout.to_json_line)
+                    | "WriteMetadata" >> beam.io.WriteToText(layout.metadata_path(s.output), shard_name_template="",
+                                                             num_shards=1))
+        return {MANIFEST: manifest, EXISTING: existing, ERRORS: error_rows(inputs[FAILED]), STALE: inputs[STALE],
+                DONE: metadata}
