@@ -1,4 +1,4 @@
-"""Compiled programs of the generator: encode, fused denoise loop, decode to uint8; shape buckets and the mesh.
+"""Compiled programs of the generator: encode, fused denoise loop, decode to uint8, per shape bucket.
 
 All device work for one batch is three executables, compiled ahead of time per bucket (batch, height, width,
 steps, CFG, reference tokens) and reused: the text encoder, the whole denoising loop as one `lax.scan` (sigmas staged
@@ -30,6 +30,8 @@ from .layers import precision_scope
 from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
 from . import attention as attention_lib, shard_layout, sharding
+from .mesh import data_replicas, model_shards
+from .plan import Bucket
 from .scheduler import euler_step, guidance_mix, model_timestep
 from .transformer import tpu_rope_scope
 from .weights import release_host_memory
@@ -46,19 +48,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def make_mesh(options: EngineOptions, devices=None) -> Mesh:
-    """The (data, model) mesh of the programs: over `devices` (default: all local devices for data, context or model
-    parallelism, else the first), `options.model_shards` of them holding one copy of the weights."""
-    if devices is None:  # data_parallel=False: one data replica (the first model_shards devices)
-        use_all = options.data_parallel or options.context_parallel
-        local = jax.local_devices(backend=options.platform)
-        devices = local if use_all else local[:options.model_shards]
-    if len(devices) % options.model_shards:
-        raise ValueError(f"model_shards={options.model_shards} must divide the number of devices, {len(devices)} "
-                         f"({devices[0].device_kind})")
-    return sharding.make_mesh(devices, options.model_shards)
 
 
 # Where the VAE's fused upsample (a 2x2 conv at the low resolution with the four output phases as channels) is not
@@ -82,18 +71,6 @@ class DecodedBatch(NamedTuple):
     image_nonfinite: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """Everything a compiled executable is specialised on."""
-
-    batch: int
-    grid_h: int
-    grid_w: int
-    steps: int
-    cfg: bool
-    ref_tokens: int = 0  # reference-image tokens appended to the target's (0: text-to-image)
-
-
 class CompiledPrograms:
     """Builds and caches the three jitted/AOT-compiled programs for each bucket."""
 
@@ -113,7 +90,7 @@ class CompiledPrograms:
         self.context_parallel = options.context_parallel
         self.batched = NamedSharding(mesh, P() if options.context_parallel else P("data"))
         # Fused projections laid out per shard (model.shard_layout); a no-op when the loader did it already.
-        shard_layout.lay_out(transformer, sharding.model_shards(mesh))
+        shard_layout.lay_out(transformer, model_shards(mesh))
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
@@ -240,7 +217,7 @@ class CompiledPrograms:
 
     def latents_sharding(self, num_tokens: int) -> NamedSharding:
         """Sharding of latent tokens [B, N, C]: over N in context-parallel mode when N divides evenly."""
-        if self.context_parallel and num_tokens % sharding.data_replicas(self.mesh) == 0:
+        if self.context_parallel and num_tokens % data_replicas(self.mesh) == 0:
             return NamedSharding(self.mesh, P(None, "data"))
         return self.batched
 

@@ -25,16 +25,18 @@ from flax import nnx
 from . import contract, shard_layout
 from . import scheduler as sched
 from .config import PipelineConfig
-from .engine import Bucket, CompiledPrograms, DecodedBatch, enable_compilation_cache, make_mesh
+from .engine import CompiledPrograms, DecodedBatch, enable_compilation_cache
 from .errors import CheckpointError, ConfigError, NonFiniteImageError, RequestError
 from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
+from .mesh import data_replicas, make_mesh, model_shards
 from .noise import initial_noise
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
+from .plan import Bucket, Sampling, bucket_for, default_guidance, default_steps, latent_grid, resolve_sampling
 from .qwen3 import Qwen3TextEncoder
 from .reference_encoder import ReferenceEncoder
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
-from .sharding import data_replicas, model_shards, placement
+from .sharding import placement
 from .tokenizer import PromptTokenizer
 from .transformer import Flux2Transformer, image_ids, reference_ids, rope_tables, text_ids
 from .vae import Flux2VAEDecoder, Flux2VAEEncoder
@@ -129,13 +131,14 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
              for name, _, exp, opt in components]
 
-    def make_generator(text_encoder, transformer, vae, **kw):
-        return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
-                                   options=options, model_id=settings.model, root=root, lab=lab, **kw)
-
     # Each weight goes straight to its place on the mesh as it is read (split over the model axis, fused projections
     # laid out per shard), so a model larger than one chip is never whole on the first one.
     mesh = make_mesh(options)
+
+    def make_generator(text_encoder, transformer, vae, **kw):
+        return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
+                                   options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh, **kw)
+
     # The programs of the shapes asked for compile from the modules' shapes on other threads while the weights load
     # (reading is bound by the disk, compiling by the host's cores): measured on a v5e chip, klein-4B 1024x1024.
     precompiling = None
@@ -263,10 +266,10 @@ class Flux2KleinGenerator:
 
     def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
                  dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches(),
-                 vae_encoder_loader=None, abstract: bool = False):
+                 vae_encoder_loader=None, abstract: bool = False, mesh=None):
         """`vae_encoder_loader()`: the concrete `Flux2VAEEncoder`, called on the first image-conditioned call (None:
         reference images are refused). `abstract`: the modules hold shapes only, and the generator only compiles
-        (`plan_bucket`); it never generates."""
+        (`plan_bucket`); it never generates. `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -276,13 +279,13 @@ class Flux2KleinGenerator:
         self.root = root
         self.max_sequence_length = tokenizer.max_length
         self.is_distilled = config.is_distilled
-        self.default_num_inference_steps = 4 if config.is_distilled else 50
-        self.default_guidance_scale = 1.0 if config.is_distilled else 4.0
+        self.default_num_inference_steps = default_steps(config)
+        self.default_guidance_scale = default_guidance(config)
         self.size_multiple = config.size_multiple
         self.limits = contract.Limits(size_multiple=config.size_multiple)
         from .attention import resolve_implementation
 
-        self.mesh = make_mesh(options)
+        self.mesh = make_mesh(options) if mesh is None else mesh
         platform = self.mesh.devices.flat[0].platform
         self.programs = CompiledPrograms(
             text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
@@ -305,7 +308,7 @@ class Flux2KleinGenerator:
     # ------------------------------------------------------------------------------------------------ helpers
 
     def latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        return height // self.size_multiple, width // self.size_multiple
+        return latent_grid(self.config, height, width)
 
     def noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """Shape of `model.initial_noise` for one image: (in_channels, height // 16, width // 16)."""
@@ -366,32 +369,31 @@ class Flux2KleinGenerator:
         if not valid:  # no prompt: the sizes and parameters are still checked
             contract.validate(prompt="", height=height, width=width, num_inference_steps=num_inference_steps,
                               guidance_scale=guidance_scale, limits=self.limits)
-        steps = self.default_num_inference_steps if num_inference_steps is None else int(num_inference_steps)
-        guidance = self.default_guidance_scale if guidance_scale is None else float(guidance_scale)
-        if guidance > 1 and self.is_distilled:
-            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled", guidance)
+        sampling = resolve_sampling(self.config, num_inference_steps, guidance_scale)
+        if sampling.guidance_scale > 1 and self.is_distilled:
+            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled",
+                           sampling.guidance_scale)
         return GenerationInputs(prompts=tuple(v.prompt for v in valid for _ in range(k)),
                                 seeds=tuple(v.seed + j for v in valid for j in range(k)),
-                                height=int(height), width=int(width), num_inference_steps=steps,
-                                guidance_scale=guidance, use_cfg=guidance > 1 and not self.is_distilled,
+                                height=int(height), width=int(width),
+                                num_inference_steps=sampling.num_inference_steps,
+                                guidance_scale=sampling.guidance_scale, use_cfg=sampling.use_cfg,
                                 references=None if references is None else tuple(
                                     r for r in references for _ in range(k)))
 
     def plan_bucket(self, inputs: GenerationInputs, sigmas=None) -> BucketPlan:
         """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule."""
-        grid_h, grid_w = self.latent_grid(inputs.height, inputs.width)
-        replicas = data_replicas(self.mesh)
-        batch = self.options.batch_size or len(inputs.prompts)
-        if not self.options.context_parallel:
-            batch = -(-batch // replicas) * replicas  # a multiple of the data replicas
-        ref_grids = tuple(self.latent_grid(h, w) for h, w in inputs.reference_sizes)
-        bucket = Bucket(batch, grid_h, grid_w, inputs.num_inference_steps, inputs.use_cfg,
-                        sum(h * w for h, w in ref_grids))
+        bucket = bucket_for(
+            self.config, height=inputs.height, width=inputs.width,
+            sampling=Sampling(inputs.num_inference_steps, inputs.guidance_scale, inputs.use_cfg),
+            batch=self.options.batch_size or len(inputs.prompts), data_replicas=data_replicas(self.mesh),
+            context_parallel=self.options.context_parallel, reference_sizes=inputs.reference_sizes)
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(
             bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
-        cos, sin = self.rope(grid_h, grid_w, ref_grids)
-        sig, ts = self.schedule(inputs.num_inference_steps, grid_h, grid_w, sigmas)
+        ref_grids = tuple(self.latent_grid(h, w) for h, w in inputs.reference_sizes)
+        cos, sin = self.rope(bucket.grid_h, bucket.grid_w, ref_grids)
+        sig, ts = self.schedule(inputs.num_inference_steps, bucket.grid_h, bucket.grid_w, sigmas)
         return BucketPlan(bucket, encode_fn, denoise_fn, decode_fn, cos, sin, sig, ts,
                           jnp.float32(inputs.guidance_scale))
 

@@ -18,22 +18,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DATA, MODEL = "data", "model"
+from .mesh import MODEL, model_shards
 
 # Layer names (the diffusers/transformers module names) by how their [in, out] weight is split.
 COLUMN_PARALLEL = frozenset({"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "linear_in",
                              "to_qkv_mlp_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 ROW_PARALLEL = frozenset({"to_out", "to_add_out", "linear_out", "o_proj", "down_proj"})
 VOCAB_PARALLEL = frozenset({"embed_tokens"})
-
-
-def make_mesh(devices, model_shards: int = 1) -> Mesh:
-    """A (data, model) mesh over `devices`: `model_shards` chips hold one copy of the weights between them, and the
-    batch is split over the len(devices) / model_shards copies."""
-    devices = list(devices)
-    if model_shards < 1 or len(devices) % model_shards:
-        raise ValueError(f"model_shards={model_shards} must divide the {len(devices)} devices of the mesh")
-    return Mesh(np.array(devices).reshape(len(devices) // model_shards, model_shards), (DATA, MODEL))
 
 
 def layer_name(path) -> str | None:
@@ -60,14 +51,6 @@ def partition_spec(path, shape, shards: int) -> P:
     if split is None or shape[split] % shards:
         return P()
     return P(*[MODEL if d == split else None for d in range(dims)])
-
-
-def model_shards(mesh: Mesh) -> int:
-    return int(mesh.shape.get(MODEL, 1))
-
-
-def data_replicas(mesh: Mesh) -> int:
-    return int(mesh.shape.get(DATA, 1))
 
 
 def state_shardings(state, mesh: Mesh, split: bool = True):

@@ -162,16 +162,6 @@ def resolve_model(model: str):
 
 # ------------------------------------------------------------------------------------------------ pure estimates
 
-def divisors(n: int) -> list[int]:
-    """The positive divisors of n, ascending (the model-shard counts a mesh of n devices allows)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def bucket_batch(batch_size: int, replicas: int) -> int:
-    """The compiled batch of a job asked for `batch_size` images, rounded up to whole data replicas (plan_bucket)."""
-    return -(-batch_size // replicas) * replicas
-
-
 def _padded(n: int) -> int:
     from model.attention import SPLASH_BLOCK
 
@@ -421,8 +411,9 @@ def abstract_modules(config, dtype: str, out_layers=DEFAULT_TEXT_ENCODER_OUT_LAY
 def build_programs(modules, topology: Topology, *, dtype: str, model_shards: int, text_len: int):
     """The job's CompiledPrograms over the topology's devices, parameters as sharded shapes; (programs, attention)."""
     from model.attention import resolve_implementation
-    from model.engine import CompiledPrograms, make_mesh
+    from model.engine import CompiledPrograms
     from model.generator import DTYPES
+    from model.mesh import make_mesh
     from model.options import EngineOptions
 
     options = EngineOptions(model_shards=model_shards, cpu_compiler_options=())
@@ -588,8 +579,10 @@ def resident_bytes_for(modules, devices, shards: int) -> int:
     from flax import nnx
 
     from model import sharding
+    from model.mesh import make_mesh
+    from model.options import EngineOptions
 
-    mesh = sharding.make_mesh(devices, shards)
+    mesh = make_mesh(EngineOptions(model_shards=shards, cpu_compiler_options=()), devices=list(devices))
     states = [nnx.state(m) for m in modules]
     return sum(sharding.bytes_per_device(state, sharding.state_shardings(state, mesh, split))
                for state, split in zip(states, (True, True, False)))  # the VAE stays replicated (CompiledPrograms)
@@ -598,7 +591,8 @@ def resident_bytes_for(modules, devices, shards: int) -> int:
 def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Report:
     """Compile the request's programs for its topology and report; without `model_shards`, the fewest shards (a
     divisor of the worker's devices) whose programs fit, else the most shards' report with advice."""
-    from model.engine import Bucket
+    from model.mesh import ShardCountError, check_model_shards, shard_counts
+    from model.plan import bucket_for, resolve_sampling
 
     config = resolve_model(request.model)
     if request.dtype not in DTYPE_NAMES:
@@ -609,21 +603,22 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
                               num_inference_steps=request.num_inference_steps,
                               guidance_scale=request.guidance_scale,
                               limits=contract.Limits(size_multiple=config.size_multiple))
-    # The checkpoint's defaults, as the generator resolves them (model.generator.Flux2KleinGenerator).
-    steps = valid.num_inference_steps or (4 if config.is_distilled else 50)
-    guidance = valid.guidance_scale if valid.guidance_scale is not None else (1.0 if config.is_distilled else 4.0)
-    cfg = guidance > 1 and not config.is_distilled
+    # The checkpoint's defaults, as the generator resolves them (model.plan).
+    sampling = resolve_sampling(config, valid.num_inference_steps, valid.guidance_scale)
+    steps, cfg = sampling.num_inference_steps, sampling.use_cfg
     topology = load_topology(request.topology)
     devices = len(topology.devices)
-    if request.model_shards is not None and (request.model_shards < 1 or devices % request.model_shards):
-        raise UsageError(f"--model_shards {request.model_shards} must divide the {devices} devices of one "
-                         f"{request.topology} host (choose from {divisors(devices)})")
+    if request.model_shards is not None:
+        try:
+            check_model_shards(request.model_shards, topology.devices)
+        except ShardCountError:
+            raise UsageError(f"--model_shards {request.model_shards} must divide the {devices} devices of one "
+                             f"{request.topology} host (choose from {shard_counts(devices)})") from None
     capacity = request.hbm_bytes or topology.chip.hbm_bytes
     modules = abstract_modules(config, request.dtype, request.text_encoder_out_layers)
-    candidates = [request.model_shards] if request.model_shards else divisors(devices)
+    candidates = [request.model_shards] if request.model_shards else shard_counts(devices)
     resident_by_shards = {s: resident_bytes_for(modules, topology.devices, s) * topology.devices_per_chip
-                          for s in divisors(devices)}
-    grid_h, grid_w = request.height // config.size_multiple, request.width // config.size_multiple
+                          for s in shard_counts(devices)}
     report = None
     for i, shards in enumerate(candidates):
         last = i == len(candidates) - 1
@@ -634,9 +629,10 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
         programs, attention = build_programs(modules, topology, dtype=request.dtype, model_shards=shards,
                                              text_len=text_len)
         replicas = devices // shards
-        bucket = Bucket(bucket_batch(request.batch_size, replicas), grid_h, grid_w, steps, cfg)
-        per_image = attention_flops_per_image(config, text_len=text_len, image_tokens=grid_h * grid_w, steps=steps,
-                                              cfg=cfg, out_layers=request.text_encoder_out_layers)
+        bucket = bucket_for(config, height=request.height, width=request.width, sampling=sampling,
+                            batch=request.batch_size, data_replicas=replicas)
+        per_image = attention_flops_per_image(config, text_len=text_len, image_tokens=bucket.grid_h * bucket.grid_w,
+                                              steps=steps, cfg=cfg, out_layers=request.text_encoder_out_layers)
         split = kernel_split(config, shards)
         per_device = {k: v * (bucket.batch // replicas) / split[k] for k, v in per_image.items()}
         logger.info("compiling %s for %s: batch %d, %d model shard(s) x %d data replica(s)", request.model,
