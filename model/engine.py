@@ -82,6 +82,7 @@ class CompiledPrograms:
         self.dtype = dtype
         self.options = options
         self.lab = lab
+        self.attention = attention  # the transformer's attention kernels (model.attention.IMPLEMENTATIONS)
         self.text_len = text_len
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())

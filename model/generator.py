@@ -20,35 +20,27 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from . import contract, shard_layout
 from . import scheduler as sched
 from .config import PipelineConfig
-from .engine import CompiledPrograms, DecodedBatch, enable_compilation_cache
-from .errors import CheckpointError, ConfigError, NonFiniteImageError, RequestError
+from .engine import DecodedBatch, enable_compilation_cache
+from .errors import CheckpointError, NonFiniteImageError, RequestError
+from .factory import DTYPES, Networks, build_programs, check_text_width
 from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
 from .mesh import data_replicas, make_mesh, model_shards
 from .noise import initial_noise
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
 from .plan import Bucket, Sampling, bucket_for, default_guidance, default_steps, latent_grid, resolve_sampling
-from .qwen3 import Qwen3TextEncoder
 from .reference_encoder import ReferenceEncoder
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
 from .sharding import placement
 from .tokenizer import PromptTokenizer
-from .transformer import Flux2Transformer, image_ids, reference_ids, rope_tables, text_ids
-from .vae import Flux2VAEDecoder, Flux2VAEEncoder
+from .transformer import image_ids, reference_ids, rope_tables, text_ids
 from .weights import expected_tensors, load_component, release_host_memory, validate_component
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _abstract(factory):
-    return nnx.eval_shape(factory)
 
 
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
@@ -94,31 +86,17 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
         raise CheckpointError("checkpoint folder does not exist", path=root)
     start = time.perf_counter()
     config = PipelineConfig.from_folder(root)
-    jdtype = DTYPES[settings.dtype]
-    out_layers = settings.text_encoder_out_layers
-    te_cfg, tr_cfg, vae_cfg = config.text_encoder, config.transformer, config.vae
-    if len(out_layers) * te_cfg.hidden_size != tr_cfg.joint_attention_dim:
-        raise ConfigError(f"{len(out_layers)} text-encoder hidden states of width {te_cfg.hidden_size} do not match "
-                          f"the transformer's joint_attention_dim", path=os.path.join(root, "transformer",
-                                                                                       "config.json"),
-                          key="joint_attention_dim", value=tr_cfg.joint_attention_dim)
+    te_cfg = config.text_encoder
+    check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
     tokenizer = PromptTokenizer(os.path.join(root, "tokenizer"), settings.max_sequence_length)
     if len(tokenizer.tokenizer) > te_cfg.vocab_size:  # an id past the embedding table would read NaN: black images
         raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
                               f"table only {te_cfg.vocab_size} rows (vocab_size): tokenizer and text encoder do not "
                               f"belong together", path=os.path.join(root, "tokenizer"))
-    rngs = lambda: nnx.Rngs(0)  # noqa: E731  (abstract init only; values come from the checkpoint)
-
-    full_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=True, dtype=jdtype, rngs=rngs()))
-    # The modules the programs run, as constructors: loaded here, and made again from shapes by the precompiler.
-    new_run_te = lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not lab.truncated_encoder  # noqa: E731
-                                          or lab.reference, dtype=jdtype, rngs=rngs())
-    new_transformer = lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs())  # noqa: E731
-    new_run_vae = lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs())  # noqa: E731
-    run_te = _abstract(new_run_te)
-    transformer_abs = _abstract(new_transformer)
-    full_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, with_encoder=True, dtype=jdtype, rngs=rngs()))
-    run_vae = _abstract(new_run_vae)
+    # The modules the programs run, as shapes: filled here, and made again by the precompiler (model.factory).
+    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab)
+    run_te, transformer_abs, run_vae = networks.run_modules()
+    full_te, full_vae = networks.text_encoder(full_depth=True), networks.vae_decoder(with_encoder=True)
     lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
     bn_count = {"bn.num_batches_tracked": ()}
     components = [  # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
@@ -145,8 +123,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     if settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS:
         pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
         precompiling = pool.submit(
-            _precompile, settings.precompile, lambda: make_generator(
-                _abstract(new_run_te), _abstract(new_transformer), _abstract(new_run_vae), abstract=True))
+            _precompile, settings.precompile, lambda: make_generator(*networks.run_modules(), abstract=True))
         pool.shutdown(wait=False)  # the thread ends with its one task
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
     text_encoder, transformer, vae = (
@@ -158,8 +135,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
 
     def load_vae_encoder():
         """The VAE encoder for reference images, read from the (already validated) vae folder on first use."""
-        abstract = _abstract(lambda: Flux2VAEEncoder(vae_cfg, dtype=jdtype, rngs=rngs()))
-        return load_component(vae_folder, abstract, expected=vae_expected, optional=vae_optional,
+        return load_component(vae_folder, networks.vae_encoder(), expected=vae_expected, optional=vae_optional,
                               tensor_to_file=validate_component(vae_folder, expected=vae_expected,
                                                                 optional=vae_optional, variant=variant))
 
@@ -283,16 +259,9 @@ class Flux2KleinGenerator:
         self.default_guidance_scale = default_guidance(config)
         self.size_multiple = config.size_multiple
         self.limits = contract.Limits(size_multiple=config.size_multiple)
-        from .attention import resolve_implementation
-
         self.mesh = make_mesh(options) if mesh is None else mesh
-        platform = self.mesh.devices.flat[0].platform
-        self.programs = CompiledPrograms(
-            text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
-            attention=resolve_implementation(options.attention, platform=platform, dtype=DTYPES[dtype]),
-            text_attention=resolve_implementation(options.text_encoder_attention, masked=True, platform=platform,
-                                                  dtype=DTYPES[dtype]),
-            mesh=self.mesh, lab=lab, abstract=abstract)
+        self.programs = build_programs((text_encoder, transformer, vae), dtype=dtype, mesh=self.mesh, options=options,
+                                       text_len=tokenizer.max_length, lab=lab, abstract=abstract)
         # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (
             LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0

@@ -388,31 +388,16 @@ def _gib(n: float) -> str:
 # ------------------------------------------------------------------------------------------------ compiling
 
 def abstract_modules(config, dtype: str, out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS):
-    """(text encoder, transformer, VAE decoder) as the job builds them, shapes only (nnx.eval_shape)."""
-    from flax import nnx
+    """(text encoder, transformer, VAE decoder) as the job builds them, shapes only (model.factory)."""
+    from model.factory import Networks, check_text_width
 
-    from model.errors import ConfigError
-    from model.generator import DTYPES
-    from model.qwen3 import Qwen3TextEncoder
-    from model.transformer import Flux2Transformer
-    from model.vae import Flux2VAEDecoder
-
-    te, tr = config.text_encoder, config.transformer
-    if len(out_layers) * te.hidden_size != tr.joint_attention_dim:
-        raise ConfigError(f"{len(out_layers)} text-encoder hidden states of width {te.hidden_size} do not match the "
-                          f"transformer's joint_attention_dim", key="joint_attention_dim", value=tr.joint_attention_dim)
-    jdtype = DTYPES[dtype]
-    return (nnx.eval_shape(lambda: Qwen3TextEncoder(te, out_layers, full_depth=False, dtype=jdtype,
-                                                    rngs=nnx.Rngs(0))),
-            nnx.eval_shape(lambda: Flux2Transformer(tr, dtype=jdtype, rngs=nnx.Rngs(0))),
-            nnx.eval_shape(lambda: Flux2VAEDecoder(config.vae, dtype=jdtype, rngs=nnx.Rngs(0))))
+    check_text_width(config, out_layers)
+    return Networks(config, dtype, tuple(out_layers)).run_modules()
 
 
 def build_programs(modules, topology: Topology, *, dtype: str, model_shards: int, text_len: int):
     """The job's CompiledPrograms over the topology's devices, parameters as sharded shapes; (programs, attention)."""
-    from model.attention import resolve_implementation
-    from model.engine import CompiledPrograms
-    from model.generator import DTYPES
+    from model.factory import build_programs
     from model.mesh import make_mesh
     from model.options import EngineOptions
 
@@ -421,12 +406,8 @@ def build_programs(modules, topology: Topology, *, dtype: str, model_shards: int
         mesh = make_mesh(options, devices=list(topology.devices))
     except ValueError as e:
         raise UsageError(f"--model_shards {model_shards}: {e}") from None
-    attention = resolve_implementation(options.attention, platform="tpu", dtype=DTYPES[dtype])
-    text_attention = resolve_implementation(options.text_encoder_attention, masked=True, platform="tpu",
-                                            dtype=DTYPES[dtype])
-    programs = CompiledPrograms(*modules, dtype=DTYPES[dtype], options=options, text_len=text_len,
-                                attention=attention, text_attention=text_attention, mesh=mesh, abstract=True)
-    return programs, attention
+    programs = build_programs(modules, dtype=dtype, mesh=mesh, options=options, text_len=text_len, abstract=True)
+    return programs, programs.attention
 
 
 # What compiling a lowered program gave, by (device kind, mesh shape, hash of the lowered text): a process that
