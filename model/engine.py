@@ -95,11 +95,10 @@ class CompiledPrograms:
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
-        # Parameters are placed on the devices once, split over the model axis (model.sharding); every program takes
-        # them as arguments.
-        self.te_state, self.tr_state, self.vae_state = (
-            self._place(state, abstract, split) for state, split in ((te_state, True), (tr_state, True),
-                                                                    (vae_state, False)))
+        # Parameters are placed on the devices once, split over the model axis as they declare (model.sharding);
+        # every program takes them as arguments.
+        self.te_state, self.tr_state, self.vae_state = (self._place(state, abstract)
+                                                        for state in (te_state, tr_state, vae_state))
         self._graphs = (te_graph, tr_graph, vae_graph)
         self.compile_count = 0
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
@@ -183,9 +182,9 @@ class CompiledPrograms:
         self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
         self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
 
-    def _place(self, state, abstract: bool, split: bool):
+    def _place(self, state, abstract: bool):
         """A module's parameters on the mesh, split by model.sharding (shapes with shardings when `abstract`)."""
-        shardings = sharding.state_shardings(state, self.mesh, split)
+        shardings = sharding.state_shardings(state, self.mesh)
         if abstract:
             return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
         return jax.device_put(state, shardings)

@@ -128,7 +128,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
     text_encoder, transformer, vae = (
         load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
-                       placement=placement(mesh, split=name != "vae"),
+                       placement=placement(mesh),
                        permutations=shard_layout.stored_to_layout(module))
         for (name, module, exp, opt), f in zip(components, files))
     vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]

@@ -564,9 +564,8 @@ def resident_bytes_for(modules, devices, shards: int) -> int:
     from model.options import EngineOptions
 
     mesh = make_mesh(EngineOptions(model_shards=shards, cpu_compiler_options=()), devices=list(devices))
-    states = [nnx.state(m) for m in modules]
-    return sum(sharding.bytes_per_device(state, sharding.state_shardings(state, mesh, split))
-               for state, split in zip(states, (True, True, False)))  # the VAE stays replicated (CompiledPrograms)
+    return sum(sharding.bytes_per_device(state, sharding.state_shardings(state, mesh))
+               for state in (nnx.state(m) for m in modules))
 
 
 def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Report:
