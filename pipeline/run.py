@@ -67,12 +67,8 @@ from transforms.requests import (
     RequestDefaults, csv_field_limit_for,
 )
 
-from model.checkpoint import read_config_and_digest
-from model.contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, optional_count
-from model.errors import ModelError
-from model.hub import is_hub_id
-from model.options import EngineOptions, LoadSettings
-from model.weight_files import validate_variant
+from model.api import (DEFAULT_MAX_SEQUENCE_LENGTH, EngineOptions, LoadSettings, ModelError, count, is_hub_id,
+                       optional_count, read_config_and_digest, validate_variant)
 
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE, demo_checkpoint, demo_notice
 from . import launch_check

@@ -1,9 +1,15 @@
 """The deployment plan's single homes: the checkpoint's defaults and the shape bucket (model.plan), the mesh and its
-shard check (model.mesh)."""
+shard check (model.mesh), and the public surface the job imports (model.api)."""
 
+import ast
+import os
+import subprocess
+import sys
 import types
 
 import pytest
+
+from paths import REPO
 
 
 def _config(distilled: bool):
@@ -63,3 +69,25 @@ def test_make_mesh_over_the_local_devices():
     assert data_replicas(mesh) == mesh.devices.size
     with pytest.raises(ShardCountError, match="must divide the number of devices"):
         make_mesh(EngineOptions(model_shards=mesh.devices.size + 1))
+
+
+def _model_imports(path):
+    """Every `model...` module a source file imports (at any depth of the file)."""
+    tree = ast.parse(open(path).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "model":
+            yield node.module if node.module != "model" else "model." + ",".join(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.split(".")[0] == "model")
+
+
+def test_the_job_imports_the_public_api_only():
+    """pipeline/ reaches the model through model.api; model.api names exist and import without JAX."""
+    folder = os.path.join(REPO, "pipeline")
+    used = {f: sorted(set(_model_imports(os.path.join(folder, f)))) for f in os.listdir(folder) if f.endswith(".py")}
+    assert {f: m for f, m in used.items() if set(m) - {"model.api"}} == {}, used
+    code = ("import sys, model.api as a; missing = [n for n in a.__all__ if n not in ('load', 'fit', "
+            "'enable_compilation_cache') and not hasattr(a, n)]; assert not missing, missing; "
+            "assert 'jax' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
