@@ -57,8 +57,9 @@ def parse_args(argv=None):
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", default="1", help="batch size, or several separated by commas (e.g. 1,4)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--steps", type=int, default=None, help="default: 4 (distilled) or 50 (--base)")
-    ap.add_argument("--guidance", type=float, default=None, help="default: 1.0 (distilled) or 4.0 (--base)")
+    ap.add_argument("--steps", type=int, default=None, help="default: the checkpoint's (4 distilled, 50 --base)")
+    ap.add_argument("--guidance", type=float, default=None,
+                    help="default: the checkpoint's (1.0 distilled, 4.0 --base)")
     ap.add_argument("--base", action="store_true", help="non-distilled checkpoint of the preset (CFG)")
     ap.add_argument("--max-sequence-length", type=int, default=None, help="default: the preset's (512; tiny 32)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -122,8 +123,11 @@ def main(argv=None) -> dict:
         progress(f"checkpoint for preset {args.preset} ...")
         path = args.checkpoint or presets.ensure_checkpoint(args.preset, distilled=not args.base,
                                                             cache_root=args.cache_root)
-        steps = args.steps or (50 if args.base else 4)
-        guidance = args.guidance if args.guidance is not None else (4.0 if args.base else 1.0)
+        from model.checkpoint import read_config
+        from model.plan import resolve_sampling
+
+        sampling = resolve_sampling(read_config(path), args.steps or None, args.guidance)  # the checkpoint's defaults
+        steps, guidance = sampling.num_inference_steps, sampling.guidance_scale
         peak = measure_matmul_peak(args.dtype)
         progress(f"matmul peak {peak['best_flops_per_s'] / 1e9:.1f} GFLOP/s")
         res = {

@@ -10,15 +10,11 @@ import json
 import os
 import struct
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
-from model.config import TextEncoderConfig, TransformerConfig, VAEConfig
-from model.qwen3 import Qwen3TextEncoder
-from model.transformer import Flux2Transformer
-from model.vae import Flux2VAEDecoder
+from model.config import PipelineConfig
+from model.factory import Networks
 from model.weights import expected_tensors
 
 PRESETS = {
@@ -120,13 +116,10 @@ def build_realsize_checkpoint(path: str, preset: str = "klein-4b") -> str:
           "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]},
          "model_index.json")
     build_tiny_tokenizer().save_pretrained(os.path.join(path, "tokenizer"))
-    abstract = lambda f: nnx.eval_shape(f)  # noqa: E731
-    tr = abstract(lambda: Flux2Transformer(TransformerConfig.from_dict(transformer_cfg), dtype=jnp.bfloat16,
-                                           rngs=nnx.Rngs(0)))
-    te = abstract(lambda: Qwen3TextEncoder(TextEncoderConfig.from_dict(qwen_cfg), full_depth=True,
-                                           dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    vae = abstract(lambda: Flux2VAEDecoder(VAEConfig.from_dict(VAE_CONFIG), with_encoder=True, dtype=jnp.bfloat16,
-                                           rngs=nnx.Rngs(0)))
+    networks = Networks(PipelineConfig.from_folder(path), "bfloat16")  # the configs just written, as the loader reads
+    tr = networks.transformer()
+    te = networks.text_encoder(full_depth=True)
+    vae = networks.vae_decoder(with_encoder=True)
     te_names = expected_tensors(te)
     if not qcfg["tie_word_embeddings"]:
         te_names["lm_head.weight"] = (151936, qcfg["hidden_size"])

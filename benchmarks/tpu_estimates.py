@@ -20,7 +20,8 @@ import logging
 import sys
 import time
 
-from pipeline.preflight import GiB, PreflightRequest, Report, preflight
+from model.api import GiB, Report
+from pipeline.preflight import PreflightRequest, preflight
 
 DEFAULT_MODELS = ("klein-4b", "klein-9b")
 # v5e-1, v5e-4, v6e-1, v6e-4 and one TPU v7 chip (libtpu names it tpu7x; each chip is two devices).

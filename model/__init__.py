@@ -9,7 +9,8 @@ Public API:
     sig = model.references.reference_signature(images, size_multiple)         # JAX-free, for bucketing
 
 Importing the package is cheap and JAX-free (the job's readers and launcher use `model.contract` and
-`model.config`); `load` and the generator class import JAX on first use.
+`model.config`); `load` and the generator class import JAX on first use. The job (pipeline/) imports `model.api`
+only: the names it may use, the preflight's among them.
 """
 
 from .errors import (CheckpointError, ConfigError, ModelError, NonFiniteImageError, ReferenceImageError, RequestError,

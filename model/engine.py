@@ -1,4 +1,4 @@
-"""Compiled programs of the generator: encode, fused denoise loop, decode to uint8; shape buckets and the mesh.
+"""Compiled programs of the generator: encode, fused denoise loop, decode to uint8, per shape bucket.
 
 All device work for one batch is three executables, compiled ahead of time per bucket (batch, height, width,
 steps, CFG, reference tokens) and reused: the text encoder, the whole denoising loop as one `lax.scan` (sigmas staged
@@ -30,6 +30,8 @@ from .layers import precision_scope
 from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
 from . import attention as attention_lib, shard_layout, sharding
+from .mesh import data_replicas, model_shards
+from .plan import Bucket
 from .scheduler import euler_step, guidance_mix, model_timestep
 from .transformer import tpu_rope_scope
 from .weights import release_host_memory
@@ -46,19 +48,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def make_mesh(options: EngineOptions, devices=None) -> Mesh:
-    """The (data, model) mesh of the programs: over `devices` (default: all local devices for data, context or model
-    parallelism, else the first), `options.model_shards` of them holding one copy of the weights."""
-    if devices is None:  # data_parallel=False: one data replica (the first model_shards devices)
-        use_all = options.data_parallel or options.context_parallel
-        local = jax.local_devices(backend=options.platform)
-        devices = local if use_all else local[:options.model_shards]
-    if len(devices) % options.model_shards:
-        raise ValueError(f"model_shards={options.model_shards} must divide the number of devices, {len(devices)} "
-                         f"({devices[0].device_kind})")
-    return sharding.make_mesh(devices, options.model_shards)
 
 
 # Where the VAE's fused upsample (a 2x2 conv at the low resolution with the four output phases as channels) is not
@@ -82,18 +71,6 @@ class DecodedBatch(NamedTuple):
     image_nonfinite: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """Everything a compiled executable is specialised on."""
-
-    batch: int
-    grid_h: int
-    grid_w: int
-    steps: int
-    cfg: bool
-    ref_tokens: int = 0  # reference-image tokens appended to the target's (0: text-to-image)
-
-
 class CompiledPrograms:
     """Builds and caches the three jitted/AOT-compiled programs for each bucket."""
 
@@ -105,6 +82,7 @@ class CompiledPrograms:
         self.dtype = dtype
         self.options = options
         self.lab = lab
+        self.attention = attention  # the transformer's attention kernels (model.attention.IMPLEMENTATIONS)
         self.text_len = text_len
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
@@ -113,15 +91,14 @@ class CompiledPrograms:
         self.context_parallel = options.context_parallel
         self.batched = NamedSharding(mesh, P() if options.context_parallel else P("data"))
         # Fused projections laid out per shard (model.shard_layout); a no-op when the loader did it already.
-        shard_layout.lay_out(transformer, sharding.model_shards(mesh))
+        shard_layout.lay_out(transformer, model_shards(mesh))
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
-        # Parameters are placed on the devices once, split over the model axis (model.sharding); every program takes
-        # them as arguments.
-        self.te_state, self.tr_state, self.vae_state = (
-            self._place(state, abstract, split) for state, split in ((te_state, True), (tr_state, True),
-                                                                    (vae_state, False)))
+        # Parameters are placed on the devices once, split over the model axis as they declare (model.sharding);
+        # every program takes them as arguments.
+        self.te_state, self.tr_state, self.vae_state = (self._place(state, abstract)
+                                                        for state in (te_state, tr_state, vae_state))
         self._graphs = (te_graph, tr_graph, vae_graph)
         self.compile_count = 0
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
@@ -205,9 +182,9 @@ class CompiledPrograms:
         self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
         self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
 
-    def _place(self, state, abstract: bool, split: bool):
+    def _place(self, state, abstract: bool):
         """A module's parameters on the mesh, split by model.sharding (shapes with shardings when `abstract`)."""
-        shardings = sharding.state_shardings(state, self.mesh, split)
+        shardings = sharding.state_shardings(state, self.mesh)
         if abstract:
             return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
         return jax.device_put(state, shardings)
@@ -240,7 +217,7 @@ class CompiledPrograms:
 
     def latents_sharding(self, num_tokens: int) -> NamedSharding:
         """Sharding of latent tokens [B, N, C]: over N in context-parallel mode when N divides evenly."""
-        if self.context_parallel and num_tokens % sharding.data_replicas(self.mesh) == 0:
+        if self.context_parallel and num_tokens % data_replicas(self.mesh) == 0:
             return NamedSharding(self.mesh, P(None, "data"))
         return self.batched
 

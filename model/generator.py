@@ -20,33 +20,27 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from . import contract, shard_layout
 from . import scheduler as sched
 from .config import PipelineConfig
-from .engine import Bucket, CompiledPrograms, DecodedBatch, enable_compilation_cache, make_mesh
-from .errors import CheckpointError, ConfigError, NonFiniteImageError, RequestError
+from .engine import DecodedBatch, enable_compilation_cache
+from .errors import CheckpointError, NonFiniteImageError, RequestError
+from .factory import DTYPES, Networks, build_programs, check_text_width
 from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
+from .mesh import data_replicas, make_mesh, model_shards
 from .noise import initial_noise
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
-from .qwen3 import Qwen3TextEncoder
+from .plan import Bucket, Sampling, bucket_for, default_guidance, default_steps, latent_grid, resolve_sampling
 from .reference_encoder import ReferenceEncoder
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
-from .sharding import data_replicas, model_shards, placement
+from .sharding import placement
 from .tokenizer import PromptTokenizer
-from .transformer import Flux2Transformer, image_ids, reference_ids, rope_tables, text_ids
-from .vae import Flux2VAEDecoder, Flux2VAEEncoder
+from .transformer import image_ids, reference_ids, rope_tables, text_ids
 from .weights import expected_tensors, load_component, release_host_memory, validate_component
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _abstract(factory):
-    return nnx.eval_shape(factory)
 
 
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
@@ -92,31 +86,17 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
         raise CheckpointError("checkpoint folder does not exist", path=root)
     start = time.perf_counter()
     config = PipelineConfig.from_folder(root)
-    jdtype = DTYPES[settings.dtype]
-    out_layers = settings.text_encoder_out_layers
-    te_cfg, tr_cfg, vae_cfg = config.text_encoder, config.transformer, config.vae
-    if len(out_layers) * te_cfg.hidden_size != tr_cfg.joint_attention_dim:
-        raise ConfigError(f"{len(out_layers)} text-encoder hidden states of width {te_cfg.hidden_size} do not match "
-                          f"the transformer's joint_attention_dim", path=os.path.join(root, "transformer",
-                                                                                       "config.json"),
-                          key="joint_attention_dim", value=tr_cfg.joint_attention_dim)
+    te_cfg = config.text_encoder
+    check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
     tokenizer = PromptTokenizer(os.path.join(root, "tokenizer"), settings.max_sequence_length)
     if len(tokenizer.tokenizer) > te_cfg.vocab_size:  # an id past the embedding table would read NaN: black images
         raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
                               f"table only {te_cfg.vocab_size} rows (vocab_size): tokenizer and text encoder do not "
                               f"belong together", path=os.path.join(root, "tokenizer"))
-    rngs = lambda: nnx.Rngs(0)  # noqa: E731  (abstract init only; values come from the checkpoint)
-
-    full_te = _abstract(lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=True, dtype=jdtype, rngs=rngs()))
-    # The modules the programs run, as constructors: loaded here, and made again from shapes by the precompiler.
-    new_run_te = lambda: Qwen3TextEncoder(te_cfg, out_layers, full_depth=not lab.truncated_encoder  # noqa: E731
-                                          or lab.reference, dtype=jdtype, rngs=rngs())
-    new_transformer = lambda: Flux2Transformer(tr_cfg, dtype=jdtype, rngs=rngs())  # noqa: E731
-    new_run_vae = lambda: Flux2VAEDecoder(vae_cfg, dtype=jdtype, rngs=rngs())  # noqa: E731
-    run_te = _abstract(new_run_te)
-    transformer_abs = _abstract(new_transformer)
-    full_vae = _abstract(lambda: Flux2VAEDecoder(vae_cfg, with_encoder=True, dtype=jdtype, rngs=rngs()))
-    run_vae = _abstract(new_run_vae)
+    # The modules the programs run, as shapes: filled here, and made again by the precompiler (model.factory).
+    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab)
+    run_te, transformer_abs, run_vae = networks.run_modules()
+    full_te, full_vae = networks.text_encoder(full_depth=True), networks.vae_decoder(with_encoder=True)
     lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
     bn_count = {"bn.num_batches_tracked": ()}
     components = [  # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
@@ -129,34 +109,33 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
              for name, _, exp, opt in components]
 
-    def make_generator(text_encoder, transformer, vae, **kw):
-        return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
-                                   options=options, model_id=settings.model, root=root, lab=lab, **kw)
-
     # Each weight goes straight to its place on the mesh as it is read (split over the model axis, fused projections
     # laid out per shard), so a model larger than one chip is never whole on the first one.
     mesh = make_mesh(options)
+
+    def make_generator(text_encoder, transformer, vae, **kw):
+        return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
+                                   options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh, **kw)
+
     # The programs of the shapes asked for compile from the modules' shapes on other threads while the weights load
     # (reading is bound by the disk, compiling by the host's cores): measured on a v5e chip, klein-4B 1024x1024.
     precompiling = None
     if settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS:
         pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
         precompiling = pool.submit(
-            _precompile, settings.precompile, lambda: make_generator(
-                _abstract(new_run_te), _abstract(new_transformer), _abstract(new_run_vae), abstract=True))
+            _precompile, settings.precompile, lambda: make_generator(*networks.run_modules(), abstract=True))
         pool.shutdown(wait=False)  # the thread ends with its one task
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
     text_encoder, transformer, vae = (
         load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
-                       placement=placement(mesh, split=name != "vae"),
+                       placement=placement(mesh),
                        permutations=shard_layout.stored_to_layout(module))
         for (name, module, exp, opt), f in zip(components, files))
     vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
 
     def load_vae_encoder():
         """The VAE encoder for reference images, read from the (already validated) vae folder on first use."""
-        abstract = _abstract(lambda: Flux2VAEEncoder(vae_cfg, dtype=jdtype, rngs=rngs()))
-        return load_component(vae_folder, abstract, expected=vae_expected, optional=vae_optional,
+        return load_component(vae_folder, networks.vae_encoder(), expected=vae_expected, optional=vae_optional,
                               tensor_to_file=validate_component(vae_folder, expected=vae_expected,
                                                                 optional=vae_optional, variant=variant))
 
@@ -263,10 +242,10 @@ class Flux2KleinGenerator:
 
     def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
                  dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches(),
-                 vae_encoder_loader=None, abstract: bool = False):
+                 vae_encoder_loader=None, abstract: bool = False, mesh=None):
         """`vae_encoder_loader()`: the concrete `Flux2VAEEncoder`, called on the first image-conditioned call (None:
         reference images are refused). `abstract`: the modules hold shapes only, and the generator only compiles
-        (`plan_bucket`); it never generates."""
+        (`plan_bucket`); it never generates. `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -276,20 +255,13 @@ class Flux2KleinGenerator:
         self.root = root
         self.max_sequence_length = tokenizer.max_length
         self.is_distilled = config.is_distilled
-        self.default_num_inference_steps = 4 if config.is_distilled else 50
-        self.default_guidance_scale = 1.0 if config.is_distilled else 4.0
+        self.default_num_inference_steps = default_steps(config)
+        self.default_guidance_scale = default_guidance(config)
         self.size_multiple = config.size_multiple
         self.limits = contract.Limits(size_multiple=config.size_multiple)
-        from .attention import resolve_implementation
-
-        self.mesh = make_mesh(options)
-        platform = self.mesh.devices.flat[0].platform
-        self.programs = CompiledPrograms(
-            text_encoder, transformer, vae, dtype=DTYPES[dtype], options=options, text_len=tokenizer.max_length,
-            attention=resolve_implementation(options.attention, platform=platform, dtype=DTYPES[dtype]),
-            text_attention=resolve_implementation(options.text_encoder_attention, masked=True, platform=platform,
-                                                  dtype=DTYPES[dtype]),
-            mesh=self.mesh, lab=lab, abstract=abstract)
+        self.mesh = make_mesh(options) if mesh is None else mesh
+        self.programs = build_programs((text_encoder, transformer, vae), dtype=dtype, mesh=self.mesh, options=options,
+                                       text_len=tokenizer.max_length, lab=lab, abstract=abstract)
         # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (
             LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0
@@ -305,7 +277,7 @@ class Flux2KleinGenerator:
     # ------------------------------------------------------------------------------------------------ helpers
 
     def latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        return height // self.size_multiple, width // self.size_multiple
+        return latent_grid(self.config, height, width)
 
     def noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """Shape of `model.initial_noise` for one image: (in_channels, height // 16, width // 16)."""
@@ -366,32 +338,31 @@ class Flux2KleinGenerator:
         if not valid:  # no prompt: the sizes and parameters are still checked
             contract.validate(prompt="", height=height, width=width, num_inference_steps=num_inference_steps,
                               guidance_scale=guidance_scale, limits=self.limits)
-        steps = self.default_num_inference_steps if num_inference_steps is None else int(num_inference_steps)
-        guidance = self.default_guidance_scale if guidance_scale is None else float(guidance_scale)
-        if guidance > 1 and self.is_distilled:
-            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled", guidance)
+        sampling = resolve_sampling(self.config, num_inference_steps, guidance_scale)
+        if sampling.guidance_scale > 1 and self.is_distilled:
+            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled",
+                           sampling.guidance_scale)
         return GenerationInputs(prompts=tuple(v.prompt for v in valid for _ in range(k)),
                                 seeds=tuple(v.seed + j for v in valid for j in range(k)),
-                                height=int(height), width=int(width), num_inference_steps=steps,
-                                guidance_scale=guidance, use_cfg=guidance > 1 and not self.is_distilled,
+                                height=int(height), width=int(width),
+                                num_inference_steps=sampling.num_inference_steps,
+                                guidance_scale=sampling.guidance_scale, use_cfg=sampling.use_cfg,
                                 references=None if references is None else tuple(
                                     r for r in references for _ in range(k)))
 
     def plan_bucket(self, inputs: GenerationInputs, sigmas=None) -> BucketPlan:
         """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule."""
-        grid_h, grid_w = self.latent_grid(inputs.height, inputs.width)
-        replicas = data_replicas(self.mesh)
-        batch = self.options.batch_size or len(inputs.prompts)
-        if not self.options.context_parallel:
-            batch = -(-batch // replicas) * replicas  # a multiple of the data replicas
-        ref_grids = tuple(self.latent_grid(h, w) for h, w in inputs.reference_sizes)
-        bucket = Bucket(batch, grid_h, grid_w, inputs.num_inference_steps, inputs.use_cfg,
-                        sum(h * w for h, w in ref_grids))
+        bucket = bucket_for(
+            self.config, height=inputs.height, width=inputs.width,
+            sampling=Sampling(inputs.num_inference_steps, inputs.guidance_scale, inputs.use_cfg),
+            batch=self.options.batch_size or len(inputs.prompts), data_replicas=data_replicas(self.mesh),
+            context_parallel=self.options.context_parallel, reference_sizes=inputs.reference_sizes)
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(
             bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
-        cos, sin = self.rope(grid_h, grid_w, ref_grids)
-        sig, ts = self.schedule(inputs.num_inference_steps, grid_h, grid_w, sigmas)
+        ref_grids = tuple(self.latent_grid(h, w) for h, w in inputs.reference_sizes)
+        cos, sin = self.rope(bucket.grid_h, bucket.grid_w, ref_grids)
+        sig, ts = self.schedule(inputs.num_inference_steps, bucket.grid_h, bucket.grid_w, sigmas)
         return BucketPlan(bucket, encode_fn, denoise_fn, decode_fn, cos, sin, sig, ts,
                           jnp.float32(inputs.guidance_scale))
 

@@ -1,7 +1,8 @@
 """Small NNX building blocks shared by the three networks.
 
 Parameters are named like their PyTorch counterparts (`weight`, `bias`) and stored in JAX layout, so a module's
-state path joined with dots is exactly the diffusers/transformers checkpoint key (see weights.py).
+state path joined with dots is exactly the diffusers/transformers checkpoint key (see weights.py). Each declares the
+logical names of its axes (model.sharding), which say where it lives on a mesh.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ACTIVATIONS as CONFIG_ACTIVATIONS
+from .sharding import param
 
 
 def precision_for(dtype):
@@ -54,19 +56,21 @@ _ACTIVATION_FORMS = {
 ACTIVATIONS = {name: _ACTIVATION_FORMS[form] for name, form in CONFIG_ACTIVATIONS.items()}
 
 
-def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
+def _init(rngs: nnx.Rngs, shape, dtype, scale: float, axes: tuple[str, ...]):
     """Placeholder values: modules are only ever built abstractly (nnx.eval_shape) and filled from a checkpoint,
     so a random initialiser would only cost tracing time (about 20 ms per parameter)."""
     del rngs, scale
-    return nnx.Param(jnp.zeros(shape, dtype))
+    return param(jnp.zeros(shape, dtype), axes)
 
 
 class Linear(nnx.Module):
-    """y = x @ W + b with W stored as [in, out] (the transpose of torch's [out, in])."""
+    """y = x @ W + b with W stored as [in, out] (the transpose of torch's [out, in]); `axes`: the logical names of
+    (in, out) (model.sharding), the bias takes the out one."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = _init(rngs, (in_features, out_features), dtype, 1.0 / math.sqrt(in_features))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs,
+                 axes: tuple[str, str]):
+        self.weight = _init(rngs, (in_features, out_features), dtype, 1.0 / math.sqrt(in_features), axes)
+        self.bias = param(jnp.zeros((out_features,), dtype), axes[1:]) if bias else None
 
     def __call__(self, x):
         w = self.weight[...]
@@ -80,7 +84,7 @@ class RMSNorm(nnx.Module):
     """RMSNorm over the last axis, computed in float32 and scaled by a learned weight."""
 
     def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = param(jnp.ones((dim,), dtype), ("norm",))
         self.eps = eps
 
     def __call__(self, x):
@@ -112,8 +116,8 @@ class Conv2d(nnx.Module):
                  rngs: nnx.Rngs):
         fan_in = in_channels * kernel_size * kernel_size
         self.weight = _init(rngs, (kernel_size, kernel_size, in_channels, out_channels), dtype,
-                            1.0 / math.sqrt(fan_in))
-        self.bias = nnx.Param(jnp.zeros((out_channels,), dtype))
+                            1.0 / math.sqrt(fan_in), ("conv_height", "conv_width", "conv_in", "conv_out"))
+        self.bias = param(jnp.zeros((out_channels,), dtype), ("conv_out",))
         self.padding = padding
 
     def __call__(self, x):
@@ -132,8 +136,8 @@ class GroupNorm(nnx.Module):
     """GroupNorm on NHWC tensors with affine weight/bias, statistics in float32."""
 
     def __init__(self, num_groups: int, num_channels: int, *, eps: float, dtype, rngs: nnx.Rngs | None = None):
-        self.weight = nnx.Param(jnp.ones((num_channels,), dtype))
-        self.bias = nnx.Param(jnp.zeros((num_channels,), dtype))
+        self.weight = param(jnp.ones((num_channels,), dtype), ("norm",))
+        self.bias = param(jnp.zeros((num_channels,), dtype), ("norm",))
         self.num_groups = num_groups
         self.eps = eps
 
@@ -158,10 +162,10 @@ class GroupNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token embedding table [vocab, dim] named `weight` like torch's nn.Embedding."""
+    """Token embedding table [vocab, dim] named `weight` like torch's nn.Embedding; split by rows on a mesh."""
 
     def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = _init(rngs, (num_embeddings, features), dtype, 1.0)
+        self.weight = _init(rngs, (num_embeddings, features), dtype, 1.0, ("vocab", "embed"))
 
     def __call__(self, ids):
         return jnp.take(self.weight[...], ids, axis=0)

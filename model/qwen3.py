@@ -47,10 +47,11 @@ class Qwen3Attention(nnx.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+        q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "heads"))
+        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "kv_heads"))
+        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "kv_heads"))
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=bias, dtype=dtype, rngs=rngs, axes=("heads", "embed"))
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
 
@@ -71,9 +72,10 @@ class Qwen3Attention(nnx.Module):
 class Qwen3MLP(nnx.Module):
     def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
         self.act = cfg.hidden_act
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        hidden, inner = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(hidden, inner, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
+        self.up_proj = Linear(hidden, inner, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
+        self.down_proj = Linear(inner, hidden, bias=False, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
 
     def __call__(self, x):
         return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))

@@ -29,7 +29,7 @@ class ReferenceEncoder:
     """Encodes processed reference images to normalised latent tokens [h * w, C] with the VAE encoder.
 
     `loader()` returns the concrete `model.vae.Flux2VAEEncoder` (called once, on first use); `mesh` and `options`
-    place its parameters (replicated, like the VAE decoder's) and pick the CPU compiler options."""
+    place its parameters (replicated, as the VAE's declare) and pick the CPU compiler options."""
 
     def __init__(self, loader, *, mesh, options, dtype):
         self._loader = loader
@@ -64,7 +64,7 @@ class ReferenceEncoder:
             if self._state is None:
                 start = time.perf_counter()
                 graph, state = nnx.split(self._loader())
-                self._state = jax.device_put(state, sharding.state_shardings(state, self._mesh, split=False))
+                self._state = jax.device_put(state, sharding.state_shardings(state, self._mesh))
                 self._graph = graph
                 logger.info("loaded the VAE encoder for reference images in %.1f s", time.perf_counter() - start)
 

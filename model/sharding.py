@@ -1,92 +1,110 @@
-"""Where parameters and activations live on a (data, model) mesh: tensor parallelism over the model axis.
+"""Where parameters live on the (data, model) mesh: each parameter declares logical axes, one table maps them.
 
-The scheme is Megatron's, expressed as GSPMD shardings and left to XLA's partitioner: every projection that fans
-out (attention q/k/v, the MLP's input, the single blocks' fused qkv+MLP input) is split by output features
-(column-parallel, P(None, "model")), every projection that fans back in (attention output, the MLP's output) by input
-features (row-parallel, P("model", None)); the text encoder's embedding table is split by vocabulary rows. Attention
-heads therefore live on the chip that computed them, and each block costs one all-reduce of its output per stream.
-Fused projections (the single blocks' [q | k | v | mlp] and the SwiGLU [a | b]) are stored shard-major
-(model.shard_layout), so that each chip's even slice holds matching parts and taking them apart moves no data.
-Weights are placed split as they are read (`placement`), so a model larger than one chip never sits whole on one.
-Norms, modulation, embedders and the VAE are small and stay replicated, as does any dimension the shard count does
-not divide (correct, only less memory saved). The batch is split over the data axis.
+Every parameter is created with the logical names of its axes (`logical_axes` metadata, given where the layers
+declare it: model/layers.py, and the networks that pick the names); `LOGICAL_AXIS_RULES` maps each name to a mesh
+axis or to None (replicated), as MaxText's logical axis rules do. Nothing is decided by a layer's name, and a
+parameter without declared axes, or with a name the table does not know, is an error rather than silently
+replicated.
+
+The scheme is Megatron's tensor parallelism, left to XLA's partitioner: projections that fan out (attention q/k/v,
+the MLP's input, the single blocks' fused qkv+MLP input) are split by output features, those that fan back in by
+input features, the text encoder's embedding table by vocabulary rows; attention heads therefore live on the chip
+that computed them and each block costs one all-reduce per stream. Fused projections are stored shard-major
+(model.shard_layout) so each chip's even slice holds matching parts. Norms, modulation, embedders and the VAE are
+small and stay replicated, as does any dimension the mesh axis does not divide (correct, only less memory saved).
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DATA, MODEL = "data", "model"
+from .errors import ModelError
+from .mesh import MODEL
 
-# Layer names (the diffusers/transformers module names) by how their [in, out] weight is split.
-COLUMN_PARALLEL = frozenset({"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "linear_in",
-                             "to_qkv_mlp_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
-ROW_PARALLEL = frozenset({"to_out", "to_add_out", "linear_out", "o_proj", "down_proj"})
-VOCAB_PARALLEL = frozenset({"embed_tokens"})
-
-
-def make_mesh(devices, model_shards: int = 1) -> Mesh:
-    """A (data, model) mesh over `devices`: `model_shards` chips hold one copy of the weights between them, and the
-    batch is split over the len(devices) / model_shards copies."""
-    devices = list(devices)
-    if model_shards < 1 or len(devices) % model_shards:
-        raise ValueError(f"model_shards={model_shards} must divide the {len(devices)} devices of the mesh")
-    return Mesh(np.array(devices).reshape(len(devices) // model_shards, model_shards), (DATA, MODEL))
-
-
-def layer_name(path) -> str | None:
-    """The module a parameter belongs to: the last name before 'weight'/'bias', list indices skipped
-    (('transformer_blocks', 0, 'attn', 'to_out', 0, 'weight') -> 'to_out')."""
-    names = [str(p) for p in path if not isinstance(p, int) and not str(p).isdigit()]
-    return names[-2] if len(names) >= 2 else None
+# Logical axis name -> mesh axis (None: replicated). Every name a parameter declares must be listed here.
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "vocab": MODEL,        # embedding table rows
+    "heads": MODEL,        # attention features: q/k/v outputs, the output projection's inputs
+    "kv_heads": MODEL,     # the text encoder's grouped key/value features
+    "mlp": MODEL,          # MLP hidden features (the SwiGLU's [a | b], shard-major)
+    "heads_mlp": MODEL,    # the single blocks' fused [q | k | v | a | b] outputs and [attention | mlp] inputs
+    "embed": None,         # the residual stream's width
+    "text_embed": None,    # the stacked text-encoder states the transformer reads
+    "latent": None,        # patchified latent channels
+    "timestep": None,      # sinusoidal timestep channels
+    "modulation": None,    # the adaptive norms' shift/scale/gate sets
+    "norm": None,          # norm scales and biases, BatchNorm statistics
+    "channels": None,      # the VAE's attention features
+    "conv_height": None, "conv_width": None, "conv_in": None, "conv_out": None,  # the VAE's convolution kernels
+}
 
 
-def partition_spec(path, shape, shards: int) -> P:
-    """The PartitionSpec of one parameter on a mesh whose model axis has `shards` devices."""
-    if shards <= 1 or not shape:
-        return P()
-    name, leaf = layer_name(path), str(path[-1])
-    dims = len(shape)
-    if name in COLUMN_PARALLEL:
-        split = dims - 1 if leaf == "weight" or dims == 1 else None  # [in, out] weight or [out] bias: out
-    elif name in ROW_PARALLEL and leaf == "weight" and dims == 2:
-        split = 0  # [in, out]: in (the bias is added once, after the all-reduce: replicated)
-    elif name in VOCAB_PARALLEL and dims == 2:
-        split = 0  # [vocab, hidden]
-    else:
-        return P()
-    if split is None or shape[split] % shards:
-        return P()
-    return P(*[MODEL if d == split else None for d in range(dims)])
+class AxesError(ModelError, ValueError):
+    """A parameter declares no logical axes, the wrong number, or a name LOGICAL_AXIS_RULES does not list; `path`
+    names the parameter, `axes` is what it declared (None: nothing)."""
+
+    def __init__(self, message: str, *, path: str, axes):
+        self.path = path
+        self.axes = axes
+        super().__init__(f"{message}: parameter {path!r} declares logical axes {axes!r}")
 
 
-def model_shards(mesh: Mesh) -> int:
-    return int(mesh.shape.get(MODEL, 1))
+def param(value, axes: tuple[str, ...]) -> nnx.Param:
+    """A parameter holding `value` whose axes are named `axes` (keys of LOGICAL_AXIS_RULES), one per dimension."""
+    return nnx.Param(value, logical_axes=tuple(axes))
 
 
-def data_replicas(mesh: Mesh) -> int:
-    return int(mesh.shape.get(DATA, 1))
+def declared_axes(variable, path: str = "?") -> tuple[str, ...]:
+    """The logical axes a parameter declares, checked against its shape and the rules; AxesError otherwise."""
+    axes = variable.get_metadata().get("logical_axes")
+    shape = variable.get_value().shape
+    if axes is None:
+        raise AxesError("no logical axes declared", path=path, axes=None)
+    if len(axes) != len(shape):
+        raise AxesError(f"{len(axes)} axes for a parameter of shape {tuple(shape)}", path=path, axes=axes)
+    unknown = [a for a in axes if a not in LOGICAL_AXIS_RULES]
+    if unknown:
+        raise AxesError(f"logical axes {unknown} are not in LOGICAL_AXIS_RULES", path=path, axes=axes)
+    return tuple(axes)
 
 
-def state_shardings(state, mesh: Mesh, split: bool = True):
-    """NamedShardings for every leaf of an NNX state (same tree structure); `split=False` replicates every leaf
-    (the VAE: small, and its mid-block attention is not worth a collective)."""
-    shards = model_shards(mesh) if split else 1
+def partition_spec(axes: tuple[str, ...], shape, mesh_shape) -> P:
+    """The PartitionSpec of a parameter of `shape` with logical `axes` on a mesh of `mesh_shape` ({axis: size}): each
+    axis on its rule's mesh axis where that axis has several devices and divides the dimension, else replicated."""
+    spec = []
+    for axis, size in zip(axes, shape):
+        mesh_axis = LOGICAL_AXIS_RULES[axis]
+        devices = mesh_shape.get(mesh_axis, 1) if mesh_axis else 1
+        spec.append(mesh_axis if devices > 1 and size % devices == 0 else None)
+    return P(*spec) if any(spec) else P()
 
-    def one(path, leaf):
-        keys = tuple(k.key if hasattr(k, "key") else k.idx for k in path if not hasattr(k, "name"))  # no `.value`
-        return NamedSharding(mesh, partition_spec(keys, getattr(leaf, "shape", ()), shards))
 
-    return jax.tree_util.tree_map_with_path(one, state)
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
-def placement(mesh: Mesh, split: bool = True):
-    """`place(path, shape) -> NamedSharding` for weights as they are read (model.weights.load_component): the same
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedShardings for every parameter of an NNX state, by its declared axes (same tree structure)."""
+    mesh_shape = dict(mesh.shape)
+    variables = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
+    shardings = [NamedSharding(mesh, partition_spec(declared_axes(var, _path_name(path)), var.get_value().shape,
+                                                    mesh_shape)) for path, var in variables]
+    return jax.tree.unflatten(jax.tree.structure(state), shardings)
+
+
+def placement(mesh: Mesh):
+    """`place(path, variable) -> NamedSharding` for weights as they are read (model.weights.load_component): the
     shardings `state_shardings` gives, so a model split over several chips is never whole on one of them."""
-    shards = model_shards(mesh) if split else 1
-    return lambda path, shape: NamedSharding(mesh, partition_spec(tuple(path), shape, shards))
+    mesh_shape = dict(mesh.shape)
+    return lambda path, var: NamedSharding(mesh, partition_spec(
+        declared_axes(var, ".".join(str(p) for p in path)), var.get_value().shape, mesh_shape))
 
 
 def bytes_per_device(state, shardings) -> int:

@@ -135,8 +135,8 @@ def timestep_sinusoid(t, dim: int):
 
 class TimestepEmbedding(nnx.Module):
     def __init__(self, in_channels: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.linear_1 = Linear(in_channels, dim, bias=False, dtype=dtype, rngs=rngs)
-        self.linear_2 = Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs)
+        self.linear_1 = Linear(in_channels, dim, bias=False, dtype=dtype, rngs=rngs, axes=("timestep", "embed"))
+        self.linear_2 = Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "embed"))
 
     def __call__(self, x):
         return self.linear_2(jax.nn.silu(self.linear_1(x)))
@@ -161,7 +161,7 @@ class Modulation(nnx.Module):
 
     def __init__(self, dim: int, sets: int, *, dtype, rngs: nnx.Rngs):
         self.sets = sets
-        self.linear = Linear(dim, dim * 3 * sets, bias=False, dtype=dtype, rngs=rngs)
+        self.linear = Linear(dim, dim * 3 * sets, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "modulation"))
 
     def __call__(self, temb):
         mod = self.linear(jax.nn.silu(temb))[:, None, :]
@@ -178,8 +178,8 @@ class FeedForward(nnx.Module):
     def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
         self.hidden = hidden
         self.layout_shards = 1
-        self.linear_in = Linear(dim, 2 * hidden, bias=False, dtype=dtype, rngs=rngs)
-        self.linear_out = Linear(hidden, dim, bias=False, dtype=dtype, rngs=rngs)
+        self.linear_in = Linear(dim, 2 * hidden, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
+        self.linear_out = Linear(hidden, dim, bias=False, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
 
     def fused_layout(self):
         """The fused projection whose output parts model.shard_layout lays out per shard."""
@@ -196,18 +196,19 @@ class JointAttention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
         d, hd = cfg.inner_dim, cfg.attention_head_dim
         self.heads, self.head_dim = cfg.num_attention_heads, hd
-        self.to_q = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
-        self.to_k = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
-        self.to_v = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        fan_out, fan_in = ("embed", "heads"), ("heads", "embed")  # logical axes (model.sharding)
+        self.to_q = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.to_k = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.to_v = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
         self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
-        self.to_out = nnx.List([Linear(d, d, bias=False, dtype=dtype, rngs=rngs)])
-        self.add_q_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
-        self.add_k_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
-        self.add_v_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.List([Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_in)])
+        self.add_q_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.add_k_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.add_v_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
         self.norm_added_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_added_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
-        self.to_add_out = Linear(d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.to_add_out = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_in)
 
     def _heads(self, x):
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)
@@ -254,10 +255,10 @@ class ParallelSelfAttention(nnx.Module):
         d, m, hd = cfg.inner_dim, cfg.mlp_hidden_dim, cfg.attention_head_dim
         self.heads, self.head_dim, self.inner_dim, self.mlp_dim = cfg.num_attention_heads, hd, d, m
         self.layout_shards = 1
-        self.to_qkv_mlp_proj = Linear(d, 3 * d + 2 * m, bias=False, dtype=dtype, rngs=rngs)
+        self.to_qkv_mlp_proj = Linear(d, 3 * d + 2 * m, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "heads_mlp"))
         self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
-        self.to_out = Linear(d + m, d, bias=False, dtype=dtype, rngs=rngs)
+        self.to_out = Linear(d + m, d, bias=False, dtype=dtype, rngs=rngs, axes=("heads_mlp", "embed"))
 
     def fused_layout(self):
         """The projections whose parts model.shard_layout lays out per shard: columns in, rows out."""
@@ -300,7 +301,7 @@ class AdaLayerNormOut(nnx.Module):
 
     def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
         self.eps = eps
-        self.linear = Linear(dim, 2 * dim, bias=False, dtype=dtype, rngs=rngs)
+        self.linear = Linear(dim, 2 * dim, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "modulation"))
 
     def __call__(self, x, temb):
         scale, shift = jnp.split(self.linear(jax.nn.silu(temb)), 2, axis=-1)
@@ -315,14 +316,16 @@ class Flux2Transformer(nnx.Module):
         self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
         self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
         self.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
-        self.x_embedder = Linear(cfg.in_channels, d, bias=False, dtype=dtype, rngs=rngs)
-        self.context_embedder = Linear(cfg.joint_attention_dim, d, bias=False, dtype=dtype, rngs=rngs)
+        self.x_embedder = Linear(cfg.in_channels, d, bias=False, dtype=dtype, rngs=rngs, axes=("latent", "embed"))
+        self.context_embedder = Linear(cfg.joint_attention_dim, d, bias=False, dtype=dtype, rngs=rngs,
+                                       axes=("text_embed", "embed"))
         self.transformer_blocks = nnx.List([DoubleStreamBlock(cfg, dtype=dtype, rngs=rngs)
                                             for _ in range(cfg.num_layers)])
         self.single_transformer_blocks = nnx.List([SingleStreamBlock(cfg, dtype=dtype, rngs=rngs)
                                                    for _ in range(cfg.num_single_layers)])
         self.norm_out = AdaLayerNormOut(d, cfg.eps, dtype=dtype, rngs=rngs)
-        self.proj_out = Linear(d, cfg.patch_size ** 2 * cfg.out_channels, bias=False, dtype=dtype, rngs=rngs)
+        self.proj_out = Linear(d, cfg.patch_size ** 2 * cfg.out_channels, bias=False, dtype=dtype, rngs=rngs,
+                               axes=("embed", "latent"))
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, cos, sin, guidance=None, *,
                  implementation: str = "xla", image_only_last_block: bool = True, target_tokens: int | None = None):

@@ -14,6 +14,7 @@ from flax import nnx
 
 from .config import VAEConfig
 from .layers import Conv2d, GroupNorm, Linear, precision_for
+from .sharding import param
 
 RESNET_EPS = 1e-6
 
@@ -39,10 +40,11 @@ class SpatialAttention(nnx.Module):
 
     def __init__(self, ch: int, groups: int, *, dtype, rngs: nnx.Rngs):
         self.group_norm = GroupNorm(groups, ch, eps=RESNET_EPS, dtype=dtype)
-        self.to_q = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)
-        self.to_k = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)
-        self.to_v = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)
-        self.to_out = nnx.List([Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs)])
+        axes = ("channels", "channels")  # small: replicated on every device (model.sharding)
+        self.to_q = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)
+        self.to_k = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)
+        self.to_v = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)
+        self.to_out = nnx.List([Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)])
 
     def __call__(self, x):
         b, h, w, c = x.shape
@@ -195,8 +197,8 @@ class BatchNormStats(nnx.Module):
     """The VAE's latent BatchNorm2d: only its running statistics are used (by hand, in `decode_latents`)."""
 
     def __init__(self, channels: int, *, dtype=jnp.float32):
-        self.running_mean = nnx.Param(jnp.zeros((channels,), jnp.float32))
-        self.running_var = nnx.Param(jnp.ones((channels,), jnp.float32))
+        self.running_mean = param(jnp.zeros((channels,), jnp.float32), ("norm",))
+        self.running_var = param(jnp.ones((channels,), jnp.float32), ("norm",))
         self.num_batches_tracked = None  # present in checkpoints (int64 scalar); unused, see weights.py
 
 

@@ -270,7 +270,7 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
     """Fill `abstract_module` (from nnx.eval_shape) with the folder's weights and return the concrete module.
 
     The folder is validated first (see `validate_component`) unless its result is passed in. Only the module's
-    own parameters are read; each is cast to the parameter's dtype. `placement(path, shape)`: the sharding each
+    own parameters are read; each is cast to the parameter's dtype. `placement(path, variable)`: the sharding each
     tensor is put at as soon as it is read (so a model split over several chips never sits whole on one; default:
     the default device). `permutations`: {path: (order, axis)} applied to a tensor first (model.shard_layout).
     """
@@ -297,7 +297,7 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
             order, axis = permutations[tuple(path)]
             array = np.take(array, order, axis=axis)
         array = contiguous(array.astype(target.dtype, copy=False))
-        placed = jnp.asarray(array) if placement is None else jax.device_put(array, placement(path, array.shape))
+        placed = jnp.asarray(array) if placement is None else jax.device_put(array, placement(path, var))
         # Waited on here, so the host copy is released as soon as the device holds the tensor: host memory holds at
         # most one tensor per reading thread, whatever the model's size.
         return path, var.replace(placed.block_until_ready())

@@ -15,9 +15,7 @@ import logging
 import os
 import time
 
-from model.checkpoint import split_gs_uri
-from model.errors import HubError, ModelError
-from model.hub import HubSnapshot, resolve_hub
+from model.api import HubError, HubSnapshot, ModelError, resolve_hub, split_gs_uri
 
 from .errors import UsageError
 
@@ -58,11 +56,11 @@ def hub_model(model: str, variant: str | None, *, local_runner: bool, model_cach
 def copy_snapshot_to_gcs(snapshot: HubSnapshot, base: str) -> str:
     """Copy the snapshot's files under `{base}/flux2-klein-models/{owner}--{name}@{commit}`, the marker last;
     nothing is copied when the marker is already there. Returns that gs:// prefix."""
-    from model.checkpoint import _client
+    from model.api import gcs_client
 
     uri = f"{base.rstrip('/')}/{MODELS_FOLDER}/{snapshot.folder_name}"
     bucket_name, prefix = split_gs_uri(uri)
-    bucket = _client().bucket(bucket_name)
+    bucket = gcs_client().bucket(bucket_name)
     marker = bucket.blob(f"{prefix}/{SNAPSHOT_MARKER}")
     if marker.exists():
         logger.info("%s is already at %s", snapshot.ref.text, uri)

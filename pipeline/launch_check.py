@@ -93,7 +93,7 @@ def check_fits(job, topology: str):
                 job.model, topology, d.height, d.width, job.batch_size, request.model_shards)
     cache = job.load.engine.compilation_cache_dir
     if cache:  # the workers' shared cache: what the launch compiles for their chips is there when they start
-        from model.engine import enable_compilation_cache
+        from model.api import enable_compilation_cache
 
         enable_compilation_cache(cache)
         logger.info("TPU preflight: compiled programs go to the job's compilation cache %s", cache)

@@ -17,12 +17,11 @@ import argparse
 import dataclasses
 from typing import Any, Callable
 
-from model.contract import (
+from model.api import (
     DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
-    DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE,
+    DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DTYPE_NAMES as DTYPES,
 )
-from model.options import DTYPE_NAMES as DTYPES
-from model.options import EngineOptions, LoadSettings
+from model.api import EngineOptions, LoadSettings
 from transforms.defaults import (
     DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
     DEFAULT_PREVIEW, DEFAULT_SEED,

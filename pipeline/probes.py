@@ -16,9 +16,7 @@ import tempfile
 
 from apache_beam.io.filesystems import FileSystems
 
-from model.checkpoint import read_config_and_digest
-from model.errors import ModelError
-from model.hub import is_hub_id
+from model.api import ModelError, is_hub_id, read_config_and_digest
 from transforms.inputs.bigquery import dataset_reference
 from transforms.inputs.check import InputCheckError, check_input_files
 from transforms.inputs.delimited import field_limit_for

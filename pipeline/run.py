@@ -61,7 +61,7 @@ from transforms.progress import ProgressReporter, ReportTotal
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
 
-from model.options import LoadSettings
+from model.api import LoadSettings
 
 from . import launch_check, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice

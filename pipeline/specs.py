@@ -17,10 +17,8 @@ import enum
 import re
 from typing import Any
 
-from model.contract import DEFAULT_SIZE, count, is_integer, optional_count
-from model.options import DTYPE_NAMES, EngineOptions, LoadSettings
-from model.references import MIN_SIDE
-from model.weight_files import validate_variant
+from model.api import (DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, EngineOptions, LoadSettings, count,
+                       is_integer, optional_count, validate_variant)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults

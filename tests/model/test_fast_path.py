@@ -400,7 +400,7 @@ def test_cpu_compiler_options_apply_per_program_and_on_cpu_only():
     import jax
     import numpy as np
     from model.cpu_images import compiler_options_for
-    from model.engine import make_mesh
+    from model.mesh import make_mesh
     from model.options import EIGEN_DOTS, EngineOptions
 
     default = EngineOptions()
@@ -434,7 +434,8 @@ def test_per_image_by_default_on_one_cpu_device_only():
 
     import numpy as np
     from model.cpu_images import per_image_for
-    from model.engine import EngineOptions, make_mesh
+    from model.engine import EngineOptions
+    from model.mesh import make_mesh
 
     mesh = make_mesh(EngineOptions())
     assert per_image_for(mesh, EngineOptions()) is (mesh.devices.size == 1)
@@ -499,7 +500,8 @@ def test_concurrent_images_option():
 
     import numpy as np
     from model.cpu_images import concurrent_images_for
-    from model.engine import EngineOptions, make_mesh
+    from model.engine import EngineOptions
+    from model.mesh import make_mesh
 
     for bad in (0, -1, True, 1.5, "2"):
         with pytest.raises(ValueError, match="concurrent_images"):

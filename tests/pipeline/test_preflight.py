@@ -1,4 +1,4 @@
-"""The TPU preflight (pipeline/preflight.py) and the bundled presets (model/presets).
+"""The TPU preflight (pipeline/preflight.py, its core model/aot.py) and the bundled presets (model/presets).
 
 The preflight compiles for a TPU topology with libtpu's compiler on this CPU machine: the tiny checkpoint for v5e:2x2
 with 2 model shards and the splash kernel, which Mosaic compiles (its custom call is in the compiled text). Without
@@ -93,8 +93,8 @@ def test_presets_are_package_data():
 
 def test_attention_flops_of_klein_9b_at_1024():
     """4 x L^2 x width per block over the padded joint sequence (512 text + 4096 image tokens)."""
+    from model.estimate import attention_flops_per_image
     from model.presets import preset_config
-    from pipeline.preflight import attention_flops_per_image
 
     flops = attention_flops_per_image(preset_config("klein-9b"), text_len=512, image_tokens=4096, steps=4, cfg=False,
                                       image_only_last_block=False)
@@ -127,8 +127,9 @@ def test_a_program_the_compiler_refuses_does_not_fit():
     """libtpu refuses a program larger than HBM at compile time; the report then says so, with its figure."""
     import types
 
-    from pipeline.preflight import (CHIPS, ProgramStats, Report, format_report, refused_program_stats,
-                                    shortfall_message)
+    from model.api import CHIPS, ProgramStats, Report
+    from model.hlo_stats import refused_program_stats
+    from pipeline.preflight import format_report, shortfall_message
 
     message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
                "HLO temporaries (19.75G) exceeds available HBM (15.75G). HLO module: jit_traced.")
@@ -157,7 +158,7 @@ MEASURED_MS = {"encode": 20.90, "denoise": 998.1, "decode": 89.8, "image": 1115.
 def _klein_4b_report(chip_kind: str):
     import types
 
-    from pipeline.preflight import CHIPS, ProgramStats, Report
+    from model.api import CHIPS, ProgramStats, Report
 
     programs = {name: ProgramStats(name, 10, 5, 1, 0, 10, flops, nbytes, -1.0, kernel, 1.0, 1 if kernel else 0, 1)
                 for name, (flops, kernel, nbytes) in KLEIN_4B_V5E.items()}
@@ -193,15 +194,25 @@ def libtpu():
     return pytest.importorskip("libtpu", reason="libtpu (the TPU compiler) is not installed: pip install libtpu")
 
 
+def _programs(model, topology, shards, text_len):
+    """The preflight's programs for `model` (a preset or checkpoint) over `topology` with `shards` model shards."""
+    from model.aot import programs_for_topology
+    from model.factory import Networks
+    from pipeline.preflight import resolve_model
+
+    config = resolve_model(model)
+    modules = Networks(config, "bfloat16").run_modules()
+    return config, programs_for_topology(modules, topology, dtype="bfloat16", model_shards=shards,
+                                         text_len=text_len)
+
+
 def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_path):
-    from pipeline.preflight import (PreflightRequest, abstract_modules, build_programs, load_topology, preflight,
-                                    resolve_model)
+    from model.api import load_topology
+    from pipeline.preflight import PreflightRequest, preflight
 
     topology = load_topology("v5e:2x2")
     assert (topology.chips, topology.devices_per_chip) == (4, 1)
-    modules = abstract_modules(resolve_model(tiny_ckpt), "bfloat16")
-    one, two = (build_programs(modules, topology, dtype="bfloat16", model_shards=s, text_len=32)[0]
-                for s in (1, 2))
+    one, two = (_programs(tiny_ckpt, topology, s, 32)[1] for s in (1, 2))
     before, after = one.parameter_bytes_per_device(), two.parameter_bytes_per_device()
     for module, state in (("transformer", two.tr_state), ("text_encoder", two.te_state)):
         # The split layers halve; the small replicated ones (norms, modulation, embedders) stay whole. Their share is
@@ -227,7 +238,7 @@ def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_
 
 
 def test_collective_traffic_reads_compiled_hlo():
-    from pipeline.preflight import collective_traffic
+    from model.hlo_stats import collective_traffic
 
     text = "\n".join([
         "  %all-reduce.1 = bf16[2,64,128]{2,1,0} all-reduce(bf16[2,64,128]{2,1,0} %x), replica_groups={{0,1}}",
@@ -241,12 +252,11 @@ def test_collective_traffic_reads_compiled_hlo():
 
 def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):
     """The fallback for programs whose compiled text cannot be printed (TPU v7) counts as the compiled text does."""
-    from model.engine import Bucket
-    from pipeline.preflight import abstract_modules, build_programs, count_kernel_calls, load_topology, resolve_model
+    from model.api import load_topology
+    from model.hlo_stats import count_kernel_calls
+    from model.plan import Bucket
 
-    config = resolve_model(tiny_ckpt)
-    programs, _ = build_programs(abstract_modules(config, "bfloat16"), load_topology("v5e:2x2"), dtype="bfloat16",
-                                 model_shards=2, text_len=32)
+    config, programs = _programs(tiny_ckpt, load_topology("v5e:2x2"), 2, 32)
     tr = config.transformer
     lowered = programs.lower(Bucket(2, 16, 16, 4, False), tr.in_channels, tr.joint_attention_dim,
                              tr.attention_head_dim, fused=True)
@@ -266,11 +276,10 @@ def _replicated_bytes(state) -> int:
 @pytest.mark.parametrize("preset", ["klein-4b", "klein-9b"])
 def test_real_weights_halve_over_two_shards(libtpu, preset):
     """Shapes only: the published models' transformer and text encoder take under 0.6 of their bytes per chip."""
-    from pipeline.preflight import abstract_modules, build_programs, load_topology, resolve_model
+    from model.api import load_topology
 
-    modules = abstract_modules(resolve_model(preset), "bfloat16")
-    one, two = (build_programs(modules, load_topology("v5e:2x2"), dtype="bfloat16", model_shards=s, text_len=512)[0]
-                .parameter_bytes_per_device() for s in (1, 2))
+    one, two = (_programs(preset, load_topology("v5e:2x2"), s, 512)[1].parameter_bytes_per_device()
+                for s in (1, 2))
     for module in ("transformer", "text_encoder"):
         assert two[module] < 0.6 * one[module], (module, one, two)
 

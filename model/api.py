@@ -1,0 +1,70 @@
+"""The model package's public surface for the job (pipeline/): every name the launcher and its tools may use.
+
+The other modules of `model` are its internals: they may be split, merged or renamed without notice, so pipeline/
+imports from here only (tests/model checks it). Importing this module does not load JAX: the names that need it
+(`load`, `fit`, `enable_compilation_cache`) are imported on first use.
+
+- Loading and generating: `load`, `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`, `DEFAULT_TEXT_ENCODER_OUT_LAYERS`.
+- The request contract (model.contract): `validate`, `count`, `optional_count`, `is_integer`, `Limits` and the DEFAULT_*
+  limits; `MIN_REFERENCE_SIDE`, the smallest side a reference image may have.
+- Checkpoints: `read_config`, `read_config_and_digest` (configs only), `is_hub_id`, `resolve_hub`, `HubSnapshot`,
+  `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
+  `preset_config`.
+- Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
+- TPU preflight: `load_topology` (`Topology`, `CHIPS`), `fit` (compile for the topology and report: `Report`,
+  `ProgramStats`, `V5E_CALIBRATION`), `format_bytes`, `GiB`.
+- Errors: `ModelError` and its kinds, `ShardCountError`, `TopologyError`.
+"""
+
+from __future__ import annotations
+
+from .cache_paths import cache_root
+from .checkpoint import read_config, read_config_and_digest, split_gs_uri
+from .contract import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES,
+                       DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, Limits, count,
+                       is_integer, optional_count, validate)
+from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFiniteImageError, ReferenceImageError,
+                     RequestError, UnsafeWeightsError)
+from .estimate import V5E_CALIBRATION, ProgramStats
+from .fit_report import Report, format_bytes
+from .hub import HubSnapshot, is_hub_id, resolve_hub
+from .mesh import ShardCountError, shard_counts
+from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES, EngineOptions, LoadSettings
+from .plan import resolve_sampling
+from .presets import PRESET_NAMES, is_preset, preset_config
+from .references import MIN_SIDE as MIN_REFERENCE_SIDE
+from .tpu_topology import CHIPS, GiB, Topology, TopologyError, load_topology
+from .weight_files import validate_variant
+
+# Imported on first use (they load JAX): name -> (module, attribute).
+_LAZY = {"load": ("generator", "load"), "fit": ("aot", "fit"), "enable_compilation_cache": ("engine",
+                                                                                            "enable_compilation_cache")}
+
+__all__ = sorted([
+    "cache_root", "read_config", "read_config_and_digest", "split_gs_uri", "gcs_client",
+    "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_PROMPT_BYTES", "DEFAULT_MAX_REFERENCE_IMAGES", "DEFAULT_MAX_REFERENCE_PIXELS",
+    "DEFAULT_MAX_SEQUENCE_LENGTH", "DEFAULT_SIZE", "Limits", "count", "is_integer", "optional_count", "validate",
+    "MIN_REFERENCE_SIDE",
+    "CheckpointError", "ConfigError", "HubError", "ModelError", "NonFiniteImageError", "ReferenceImageError",
+    "RequestError", "UnsafeWeightsError", "ShardCountError", "TopologyError",
+    "V5E_CALIBRATION", "ProgramStats", "Report", "format_bytes", "HubSnapshot", "is_hub_id", "resolve_hub",
+    "shard_counts", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "EngineOptions", "LoadSettings",
+    "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config", "CHIPS", "GiB", "Topology", "load_topology",
+    "validate_variant", *_LAZY,
+])
+
+
+def gcs_client():
+    """The google-cloud-storage client the checkpoint reader uses (anonymous where no credentials are found)."""
+    from .checkpoint import _client
+
+    return _client()
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __package__), attribute)
+    raise AttributeError(f"module 'model.api' has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""What the compiler's figures say a program costs on a TPU chip: the attention kernels' FLOPs (which XLA's cost
+analysis does not see), each compiled program's per-device figures, and its time by a roofline calibrated on a
+measured chip. Arithmetic on figures; importing it does not load JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS
+from .tpu_topology import ChipSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Shares of a chip's bf16 peak (and of its HBM bandwidth) that each kind of work reached when measured on a chip
+    of that kind, and the host's own time per image (tokenize, initial noise, copy back), for the estimate."""
+
+    chip: str                     # ChipSpec.name the figures were measured on
+    matmul: float                 # XLA's FLOPs of the transformer and text-encoder programs (fused elementwise included)
+    attention: float              # the splash kernels' FLOPs
+    convolution: float            # the VAE decode's FLOPs
+    memory: float                 # the roofline's bytes leg (not measured apart: no measured program was bytes-bound)
+    host_seconds_per_image: float
+    source: str
+
+
+# Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 at be5473a (benchmarks/tpu_measured.json):
+# denoise 998.1 ms, of which the splash kernels 170.6 ms (25.98 TFLOP) and the rest 827.5 ms for XLA's 113.65 TFLOP;
+# decode 89.8 ms for 10.72 TFLOP; host 10.9 ms per image (tokenize, copy back). The text encoder (20.9 ms) was not
+# used: it is the check (the estimate gives it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
+V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.697, attention=0.773, convolution=0.606, memory=1.0,
+                              host_seconds_per_image=0.0109, source="benchmarks/tpu_measured.json")
+
+
+def _padded(n: int) -> int:
+    """`n` tokens padded to whole blocks of the splash kernel."""
+    from .attention import SPLASH_BLOCK
+
+    return -(-n // SPLASH_BLOCK) * SPLASH_BLOCK
+
+
+def attention_flops_per_image(config, *, text_len: int, image_tokens: int, steps: int, cfg: bool,
+                              out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, image_only_last_block: bool = True) -> dict:
+    """FLOPs of the attention kernels (q k^T and p v, 2 x 2 x Lq x Lk x width) per image and program, over the
+    lengths the splash kernel runs (padded to its block): what XLA's cost analysis leaves out."""
+    from .qwen3 import layers_to_run
+
+    tr, te = config.transformer, config.text_encoder
+    seq = _padded(text_len + image_tokens)
+    blocks = tr.num_layers + tr.num_single_layers
+    per_pass = 4 * seq * seq * tr.inner_dim * blocks
+    if image_only_last_block and tr.num_single_layers:  # the last block's queries are the image tokens only
+        per_pass -= 4 * (seq - _padded(image_tokens)) * seq * tr.inner_dim
+    length = _padded(text_len)
+    nb = length // 128 if length >= 128 else 1
+    causal_share = (nb + 1) / (2 * nb)  # the kernel skips the blocks above the diagonal
+    text_layers = layers_to_run(te, out_layers)[0]
+    encode = 4 * length * length * te.num_attention_heads * te.head_dim * causal_share * text_layers
+    return {"encode": float(encode), "denoise": float(per_pass * steps * (2 if cfg else 1)), "decode": 0.0}
+
+
+def kernel_split(config, shards: int) -> dict:
+    """Over how many devices of a data replica each program's attention heads are split (1: every shard runs all):
+    the splash kernel's own rule (model.attention), heads split where the shard count divides them."""
+    tr, te = config.transformer, config.text_encoder
+    text = shards if te.num_attention_heads % shards == 0 and te.num_key_value_heads % shards == 0 else 1
+    return {"encode": text, "denoise": shards if tr.num_attention_heads % shards == 0 else 1, "decode": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramStats:
+    """One compiled program, per device as the compiler reports it (loop trips applied), plus its attention kernels."""
+
+    name: str
+    argument_bytes: int
+    temp_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    parameter_bytes: int    # of the module whose parameters it takes (resident, counted once for the whole job)
+    flops: float            # XLA's count, loop trips applied (the Mosaic kernels not included)
+    bytes_accessed: float
+    optimal_seconds: float  # XLA's estimate, loop trips applied
+    kernel_flops: float     # the attention kernels' FLOPs on one device
+    compile_s: float
+    mosaic_kernels: int
+    loop_trips: int
+    text_source: str = "compiled"  # where the Mosaic kernels were counted: "compiled", else "lowered"
+    compile_error: str | None = None  # the compiler refused it: out of HBM (its other figures are then unknown)
+    # Cross-device collectives in the compiled program, per device and per run of the program text (a loop body,
+    # such as one denoising step, is written once): {kind: [ops, result bytes]}; None when the text is not the
+    # compiled one (GSPMD places collectives while compiling, so the lowered text has none to count).
+    collectives: dict | None = None
+
+    @property
+    def transient_bytes(self) -> int:
+        """What it needs beyond the resident parameters: temporaries, outputs not aliased to an input, its other
+        arguments (argument bytes carry TPU layout padding, so this is slightly conservative)."""
+        return (self.temp_bytes + self.output_bytes - self.alias_bytes
+                + max(0, self.argument_bytes - self.parameter_bytes))
+
+    def est_seconds(self, chip: ChipSpec, devices_per_chip: int, calibration: Calibration = V5E_CALIBRATION) -> float:
+        """Seconds for one run, calibrated: the roofline of XLA's FLOPs (at the measured share of the bf16 peak for
+        the program's kind of work: convolutions for decode, matmuls otherwise) and bytes, plus the attention
+        kernels' FLOPs at their measured share of the peak (all per device)."""
+        peak, bandwidth = chip.bf16_flops / devices_per_chip, chip.hbm_bandwidth / devices_per_chip
+        compute = calibration.convolution if self.name == "decode" else calibration.matmul
+        rest = max(self.flops / (peak * compute), self.bytes_accessed / (bandwidth * calibration.memory))
+        return rest + self.kernel_flops / (peak * calibration.attention)

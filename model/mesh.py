@@ -1,0 +1,63 @@
+"""The (data, model) device mesh the programs run on, and the one check that a shard count fits the devices.
+
+`model_shards` devices hold one copy of the weights between them (tensor parallel over the "model" axis); the batch
+is split over the len(devices) / model_shards copies (the "data" axis). The loader, the generator and the preflight
+all build their mesh here, so they agree on it.
+"""
+
+from __future__ import annotations
+
+from .errors import ModelError
+
+DATA, MODEL = "data", "model"
+
+
+class ShardCountError(ModelError, ValueError):
+    """`model_shards` does not divide the devices a mesh is made of; carries both (`model_shards`, `devices`: the
+    count) and the devices' kind."""
+
+    def __init__(self, model_shards: int, devices: int, device_kind: str):
+        self.model_shards = model_shards
+        self.devices = devices
+        self.device_kind = device_kind
+        super().__init__(f"model_shards={model_shards} must divide the number of devices, {devices} ({device_kind})")
+
+
+def shard_counts(devices: int) -> list[int]:
+    """The model-shard counts a mesh of `devices` devices allows (its divisors), ascending."""
+    return [d for d in range(1, devices + 1) if devices % d == 0]
+
+
+def check_model_shards(model_shards: int, devices) -> None:
+    """ShardCountError unless `model_shards` is a positive divisor of len(devices)."""
+    devices = list(devices)
+    if model_shards < 1 or len(devices) % model_shards:
+        raise ShardCountError(model_shards, len(devices), devices[0].device_kind)
+
+
+def make_mesh(options, devices=None):
+    """The (data, model) mesh of the programs: over `devices` (default: all local devices of `options.platform` for
+    data or context parallelism, else the first `options.model_shards`), `options.model_shards` of them holding one
+    copy of the weights. `options`: a model.options.EngineOptions."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    if devices is None:  # data_parallel=False: one data replica (the first model_shards devices)
+        use_all = options.data_parallel or options.context_parallel
+        local = jax.local_devices(backend=options.platform)
+        devices = local if use_all else local[:options.model_shards]
+    devices = list(devices)
+    check_model_shards(options.model_shards, devices)
+    shards = options.model_shards
+    return Mesh(np.array(devices).reshape(len(devices) // shards, shards), (DATA, MODEL))
+
+
+def model_shards(mesh) -> int:
+    """Devices that hold one copy of the weights between them."""
+    return int(mesh.shape.get(MODEL, 1))
+
+
+def data_replicas(mesh) -> int:
+    """Copies of the weights on the mesh: the batch is split over them."""
+    return int(mesh.shape.get(DATA, 1))

@@ -1,0 +1,88 @@
+"""TPU topologies as libtpu's compiler sees them, with no TPU present: the devices of one worker host and what its
+chips hold and reach (vendor figures), for compiling ahead of time (model.aot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .errors import ModelError
+
+GiB = 1024**3
+# Topology names libtpu 0.0.52 compiled for on a CPU machine (shown when a name is refused).
+KNOWN_TOPOLOGIES = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v6e:1x1", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1", "tpu7x:1x1",
+                    "tpu7x:2x2x1")
+
+
+class TopologyError(ModelError, ValueError):
+    """A TPU topology cannot be compiled for: libtpu missing, a name it does not know, or chips of a kind without
+    figures here; `topology` is the name asked for."""
+
+    def __init__(self, message: str, *, topology: str):
+        self.topology = topology
+        super().__init__(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """A TPU chip's vendor figures: what its memory holds and how fast it can go (per chip, all its cores)."""
+
+    name: str
+    hbm_bytes: int
+    bf16_flops: float      # peak bf16 FLOP/s
+    hbm_bandwidth: float   # bytes/s
+
+
+# By the `device_kind` libtpu reports. TPU v7's 192 GB is taken as 10**9 bytes per GB (the smaller reading).
+CHIPS = {
+    "TPU v4": ChipSpec("TPU v4", 32 * GiB, 275e12, 1.2e12),
+    "TPU v5 lite": ChipSpec("TPU v5e", 16 * GiB, 197e12, 819e9),
+    "TPU v5": ChipSpec("TPU v5p", 95 * GiB, 459e12, 2.765e12),
+    "TPU v6 lite": ChipSpec("TPU v6e", 32 * GiB, 918e12, 1.64e12),
+    "TPU7x": ChipSpec("TPU v7", 192 * 10**9, 2307e12, 7.37e12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """One worker's share of a TPU topology: the devices of its first host (a Dataflow worker is one host)."""
+
+    name: str
+    devices: tuple
+    chip: ChipSpec
+    devices_per_chip: int  # 2 on TPU v7 (two TensorCores, each its own device), else 1
+    hosts: int
+
+    @property
+    def chips(self) -> int:
+        return len(self.devices) // self.devices_per_chip
+
+
+def load_topology(name: str) -> Topology:
+    """The topology `name` (e.g. "v5e:2x2", "tpu7x:1x1") from libtpu, compiling only: no TPU needs to be present."""
+    # No metadata server off Google Cloud; and other processes may hold libtpu's lock (we never touch a device).
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        import libtpu  # noqa: F401  (the TPU compiler)
+    except ImportError as e:
+        raise TopologyError(f"the preflight compiles with libtpu, which is not installed ({e}); pip install "
+                            f"libtpu==0.0.52", topology=name) from None
+    from jax.experimental import topologies
+
+    try:
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - libtpu raises plain runtime errors for unknown names
+        raise TopologyError(f"unknown TPU topology {name!r} ({str(e).splitlines()[0]}); names that compile include "
+                            f"{', '.join(KNOWN_TOPOLOGIES)}", topology=name) from None
+    devices = list(desc.devices)
+    first = devices[0].process_index
+    local = tuple(d for d in devices if d.process_index == first)
+    kind = local[0].device_kind
+    if kind not in CHIPS:
+        raise TopologyError(f"topology {name!r} has devices of kind {kind!r}, whose HBM and peak this preflight does "
+                            f"not know; known kinds: {', '.join(CHIPS)}", topology=name)
+    chips = {tuple(d.coords) for d in local}
+    return Topology(name=name, devices=local, chip=CHIPS[kind], devices_per_chip=len(local) // len(chips),
+                    hosts=len({d.process_index for d in devices}))
