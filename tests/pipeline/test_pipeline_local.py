@@ -1,7 +1,7 @@
 """The job on local paths with the multi-process DirectRunner (FnApiRunner, 2 worker processes).
 
 The model is loaded once per worker process by default, and once per machine with `--large_model` (the other process
-uses it through Beam's shared-model proxy); both asserted from the handler's metrics. Also covers CSV and text
+uses it through Beam's shared-model proxy), whatever the output format; asserted from the handler's metrics. Also covers CSV and text
 inputs given as local paths.
 """
 
@@ -26,13 +26,16 @@ def inputs(tmp_path_factory):
     return folder
 
 
-def _job(inputs, out, ckpt, compile_cache, *extra):
+def _argv(inputs, out, ckpt, compile_cache, *extra):
     # Same checkpoint, shapes and XLA cache as the other end-to-end tests: the workers read compiled programs from
     # disk instead of compiling them again.
-    argv = [f"--model={ckpt}", f"--input={inputs / 'a.csv'}", f"--input={inputs / 'b.txt'}", f"--output={out}",
+    return [f"--model={ckpt}", f"--input={inputs / 'a.csv'}", f"--input={inputs / 'b.txt'}", f"--output={out}",
             *MODEL_ARGS, f"--compilation_cache_dir={compile_cache}", "--runner=FnApiRunner",
             "--direct_running_mode=multi_processing", "--direct_num_workers=2", "--no_progress", *extra]
-    result, summary = run(argv)
+
+
+def _job(inputs, out, ckpt, compile_cache, *extra):
+    result, summary = run(_argv(inputs, out, ckpt, compile_cache, *extra))
     manifest = rows(str(out), "manifest")
     assert summary["images_generated"] == N_PROMPTS and summary["invalid"] == 0 and summary["failed"] == 0
     assert len(image_names(str(out))) == N_PROMPTS
@@ -62,3 +65,18 @@ def test_model_loaded_once_per_worker_process(inputs, tmp_path, ckpt32, xla_cach
     assert c["model_loads"] == len(loads) <= 2
     assert set(batches) <= set(loads)  # every process that generated had loaded its own copy
     assert sum(batches.values()) == N_PROMPTS // 2
+
+
+def test_large_model_is_shared_for_webdataset_output_too(inputs, tmp_path, ckpt32, xla_cache):
+    """The WebDataset sink neither loads nor shares the model: the one generation stage does (RunInference's
+    large_model), as for files."""
+    out = tmp_path / "out"
+    result, summary = run(_argv(inputs, out, ckpt32, xla_cache, "--large_model", "--output_format=webdataset",
+                                "--samples_per_shard=5"))
+    assert (summary["images_generated"], summary["failed"]) == (N_PROMPTS, 0)
+    c = counters(result)
+    loads = pids(c, "model_loads_in_process_")
+    assert c["model_loads"] == 1 and list(loads.values()) == [1], loads
+    assert sum(pids(c, "batches_in_process_").values()) == N_PROMPTS // 2
+    assert sorted(os.listdir(out / "shards")) == [f"{s:05d}{ext}" for s in range(3)
+                                                  for ext in (".parquet", ".tar", "_stats.json")]
