@@ -244,7 +244,8 @@ def _check_imagefolder(out, manifest: dict, cache) -> None:
     assert {row["metadata"].get("lang") for row in ds} == {"en", None}
 
 
-@pytest.mark.parametrize("fmt", ["webdataset", "files"])
+# files: -m slow (CI time); the same faults on a files job run in CI in tests/pipeline/test_fault_pipeline.py.
+@pytest.mark.parametrize("fmt", ["webdataset", pytest.param("files", marks=pytest.mark.slow)])
 def test_job_at_10_percent_gcs_faults_loses_nothing(fmt, gcs_emulator, gcs_bucket, ckpt32, loaded, xla_cache,
                                                     monkeypatch, tmp_path):
     """10% of GCS requests fail: every image once, in whole objects, no temporary object left. webdataset runs in

@@ -67,6 +67,7 @@ def test_model_loaded_once_per_worker_process(inputs, tmp_path, ckpt32, xla_cach
     assert sum(batches.values()) == N_PROMPTS // 2
 
 
+@pytest.mark.slow  # CI time: every output goes through the one generation stage test_large_model_loaded_once_per_machine covers
 def test_large_model_is_shared_for_webdataset_output_too(inputs, tmp_path, ckpt32, xla_cache):
     """The WebDataset sink neither loads nor shares the model: the one generation stage does (RunInference's
     large_model), as for files."""
