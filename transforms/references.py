@@ -381,7 +381,7 @@ def _request_record(request) -> dict:
             "reference_images": list(request.reference_images)}
 
 
-class _ResolveReferencesFn(beam.DoFn):
+class _ResolveReferencesFn(retries.CountingRetriesFn):
     """A request with references -> the same request with each reference's sha256 and processed size (read through
     the process cache), or one error row naming the first reference that cannot be used and why. Requests without
     references pass unchanged."""
@@ -391,12 +391,6 @@ class _ResolveReferencesFn(beam.DoFn):
         self._size_multiple = size_multiple
         self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
         self._bad = Metrics.counter(METRICS_NAMESPACE, "references_invalid")
-
-    def setup(self):
-        retries.install()
-
-    def finish_bundle(self):
-        retries.flush_to_metrics()
 
     def process(self, request):
         if not request.reference_images:

@@ -62,7 +62,7 @@ def parse_lines(data: bytes, source: str, fmt: str, defaults: RequestDefaults,
     return [parse_raw(r, defaults, resolver) for r in iter_raw_records(io.BytesIO(data), source, fmt, limit, columns)]
 
 
-class ParseRecordsFn(beam.DoFn):
+class ParseRecordsFn(retries.CountingRetriesFn):
     """The part every reader shares: raw records -> GenerationRequest (main output) or error row (INVALID_TAG),
     counted. Subclasses implement `process` and hand their records to `_parsed`."""
 
@@ -74,11 +74,8 @@ class ParseRecordsFn(beam.DoFn):
         self._invalid = Metrics.counter(METRICS_NAMESPACE, "records_invalid")
 
     def setup(self):
-        retries.install()
+        super().setup()
         self._resolver = ColumnResolver(self._columns)
-
-    def finish_bundle(self):
-        retries.flush_to_metrics()
 
     def _parsed(self, raw: RawRecord):
         self._read.inc()
