@@ -87,6 +87,12 @@ def traced_platform() -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
+def traced_devices() -> int:
+    """How many devices the mesh being traced for (`mesh_context`) has (1 without one)."""
+    mesh = _MESH.get()
+    return 1 if mesh is None else mesh.devices.size
+
+
 def resolve_implementation(name: str, masked: bool = False, devices: int = 1, platform: str | None = None,
                            dtype=None) -> str:
     """Map a requested implementation to one available on the target platform (with a logged fallback).
@@ -268,6 +274,40 @@ def _splash_attention(q, k, v, scale, causal: bool, key_mask):
                          check_vma=False)(q, k, v, keys)
 
 
+def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, device_kind: str | None = None):
+    """The multi-head splash kernel on head-major q, k, v [B, H, L, D] (q already scaled), one kernel per batch row;
+    [B, H, Lq, D] out. Padding and segment ids as `_splash_local` describes."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, h, lq, _ = qh.shape
+    lk = kh.shape[2]
+    blocks = splash_blocks(None if interpret else device_kind, lq, lk)  # interpret mode: the smallest
+    pq, pk = -lq % blocks[0], -lk % blocks[1]
+    segmented = key_mask is not None or pk > 0
+    keys = jnp.ones((b, lk), bool) if key_mask is None else key_mask
+    kv_segments = jnp.pad(keys, ((0, 0), (0, pk))).astype(jnp.int32)
+    q_segments = jnp.ones((b, lq + pq), jnp.int32)
+    kernel = _splash_kernel(h, lq + pq, lk + pk, causal, interpret, blocks)
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, pq), (0, 0)))
+    kh, vh = (jnp.pad(x, ((0, 0), (0, 0), (0, pk), (0, 0))) for x in (kh, vh))
+
+    def one_row(qr, kr, vr, qs, ks):
+        return kernel(qr, kr, vr, segment_ids=splash.SegmentIds(q=qs, kv=ks) if segmented else None)
+
+    return jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :lq]
+
+
+def attention_heads(qh, kh, vh):
+    """Unmasked attention on head-major q, k, v [B, H, L, D] whose q is already scaled by 1/sqrt(D), on one device
+    (`model.heads_kernel` prepares them): the splash kernel, compiled on TPUs and interpreted elsewhere.
+    Returns [B, Lq, H, D] in q's dtype."""
+    mesh = _MESH.get()
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    interpret = device.platform != "tpu"
+    out = _splash_heads(qh, kh, vh, False, None, interpret, None if interpret else device.device_kind)
+    return out.transpose(0, 2, 1, 3).astype(qh.dtype)
+
+
 def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, device_kind: str | None = None):
     """The Pallas splash (flash) kernel for TPU: the multi-head kernel over all heads when each has its own keys
     (the transformer), the multi-query kernel per key/value head otherwise (the text encoder's grouped queries);
@@ -293,14 +333,8 @@ def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, devic
     pad_q = ((0, 0), (0, 0), (0, pq), (0, 0))
     pad_k = ((0, 0), (0, 0), (0, pk), (0, 0))
     if g == 1:  # [B, H, L, D] into one multi-head kernel per batch row
-        kernel = _splash_kernel(h, lq + pq, lk + pk, causal, interpret, blocks)
-        qh = jnp.pad(q.transpose(0, 2, 1, 3), pad_q)
-        kh, vh = (jnp.pad(x.transpose(0, 2, 1, 3), pad_k) for x in (k, v))
-
-        def one_row(qr, kr, vr, qs, ks):
-            return kernel(qr, kr, vr, segment_ids=splash.SegmentIds(q=qs, kv=ks) if segmented else None)
-
-        out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :lq]  # [B, H, Lq, D]
+        out = _splash_heads(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal,
+                            key_mask, interpret, device_kind)
         return out.transpose(0, 2, 1, 3)
     kernel = _splash_kernel(g, lq + pq, lk + pk, causal, interpret, blocks, multi_query=True)
     # [B, Hkv, G, Lq, D] queries, [B, Hkv, Lk, D] keys and values

@@ -33,6 +33,7 @@ from . import attention as attention_lib, shard_layout, sharding
 from .mesh import data_replicas, model_shards
 from .plan import Bucket
 from .scheduler import euler_step, guidance_mix, model_timestep
+from .heads_kernel import heads_kernel_scope
 from .transformer import tpu_rope_scope
 from .weights import release_host_memory
 
@@ -110,9 +111,11 @@ class CompiledPrograms:
         def on_mesh(fn):
             """`fn` traced for this mesh (the attention kernels partition themselves over it)."""
             def traced(*args):
-                with attention_lib.mesh_context(mesh), precision_scope(dtype), tpu_rope_scope(lab.tpu_rope):
+                with attention_lib.mesh_context(mesh), precision_scope(dtype), tpu_rope_scope(lab.tpu_rope), \
+                        heads_kernel_scope(lab.heads_kernel):
                     return fn(*args)
 
+            traced.__name__ = traced.__qualname__ = fn.__name__  # programs keep their names (profiles group by them)
             return traced
 
         @on_mesh

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import attention, traced_platform
+from . import heads_kernel
+from .attention import attention, attention_heads, traced_devices, traced_platform
 from .config import TransformerConfig
 from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype
 from .shard_layout import join_parts, split_parts
@@ -109,6 +110,13 @@ def _rope_partner(x, form: str):
     swap[np.arange(0, d, 2), np.arange(1, d, 2)] = 1.0   # out[2i+1] = x[2i]
     return jnp.einsum("...d,de->...e", x, jnp.asarray(swap, x.dtype), preferred_element_type=jnp.float32,
                       precision=precision_for(x.dtype))
+
+
+def heads_kernel_mode(implementation: str, head_dim: int, *lengths: int):
+    """Whether attention's q, k, v go through `model.heads_kernel` for sequences of these lengths (zero lengths
+    ignored) in the program being traced: False, "compiled" or "interpret"."""
+    return heads_kernel.applies(implementation, traced_devices(), traced_platform(), head_dim,
+                                *(n for n in lengths if n))
 
 
 def timestep_from_sigma(sigma, dtype):
@@ -215,6 +223,9 @@ class JointAttention(nnx.Module):
 
     def __call__(self, img, txt, cos, sin, implementation):
         t = txt.shape[1]
+        mode = heads_kernel_mode(implementation, self.head_dim, t, img.shape[1])
+        if mode:
+            return self._with_heads_kernel(img, txt, cos, sin, mode == "interpret")
         q = jnp.concatenate([self.norm_added_q(self._heads(self.add_q_proj(txt))),
                              self.norm_q(self._heads(self.to_q(img)))], axis=1)
         k = jnp.concatenate([self.norm_added_k(self._heads(self.add_k_proj(txt))),
@@ -223,6 +234,25 @@ class JointAttention(nnx.Module):
         q = apply_interleaved_rope(q, cos, sin)
         k = apply_interleaved_rope(k, cos, sin)
         out = attention(q, k, v, implementation=implementation)
+        out = out.reshape(*out.shape[:2], -1)
+        return self.to_out[0](out[:, t:]), self.to_add_out(out[:, :t])
+
+    def _with_heads_kernel(self, img, txt, cos, sin, interpret: bool):
+        """The same attention with q, k, v laid out head-major by `model.heads_kernel` (normed, rotated, scaled)."""
+        t, heads, hd = txt.shape[1], self.heads, self.head_dim
+        rope_txt, rope_img = dict(cos=cos[:t], sin=sin[:t]), dict(cos=cos[t:], sin=sin[t:])
+
+        def both(txt_proj, img_proj, txt_norm=None, img_norm=None, **extra):
+            parts = []
+            for proj, x, norm, rope in ((txt_proj, txt, txt_norm, rope_txt), (img_proj, img, img_norm, rope_img)):
+                kw = dict(weight=norm.weight[...], eps=norm.eps, **rope, **extra) if norm is not None else {}
+                parts.append(heads_kernel.head_major(proj(x), 0, heads, hd, interpret=interpret, **kw))
+            return jnp.concatenate(parts, axis=2)
+
+        q = both(self.add_q_proj, self.to_q, self.norm_added_q, self.norm_q, scale=1.0 / math.sqrt(hd))
+        k = both(self.add_k_proj, self.to_k, self.norm_added_k, self.norm_k)
+        v = both(self.add_v_proj, self.to_v)
+        out = attention_heads(q, k, v)
         out = out.reshape(*out.shape[:2], -1)
         return self.to_out[0](out[:, t:]), self.to_add_out(out[:, :t])
 
@@ -269,7 +299,12 @@ class ParallelSelfAttention(nnx.Module):
         """Outputs for the tokens x[:, queries_from:]; keys and values still come from every token. The last block
         passes the text length, since only the image tokens' outputs are used after it."""
         d, m, shards = self.inner_dim, self.mlp_dim, self.layout_shards
-        q, k, v, a, b = split_parts(self.to_qkv_mlp_proj(x[:, queries_from:]), (d, d, d, m, m), shards)
+        fused = self.to_qkv_mlp_proj(x[:, queries_from:])
+        lengths = (x.shape[1] - queries_from, queries_from)
+        mode = heads_kernel_mode(implementation, self.head_dim, *lengths) if shards == 1 else False
+        if mode:
+            return self._with_heads_kernel(x, fused, cos, sin, queries_from, mode == "interpret")
+        q, k, v, a, b = split_parts(fused, (d, d, d, m, m), shards)
         if queries_from:  # keys and values of the tokens without outputs: only those columns of the projection
             w = self.to_qkv_mlp_proj.weight[...]
             w_kv = w.reshape(w.shape[0], shards, -1)[:, :, d // shards:3 * d // shards].reshape(w.shape[0], 2 * d)
@@ -283,6 +318,27 @@ class ParallelSelfAttention(nnx.Module):
         k = apply_interleaved_rope(self.norm_k(k.reshape(*x.shape[:2], *heads)), cos, sin)
         out = attention(q, k, v.reshape(*x.shape[:2], *heads), implementation=implementation)
         return self.to_out(join_parts([out.reshape(*q.shape[:2], d), jax.nn.silu(a) * b], shards))
+
+    def _with_heads_kernel(self, x, fused, cos, sin, queries_from: int, interpret: bool):
+        """The same block (one layout shard) with q, k, v read head-major from the fused projection's output by
+        `model.heads_kernel` (normed, rotated, scaled), so no slice of it is copied on the way to attention."""
+        d, m, heads, hd = self.inner_dim, self.mlp_dim, self.heads, self.head_dim
+        kw = dict(interpret=interpret)
+        norm_q = dict(weight=self.norm_q.weight[...], eps=self.norm_q.eps)
+        norm_k = dict(weight=self.norm_k.weight[...], eps=self.norm_k.eps)
+        rope = dict(cos=cos[queries_from:], sin=sin[queries_from:])
+        q = heads_kernel.head_major(fused, 0, heads, hd, scale=1.0 / math.sqrt(hd), **norm_q, **rope, **kw)
+        k = heads_kernel.head_major(fused, d, heads, hd, **norm_k, **rope, **kw)
+        v = heads_kernel.head_major(fused, 2 * d, heads, hd, **kw)
+        if queries_from:  # keys and values of the tokens without outputs: only those columns of the projection
+            w = self.to_qkv_mlp_proj.weight[...]
+            kv = jnp.dot(x[:, :queries_from].astype(w.dtype), w[:, d:3 * d], precision=precision_for(w.dtype))
+            rope_text = dict(cos=cos[:queries_from], sin=sin[:queries_from])
+            k = jnp.concatenate([heads_kernel.head_major(kv, 0, heads, hd, **norm_k, **rope_text, **kw), k], axis=2)
+            v = jnp.concatenate([heads_kernel.head_major(kv, d, heads, hd, **kw), v], axis=2)
+        out = attention_heads(q, k, v)
+        a, b = fused[..., 3 * d:3 * d + m], fused[..., 3 * d + m:]
+        return self.to_out(jnp.concatenate([out.reshape(*out.shape[:2], d), jax.nn.silu(a) * b], axis=-1))
 
 
 class SingleStreamBlock(nnx.Module):

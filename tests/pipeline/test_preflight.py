@@ -132,7 +132,7 @@ def test_a_program_the_compiler_refuses_does_not_fit():
     from pipeline.preflight import format_report, shortfall_message
 
     message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
-               "HLO temporaries (19.75G) exceeds available HBM (15.75G). HLO module: jit_traced.")
+               "HLO temporaries (19.75G) exceeds available HBM (15.75G). HLO module: jit_denoise.")
     refused = refused_program_stats("denoise", message, parameter_bytes=18 * 1024**3, kernel_flops=1.0,
                                     loop_trips=4, compile_s=1.0)
     assert refused.temp_bytes == int(1.75 * 1024**3) and refused.compile_error.startswith("RESOURCE_EXHAUSTED")
