@@ -304,7 +304,13 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
 
     # Tensors are read, laid out and sent to the devices by several threads at once: file reads, the layout copies
     # (as 16-bit integers for 2-byte floats, which numpy copies without the GIL) and host-to-device transfers overlap.
+    # They are taken in the order they lie in the files, so the threads' reads move through each file together.
+    def position(item):
+        sf = tensor_to_file[".".join(str(p) for p in item[0])]
+        return sf.path, sf.entries[".".join(str(p) for p in item[0])][2]
+
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
-        leaves = list(pool.map(place, flat))
+        placed = dict(pool.map(place, sorted(flat, key=position)))
+    leaves = [(path, placed[path]) for path, _ in flat]
     state = nnx.from_flat_state(leaves)
     return nnx.merge(graphdef, state)
