@@ -66,7 +66,6 @@ def child(args) -> dict:
     weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
                        if f.endswith(".safetensors"))
     out["rss_before_load_gb"] = _rss_gb()
-    read_before = _bytes_read()
     start = time.perf_counter()
     from model.options import EngineOptions, LoadSettings
 
@@ -77,9 +76,10 @@ def child(args) -> dict:
     out["load_s"] = time.perf_counter() - start
     out["rss_after_load_gb"] = _rss_gb()
     out["weight_gb"] = weight_bytes / 1e9  # the checkpoint's files; the load reads only the tensors the model uses
-    read = _bytes_read()
-    out["read_gb"] = None if read is None or read_before is None else (read - read_before) / 1e9
-    out["load_gb_per_s"] = (out["read_gb"] or out["weight_gb"]) / out["load_s"]
+    # what was read and placed: the parameters the devices hold (one device: every loaded tensor, in the model's dtype)
+    placed = gen.programs.parameter_bytes_per_device()
+    out["loaded_gb"] = sum(placed.values()) / 1e9
+    out["load_gb_per_s"] = out["loaded_gb"] / out["load_s"]
     size = dict(height=args.height, width=args.width)
     start = time.perf_counter()
     gen.plan_bucket(gen.check_inputs(["a red fox"], [0], **size))  # the bucket's three programs
@@ -91,15 +91,6 @@ def child(args) -> dict:
     out["first_image_after_start_s"] = time.time() - t0
     out["rss_gb"] = _rss_gb()
     return out
-
-
-def _bytes_read() -> int | None:
-    """Bytes this process has read through read calls (/proc/self/io's rchar; None where there is no such file)."""
-    try:
-        with open("/proc/self/io") as fh:
-            return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 def _rss_gb() -> float | None:
@@ -142,7 +133,7 @@ def main(argv=None) -> dict:
     for key in ("process_start", "imports", "backend_init", "fetch", "load", "compile", "first_image",
                 "first_image_after_start"):
         rows.append((key, f"{runs['cold'][key + '_s']:.2f}", f"{runs['warm'][key + '_s']:.2f}"))
-    rows.append(("weights read GB", *(f"{runs[r].get('read_gb') or 0:.2f}" for r in ("cold", "warm"))))
+    rows.append(("weights loaded GB", *(f"{runs[r]['loaded_gb']:.2f}" for r in ("cold", "warm"))))
     rows.append(("weights GB/s", f"{runs['cold']['load_gb_per_s']:.2f}", f"{runs['warm']['load_gb_per_s']:.2f}"))
     for key in ("rss_before_load", "rss_after_load", "rss"):
         rows.append((key + " GB", *(f"{runs[r][key + '_gb'] or float('nan'):.2f}" for r in ("cold", "warm"))))
