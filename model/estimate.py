@@ -25,12 +25,13 @@ class Calibration:
     source: str
 
 
-# Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 at be5473a (benchmarks/tpu_measured.json):
-# denoise 998.1 ms, of which the splash kernels 170.6 ms (25.98 TFLOP) and the rest 827.5 ms for XLA's 113.65 TFLOP;
-# decode 89.8 ms for 10.72 TFLOP; host 10.9 ms per image (tokenize, copy back). The text encoder (20.9 ms) was not
-# used: it is the check (the estimate gives it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
-V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.697, attention=0.773, convolution=0.606, memory=1.0,
-                              host_seconds_per_image=0.0109, source="benchmarks/tpu_measured.json")
+# Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 at cb29942 (benchmarks/tpu_measured.json):
+# denoise 874.3 ms, of which the splash kernels 168.9 ms (25.98 TFLOP) and the rest 705.4 ms for XLA's 112.88 TFLOP
+# (the heads kernels' 22.7 ms, which XLA does not count, included); decode 90.1 ms for 10.72 TFLOP; host 11.1 ms per
+# image (tokenize, copy back). The text encoder (20.9 ms) was not used: it is the check (the estimate gives it 26.1
+# ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
+V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.812, attention=0.781, convolution=0.606, memory=1.0,
+                              host_seconds_per_image=0.0111, source="benchmarks/tpu_measured.json")
 
 
 def _padded(n: int) -> int:
