@@ -160,6 +160,7 @@ ABLATIONS = {
     "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
     "fused_upsample": ("VAE upsamples, then a 3x3 conv at the high resolution", dict(fused_upsample=False)),
     "tpu_rope": ("RoPE by splitting pairs on TPUs (CPU always does)", dict(tpu_rope="pairs")),
+    "heads_kernel": ("q/k norm, RoPE and head layout by XLA on TPUs (CPU always is)", dict(heads_kernel="off")),
 }
 # Not rows: reference mode is the last row; the persistent cache's effect is the cold/warm compile columns;
 # batch_size is the workload; max_buckets bounds memory over many sizes (one size here); context parallelism is a
