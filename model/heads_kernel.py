@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +155,3 @@ def applies(implementation: str, mesh_devices: int, platform: str, head_dim: int
     if mode == "interpret":
         return "interpret"
     return "compiled" if platform == "tpu" and head_dim % 128 == 0 else False
-
-
-
-
