@@ -13,7 +13,6 @@ which zeroes such rows.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import logging
@@ -21,6 +20,8 @@ import logging
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from .scopes import scoped
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,9 @@ def splash_blocks(device_kind: str | None, lq: int, lk: int) -> tuple[int, int, 
 _MESH: contextvars.ContextVar = contextvars.ContextVar("attention_mesh", default=None)
 
 
-@contextlib.contextmanager
 def mesh_context(mesh):
     """Trace attention for `mesh` (a jax.sharding.Mesh, or None for the default device)."""
-    token = _MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _MESH.reset(token)
+    return scoped(_MESH, mesh)
 
 
 def traced_platform() -> str:
@@ -253,14 +249,32 @@ def _splash_kernel(heads: int, lq: int, lk: int, causal: bool, interpret: bool, 
                     interpret=interpret)
 
 
+def _kernel_device() -> tuple[bool, str | None]:
+    """(interpret, device kind) for the kernels of the traced-for mesh (the default device without one): compiled
+    on TPUs, interpreted elsewhere, with no device kind then."""
+    mesh = _MESH.get()
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    interpret = device.platform != "tpu"
+    return interpret, None if interpret else device.device_kind
+
+
+def _splash_padding(b: int, lq: int, lk: int, key_mask, blocks: tuple):
+    """(query pad, key pad, q segment ids, kv segment ids or None) for sequences padded to whole splash blocks: every
+    query is segment 1, allowed keys 1, padded or masked keys 0; no kv segments when nothing is excluded."""
+    pq, pk = -lq % blocks[0], -lk % blocks[1]
+    q_segments = jnp.ones((b, lq + pq), jnp.int32)
+    if key_mask is None and pk == 0:
+        return pq, pk, q_segments, None
+    keys = jnp.ones((b, lk), bool) if key_mask is None else key_mask
+    return pq, pk, q_segments, jnp.pad(keys, ((0, 0), (0, pk))).astype(jnp.int32)
+
+
 def _splash_attention(q, k, v, scale, causal: bool, key_mask):
     """The splash kernel, partitioned over the traced-for mesh when it has several devices: the batch over its data
     axis, the heads over its model axis (each chip attends with the heads its q/k/v projections computed); an axis
     that does not divide stays whole."""
     mesh = _MESH.get()
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    interpret = device.platform != "tpu"
-    kind = None if interpret else device.device_kind
+    interpret, kind = _kernel_device()
     if mesh is None or mesh.devices.size == 1:
         return _splash_local(q, k, v, scale, causal, key_mask, interpret, kind)
     data = "data" if "data" in mesh.shape and q.shape[0] % mesh.shape["data"] == 0 else None
@@ -282,17 +296,15 @@ def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, device_ki
     b, h, lq, _ = qh.shape
     lk = kh.shape[2]
     blocks = splash_blocks(None if interpret else device_kind, lq, lk)  # interpret mode: the smallest
-    pq, pk = -lq % blocks[0], -lk % blocks[1]
-    segmented = key_mask is not None or pk > 0
-    keys = jnp.ones((b, lk), bool) if key_mask is None else key_mask
-    kv_segments = jnp.pad(keys, ((0, 0), (0, pk))).astype(jnp.int32)
-    q_segments = jnp.ones((b, lq + pq), jnp.int32)
+    pq, pk, q_segments, kv_segments = _splash_padding(b, lq, lk, key_mask, blocks)
     kernel = _splash_kernel(h, lq + pq, lk + pk, causal, interpret, blocks)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, pq), (0, 0)))
     kh, vh = (jnp.pad(x, ((0, 0), (0, 0), (0, pk), (0, 0))) for x in (kh, vh))
+    if kv_segments is None:  # the kernel then skips the segment comparison
+        return jax.vmap(lambda qr, kr, vr: kernel(qr, kr, vr))(qh, kh, vh)[:, :, :lq]
 
     def one_row(qr, kr, vr, qs, ks):
-        return kernel(qr, kr, vr, segment_ids=splash.SegmentIds(q=qs, kv=ks) if segmented else None)
+        return kernel(qr, kr, vr, segment_ids=splash.SegmentIds(q=qs, kv=ks))
 
     return jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :lq]
 
@@ -301,10 +313,7 @@ def attention_heads(qh, kh, vh):
     """Unmasked attention on head-major q, k, v [B, H, L, D] whose q is already scaled by 1/sqrt(D), on one device
     (`model.heads_kernel` prepares them): the splash kernel, compiled on TPUs and interpreted elsewhere.
     Returns [B, Lq, H, D] in q's dtype."""
-    mesh = _MESH.get()
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    interpret = device.platform != "tpu"
-    out = _splash_heads(qh, kh, vh, False, None, interpret, None if interpret else device.device_kind)
+    out = _splash_heads(qh, kh, vh, False, None, *_kernel_device())
     return out.transpose(0, 2, 1, 3).astype(qh.dtype)
 
 
@@ -322,30 +331,30 @@ def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, devic
     b, lq, h, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
-    blocks = splash_blocks(None if interpret else device_kind, lq, lk)  # interpret mode: the smallest
-    pq, pk = -lq % blocks[0], -lk % blocks[1]
-    segmented = key_mask is not None or pk > 0
-    keys = jnp.ones((b, lk), bool) if key_mask is None else key_mask
-    kv_segments = jnp.pad(keys, ((0, 0), (0, pk))).astype(jnp.int32)
-    q_segments = jnp.ones((b, lq + pq), jnp.int32)
-    # causal over the padded lengths is the same triangle (pad queries come after every real key)
     q = q * jnp.asarray(scale, q.dtype)  # the kernel does not scale
-    pad_q = ((0, 0), (0, 0), (0, pq), (0, 0))
-    pad_k = ((0, 0), (0, 0), (0, pk), (0, 0))
     if g == 1:  # [B, H, L, D] into one multi-head kernel per batch row
         out = _splash_heads(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal,
                             key_mask, interpret, device_kind)
         return out.transpose(0, 2, 1, 3)
+    blocks = splash_blocks(None if interpret else device_kind, lq, lk)  # interpret mode: the smallest
+    # causal over the padded lengths is the same triangle (pad queries come after every real key)
+    pq, pk, q_segments, kv_segments = _splash_padding(b, lq, lk, key_mask, blocks)
+    pad_q = ((0, 0), (0, 0), (0, pq), (0, 0))
+    pad_k = ((0, 0), (0, 0), (0, pk), (0, 0))
     kernel = _splash_kernel(g, lq + pq, lk + pk, causal, interpret, blocks, multi_query=True)
     # [B, Hkv, G, Lq, D] queries, [B, Hkv, Lk, D] keys and values
     qh = jnp.pad(q.reshape(b, lq, hkv, g, d).transpose(0, 2, 3, 1, 4), ((0, 0),) + pad_q)
     kh, vh = (jnp.pad(x.transpose(0, 2, 1, 3), pad_k) for x in (k, v))
 
     def one_row(qr, kr, vr, qs, ks):  # qr [Hkv, G, Lq, D]; kr, vr [Hkv, Lk, D]
-        segments = splash.SegmentIds(q=qs, kv=ks) if segmented else None
+        segments = None if ks is None else splash.SegmentIds(q=qs, kv=ks)
         return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=segments))(qr, kr, vr)
 
-    out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :, :lq]  # [B, Hkv, G, Lq, D]
+    if kv_segments is None:
+        out = jax.vmap(lambda qr, kr, vr: one_row(qr, kr, vr, None, None))(qh, kh, vh)
+    else:
+        out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)
+    out = out[:, :, :, :lq]  # [B, Hkv, G, Lq, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
 

@@ -12,11 +12,12 @@ model's dtype, times the weight; RoPE in float32, rounded; times the scale in th
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 
 import jax
 import jax.numpy as jnp
+
+from .scopes import scoped
 
 # Where the kernel runs, set by the engine around each program it traces (lab switch `heads_kernel`): "tpu" (the
 # default: on TPU programs of one device with splash attention), "off" (the XLA path everywhere) or "interpret"
@@ -28,16 +29,11 @@ _MODE: contextvars.ContextVar = contextvars.ContextVar("heads_kernel", default="
 TOKEN_BLOCKS = (1536, 1024, 512, 256, 128, 64, 32, 16)
 
 
-@contextlib.contextmanager
 def heads_kernel_scope(mode: str):
     """Trace `head_major` with the kernel `mode` (one of HEADS_KERNEL_MODES)."""
     if mode not in HEADS_KERNEL_MODES:
         raise ValueError(f"unknown heads kernel mode {mode!r}; choose one of {HEADS_KERNEL_MODES}")
-    token = _MODE.set(mode)
-    try:
-        yield
-    finally:
-        _MODE.reset(token)
+    return scoped(_MODE, mode)
 
 
 def kernel_mode() -> str:

@@ -8,7 +8,6 @@ sigma (= t / 1000) [B], and RoPE cos/sin tables [T + N, head_dim] for the [text 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
 
@@ -21,6 +20,7 @@ from . import heads_kernel
 from .attention import attention, attention_heads, traced_devices, traced_platform
 from .config import TransformerConfig
 from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype
+from .scopes import scoped
 from .shard_layout import join_parts, split_parts
 
 # ----------------------------------------------------------------------------------------------- positions / RoPE
@@ -72,16 +72,11 @@ TPU_ROPE_FORMS = ("matmul", "roll", "pairs")
 _TPU_ROPE: contextvars.ContextVar = contextvars.ContextVar("tpu_rope", default="matmul")
 
 
-@contextlib.contextmanager
 def tpu_rope_scope(form: str):
     """Trace RoPE for TPUs in `form` (one of TPU_ROPE_FORMS)."""
     if form not in TPU_ROPE_FORMS:
         raise ValueError(f"unknown TPU RoPE form {form!r}; choose one of {TPU_ROPE_FORMS}")
-    token = _TPU_ROPE.set(form)
-    try:
-        yield
-    finally:
-        _TPU_ROPE.reset(token)
+    return scoped(_TPU_ROPE, form)
 
 
 def apply_interleaved_rope(x, cos, sin):
