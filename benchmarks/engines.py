@@ -159,6 +159,7 @@ ABLATIONS = {
     "concurrent_images": ("a batch's images one after the other (lax.map)", dict(concurrent_images=1)),
     "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
     "fused_upsample": ("VAE upsamples, then a 3x3 conv at the high resolution", dict(fused_upsample=False)),
+    "tpu_upsample": ("VAE upsample as a plain upsampled copy and 3x3 conv on TPUs", dict(tpu_upsample="plain")),
     "tpu_rope": ("RoPE by splitting pairs on TPUs (CPU always does)", dict(tpu_rope="pairs")),
     "heads_kernel": ("q/k norm, RoPE and head layout by XLA on TPUs (CPU always is)", dict(heads_kernel="off")),
 }

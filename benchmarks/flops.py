@@ -56,7 +56,8 @@ def _resnet(h: int, w: int, cin: int, cout: int) -> float:
 
 def vae_decoder_flops(cfg: VAEConfig, grid_h: int, grid_w: int, fused_upsample: bool = False) -> float:
     """Decode one image whose packed latent grid is grid_h x grid_w (the transformer's token grid).
-    `fused_upsample`: each upsampling conv runs as a 2x2 conv with 4x the output channels at the low resolution."""
+    `fused_upsample`: each upsampling conv does the 2x2 taps that reach a pixel's nearest copies (4/9 of the 3x3 conv
+    over the upsampled copy; model.vae.UPSAMPLE_FORMS "phases" and "dilated")."""
     h, w = grid_h * cfg.patch_size[0], grid_w * cfg.patch_size[1]
     chans = list(cfg.block_out_channels)
     c = chans[-1]

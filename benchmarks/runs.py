@@ -390,7 +390,7 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
         run += 1
 
     # -- FLOPs, MFU, memory
-    from model.engine import fused_upsample_pays
+    from model.engine import upsample_form
 
     config = gen.config
     te_cfg = config.text_encoder
@@ -399,7 +399,7 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
         "optimised": F.image_flops(config, wl.height, wl.width, wl.steps,
                                    encoder_layers=F.encoder_layers_run(te_cfg),
                                    image_only_last_block=gen.lab.image_only_last_block,
-                                   fused_upsample=gen.lab.fused_upsample and fused_upsample_pays(gen.mesh), **common),
+                                   fused_upsample=upsample_form(gen.lab, gen.mesh) != "plain", **common),
         "reference": F.image_flops(config, wl.height, wl.width, wl.steps,
                                    encoder_layers=te_cfg.num_hidden_layers, **common),
         "diffusers": F.image_flops(config, wl.height, wl.width, wl.steps,

@@ -51,16 +51,13 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Where the VAE's fused upsample (a 2x2 conv at the low resolution with the four output phases as channels) is not
-# used: on one TPU v5e chip, klein-4B's 1024x1024 decode measured 114.6 ms fused and 89.6 ms with the plain nearest
-# x2 + 3x3 conv (2026-12-06, benchmarks.tpu_profile): the phase interleave costs more layout copies there than the
-# 5/9 of the FLOPs it saves. On CPU the fused form is the faster one (fewer FLOPs on a compute-bound core).
-PLAIN_UPSAMPLE_PLATFORMS = frozenset({"tpu"})
-
-
-def fused_upsample_pays(mesh: Mesh) -> bool:
-    """Whether the fused upsample is the faster form on the mesh's devices."""
-    return mesh.devices.flat[0].platform not in PLAIN_UPSAMPLE_PLATFORMS
+def upsample_form(lab: LabSwitches, mesh: Mesh) -> str:
+    """The VAE upsampling convs' form (model.vae.UPSAMPLE_FORMS) on the mesh's devices: "plain" when the lab turns
+    the fused forms off; on TPUs the lab's `tpu_upsample`; elsewhere "phases", the fastest on CPU (klein's 128-channel
+    upsample at 128x128 on 2 cores: 100 ms, against 180 plain and 231 dilated)."""
+    if not lab.fused_upsample:
+        return "plain"
+    return lab.tpu_upsample if mesh.devices.flat[0].platform == "tpu" else "phases"
 
 
 class DecodedBatch(NamedTuple):
@@ -166,8 +163,8 @@ class CompiledPrograms:
         @on_mesh
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
-            fused = lab.fused_upsample and fused_upsample_pays(mesh)
-            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, fused).astype(jnp.float32), tokens)
+            form = upsample_form(lab, mesh)
+            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, form).astype(jnp.float32), tokens)
             # The share of values that are not finite, per image, in what the denoising loop handed over and in the
             # decoded pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
             latents_bad = jnp.mean(~jnp.isfinite(tokens.astype(jnp.float32)), axis=(1, 2))

@@ -73,29 +73,47 @@ class MidBlock(nnx.Module):
 # Nearest x2 then a 3x3 conv, seen from the low resolution: output row 2i+a reads input rows (i-1, i) with kernel rows
 # (0 | 1+2) when a = 0, and (i, i+1) with (0+1 | 2) when a = 1; columns likewise. _PHASE_TAPS[a, tap, kernel row].
 _PHASE_TAPS = np.array([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], np.float32)
+# The same map as a transposed convolution: the input dilated by 2 (zeros between pixels) under a 4x4 kernel whose
+# rows are kernel rows (0, 0+1, 1+2, 2) (a zero-dilated row meets exactly the kernel rows its nearest copies met).
+_DILATED_TAPS = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1], [0, 0, 1]], np.float32)
+# How `Upsample` computes: "plain" materialises the upsampled copy and convolves it (diffusers' order); "phases" and
+# "dilated" never make that copy and do 4/9 of its multiply-adds, with the kernel's taps summed in float32 first.
+UPSAMPLE_FORMS = ("plain", "phases", "dilated")
 
 
 class Upsample(nnx.Module):
-    """Nearest-neighbour x2 then a 3x3 conv. `fused`: the same map as one 2x2 conv at the low resolution with the
-    four output phases as channels (16 instead of 36 multiply-adds per input pixel and channel pair, and no
-    upsampled copy), then interleaved; otherwise upsample (broadcast + reshape) and convolve."""
+    """Nearest-neighbour x2 then a 3x3 conv, in one of UPSAMPLE_FORMS:
+    - "plain": upsample (broadcast + reshape), then the 3x3 conv at the high resolution;
+    - "phases": one 2x2 conv at the low resolution with the four output phases as channels, then interleaved (the
+      fastest on CPU);
+    - "dilated": one transposed conv, a 4x4 kernel over the zero-dilated input, which XLA's TPU convolution runs
+      without touching the zeros and writes straight into the next conv's layout (no interleave)."""
 
     def __init__(self, ch: int, *, dtype, rngs: nnx.Rngs):
         self.conv = Conv2d(ch, ch, 3, padding=1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, fused: bool = True):
+    def __call__(self, x, form: str = "phases"):
+        if form not in UPSAMPLE_FORMS:
+            raise ValueError(f"unknown upsample form {form!r}; choose one of {UPSAMPLE_FORMS}")
         b, h, w, c = x.shape
-        if not fused:
+        if form == "plain":
             x = jnp.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
             return self.conv(x)
         weight = self.conv.weight[...]
         co = weight.shape[-1]
+        precision = precision_for(weight.dtype)
+        numbers = ("NHWC", "HWIO", "NHWC")
+        if form == "dilated":
+            kernel = jnp.einsum("rm,sn,mnio->rsio", _DILATED_TAPS, _DILATED_TAPS, weight.astype(jnp.float32),
+                                precision=jax.lax.Precision.HIGHEST).astype(weight.dtype)
+            y = jax.lax.conv_general_dilated(x.astype(weight.dtype), kernel, (1, 1), ((2, 2), (2, 2)),
+                                             lhs_dilation=(2, 2), dimension_numbers=numbers, precision=precision)
+            return y + self.conv.bias[...]
         # kernel[r, s, i, (a, b, o)]: phase (a, b)'s 2x2 kernel, its taps summed in float32
         kernel = jnp.einsum("arm,bsn,mnio->rsiabo", _PHASE_TAPS, _PHASE_TAPS, weight.astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST).reshape(2, 2, c, 4 * co).astype(weight.dtype)
         xp = jnp.pad(x.astype(weight.dtype), ((0, 0), (1, 1), (1, 1), (0, 0)))
-        y = jax.lax.conv_general_dilated(xp, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                         precision=precision_for(weight.dtype))
+        y = jax.lax.conv_general_dilated(xp, kernel, (1, 1), "VALID", dimension_numbers=numbers, precision=precision)
         y = y.reshape(b, h + 1, w + 1, 2, 2, co)  # phase (a, b) of output pixel (i, j) sits at y[i + a, j + b, a, b]
         rows = [jnp.stack([y[:, a:a + h, bb:bb + w, a, bb] for bb in range(2)], axis=3) for a in range(2)]
         return jnp.stack(rows, axis=2).reshape(b, 2 * h, 2 * w, co) + self.conv.bias[...]
@@ -108,11 +126,11 @@ class UpBlock(nnx.Module):
                                  for i in range(num_resnets)])
         self.upsamplers = nnx.List([Upsample(out_ch, dtype=dtype, rngs=rngs)]) if add_upsample else None
 
-    def __call__(self, x, fused_upsample: bool = True):
+    def __call__(self, x, upsample: str = "phases"):
         for resnet in self.resnets:
             x = resnet(x)
         if self.upsamplers is not None:
-            x = self.upsamplers[0](x, fused_upsample)
+            x = self.upsamplers[0](x, upsample)
         return x
 
 
@@ -133,10 +151,10 @@ class Decoder(nnx.Module):
         self.conv_norm_out = GroupNorm(groups, chans[0], eps=RESNET_EPS, dtype=dtype)
         self.conv_out = Conv2d(chans[0], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, z, fused_upsample: bool = True):
+    def __call__(self, z, upsample: str = "phases"):
         x = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
-            x = block(x, fused_upsample)
+            x = block(x, upsample)
         return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
 
 
@@ -216,14 +234,14 @@ class Flux2VAEDecoder(nnx.Module):
         self.decoder = Decoder(cfg, dtype=dtype, rngs=rngs)
         self.bn = BatchNormStats(cfg.patched_channels)
 
-    def decode(self, z, fused_upsample: bool = True):
+    def decode(self, z, upsample: str = "phases"):
         """z: NHWC latents [B, h, w, latent_channels] -> NHWC image [B, H, W, out_channels] in about [-1, 1].
-        `fused_upsample`: see `Upsample`."""
+        `upsample`: the form of the upsampling convs, one of UPSAMPLE_FORMS (see `Upsample`)."""
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
-        return self.decoder(z, fused_upsample)
+        return self.decoder(z, upsample)
 
-    def decode_latents(self, tokens, grid_h: int, grid_w: int, fused_upsample: bool = True):
+    def decode_latents(self, tokens, grid_h: int, grid_w: int, upsample: str = "phases"):
         """Packed tokens [B, grid_h*grid_w, C*p*p] -> image [B, H, W, out]: BN de-norm, unpatchify, decode."""
         cfg = self.config
         ph, pw = cfg.patch_size
@@ -234,7 +252,7 @@ class Flux2VAEDecoder(nnx.Module):
         # patched channel index = c * (ph * pw) + dy * pw + dx
         x = x.reshape(b, grid_h, grid_w, cfg.latent_channels, ph, pw)
         x = x.transpose(0, 1, 4, 2, 5, 3).reshape(b, grid_h * ph, grid_w * pw, cfg.latent_channels)
-        return self.decode(x, fused_upsample)
+        return self.decode(x, upsample)
 
 
 def patchify_tokens(z):

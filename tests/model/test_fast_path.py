@@ -102,6 +102,7 @@ SWITCHES = {
     "concurrent_images": dict(concurrent_images=1),  # a batch's images one after the other (lax.map)
     "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
     "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
+    "tpu_upsample": dict(tpu_upsample="plain"),  # a TPU form: CPU runs "phases" whatever it says
     "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
     "heads_kernel": dict(heads_kernel="off"),  # a TPU kernel: tests/model/test_heads_kernel.py runs it interpreted
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
@@ -131,8 +132,11 @@ def test_every_switch_is_covered():
 
 # The slowest switches, each covered elsewhere, run with -m slow (CI time): context_parallel by the four-device test,
 # compilation_cache_dir by tests/pipeline/test_compile_cache.py; per_image, concurrent_images and cpu_compiler_options
-# are lab forms of the same programs that no default path takes.
-SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options"}
+# are lab forms of the same programs that no default path takes. The TPU forms change nothing on CPU (the same
+# programs as the default): their math is checked by tests/model/test_model_parity.py (RoPE forms, upsample forms) and
+# test_heads_kernel.py (interpreted), their use on TPUs by tests/pipeline/test_preflight.py and tests/tpu.
+SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options",
+                 "tpu_rope", "heads_kernel", "tpu_upsample"}
 
 
 @pytest.mark.parametrize("switch", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SWITCHES else s

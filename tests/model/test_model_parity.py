@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import model
+from model.vae import UPSAMPLE_FORMS
 from tiny_klein import TinySpec, build_tiny_checkpoint
 
 MAX_LEN = 32
@@ -187,9 +188,9 @@ def test_vae_decode_matches_diffusers(which, tiny_ckpt, odd_ckpt):
     with torch.no_grad():
         expected = ref.decode(torch.from_numpy(z), return_dict=False)[0]
     _, _, vae = gen.programs.modules()
-    for fused in (True, False):  # upsample + 3x3 conv as one low-resolution 2x2 conv, or as diffusers does it
-        ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1), fused_upsample=fused)).transpose(0, 3, 1, 2)
-        np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4, err_msg=f"fused_upsample={fused}")
+    for form in UPSAMPLE_FORMS:  # as diffusers does it, as a low-resolution 2x2 conv, as a transposed conv
+        ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1), upsample=form)).transpose(0, 3, 1, 2)
+        np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4, err_msg=f"upsample={form}")
 
 
 def test_latent_denorm_and_unpatchify_match_pipeline(gen32, reference_pipe):

@@ -264,6 +264,39 @@ def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):
         assert count_kernel_calls(low.as_text(), "lowered") == count_kernel_calls(low.compile().as_text()) > 0
 
 
+def test_tpu_decode_upsamples_by_a_dilated_conv(libtpu, tiny_ckpt):
+    """On TPUs the decode program's upsampling convs are transposed (lhs-dilated) convs, the lab's `tpu_upsample`
+    default, and no others are; its "plain" form has none. The forms' pixels: tests/model/test_model_parity.py."""
+    import re
+
+    from model.api import load_topology
+    from model.plan import Bucket
+    from model.vae import UPSAMPLE_FORMS
+
+    from model.factory import Networks, build_programs
+    from model.lab import LabSwitches
+    from model.mesh import make_mesh
+    from model.aot import topology_options
+    from pipeline.preflight import resolve_model
+
+    config = resolve_model(tiny_ckpt)
+    modules = Networks(config, "bfloat16").run_modules()
+    mesh = make_mesh(topology_options(1), devices=list(load_topology("v5e:1x1").devices))
+    tr = config.transformer
+    upsamplers = len(config.vae.block_out_channels) - 1
+
+    def dilated_convs(lab) -> int:
+        programs = build_programs(modules, dtype="bfloat16", mesh=mesh, options=topology_options(1), text_len=32,
+                                  lab=lab, abstract=True)
+        lowered = programs.lower(Bucket(1, 16, 16, 4, False), tr.in_channels, tr.joint_attention_dim,
+                                 tr.attention_head_dim, fused=True)
+        return len(re.findall(r"lhs_dilate = \[2, 2\]", lowered[2].as_text()))
+
+    assert LabSwitches().tpu_upsample == "dilated" and set(UPSAMPLE_FORMS) >= {"plain", "dilated"}
+    assert dilated_convs(LabSwitches()) == upsamplers
+    assert dilated_convs(LabSwitches(tpu_upsample="plain")) == 0
+
+
 def _replicated_bytes(state) -> int:
     """Bytes of the parameters a sharded state leaves whole on every device."""
     import jax
