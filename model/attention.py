@@ -35,9 +35,11 @@ MASKED_KEY_BLOCK = 128
 SPLASH_BLOCK = 128  # the splash kernel's smallest block; sequences are padded to a multiple of the chosen block
 
 # Splash block triples (block_q, block_kv, block_kv_compute) measured on one TPU v5e chip (2026-12-06,
-# `python -m benchmarks.splash_sweep`, klein-4B's attention at 1024x1024: 24 heads x 4608 tokens x 128, bf16), with
+# `python -m benchmarks.splash_sweep`, klein-4B's attention at 1024x1024: 24 heads x 4608 tokens x MEASURED_HEAD_DIM,
+# bf16), with
 # the rate each reached in TFLOP/s of the unpadded work. Triples past 1536 do not compile on v5e (scoped VMEM).
 # `splash_blocks` picks the triple with the least padded work per unit of rate for a given pair of lengths.
+MEASURED_HEAD_DIM = 128
 SPLASH_MEASURED = {
     "TPU v5 lite": {(1536, 1536, 512): 109.8, (1152, 2304, 384): 109.3, (768, 1536, 768): 106.5,
                     (1024, 1024, 512): 104.5, (512, 512, 512): 92.0, (1152, 1152, 384): 91.8},
@@ -47,12 +49,14 @@ SPLASH_MEASURED = {
 SPLASH_MAX_BLOCK = {"TPU v5": 512, "TPU v6 lite": 1024, "TPU7x": 1024}
 
 
-def splash_blocks(device_kind: str | None, lq: int, lk: int) -> tuple[int, int, int]:
+def splash_blocks(device_kind: str | None, lq: int, lk: int,
+                  head_dim: int = MEASURED_HEAD_DIM) -> tuple[int, int, int]:
     """(block_q, block_kv, block_kv_compute) for queries and keys of lengths lq, lk on `device_kind` (the lengths are
-    padded up to the blocks by the caller). Measured generations: the triple with the least padded work per unit of
-    measured rate (ties: the larger block). Others: the largest power-of-two multiple of SPLASH_BLOCK up to the
-    generation's maximum that divides both lengths after padding them to SPLASH_BLOCK (SPLASH_BLOCK off TPU)."""
-    measured = SPLASH_MEASURED.get(device_kind or "")
+    padded up to the blocks by the caller). Measured generations and head width: the triple with the least padded
+    work per unit of measured rate (ties: the larger block). Others (wider heads take more VMEM per block, e.g. the
+    VAE's 512): the largest power-of-two multiple of SPLASH_BLOCK up to the generation's maximum that divides both
+    lengths after padding them to SPLASH_BLOCK (SPLASH_BLOCK off TPU)."""
+    measured = SPLASH_MEASURED.get(device_kind or "") if head_dim == MEASURED_HEAD_DIM else None
     if measured:
         def cost(item):
             (bq, bkv, _), rate = item
@@ -293,9 +297,9 @@ def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, device_ki
     [B, H, Lq, D] out. Padding and segment ids as `_splash_local` describes."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    b, h, lq, _ = qh.shape
+    b, h, lq, d = qh.shape
     lk = kh.shape[2]
-    blocks = splash_blocks(None if interpret else device_kind, lq, lk)  # interpret mode: the smallest
+    blocks = splash_blocks(None if interpret else device_kind, lq, lk, d)  # interpret mode: the smallest
     pq, pk, q_segments, kv_segments = _splash_padding(b, lq, lk, key_mask, blocks)
     kernel = _splash_kernel(h, lq + pq, lk + pk, causal, interpret, blocks)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, pq), (0, 0)))
@@ -336,7 +340,7 @@ def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, devic
         out = _splash_heads(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal,
                             key_mask, interpret, device_kind)
         return out.transpose(0, 2, 1, 3)
-    blocks = splash_blocks(None if interpret else device_kind, lq, lk)  # interpret mode: the smallest
+    blocks = splash_blocks(None if interpret else device_kind, lq, lk, d)  # interpret mode: the smallest
     # causal over the padded lengths is the same triangle (pad queries come after every real key)
     pq, pk, q_segments, kv_segments = _splash_padding(b, lq, lk, key_mask, blocks)
     pad_q = ((0, 0), (0, 0), (0, pq), (0, 0))

@@ -35,6 +35,7 @@ from .plan import Bucket
 from .scheduler import euler_step, guidance_mix, model_timestep
 from .heads_kernel import heads_kernel_scope
 from .transformer import tpu_rope_scope
+from .vae import DecodeForms
 from .weights import release_host_memory
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,18 @@ def upsample_form(lab: LabSwitches, mesh: Mesh) -> str:
     if not lab.fused_upsample:
         return "plain"
     return lab.tpu_upsample if mesh.devices.flat[0].platform == "tpu" else "phases"
+
+
+def decode_forms(lab: LabSwitches, mesh: Mesh, dtype, attention_width: int) -> DecodeForms:
+    """How the decode program computes on `mesh` in `dtype` (model.vae.DecodeForms). The mid-block attention (one
+    head `attention_width` wide) runs the splash kernel (lab `vae_splash`) on one-device TPU programs of a
+    low-precision model whose head is whole 128-lane tiles: float32 on TPU means float32 (the kernel's dots would not
+    be), and a sharded program's VAE runs on every device, outside the kernel's partitioning; "interpret" runs it
+    everywhere (tests)."""
+    mode = lab.vae_splash
+    splash = mode == "interpret" or (mode == "tpu" and mesh.devices.size == 1 and jnp.dtype(dtype) != jnp.float32
+                                     and attention_width % 128 == 0 and mesh.devices.flat[0].platform == "tpu")
+    return DecodeForms(upsample_form(lab, mesh), "splash" if splash else "xla")
 
 
 class DecodedBatch(NamedTuple):
@@ -93,6 +106,7 @@ class CompiledPrograms:
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
+        vae_attention_width = vae.config.block_out_channels[-1]  # the mid-block attention's one head
         # Parameters are placed on the devices once, split over the model axis as they declare (model.sharding);
         # every program takes them as arguments.
         self.te_state, self.tr_state, self.vae_state = (self._place(state, abstract)
@@ -163,8 +177,8 @@ class CompiledPrograms:
         @on_mesh
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
-            form = upsample_form(lab, mesh)
-            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, form).astype(jnp.float32), tokens)
+            forms = decode_forms(lab, mesh, dtype, vae_attention_width)
+            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, forms).astype(jnp.float32), tokens)
             # The share of values that are not finite, per image, in what the denoising loop handed over and in the
             # decoded pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
             latents_bad = jnp.mean(~jnp.isfinite(tokens.astype(jnp.float32)), axis=(1, 2))

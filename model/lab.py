@@ -23,6 +23,7 @@ class LabSwitches:
     image_only_last_block: bool = True  # last transformer block: outputs for image tokens only (text ones unused)
     fused_upsample: bool = True        # VAE: upsample x2 + 3x3 conv without the upsampled copy (4/9 FLOPs)
     tpu_upsample: str = "dilated"      # its form on TPUs: dilated | phases | plain (model.vae.UPSAMPLE_FORMS)
+    vae_splash: str = "tpu"            # VAE mid-block attention by the splash kernel: tpu | off | interpret
     tpu_rope: str = "matmul"           # RoPE's form on TPUs: matmul | roll | pairs (model.transformer._rope_partner)
     heads_kernel: str = "tpu"          # q/k norm, RoPE, head-major layout in one kernel: tpu | off | interpret
 
@@ -43,8 +44,8 @@ def reference_mode(**engine_overrides) -> dict:
     engine.update(engine_overrides)
     lab = LabSwitches(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
                       dedupe_prompts=False, aot_compile=False, overlap_host=False, image_only_last_block=False,
-                      fused_upsample=False, tpu_upsample="plain", tpu_rope="pairs",
-                      heads_kernel="off")
+                      fused_upsample=False, tpu_upsample="plain", vae_splash="off",
+                      tpu_rope="pairs", heads_kernel="off")
     return {"options": EngineOptions(**engine), "lab": lab}
 
 

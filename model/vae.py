@@ -7,16 +7,22 @@ images (image-conditioned generation) go through `Flux2VAEEncoder`, loaded separ
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .attention import attention_heads
 from .config import VAEConfig
 from .layers import Conv2d, GroupNorm, Linear, precision_for
 from .sharding import param
 
 RESNET_EPS = 1e-6
+# How the mid-block attention runs: "xla" (einsums and a softmax over the whole [L, L] logits) or "splash" (the
+# splash kernel, compiled on one-device TPU programs, interpreted elsewhere: tests), see `SpatialAttention`.
+VAE_ATTENTION_FORMS = ("xla", "splash")
 
 
 class ResnetBlock(nnx.Module):
@@ -46,10 +52,18 @@ class SpatialAttention(nnx.Module):
         self.to_v = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)
         self.to_out = nnx.List([Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)])
 
-    def __call__(self, x):
+    def __call__(self, x, form: str = "xla"):
+        """`form`, one of VAE_ATTENTION_FORMS: "splash" never writes the [L, L] logits (at 1024x1024, 16384 tokens:
+        1 GiB of float32 logits per image on the "xla" form)."""
+        if form not in VAE_ATTENTION_FORMS:
+            raise ValueError(f"unknown VAE attention form {form!r}; choose one of {VAE_ATTENTION_FORMS}")
         b, h, w, c = x.shape
         t = self.group_norm(x).reshape(b, h * w, c)
         q, k, v = self.to_q(t), self.to_k(t), self.to_v(t)
+        if form == "splash":  # one head of width c: [B, 1, L, c], q scaled first as the kernel does not scale
+            qh = (q * jnp.asarray(1.0 / np.sqrt(c), q.dtype))[:, None]
+            out = attention_heads(qh, k[:, None], v[:, None]).reshape(b, h * w, c)
+            return x + self.to_out[0](out).reshape(b, h, w, c)
         precision = precision_for(q.dtype)
         logits = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32,
                             precision=precision) / jnp.sqrt(jnp.float32(c))
@@ -63,10 +77,10 @@ class MidBlock(nnx.Module):
         self.resnets = nnx.List([ResnetBlock(ch, ch, groups, dtype=dtype, rngs=rngs) for _ in range(2)])
         self.attentions = nnx.List([SpatialAttention(ch, groups, dtype=dtype, rngs=rngs)]) if add_attention else None
 
-    def __call__(self, x):
+    def __call__(self, x, attention: str = "xla"):
         x = self.resnets[0](x)
         if self.attentions is not None:
-            x = self.attentions[0](x)
+            x = self.attentions[0](x, attention)
         return self.resnets[1](x)
 
 
@@ -79,6 +93,14 @@ _DILATED_TAPS = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1], [0, 0, 1]], np.float3
 # How `Upsample` computes: "plain" materialises the upsampled copy and convolves it (diffusers' order); "phases" and
 # "dilated" never make that copy and do 4/9 of its multiply-adds, with the kernel's taps summed in float32 first.
 UPSAMPLE_FORMS = ("plain", "phases", "dilated")
+
+
+class DecodeForms(NamedTuple):
+    """How the decoder computes (the same map each way): the upsampling convs' form (UPSAMPLE_FORMS) and the
+    mid-block attention's (VAE_ATTENTION_FORMS). The engine picks them per platform (model.engine.decode_forms)."""
+
+    upsample: str = "phases"
+    attention: str = "xla"
 
 
 class Upsample(nnx.Module):
@@ -151,10 +173,10 @@ class Decoder(nnx.Module):
         self.conv_norm_out = GroupNorm(groups, chans[0], eps=RESNET_EPS, dtype=dtype)
         self.conv_out = Conv2d(chans[0], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, z, upsample: str = "phases"):
-        x = self.mid_block(self.conv_in(z))
+    def __call__(self, z, forms: DecodeForms = DecodeForms()):
+        x = self.mid_block(self.conv_in(z), forms.attention)
         for block in self.up_blocks:
-            x = block(x, upsample)
+            x = block(x, forms.upsample)
         return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
 
 
@@ -234,14 +256,14 @@ class Flux2VAEDecoder(nnx.Module):
         self.decoder = Decoder(cfg, dtype=dtype, rngs=rngs)
         self.bn = BatchNormStats(cfg.patched_channels)
 
-    def decode(self, z, upsample: str = "phases"):
+    def decode(self, z, forms: DecodeForms = DecodeForms()):
         """z: NHWC latents [B, h, w, latent_channels] -> NHWC image [B, H, W, out_channels] in about [-1, 1].
-        `upsample`: the form of the upsampling convs, one of UPSAMPLE_FORMS (see `Upsample`)."""
+        `forms`: how the upsampling convs and the attention compute (`DecodeForms`)."""
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
-        return self.decoder(z, upsample)
+        return self.decoder(z, forms)
 
-    def decode_latents(self, tokens, grid_h: int, grid_w: int, upsample: str = "phases"):
+    def decode_latents(self, tokens, grid_h: int, grid_w: int, forms: DecodeForms = DecodeForms()):
         """Packed tokens [B, grid_h*grid_w, C*p*p] -> image [B, H, W, out]: BN de-norm, unpatchify, decode."""
         cfg = self.config
         ph, pw = cfg.patch_size
@@ -252,7 +274,7 @@ class Flux2VAEDecoder(nnx.Module):
         # patched channel index = c * (ph * pw) + dy * pw + dx
         x = x.reshape(b, grid_h, grid_w, cfg.latent_channels, ph, pw)
         x = x.transpose(0, 1, 4, 2, 5, 3).reshape(b, grid_h * ph, grid_w * pw, cfg.latent_channels)
-        return self.decode(x, upsample)
+        return self.decode(x, forms)
 
 
 def patchify_tokens(z):

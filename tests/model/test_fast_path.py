@@ -103,6 +103,7 @@ SWITCHES = {
     "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
     "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
     "tpu_upsample": dict(tpu_upsample="plain"),  # a TPU form: CPU runs "phases" whatever it says
+    "vae_splash": dict(vae_splash="off"),  # a TPU kernel: CPU runs XLA's attention whatever it says
     "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
     "heads_kernel": dict(heads_kernel="off"),  # a TPU kernel: tests/model/test_heads_kernel.py runs it interpreted
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
@@ -136,7 +137,7 @@ def test_every_switch_is_covered():
 # programs as the default): their math is checked by tests/model/test_model_parity.py (RoPE forms, upsample forms) and
 # test_heads_kernel.py (interpreted), their use on TPUs by tests/pipeline/test_preflight.py and tests/tpu.
 SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options",
-                 "tpu_rope", "heads_kernel", "tpu_upsample"}
+                 "tpu_rope", "heads_kernel", "tpu_upsample", "vae_splash"}
 
 
 @pytest.mark.parametrize("switch", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SWITCHES else s

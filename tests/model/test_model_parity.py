@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import model
-from model.vae import UPSAMPLE_FORMS
+from model.vae import UPSAMPLE_FORMS, DecodeForms
 from tiny_klein import TinySpec, build_tiny_checkpoint
 
 MAX_LEN = 32
@@ -188,9 +188,11 @@ def test_vae_decode_matches_diffusers(which, tiny_ckpt, odd_ckpt):
     with torch.no_grad():
         expected = ref.decode(torch.from_numpy(z), return_dict=False)[0]
     _, _, vae = gen.programs.modules()
-    for form in UPSAMPLE_FORMS:  # as diffusers does it, as a low-resolution 2x2 conv, as a transposed conv
-        ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1), upsample=form)).transpose(0, 3, 1, 2)
-        np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4, err_msg=f"upsample={form}")
+    # upsampling as diffusers does it, as a low-resolution 2x2 conv, as a transposed conv; the mid-block attention by
+    # XLA and by the splash kernel (Pallas interpret mode here)
+    for forms in [DecodeForms(upsample=form) for form in UPSAMPLE_FORMS] + [DecodeForms(attention="splash")]:
+        ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1), forms)).transpose(0, 3, 1, 2)
+        np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4, err_msg=str(forms))
 
 
 def test_latent_denorm_and_unpatchify_match_pipeline(gen32, reference_pipe):

@@ -264,9 +264,10 @@ def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):
         assert count_kernel_calls(low.as_text(), "lowered") == count_kernel_calls(low.compile().as_text()) > 0
 
 
-def test_tpu_decode_upsamples_by_a_dilated_conv(libtpu, tiny_ckpt):
+def test_tpu_decode_program_forms(libtpu, tiny_ckpt):
     """On TPUs the decode program's upsampling convs are transposed (lhs-dilated) convs, the lab's `tpu_upsample`
-    default, and no others are; its "plain" form has none. The forms' pixels: tests/model/test_model_parity.py."""
+    default, and no others are, and its mid-block attention is one splash kernel (lab `vae_splash`); the lab's "plain"
+    and "off" have neither. The forms' pixels: tests/model/test_model_parity.py."""
     import re
 
     from model.api import load_topology
@@ -277,6 +278,7 @@ def test_tpu_decode_upsamples_by_a_dilated_conv(libtpu, tiny_ckpt):
     from model.lab import LabSwitches
     from model.mesh import make_mesh
     from model.aot import topology_options
+    from model.hlo_stats import count_kernel_calls
     from pipeline.preflight import resolve_model
 
     config = resolve_model(tiny_ckpt)
@@ -285,16 +287,17 @@ def test_tpu_decode_upsamples_by_a_dilated_conv(libtpu, tiny_ckpt):
     tr = config.transformer
     upsamplers = len(config.vae.block_out_channels) - 1
 
-    def dilated_convs(lab) -> int:
+    def dilated_convs_and_kernels(lab) -> tuple[int, int]:
         programs = build_programs(modules, dtype="bfloat16", mesh=mesh, options=topology_options(1), text_len=32,
                                   lab=lab, abstract=True)
         lowered = programs.lower(Bucket(1, 16, 16, 4, False), tr.in_channels, tr.joint_attention_dim,
                                  tr.attention_head_dim, fused=True)
-        return len(re.findall(r"lhs_dilate = \[2, 2\]", lowered[2].as_text()))
+        text = lowered[2].as_text()
+        return len(re.findall(r"lhs_dilate = \[2, 2\]", text)), count_kernel_calls(text, "lowered")
 
     assert LabSwitches().tpu_upsample == "dilated" and set(UPSAMPLE_FORMS) >= {"plain", "dilated"}
-    assert dilated_convs(LabSwitches()) == upsamplers
-    assert dilated_convs(LabSwitches(tpu_upsample="plain")) == 0
+    assert dilated_convs_and_kernels(LabSwitches()) == (upsamplers, 1)
+    assert dilated_convs_and_kernels(LabSwitches(tpu_upsample="plain", vae_splash="off")) == (0, 0)
 
 
 def _replicated_bytes(state) -> int:
