@@ -265,39 +265,41 @@ def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):
 
 
 def test_tpu_decode_program_forms(libtpu, tiny_ckpt):
-    """On TPUs the decode program's upsampling convs are transposed (lhs-dilated) convs, the lab's `tpu_upsample`
-    default, and no others are, and its mid-block attention is one splash kernel (lab `vae_splash`); the lab's "plain"
-    and "off" have neither. The forms' pixels: tests/model/test_model_parity.py."""
+    """On TPUs klein's decode program upsamples by transposed (lhs-dilated) convs, the lab's `tpu_upsample` default,
+    and no other conv is dilated; its mid-block attention (one head 512 wide) is one splash kernel (lab `vae_splash`).
+    The lab's "plain" and "off" have neither, nor has a VAE whose attention is not whole 128-lane tiles (the tiny
+    checkpoint's). Lowered only (no compile). The forms' pixels:
+    tests/model/test_model_parity.py; the kernel against XLA on a chip: tests/tpu/test_splash_on_chip.py."""
     import re
 
+    from model.aot import topology_options
     from model.api import load_topology
-    from model.plan import Bucket
-    from model.vae import UPSAMPLE_FORMS
-
     from model.factory import Networks, build_programs
+    from model.hlo_stats import count_kernel_calls
     from model.lab import LabSwitches
     from model.mesh import make_mesh
-    from model.aot import topology_options
-    from model.hlo_stats import count_kernel_calls
+    from model.plan import Bucket
+    from model.vae import UPSAMPLE_FORMS
     from pipeline.preflight import resolve_model
 
-    config = resolve_model(tiny_ckpt)
-    modules = Networks(config, "bfloat16").run_modules()
     mesh = make_mesh(topology_options(1), devices=list(load_topology("v5e:1x1").devices))
-    tr = config.transformer
-    upsamplers = len(config.vae.block_out_channels) - 1
 
-    def dilated_convs_and_kernels(lab) -> tuple[int, int]:
+    def dilated_convs_and_kernels(lab, model="klein-4b") -> tuple[int, int]:
+        config = resolve_model(model)
+        modules = Networks(config, "bfloat16").run_modules()
         programs = build_programs(modules, dtype="bfloat16", mesh=mesh, options=topology_options(1), text_len=32,
                                   lab=lab, abstract=True)
-        lowered = programs.lower(Bucket(1, 16, 16, 4, False), tr.in_channels, tr.joint_attention_dim,
-                                 tr.attention_head_dim, fused=True)
-        text = lowered[2].as_text()
+        text = programs._decode.lower(*programs._decode_args(Bucket(1, 16, 16, 4, False),
+                                                             config.transformer.in_channels)).as_text()
         return len(re.findall(r"lhs_dilate = \[2, 2\]", text)), count_kernel_calls(text, "lowered")
 
     assert LabSwitches().tpu_upsample == "dilated" and set(UPSAMPLE_FORMS) >= {"plain", "dilated"}
+    upsamplers = len(resolve_model("klein-4b").vae.block_out_channels) - 1
     assert dilated_convs_and_kernels(LabSwitches()) == (upsamplers, 1)
     assert dilated_convs_and_kernels(LabSwitches(tpu_upsample="plain", vae_splash="off")) == (0, 0)
+    tiny = resolve_model(tiny_ckpt).vae
+    assert tiny.block_out_channels[-1] % 128 != 0
+    assert dilated_convs_and_kernels(LabSwitches(), tiny_ckpt) == (len(tiny.block_out_channels) - 1, 0)
 
 
 def _replicated_bytes(state) -> int:
