@@ -42,9 +42,11 @@ def _padded(n: int) -> int:
 
 
 def attention_flops_per_image(config, *, text_len: int, image_tokens: int, steps: int, cfg: bool,
-                              out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, image_only_last_block: bool = True) -> dict:
+                              out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, image_only_last_block: bool = True,
+                              vae_splash: bool = False) -> dict:
     """FLOPs of the attention kernels (q k^T and p v, 2 x 2 x Lq x Lk x width) per image and program, over the
-    lengths the splash kernel runs (padded to its block): what XLA's cost analysis leaves out."""
+    lengths the splash kernel runs (padded to its block): what XLA's cost analysis leaves out. `vae_splash`: the
+    decode's mid-block attention runs the kernel too (model.engine.decode_forms), one head over the latent pixels."""
     from .qwen3 import layers_to_run
 
     tr, te = config.transformer, config.text_encoder
@@ -58,7 +60,11 @@ def attention_flops_per_image(config, *, text_len: int, image_tokens: int, steps
     causal_share = (nb + 1) / (2 * nb)  # the kernel skips the blocks above the diagonal
     text_layers = layers_to_run(te, out_layers)[0]
     encode = 4 * length * length * te.num_attention_heads * te.head_dim * causal_share * text_layers
-    return {"encode": float(encode), "denoise": float(per_pass * steps * (2 if cfg else 1)), "decode": 0.0}
+    decode = 0.0
+    if vae_splash and config.vae.mid_block_add_attention:
+        pixels = _padded(image_tokens * config.vae.patch_size[0] * config.vae.patch_size[1])
+        decode = 4 * pixels * pixels * config.vae.block_out_channels[-1]
+    return {"encode": float(encode), "denoise": float(per_pass * steps * (2 if cfg else 1)), "decode": float(decode)}
 
 
 def kernel_split(config, shards: int) -> dict:

@@ -100,6 +100,10 @@ def test_attention_flops_of_klein_9b_at_1024():
                                       image_only_last_block=False)
     assert flops["denoise"] == 4 * 4608**2 * 4096 * 32 * 4
     assert flops["decode"] == 0.0
+    # the VAE's mid-block attention through the kernel: one 512-wide head over the 128x128 latent pixels
+    with_vae = attention_flops_per_image(preset_config("klein-9b"), text_len=512, image_tokens=4096, steps=4,
+                                         cfg=False, image_only_last_block=False, vae_splash=True)
+    assert with_vae["decode"] == 4 * 16384**2 * 512 and with_vae["denoise"] == flops["denoise"]
     causal = 4 * 512**2 * 32 * 128 * 27 * (5 / 8)  # 4 blocks of 128: 10 of 16 run
     assert flops["encode"] == pytest.approx(causal)
 
