@@ -11,7 +11,8 @@ from .options import EngineOptions
 
 @dataclasses.dataclass(frozen=True)
 class LabSwitches:
-    """Optimisations of the fast path (all on by default); `reference=True` selects the naive path."""
+    """Optimisations of the fast path (all on by default but `vae_splash`, measured slower); `reference=True`
+    selects the naive path."""
 
     reference: bool = False            # tokenizer made per call (and every switch below off, see reference_mode)
     fused_loop: bool = True            # all steps in one lax.scan program
@@ -23,7 +24,9 @@ class LabSwitches:
     image_only_last_block: bool = True  # last transformer block: outputs for image tokens only (text ones unused)
     fused_upsample: bool = True        # VAE: upsample x2 + 3x3 conv without the upsampled copy (4/9 FLOPs)
     tpu_upsample: str = "dilated"      # its form on TPUs: dilated | phases | plain (model.vae.UPSAMPLE_FORMS)
-    vae_splash: str = "tpu"            # VAE mid-block attention by the splash kernel: tpu | off | interpret
+    # VAE mid-block attention by the splash kernel: off | tpu | interpret. Off: on a v5e chip it made klein-4B's
+    # 1024x1024 decode slower, 71.8 -> 77.0 ms (512-blocks over one 512-wide head; blocks not swept)
+    vae_splash: str = "off"
     tpu_rope: str = "matmul"           # RoPE's form on TPUs: matmul | roll | pairs (model.transformer._rope_partner)
     heads_kernel: str = "tpu"          # q/k norm, RoPE, head-major layout in one kernel: tpu | off | interpret
 
