@@ -390,8 +390,6 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
         run += 1
 
     # -- FLOPs, MFU, memory
-    from model.engine import upsample_form
-
     config = gen.config
     te_cfg = config.text_encoder
     common = dict(text_len=args.max_sequence_length, cfg_guidance=use_cfg)
@@ -399,7 +397,7 @@ def bench_batch(args, path, wl: Workload, cache_dir: str, counter, peak, img_roo
         "optimised": F.image_flops(config, wl.height, wl.width, wl.steps,
                                    encoder_layers=F.encoder_layers_run(te_cfg),
                                    image_only_last_block=gen.lab.image_only_last_block,
-                                   fused_upsample=upsample_form(gen.lab, gen.mesh) != "plain", **common),
+                                   fused_upsample=gen.programs.decode_forms.upsample != "plain", **common),
         "reference": F.image_flops(config, wl.height, wl.width, wl.steps,
                                    encoder_layers=te_cfg.num_hidden_layers, **common),
         "diffusers": F.image_flops(config, wl.height, wl.width, wl.steps,

@@ -19,7 +19,6 @@ from .config import PipelineConfig
 from .factory import Networks, build_programs, check_text_width
 from .fit_report import Report, fit_advice, format_bytes
 from .hlo_stats import is_out_of_hbm, program_stats, program_text, refused_program_stats
-from .engine import decode_forms
 from .estimate import attention_flops_per_image, kernel_split
 from .mesh import check_model_shards, make_mesh, shard_counts
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, PROGRAMS, EngineOptions
@@ -130,10 +129,9 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
         replicas = devices // shards
         bucket = bucket_for(config, height=height, width=width, sampling=sampling, batch=batch_size,
                             data_replicas=replicas)
-        vae_splash = decode_forms(programs.lab, programs.mesh, programs.dtype,
-                                  config.vae.block_out_channels[-1]).attention == "splash"
         per_image = attention_flops_per_image(config, text_len=text_len, image_tokens=bucket.grid_h * bucket.grid_w,
-                                              steps=steps, cfg=cfg, out_layers=out_layers, vae_splash=vae_splash)
+                                              steps=steps, cfg=cfg, out_layers=out_layers,
+                                              vae_splash=programs.decode_forms.attention == "splash")
         split = kernel_split(config, shards)
         per_device = {k: v * (bucket.batch // replicas) / split[k] for k, v in per_image.items()}
         logger.info("compiling %s for %s: batch %d, %d model shard(s) x %d data replica(s)", model, topology.name,

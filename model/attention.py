@@ -304,11 +304,9 @@ def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, device_ki
     kernel = _splash_kernel(h, lq + pq, lk + pk, causal, interpret, blocks)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, pq), (0, 0)))
     kh, vh = (jnp.pad(x, ((0, 0), (0, 0), (0, pk), (0, 0))) for x in (kh, vh))
-    if kv_segments is None:  # the kernel then skips the segment comparison
-        return jax.vmap(lambda qr, kr, vr: kernel(qr, kr, vr))(qh, kh, vh)[:, :, :lq]
 
-    def one_row(qr, kr, vr, qs, ks):
-        return kernel(qr, kr, vr, segment_ids=splash.SegmentIds(q=qs, kv=ks))
+    def one_row(qr, kr, vr, qs, ks):  # no kv segments (None: vmap passes it through): no segment comparison
+        return kernel(qr, kr, vr, segment_ids=None if ks is None else splash.SegmentIds(q=qs, kv=ks))
 
     return jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :lq]
 
@@ -354,11 +352,7 @@ def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, devic
         segments = None if ks is None else splash.SegmentIds(q=qs, kv=ks)
         return jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv, segment_ids=segments))(qr, kr, vr)
 
-    if kv_segments is None:
-        out = jax.vmap(lambda qr, kr, vr: one_row(qr, kr, vr, None, None))(qh, kh, vh)
-    else:
-        out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)
-    out = out[:, :, :, :lq]  # [B, Hkv, G, Lq, D]
+    out = jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :, :lq]  # [B, Hkv, G, Lq, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
 

@@ -106,7 +106,8 @@ class CompiledPrograms:
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
-        vae_attention_width = vae.config.block_out_channels[-1]  # the mid-block attention's one head
+        # how the decode computes here (the mid-block attention is one head of the deepest width)
+        self.decode_forms = forms = decode_forms(lab, mesh, dtype, vae.config.block_out_channels[-1])
         # Parameters are placed on the devices once, split over the model axis as they declare (model.sharding);
         # every program takes them as arguments.
         self.te_state, self.tr_state, self.vae_state = (self._place(state, abstract)
@@ -177,7 +178,6 @@ class CompiledPrograms:
         @on_mesh
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
-            forms = decode_forms(lab, mesh, dtype, vae_attention_width)
             image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, forms).astype(jnp.float32), tokens)
             # The share of values that are not finite, per image, in what the denoising loop handed over and in the
             # decoded pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
