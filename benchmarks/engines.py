@@ -160,6 +160,7 @@ ABLATIONS = {
     "image_only_last_block": ("last block computes text tokens too", dict(image_only_last_block=False)),
     "fused_upsample": ("VAE upsamples, then a 3x3 conv at the high resolution", dict(fused_upsample=False)),
     "tpu_upsample": ("VAE upsample as a plain upsampled copy and 3x3 conv on TPUs", dict(tpu_upsample="plain")),
+    "vae_one_pass_norm": ("VAE GroupNorm statistics in two passes (centred first)", dict(vae_one_pass_norm=False)),
     "tpu_rope": ("RoPE by splitting pairs on TPUs (CPU always does)", dict(tpu_rope="pairs")),
     "heads_kernel": ("q/k norm, RoPE and head layout by XLA on TPUs (CPU always is)", dict(heads_kernel="off")),
 }

@@ -70,7 +70,7 @@ def decode_forms(lab: LabSwitches, mesh: Mesh, dtype, attention_width: int) -> D
     mode = lab.vae_splash
     splash = mode == "interpret" or (mode == "tpu" and mesh.devices.size == 1 and jnp.dtype(dtype) != jnp.float32
                                      and attention_width % 128 == 0 and mesh.devices.flat[0].platform == "tpu")
-    return DecodeForms(upsample_form(lab, mesh), "splash" if splash else "xla")
+    return DecodeForms(upsample_form(lab, mesh), "splash" if splash else "xla", lab.vae_one_pass_norm)
 
 
 class DecodedBatch(NamedTuple):

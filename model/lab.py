@@ -27,6 +27,7 @@ class LabSwitches:
     # VAE mid-block attention by the splash kernel: off | tpu | interpret. Off: on a v5e chip it made klein-4B's
     # 1024x1024 decode slower, 71.8 -> 77.0 ms (512-blocks over one 512-wide head; blocks not swept)
     vae_splash: str = "off"
+    vae_one_pass_norm: bool = True     # VAE GroupNorms: both sums in one pass (fused into the producing conv)
     tpu_rope: str = "matmul"           # RoPE's form on TPUs: matmul | roll | pairs (model.transformer._rope_partner)
     heads_kernel: str = "tpu"          # q/k norm, RoPE, head-major layout in one kernel: tpu | off | interpret
 
@@ -48,6 +49,7 @@ def reference_mode(**engine_overrides) -> dict:
     lab = LabSwitches(reference=True, fused_loop=False, truncated_encoder=False, device_uint8=False,
                       dedupe_prompts=False, aot_compile=False, overlap_host=False, image_only_last_block=False,
                       fused_upsample=False, tpu_upsample="plain", vae_splash="off",
+                      vae_one_pass_norm=False,
                       tpu_rope="pairs", heads_kernel="off")
     return {"options": EngineOptions(**engine), "lab": lab}
 

@@ -33,9 +33,9 @@ class ResnetBlock(nnx.Module):
         self.conv2 = Conv2d(out_ch, out_ch, 3, padding=1, dtype=dtype, rngs=rngs)
         self.conv_shortcut = Conv2d(in_ch, out_ch, 1, padding=0, dtype=dtype, rngs=rngs) if in_ch != out_ch else None
 
-    def __call__(self, x):
-        h = self.conv1(jax.nn.silu(self.norm1(x)))
-        h = self.conv2(jax.nn.silu(self.norm2(h)))
+    def __call__(self, x, one_pass_norm: bool = False):
+        h = self.conv1(jax.nn.silu(self.norm1(x, one_pass_norm)))
+        h = self.conv2(jax.nn.silu(self.norm2(h, one_pass_norm)))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
         return x + h
@@ -52,13 +52,13 @@ class SpatialAttention(nnx.Module):
         self.to_v = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)
         self.to_out = nnx.List([Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)])
 
-    def __call__(self, x, form: str = "xla"):
+    def __call__(self, x, form: str = "xla", one_pass_norm: bool = False):
         """`form`, one of VAE_ATTENTION_FORMS: "splash" never writes the [L, L] logits (at 1024x1024, 16384 tokens:
         1 GiB of float32 logits per image on the "xla" form)."""
         if form not in VAE_ATTENTION_FORMS:
             raise ValueError(f"unknown VAE attention form {form!r}; choose one of {VAE_ATTENTION_FORMS}")
         b, h, w, c = x.shape
-        t = self.group_norm(x).reshape(b, h * w, c)
+        t = self.group_norm(x, one_pass_norm).reshape(b, h * w, c)
         q, k, v = self.to_q(t), self.to_k(t), self.to_v(t)
         if form == "splash":  # one head of width c: [B, 1, L, c], q scaled first as the kernel does not scale
             qh = (q * jnp.asarray(1.0 / np.sqrt(c), q.dtype))[:, None]
@@ -77,11 +77,11 @@ class MidBlock(nnx.Module):
         self.resnets = nnx.List([ResnetBlock(ch, ch, groups, dtype=dtype, rngs=rngs) for _ in range(2)])
         self.attentions = nnx.List([SpatialAttention(ch, groups, dtype=dtype, rngs=rngs)]) if add_attention else None
 
-    def __call__(self, x, attention: str = "xla"):
-        x = self.resnets[0](x)
+    def __call__(self, x, attention: str = "xla", one_pass_norm: bool = False):
+        x = self.resnets[0](x, one_pass_norm)
         if self.attentions is not None:
-            x = self.attentions[0](x, attention)
-        return self.resnets[1](x)
+            x = self.attentions[0](x, attention, one_pass_norm)
+        return self.resnets[1](x, one_pass_norm)
 
 
 # Nearest x2 then a 3x3 conv, seen from the low resolution: output row 2i+a reads input rows (i-1, i) with kernel rows
@@ -96,11 +96,13 @@ UPSAMPLE_FORMS = ("plain", "phases", "dilated")
 
 
 class DecodeForms(NamedTuple):
-    """How the decoder computes (the same map each way): the upsampling convs' form (UPSAMPLE_FORMS) and the
-    mid-block attention's (VAE_ATTENTION_FORMS). The engine picks them per platform (model.engine.decode_forms)."""
+    """How the decoder computes (the same map each way): the upsampling convs' form (UPSAMPLE_FORMS), the
+    mid-block attention's (VAE_ATTENTION_FORMS) and whether the GroupNorms take their statistics in one pass
+    (`GroupNorm`). The engine picks them per platform (model.engine.decode_forms)."""
 
     upsample: str = "phases"
     attention: str = "xla"
+    one_pass_norm: bool = False
 
 
 class Upsample(nnx.Module):
@@ -148,9 +150,9 @@ class UpBlock(nnx.Module):
                                  for i in range(num_resnets)])
         self.upsamplers = nnx.List([Upsample(out_ch, dtype=dtype, rngs=rngs)]) if add_upsample else None
 
-    def __call__(self, x, upsample: str = "phases"):
+    def __call__(self, x, upsample: str = "phases", one_pass_norm: bool = False):
         for resnet in self.resnets:
-            x = resnet(x)
+            x = resnet(x, one_pass_norm)
         if self.upsamplers is not None:
             x = self.upsamplers[0](x, upsample)
         return x
@@ -174,10 +176,10 @@ class Decoder(nnx.Module):
         self.conv_out = Conv2d(chans[0], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
 
     def __call__(self, z, forms: DecodeForms = DecodeForms()):
-        x = self.mid_block(self.conv_in(z), forms.attention)
+        x = self.mid_block(self.conv_in(z), forms.attention, forms.one_pass_norm)
         for block in self.up_blocks:
-            x = block(x, forms.upsample)
-        return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
+            x = block(x, forms.upsample, forms.one_pass_norm)
+        return self.conv_out(jax.nn.silu(self.conv_norm_out(x, forms.one_pass_norm)))
 
 
 class Downsample(nnx.Module):

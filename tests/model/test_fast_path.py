@@ -104,6 +104,7 @@ SWITCHES = {
     "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
     "tpu_upsample": dict(tpu_upsample="plain"),  # a TPU form: CPU runs "phases" whatever it says
     "vae_splash": dict(vae_splash="tpu"),  # a TPU kernel, off by default: CPU runs XLA's attention whatever it says
+    "vae_one_pass_norm": dict(vae_one_pass_norm=False),  # the VAE's GroupNorms centre first (two passes)
     "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
     "heads_kernel": dict(heads_kernel="off"),  # a TPU kernel: tests/model/test_heads_kernel.py runs it interpreted
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
@@ -135,9 +136,11 @@ def test_every_switch_is_covered():
 # compilation_cache_dir by tests/pipeline/test_compile_cache.py; per_image, concurrent_images and cpu_compiler_options
 # are lab forms of the same programs that no default path takes. The TPU forms change nothing on CPU (the same
 # programs as the default): their math is checked by tests/model/test_model_parity.py (RoPE forms, upsample forms) and
-# test_heads_kernel.py (interpreted), their use on TPUs by tests/pipeline/test_preflight.py and tests/tpu.
+# test_heads_kernel.py (interpreted), their use on TPUs by tests/pipeline/test_preflight.py and tests/tpu. The VAE's
+# two-pass GroupNorm is the reference mode's (test_reference_mode_equals_default*), both forms checked against
+# diffusers by test_model_parity.py.
 SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options",
-                 "tpu_rope", "heads_kernel", "tpu_upsample", "vae_splash"}
+                 "tpu_rope", "heads_kernel", "tpu_upsample", "vae_splash", "vae_one_pass_norm"}
 
 
 @pytest.mark.parametrize("switch", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SWITCHES else s

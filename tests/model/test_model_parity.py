@@ -7,11 +7,12 @@ absolute difference of diffusers' float output (`output_type="np"`) against our 
 from __future__ import annotations
 
 import numpy as np
+import jax.numpy as jnp
 import pytest
 import torch
 
 import model
-from model.vae import UPSAMPLE_FORMS, DecodeForms
+from model.vae import UPSAMPLE_FORMS, VAE_ATTENTION_FORMS, DecodeForms
 from tiny_klein import TinySpec, build_tiny_checkpoint
 
 MAX_LEN = 32
@@ -189,8 +190,9 @@ def test_vae_decode_matches_diffusers(which, tiny_ckpt, odd_ckpt):
         expected = ref.decode(torch.from_numpy(z), return_dict=False)[0]
     _, _, vae = gen.programs.modules()
     # upsampling as diffusers does it, as a low-resolution 2x2 conv, as a transposed conv; the mid-block attention by
-    # XLA and by the splash kernel (Pallas interpret mode here)
-    for forms in [DecodeForms(upsample=form) for form in UPSAMPLE_FORMS] + [DecodeForms(attention="splash")]:
+    # XLA and by the splash kernel (Pallas interpret mode here); GroupNorm statistics in one pass
+    extra = [DecodeForms(attention=form) for form in VAE_ATTENTION_FORMS] + [DecodeForms(one_pass_norm=True)]
+    for forms in [DecodeForms(upsample=form) for form in UPSAMPLE_FORMS] + extra:
         ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1), forms)).transpose(0, 3, 1, 2)
         np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4, err_msg=str(forms))
 
@@ -499,3 +501,31 @@ def test_bf16_close_to_fp32(tiny_ckpt, gen32):
     # Random tiny weights make high-frequency images in which bf16 rounding shows more than in real ones. About 0.98
     # here; 0.79-0.81 while XLA left the bf16 timestep t * 1000 unrounded.
     assert min(scores) > 0.9
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_group_norm_is_as_accurate_as_torch_far_from_zero_mean(one_pass):
+    """GroupNorm's statistics, two-pass and one-pass (E[x^2] - E[x]^2), against float64 on activations whose groups
+    sit 40 standard deviations from zero: no further from it than torch's own GroupNorm (diffusers'), and a constant
+    group (variance 0) gives its bias, finite."""
+    from model.layers import GroupNorm
+
+    rng = np.random.default_rng(3)
+    b, h, w, c, groups = 2, 16, 12, 32, 8
+    x = (40.0 + rng.standard_normal((b, h, w, c)) * (1.0 + rng.random(c))).astype(np.float32)
+    x[1, :, :, 4:8] = 7.0  # one whole group constant
+    weight, bias = (1.0 + rng.random(c)).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    x64 = x.astype(np.float64).reshape(b, h * w, groups, c // groups)
+    mean = x64.mean(axis=(1, 3), keepdims=True)
+    var = ((x64 - mean) ** 2).mean(axis=(1, 3), keepdims=True)
+    exact = ((x64 - mean) / np.sqrt(var + 1e-6)).reshape(b, h, w, c) * weight + bias
+    torch_out = torch.nn.functional.group_norm(torch.from_numpy(x.transpose(0, 3, 1, 2)), groups,
+                                               torch.from_numpy(weight), torch.from_numpy(bias), eps=1e-6)
+    torch_error = np.abs(_np(torch_out).transpose(0, 2, 3, 1) - exact).max()
+    norm = GroupNorm(groups, c, eps=1e-6, dtype=jnp.float32)
+    norm.weight[...], norm.bias[...] = jnp.asarray(weight), jnp.asarray(bias)
+    ours = np.asarray(norm(jnp.asarray(x), one_pass))
+    assert np.isfinite(ours).all()
+    np.testing.assert_allclose(ours[1, :, :, 4:8], np.broadcast_to(bias[4:8], (h, w, 4)), atol=1e-6)
+    error = np.abs(ours - exact).max()
+    assert error <= max(2e-5, 1.5 * torch_error), (error, torch_error)
