@@ -28,10 +28,12 @@ class Calibration:
 # Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 at cb29942 (benchmarks/tpu_measured.json):
 # denoise 874.3 ms, of which the splash kernels 168.9 ms (25.98 TFLOP) and the rest 705.4 ms for XLA's 112.88 TFLOP
 # (the heads kernels' 22.7 ms, which XLA does not count, included); host 11.1 ms per image (tokenize, copy back).
-# Decode (the upsample as a transposed conv, same day): 71.8 ms for XLA's 9.28 TFLOP (it was 90.1 ms for 10.72 with
-# the upsampled copy, a share of 0.606). The text encoder (20.9 ms) was not used: it is the check (the estimate gives
+# Decode (the upsample as a transposed conv, the GroupNorm statistics in one pass; c7479de, same day): 66.7 ms for
+# XLA's 9.28 TFLOP (71.8 ms with two-pass statistics, a share of 0.656; 90.1 ms for 10.72 TFLOP with the upsampled
+# copy, 0.606): the share folds in the decode's memory-bound passes, which the roofline's bytes leg does not bind
+# (25.4 GB at the nominal bandwidth is 31 ms). The text encoder (20.9 ms) was not used: it is the check (the estimate gives
 # it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
-V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.812, attention=0.781, convolution=0.656, memory=1.0,
+V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.812, attention=0.781, convolution=0.706, memory=1.0,
                               host_seconds_per_image=0.0111, source="benchmarks/tpu_measured.json")
 
 

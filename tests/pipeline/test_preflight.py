@@ -153,12 +153,12 @@ def test_a_program_the_compiler_refuses_does_not_fit():
 
 
 # klein-4B 1024x1024 bf16 batch 1 on v5e:1x1 as libtpu 0.0.52 compiled it (XLA's FLOPs, the splash kernels' FLOPs and
-# XLA's bytes accessed, per image): encode and denoise at cb29942, decode with the transposed-conv upsample (b5f7fe3,
-# vae_splash off); and what one TPU v5e chip measured for them (benchmarks/tpu_measured.json; the decode and the image
-# in the same process, 2026-12-06).
+# XLA's bytes accessed, per image): encode and denoise at cb29942, decode with the transposed-conv upsample and
+# one-pass GroupNorm statistics (c7479de, vae_splash off); and what one TPU v5e chip measured for them
+# (benchmarks/tpu_measured.json; the decode and the image in the same process at c7479de, 2026-12-06).
 KLEIN_4B_V5E = {"encode": (2.7954e12, 7.2478e10, 2.1021e10), "denoise": (1.12875e14, 2.5976e13, 1.46891e11),
-                "decode": (9.2809e12, 0.0, 3.1024e10)}
-MEASURED_MS = {"encode": 20.77, "denoise": 874.3, "decode": 71.8, "image": 979.1}
+                "decode": (9.2769e12, 0.0, 2.5436e10)}
+MEASURED_MS = {"encode": 20.88, "denoise": 874.6, "decode": 66.67, "image": 973.8}
 
 
 def _klein_4b_report(chip_kind: str):
