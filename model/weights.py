@@ -101,14 +101,38 @@ class SafetensorsFile:
         return array.reshape(shape)
 
 
+# Side of the square blocks a transposed matrix is copied by: 512 x 512 2-byte values (512 KiB) stay in a core's
+# cache while each is read by rows and written by columns.
+TRANSPOSE_BLOCK = 512
+
+
+def _transposed_copy(matrix: np.ndarray) -> np.ndarray:
+    """C-contiguous copy of the 2-D transposed view `matrix` (its .T is C-contiguous), block by block. numpy's one
+    strided copy of a whole transposed weight took 60% of the loader's thread time on a TPU v5e host (108 of 180
+    thread-seconds for klein-4B's 14 GB); by blocks, klein's 13-113 MB weights copy 1.8-2.5x faster (measured on
+    the 2-core CPU machine, not yet on the TPU host)."""
+    rows, cols = matrix.shape
+    out = np.empty((rows, cols), matrix.dtype)
+    step = TRANSPOSE_BLOCK
+    for i in range(0, rows, step):
+        for j in range(0, cols, step):
+            out[i:i + step, j:j + step] = matrix[i:i + step, j:j + step]
+    return out
+
+
 def contiguous(array: np.ndarray) -> np.ndarray:
     """A C-contiguous copy of a (transposed) view; 2-byte floats (bfloat16, float16) are copied as uint16, whose
-    copy loop releases the GIL (ml_dtypes' bfloat16 copies hold it), so loading threads copy in parallel."""
+    copy loop releases the GIL (ml_dtypes' bfloat16 copies hold it), so loading threads copy in parallel. A
+    transposed matrix is copied by cache-sized blocks (`_transposed_copy`)."""
     if array.flags.c_contiguous:
         return array
-    if array.dtype.itemsize == 2 and array.dtype.kind in "fV":
-        return np.ascontiguousarray(array.view(np.uint16)).view(array.dtype)
-    return np.ascontiguousarray(array)
+    two_byte_float = array.dtype.itemsize == 2 and array.dtype.kind in "fV"
+    view = array.view(np.uint16) if two_byte_float else array
+    if view.ndim == 2 and view.T.flags.c_contiguous and view.dtype != object:
+        copied = _transposed_copy(view)
+    else:
+        copied = np.ascontiguousarray(view)
+    return copied.view(array.dtype) if two_byte_float else copied
 
 
 def release_host_memory() -> None:

@@ -53,12 +53,17 @@ def test_threaded_loader_is_bit_identical_to_plain_reads(tiny_ckpt, dtype, shard
     assert int(out.stdout.split()[-1]) > 50
 
 
-def test_contiguous_copies_bfloat16_exactly():
+@pytest.mark.parametrize("shape", [(37, 53), (1030, 700), (512, 1536)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_contiguous_copies_transposed_weights_exactly(shape, dtype):
+    """Transposed matrices (copied by blocks, edge blocks partial) and a conv kernel's 4-D transpose, byte for byte."""
     import ml_dtypes
 
     from model.weights import contiguous
 
-    a = np.random.default_rng(0).standard_normal((37, 53)).astype(ml_dtypes.bfloat16)
-    got = contiguous(a.T)
-    assert got.flags.c_contiguous and got.dtype == a.dtype
-    assert got.tobytes() == np.ascontiguousarray(a.T).tobytes()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(shape).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    for view in (a.T, a.reshape(shape[0], shape[1], 1, 1).transpose(2, 3, 1, 0)):
+        got = contiguous(view)
+        assert got.flags.c_contiguous and got.dtype == a.dtype and got.shape == view.shape
+        assert got.tobytes() == np.ascontiguousarray(view).tobytes()
