@@ -58,6 +58,14 @@ def default_gen(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
+def base_gen(tiny_base_ckpt):
+    """The base (CFG) checkpoint with the default options, shared by the CFG tests of this module."""
+    import model
+
+    return model.load(tiny_base_ckpt, **KW)
+
+
+@pytest.fixture(scope="module")
 def default_images(default_gen):
     return default_gen.generate(PROMPTS, SEEDS, **SIZE)
 
@@ -165,13 +173,13 @@ def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path
         assert os.listdir(tmp_path / "xla-cache"), "the persistent compilation cache folder stayed empty"
 
 
-def test_reference_mode_equals_default_with_cfg(tiny_base_ckpt):
+def test_reference_mode_equals_default_with_cfg(tiny_base_ckpt, base_gen):
     """Classifier-free guidance (base checkpoint): fused loop with CFG vs the reference Python loop."""
     import model
     from model.lab import reference_mode
 
     args = dict(prompts=["a red fox", "a lighthouse"], seeds=[5, 6], guidance_scale=4.0, **SIZE)
-    fast = model.load(tiny_base_ckpt, **KW).generate(**args)
+    fast = base_gen.generate(**args)
     ref = model.load(tiny_base_ckpt, **reference_mode(), **KW).generate(**args)
     assert max_diff(fast, ref) <= 1
 
@@ -309,17 +317,22 @@ def test_embedding_cache_is_bounded_and_reused(tiny_ckpt):
 
 # ------------------------------------------------------------------------------------------------ devices
 
+# The images of one device come from this (one-device) test process, where the module's generators have compiled
+# their programs already; the four-device process computes only the parallel images and compares them with those.
+DP_PROMPTS = ["a red fox", "a lighthouse", "a red fox", "", "a kite"]  # 5 images, padded to 8 = 2 per device
+DP_ARGS = dict(prompts=DP_PROMPTS, seeds=[1, 2, 3, 4, 5], height=32, width=48, num_inference_steps=2)
+
 DATA_PARALLEL_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np, jax, model
     assert len(jax.devices()) == 4, jax.devices()
     kw = dict(dtype="float32", max_sequence_length=32)
-    one = model.load(sys.argv[1], data_parallel=False, **kw)
+    a = np.load(sys.argv[2])  # the images of a one-device process
+    one = model.load(sys.argv[1], data_parallel=False, **kw)  # its mesh: one of the four devices
     four = model.load(sys.argv[1], data_parallel=True, **kw)
-    prompts = ["a red fox", "a lighthouse", "a red fox", "", "a kite"]  # 5 images, padded to 8 = 2 per device
-    args = dict(prompts=prompts, seeds=[1, 2, 3, 4, 5], height=32, width=48, num_inference_steps=2)
+    args = json.loads(sys.argv[3])
     cp = model.load(sys.argv[1], context_parallel=True, **kw)  # 32x48 -> 8 x 12 = 96 image tokens, 24 per device
-    a, b, c = one.generate(**args), four.generate(**args), cp.generate(**args)
+    b, c = four.generate(**args), cp.generate(**args)
     print(json.dumps({"max_diff": int(np.abs(a.astype(int) - b).max()), "shape": list(b.shape),
                       "cp_max_diff": int(np.abs(a.astype(int) - c).max()),
                       "cp_spec": str(cp.programs.latents_sharding(96).spec),
@@ -327,10 +340,12 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_data_and_context_parallel_on_four_cpu_devices_equal_one_device(tiny_ckpt):
+def test_data_and_context_parallel_on_four_cpu_devices_equal_one_device(tiny_ckpt, default_gen, tmp_path):
+    one_device = tmp_path / "one-device.npy"
+    np.save(one_device, default_gen.generate(**DP_ARGS))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT, tiny_ckpt], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT, tiny_ckpt, str(one_device),
+                          json.dumps(DP_ARGS)], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["devices_one"] == 1 and result["devices_four"] == 4
@@ -345,13 +360,16 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np, jax, model
     assert len(jax.devices()) == 4, jax.devices()
-    ckpt, cfg_scale, only = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+    ckpt, cfg_scale, ref_file, only = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4:]
     kw = dict(dtype="float32", max_sequence_length=32)
     args = dict(prompts=["a red fox", "a lighthouse", "a kite"], seeds=[1, 2, 3], height=32, width=48,
                 num_inference_steps=2, guidance_scale=cfg_scale)
-    one = model.load(ckpt, data_parallel=False, **kw)
-    ref = one.generate(**args)
-    out = {"one": one.programs.parameter_bytes_per_device()}
+    out = {}
+    if ref_file == "-":  # the images and parameter bytes of one device, made here
+        one = model.load(ckpt, data_parallel=False, **kw)
+        out["one"], ref = one.programs.parameter_bytes_per_device(), one.generate(**args)
+    else:  # the images of one device, made by the caller in a one-device process
+        ref = np.load(ref_file)
     cases = {"2x2": dict(model_shards=2), "1x4": dict(model_shards=4),
              "1x2-splash": dict(data_parallel=False, model_shards=2, attention="splash",
                                 text_encoder_attention="splash")}
@@ -376,14 +394,22 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
 
 # The distilled case runs with -m slow (CI time): the base model with CFG goes through the same sharded programs and more.
 @pytest.mark.parametrize("base", [pytest.param(False, marks=pytest.mark.slow), True], ids=["distilled", "base-cfg"])
-def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, base):
+def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, base_gen, base, tmp_path):
     """Tensor parallel weights (model.sharding) over 2 and 4 devices, and data x model = 2 x 2: the images of one
     device within 1/255 (fused projections laid out per shard, model.shard_layout), each weight placed split as it is
     read, and each device holds less of the transformer and text encoder as the shards grow."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    # The base model with CFG (both branches in one batch) runs the data x model case only; the distilled one all.
-    ckpt, scale, only = (tiny_base_ckpt, "4.0", ["2x2"]) if base else (tiny_ckpt, "1.0", [])
-    out = subprocess.run([sys.executable, "-c", MODEL_SHARDS_SCRIPT, ckpt, scale, *only], env=env,
+    # The base model with CFG (both branches in one batch) runs the data x model case only, against the images this
+    # one-device process makes with the module's base generator (its CFG programs are compiled already); the distilled
+    # one runs all, its one-device images made in the four-device process.
+    if base:
+        ref = tmp_path / "one-device.npy"
+        np.save(ref, base_gen.generate(prompts=["a red fox", "a lighthouse", "a kite"], seeds=[1, 2, 3], height=32,
+                                       width=48, num_inference_steps=2, guidance_scale=4.0))
+        ckpt, scale, ref_file, only = tiny_base_ckpt, "4.0", str(ref), ["2x2"]
+    else:
+        ckpt, scale, ref_file, only = tiny_ckpt, "1.0", "-", []
+    out = subprocess.run([sys.executable, "-c", MODEL_SHARDS_SCRIPT, ckpt, scale, ref_file, *only], env=env,
                          capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,6 +1,7 @@
 """The threaded loader (model.weights.load_component) gives exactly the parameters a plain one-tensor-at-a-time read
 gives: every tensor of every component, bf16 and float32, on one device and split over 4 CPU devices."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,48 +10,77 @@ import numpy as np
 import pytest
 
 CHECK = r'''
+import json
 import sys
+import traceback
+
 import jax
 import numpy as np
-from flax import nnx
 import model
 from model import shard_layout
-from model.weights import SafetensorsFile, flat_params, open_component, to_jax_layout
+from model.weights import flat_params, open_component, to_jax_layout
 
-path, dtype, shards = sys.argv[1], sys.argv[2], int(sys.argv[3])
-gen = model.load(path, dtype, max_sequence_length=32, model_shards=shards)
-te, tr, vae = gen.programs.modules()
-checked = 0
-for folder, module in (("text_encoder", te), ("transformer", tr), ("vae", vae)):
-    files = open_component(f"{path}/{folder}")
-    perms = shard_layout.stored_to_layout(module)
-    for name, value in flat_params(module).items():
-        sf = files[name]
-        want = to_jax_layout(name, sf.read(name), value.ndim)
-        key = tuple(int(p) if p.isdigit() else p for p in name.split("."))
-        if key in perms:
-            order, axis = perms[key]
-            want = np.take(want, order, axis=axis)
-        want = np.asarray(want.astype(value.dtype))
-        got = np.asarray(jax.device_get(value))
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert got.tobytes() == want.tobytes(), f"{name} differs"
-        if shards > 1 and value.ndim == 2:
-            assert len(value.sharding.device_set) == len(jax.devices()), name
-        checked += 1
-print("checked", checked)
+
+def check(path, dtype, shards):
+    """Every parameter of the loaded generator equals the plain read of its tensor, bit for bit; their number."""
+    gen = model.load(path, dtype, max_sequence_length=32, model_shards=shards)
+    te, tr, vae = gen.programs.modules()
+    checked = 0
+    for folder, module in (("text_encoder", te), ("transformer", tr), ("vae", vae)):
+        files = open_component(f"{path}/{folder}")
+        perms = shard_layout.stored_to_layout(module)
+        for name, value in flat_params(module).items():
+            sf = files[name]
+            want = to_jax_layout(name, sf.read(name), value.ndim)
+            key = tuple(int(p) if p.isdigit() else p for p in name.split("."))
+            if key in perms:
+                order, axis = perms[key]
+                want = np.take(want, order, axis=axis)
+            want = np.asarray(want.astype(value.dtype))
+            got = np.asarray(jax.device_get(value))
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert got.tobytes() == want.tobytes(), f"{name} differs"
+            if shards > 1 and value.ndim == 2:
+                assert len(value.sharding.device_set) == len(jax.devices()), name
+            checked += 1
+    return checked
+
+
+if __name__ == "__main__":  # path, then dtype:shards cases; one JSON line {case: parameters checked, or the error}
+    results = {}
+    for case in sys.argv[2:]:
+        dtype, shards = case.split(":")
+        try:
+            results[case] = check(sys.argv[1], dtype, int(shards))
+        except Exception:  # noqa: BLE001 - reported per case
+            results[case] = traceback.format_exc()
+    print(json.dumps(results))
 '''
 
+# On one device the check runs in this (one-device) process; the split cases run together in one process with four
+# CPU devices (a process per case cost its start-up and imports each time).
+SPLIT = [("bfloat16", 2), ("float32", 4)]
 
-@pytest.mark.parametrize("dtype,shards", [("bfloat16", 1), ("float32", 1), ("bfloat16", 2), ("float32", 4)])
-def test_threaded_loader_is_bit_identical_to_plain_reads(tiny_ckpt, dtype, shards):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    if shards > 1:
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    out = subprocess.run([sys.executable, "-c", CHECK, tiny_ckpt, dtype, str(shards)], env=env, capture_output=True,
-                         text=True, timeout=600)
+
+@pytest.fixture(scope="module")
+def split_results(tiny_ckpt):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = subprocess.run([sys.executable, "-c", CHECK, tiny_ckpt, *(f"{d}:{s}" for d, s in SPLIT)], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) > 50
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype,shards", [("bfloat16", 1), ("float32", 1), *SPLIT])
+def test_threaded_loader_is_bit_identical_to_plain_reads(tiny_ckpt, dtype, shards, request):
+    if shards == 1:
+        namespace = {"__name__": "parallel_loader_check"}
+        exec(CHECK, namespace)  # noqa: S102 - the same check as the four-device process runs
+        checked = namespace["check"](tiny_ckpt, dtype, 1)
+    else:
+        checked = request.getfixturevalue("split_results")[f"{dtype}:{shards}"]
+        assert isinstance(checked, int), checked  # else the traceback of that case
+    assert checked > 50
 
 
 @pytest.mark.parametrize("shape", [(37, 53), (1030, 700), (512, 1536)])

@@ -256,18 +256,24 @@ def test_collective_traffic_reads_compiled_hlo():
     assert collective_traffic(text) == {"all-reduce": [2, 2 * 64 * 128 * 2 + 8 * 4], "all-gather": [1, 4 * 16 * 4]}
 
 
-def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt):
-    """The fallback for programs whose compiled text cannot be printed (TPU v7) counts as the compiled text does."""
+def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt, tmp_path):
+    """The fallback for programs whose compiled text cannot be printed (TPU v7) counts as the compiled text does.
+    Compiled by the preflight's own compile_programs, which writes the compiled text it read its counts from (and,
+    in this process, reuses what test_two_shards_compile_splash_and_halve_the_weights compiled for these programs)."""
+    from model.aot import compile_programs
     from model.api import load_topology
     from model.hlo_stats import count_kernel_calls
+    from model.options import PROGRAMS
     from model.plan import Bucket
 
     config, programs = _programs(tiny_ckpt, load_topology("v5e:2x2"), 2, 32)
     tr = config.transformer
-    lowered = programs.lower(Bucket(2, 16, 16, 4, False), tr.in_channels, tr.joint_attention_dim,
-                             tr.attention_head_dim, fused=True)
-    for low in lowered[:2]:
-        assert count_kernel_calls(low.as_text(), "lowered") == count_kernel_calls(low.compile().as_text()) > 0
+    bucket = Bucket(2, 16, 16, 4, False)
+    lowered = programs.lower(bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim, fused=True)
+    compile_programs(programs, config, bucket, {name: 0.0 for name in PROGRAMS}, dump_dir=str(tmp_path))
+    for name, low in zip(PROGRAMS[:2], lowered[:2]):
+        compiled_text = (tmp_path / f"{name}.txt").read_text()  # the compiled text, not the lowered fallback
+        assert count_kernel_calls(low.as_text(), "lowered") == count_kernel_calls(compiled_text) > 0, name
 
 
 def test_tpu_decode_program_forms(libtpu, tiny_ckpt):
@@ -329,27 +335,59 @@ def test_real_weights_halve_over_two_shards(libtpu, preset):
         assert two[module] < 0.6 * one[module], (module, one, two)
 
 
-def test_cli_prints_the_tables_and_a_json_line(libtpu, tiny_ckpt):
-    result = _cli(*_flags(tiny_ckpt, model_shards=2))
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.strip().splitlines()
+@pytest.fixture
+def preflight_main(capsys):
+    """`pipeline.preflight.main` in this process: (exit status, stdout, stderr). The tables and exit statuses are
+    main()'s; `python -m pipeline.preflight` hands its status to the shell (test_the_command_exits_with_mains_status).
+    In this process the programs test_two_shards_compile_splash_and_halve_the_weights compiled for the same request
+    are reused (model/aot.py keeps what it compiled by the lowered text), so the report is not compiled again.
+    main() turns its loggers to INFO: they are put back afterwards."""
+    import logging
+
+    from pipeline.preflight import main
+
+    loggers = [logging.getLogger(name) for name in ("pipeline.preflight", "model.aot")]
+    levels = [logger.level for logger in loggers]
+
+    def call(*args: str):
+        status = main(list(args))
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield call
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
+
+
+def test_cli_prints_the_tables_and_a_json_line(libtpu, tiny_ckpt, preflight_main):
+    status, stdout, stderr = preflight_main(*_flags(tiny_ckpt, model_shards=2))
+    assert status == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
     report = json.loads(lines[-1])
     assert JSON_KEYS <= set(report)
     assert set(report["programs"]) == {"encode", "denoise", "decode"}
     assert all(PROGRAM_KEYS <= set(p) for p in report["programs"].values())
     assert report["fits"] is True and report["model_shards"] == 2 and report["data_replicas"] == 2
     assert report["programs"]["denoise"]["mosaic_kernels"] > 0
-    assert "not a measurement of this configuration" in result.stdout and "fits: yes" in result.stdout
+    assert "not a measurement of this configuration" in stdout and "fits: yes" in stdout
     assert report["estimate"].startswith("calibrated estimate") and report["calibration"]["chip"] == "TPU v5e"
 
 
-def test_cli_exits_non_zero_naming_the_shortfall(libtpu, tiny_ckpt):
-    result = _cli(*_flags(tiny_ckpt, model_shards=2, hbm_bytes=100_000))
-    assert result.returncode == 1, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+def test_cli_exits_non_zero_naming_the_shortfall(libtpu, tiny_ckpt, preflight_main):
+    status, stdout, stderr = preflight_main(*_flags(tiny_ckpt, model_shards=2, hbm_bytes=100_000))
+    assert status == 1, stderr[-3000:]
+    report = json.loads(stdout.strip().splitlines()[-1])
     assert report["fits"] is False and report["peak_bytes_per_chip"] > 100_000
-    assert f"does not fit: {report['largest_program']} peaks at" in result.stderr
-    assert "would fit: a larger machine type" in result.stdout
+    assert f"does not fit: {report['largest_program']} peaks at" in stderr
+    assert "would fit: a larger machine type" in stdout
+
+
+def test_the_command_exits_with_mains_status(libtpu, tiny_ckpt):
+    """`python -m pipeline.preflight` exits with main()'s status (here 2, a bad option, which compiles nothing)
+    and prints its error line on stderr."""
+    result = _cli(*_flags(tiny_ckpt, topology="v9z:1x1"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "unknown TPU topology 'v9z:1x1'" in result.stderr and result.stdout == ""
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -2,6 +2,8 @@
 bucket, and a local path relative to the input file) give the images `generator.generate(reference_images=...)`
 gives for the same requests; every unusable reference (missing, not an image, too small, too elongated, a
 decompression bomb, a file over the byte limit) is one error row naming it and why, and the rest of the job goes on.
+The four job runs share one loaded model (tests/support/fault_jobs.py CachedHandler: the job's own handler, loaded
+once per process); the expected pixels come from a separate `model.load`.
 """
 
 import hashlib
@@ -11,6 +13,7 @@ import json
 import model
 import numpy as np
 
+from fault_jobs import install_handler
 from pipeline.run import run
 from pipeline_helpers import counters, decode, image_names, read, rows, xla_cache  # noqa: F401 - xla_cache fixture
 from reference_files import pil, png, png_declaring
@@ -23,7 +26,7 @@ ARGS = ["--dtype=float32", "--max_sequence_length=32", "--batch_size=2", f"--hei
 
 
 def _job(gcs_emulator, bucket, ckpt, tmp_path, records, xla_cache, extra=()):
-    """Upload the references, write the records to a local input file next to refs/, run the job."""
+    """Write the records to a local input file next to refs/; the job's arguments, output and that folder."""
     b = f"gs://{bucket}"
     local = tmp_path / "in"
     (local / "refs").mkdir(parents=True, exist_ok=True)
@@ -34,7 +37,8 @@ def _job(gcs_emulator, bucket, ckpt, tmp_path, records, xla_cache, extra=()):
     return argv, out, local
 
 
-def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ckpt, xla_cache, tmp_path):
+def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ckpt, xla_cache, tmp_path, monkeypatch):
+    install_handler(monkeypatch)
     b = f"gs://{gcs_bucket}"
     files = {
         "not-image.png": b"this is text, not an image",
@@ -92,13 +96,14 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
     assert c["reference_reads"] == 6  # every distinct allowed reference once, the shared missing one too
 
 
-def test_reference_job_gives_the_models_pixels(gcs_emulator, gcs_bucket, tiny_ckpt, xla_cache, tmp_path):
+def test_reference_job_gives_the_models_pixels(gcs_emulator, gcs_bucket, tiny_ckpt, xla_cache, tmp_path, monkeypatch):
     # No skip guard: generate() taking reference_images is the contract this test checks, so a rename of that
     # parameter must fail here, not turn the test into a skip.
     from model.generator import Flux2KleinGenerator
 
     assert "reference_images" in inspect.signature(Flux2KleinGenerator.generate).parameters, (
         "Flux2KleinGenerator.generate() no longer takes reference_images: the job's editing path is broken")
+    install_handler(monkeypatch)
     b = f"gs://{gcs_bucket}"
     a_bytes, c_bytes = png(64, 64, seed=1), png(80, 64, seed=2, mode="RGBA")
     gcs_emulator.upload_bytes(f"{b}/refs/a.png", a_bytes)

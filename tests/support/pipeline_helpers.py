@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 
 import numpy as np
@@ -97,4 +98,8 @@ def ckpt32(tiny_checkpoint_factory):
 
 @pytest.fixture(scope="session")
 def xla_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla-cache"))
+    """The session's persistent XLA cache (tests/conftest.py's JAX_COMPILATION_CACHE_DIR), which every pytest-xdist
+    worker and their subprocesses share: a job's programs compiled by one worker are read from disk by the others.
+    (A folder per worker compiled the same job programs in each worker, and a job in a worker switched that
+    process's cache to it for the tests that followed: `--compilation_cache_dir` is process-wide.)"""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("xla-cache"))
