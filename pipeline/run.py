@@ -49,7 +49,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 from transforms import layout, retries, sinks
 from transforms.fingerprints import model_fingerprint
 from transforms.generation import Generate
-from transforms.inference import Flux2KleinModelHandler
+from transforms.inference import Flux2KleinModelHandler, discard_pending_model_loads
 from transforms.inputs.bigquery import ReadBigQueryRequests, dataset_reference
 from transforms.inputs.readers import WARNING_TAG, ReadRequests
 from transforms.inputs.validation import RequestDefaults
@@ -357,6 +357,7 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         _use_emulator_credentials()
     retries.install()
     retries.take_pending()  # count only this job's retries (an earlier job in this process may have left some)
+    discard_pending_model_loads()  # and only its model loads
     local = is_local_runner(options)
     if local:
         quiet_tpu_runtime()

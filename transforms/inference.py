@@ -210,6 +210,15 @@ def _note_model_load() -> None:
         _pending_loads += 1
 
 
+def discard_pending_model_loads() -> int:
+    """Forget loads noted in this process and not yet reported (returns how many): a job calls it as it starts, so
+    its `model_loads` counts its own loads, not one an earlier job or caller in the same process left unreported."""
+    global _pending_loads
+    with _pending_lock:
+        n, _pending_loads = _pending_loads, 0
+    return n
+
+
 def flush_model_load_metrics() -> None:
     """Report loads noted in this process into the `model_loads` counter (call from inside a bundle)."""
     global _pending_loads
