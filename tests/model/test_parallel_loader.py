@@ -1,5 +1,6 @@
 """The threaded loader (model.weights.load_component) gives exactly the parameters a plain one-tensor-at-a-time read
-gives: every tensor of every component, bf16 and float32, on one device and split over 4 CPU devices."""
+gives: every tensor of every component, bf16 and float32, on one device and split over 4 CPU devices, with the
+layout made on the host (CPU's path) and by the device (the accelerators' path, forced here on CPU devices)."""
 
 import json
 import os
@@ -17,13 +18,20 @@ import traceback
 import jax
 import numpy as np
 import model
+import model.weights
 from model import shard_layout
 from model.weights import flat_params, open_component, to_jax_layout
 
 
-def check(path, dtype, shards):
-    """Every parameter of the loaded generator equals the plain read of its tensor, bit for bit; their number."""
-    gen = model.load(path, dtype, max_sequence_length=32, model_shards=shards)
+def check(path, dtype, shards, layout="host"):
+    """Every parameter of the loaded generator equals the plain read of its tensor, bit for bit; their number.
+    `layout`: "device" transposes on the (CPU) devices, as the loader does on accelerators."""
+    platforms = model.weights.DEVICE_LAYOUT_PLATFORMS
+    model.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu",) if layout == "device" else ()
+    try:
+        gen = model.load(path, dtype, max_sequence_length=32, model_shards=shards)
+    finally:
+        model.weights.DEVICE_LAYOUT_PLATFORMS = platforms
     te, tr, vae = gen.programs.modules()
     checked = 0
     for folder, module in (("text_encoder", te), ("transformer", tr), ("vae", vae)):
@@ -46,12 +54,12 @@ def check(path, dtype, shards):
     return checked
 
 
-if __name__ == "__main__":  # path, then dtype:shards cases; one JSON line {case: parameters checked, or the error}
+if __name__ == "__main__":  # path, then dtype:shards:layout cases; one JSON line {case: parameters checked, or error}
     results = {}
     for case in sys.argv[2:]:
-        dtype, shards = case.split(":")
+        dtype, shards, layout = case.split(":")
         try:
-            results[case] = check(sys.argv[1], dtype, int(shards))
+            results[case] = check(sys.argv[1], dtype, int(shards), layout)
         except Exception:  # noqa: BLE001 - reported per case
             results[case] = traceback.format_exc()
     print(json.dumps(results))
@@ -59,26 +67,27 @@ if __name__ == "__main__":  # path, then dtype:shards cases; one JSON line {case
 
 # On one device the check runs in this (one-device) process; the split cases run together in one process with four
 # CPU devices (a process per case cost its start-up and imports each time).
-SPLIT = [("bfloat16", 2), ("float32", 4)]
+SPLIT = [("bfloat16", 2, "host"), ("float32", 4, "host"), ("bfloat16", 2, "device"), ("float32", 4, "device")]
 
 
 @pytest.fixture(scope="module")
 def split_results(tiny_ckpt):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    out = subprocess.run([sys.executable, "-c", CHECK, tiny_ckpt, *(f"{d}:{s}" for d, s in SPLIT)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHECK, tiny_ckpt, *(":".join(map(str, case)) for case in SPLIT)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("dtype,shards", [("bfloat16", 1), ("float32", 1), *SPLIT])
-def test_threaded_loader_is_bit_identical_to_plain_reads(tiny_ckpt, dtype, shards, request):
+@pytest.mark.parametrize("dtype,shards,layout", [("bfloat16", 1, "host"), ("float32", 1, "host"),
+                                                ("bfloat16", 1, "device"), *SPLIT])
+def test_threaded_loader_is_bit_identical_to_plain_reads(tiny_ckpt, dtype, shards, layout, request):
     if shards == 1:
         namespace = {"__name__": "parallel_loader_check"}
         exec(CHECK, namespace)  # noqa: S102 - the same check as the four-device process runs
-        checked = namespace["check"](tiny_ckpt, dtype, 1)
+        checked = namespace["check"](tiny_ckpt, dtype, 1, layout)
     else:
-        checked = request.getfixturevalue("split_results")[f"{dtype}:{shards}"]
+        checked = request.getfixturevalue("split_results")[f"{dtype}:{shards}:{layout}"]
         assert isinstance(checked, int), checked  # else the traceback of that case
     assert checked > 50
 
