@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -93,14 +94,66 @@ class SafetensorsFile:
                                       tensor=name_b)
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor as a fresh numpy array, read with one positioned read (no memory map stays resident)."""
+        """The tensor as a fresh numpy array, read by positioned reads of READ_CHUNK_BYTES on the shared reading
+        threads (no memory map stays resident)."""
         dtype, shape, begin, end = self.entries[name]
-        count = int(np.prod(shape, dtype=np.int64))
-        with open(self.path, "rb") as f:
-            array = np.fromfile(f, dtype=SAFETENSORS_DTYPES[dtype], count=count, offset=self.data_start + begin)
-        if array.size != count:
-            raise CheckpointError("safetensors file ended before the tensor's data", path=self.path, tensor=name)
-        return array.reshape(shape)
+        array = np.empty(shape, SAFETENSORS_DTYPES[dtype])
+        if array.nbytes:
+            read_into(self.path, memoryview(array.reshape(-1).view(np.uint8)), self.data_start + begin, tensor=name)
+        return array
+
+
+# Bytes one positioned read asks for, and how many such reads run at once (for every tensor being loaded). On the
+# v5e chip's host (a 9p root file system, no page cache) 8 threads reading 64 MiB each got 0.80 GB/s, 16 threads
+# reading 16 MiB 4.5 GB/s and 32 threads reading 8 MiB 7.0 GB/s; a whole tensor per read was the 0.8 GB/s case.
+READ_CHUNK_BYTES = 8 << 20
+READ_THREADS = 32
+_read_pool: ThreadPoolExecutor | None = None
+_read_pool_lock = threading.Lock()
+
+
+def _reading_threads() -> ThreadPoolExecutor:
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights-read")
+        return _read_pool
+
+
+def _read_range(fd: int, view: memoryview, offset: int, path: str, tensor: str) -> None:
+    """Fill `view` from the file at `offset`, across short reads; a file that ends first is a CheckpointError."""
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise CheckpointError(f"cannot read weight file: {e}", path=path, tensor=tensor) from e
+        if got == 0:
+            raise CheckpointError("safetensors file ended before the tensor's data", path=path, tensor=tensor)
+        done += got
+
+
+def read_into(path: str, buffer: memoryview, offset: int, *, tensor: str = "") -> None:
+    """Fill `buffer` (bytes) from `path` at `offset`: one read per READ_CHUNK_BYTES, run on the shared reading
+    threads when there are several, so one large tensor is read by many threads at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"cannot read weight file: {e}", path=path, tensor=tensor) from e
+    try:
+        starts = range(0, len(buffer), READ_CHUNK_BYTES)
+        if len(starts) == 1:
+            _read_range(fd, buffer, offset, path, tensor)
+            return
+        pool = _reading_threads()
+        reads = [pool.submit(_read_range, fd, buffer[s:s + READ_CHUNK_BYTES], offset + s, path, tensor)
+                 for s in starts]
+        for r in reads:  # every read ends (its error raised) before the file is closed
+            r.exception()
+        for r in reads:
+            r.result()
+    finally:
+        os.close(fd)
 
 
 # Side of the square blocks a transposed matrix is copied by: 512 x 512 2-byte values (512 KiB) stay in a core's

@@ -27,7 +27,7 @@ def check(path, dtype, shards, layout="host"):
     """Every parameter of the loaded generator equals the plain read of its tensor, bit for bit; their number.
     `layout`: "device" transposes on the (CPU) devices, as the loader does on accelerators."""
     platforms = model.weights.DEVICE_LAYOUT_PLATFORMS
-    model.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu",) if layout == "device" else ()
+    model.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
     try:
         gen = model.load(path, dtype, max_sequence_length=32, model_shards=shards)
     finally:
@@ -106,3 +106,47 @@ def test_contiguous_copies_transposed_weights_exactly(shape, dtype):
         got = contiguous(view)
         assert got.flags.c_contiguous and got.dtype == a.dtype and got.shape == view.shape
         assert got.tobytes() == np.ascontiguousarray(view).tobytes()
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 1 << 20])
+def test_tensors_read_in_chunks_equal_safetensors_own_reads(tmp_path, monkeypatch, chunk):
+    """A tensor larger than a read (chunks that split elements, and a short last chunk) is read on the shared
+    reading threads byte for byte as the safetensors library reads it."""
+    import ml_dtypes
+    import torch
+    from safetensors.torch import save_file
+
+    from model import weights
+
+    monkeypatch.setattr(weights, "READ_CHUNK_BYTES", chunk)
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(333, 257, dtype=torch.bfloat16), "b": torch.randn(1001, dtype=torch.float32),
+               "c": torch.randn(3, dtype=torch.float16), "empty": torch.zeros(0, 4)}
+    path = str(tmp_path / "w.safetensors")
+    save_file(tensors, path)
+    sf = weights.SafetensorsFile(path)
+    for name, t in tensors.items():
+        got = sf.read(name)
+        want = t.float().numpy().astype(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+        assert got.shape == tuple(t.shape) and got.dtype == want.dtype, name
+        assert got.tobytes() == want.tobytes(), name
+
+
+def test_a_file_cut_short_after_validation_fails_the_read_naming_file_and_tensor(tmp_path, monkeypatch):
+    """The file shrinks between the header check and the read (a copy still being written, a shrinking mount):
+    the chunked read stops with a CheckpointError naming the file and the tensor, not with zeros."""
+    import torch
+    from safetensors.torch import save_file
+
+    from model import weights
+    from model.errors import CheckpointError
+
+    monkeypatch.setattr(weights, "READ_CHUNK_BYTES", 4096)
+    path = str(tmp_path / "w.safetensors")
+    save_file({"big": torch.randn(64, 1024)}, path)
+    sf = weights.SafetensorsFile(path)
+    os.truncate(path, os.path.getsize(path) - 50_000)
+    with pytest.raises(CheckpointError) as err:
+        sf.read("big")
+    assert "ended before the tensor's data" in str(err.value)
+    assert path in str(err.value) and "big" in str(err.value)
