@@ -482,12 +482,12 @@ def test_per_image_by_default_on_one_cpu_device_only():
     assert per_image_for(four_cpus, EngineOptions(per_image=True)) is False
 
 
-def test_an_image_has_the_same_bytes_whatever_its_batch(tiny_ckpt):
+def test_an_image_has_the_same_bytes_whatever_its_batch(tiny_ckpt, default_gen):
     """The default CPU path (Eigen dots, image by image) gives each image the same bytes alone, in a batch of three
     and in a padded batch: the job's promise that batching never changes an output."""
     import model
 
-    gen = model.load(tiny_ckpt, **KW)
+    gen = default_gen  # the default options, as loaded for this module
     batch = gen.generate(PROMPTS[:3], SEEDS[:3], **SIZE)
     alone = [gen.generate([p], [s], **SIZE)[0] for p, s in zip(PROMPTS[:3], SEEDS[:3])]
     padded = model.load(tiny_ckpt, batch_size=4, **KW).generate(PROMPTS[1:3], SEEDS[1:3], **SIZE)

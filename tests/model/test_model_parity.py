@@ -439,11 +439,15 @@ def test_text_encoder_config_variants_are_read_or_refused():
         assert e.value.key == key
 
 
+# The size and steps of test_end_to_end_matches_flux2_klein_pipeline's first case: the tests below that are not about
+# size run gen32's programs compiled there (a size or a step count of their own compiled three more programs).
+GEN32_SIZE = dict(height=32, width=48, num_inference_steps=3)
+
+
 def test_batch_equals_one_by_one(gen32):
     prompts, seeds = ["one", "two", "three"], [10, 20, 30]
-    together = gen32.generate(prompts, seeds, height=32, width=32, num_inference_steps=2)
-    alone = np.concatenate([gen32.generate([p], [s], height=32, width=32, num_inference_steps=2)
-                            for p, s in zip(prompts, seeds)])
+    together = gen32.generate(prompts, seeds, **GEN32_SIZE)
+    alone = np.concatenate([gen32.generate([p], [s], **GEN32_SIZE) for p, s in zip(prompts, seeds)])
     assert np.abs(together.astype(int) - alone.astype(int)).max() <= 1
 
 
@@ -470,18 +474,16 @@ def test_prompts_are_checked_before_any_batch_runs_and_calls_may_come_from_threa
 
     before = gen32.stats["prompts_encoded"]
     with pytest.raises(model.RequestError, match="lone surrogate"):
-        gen32.generate(["fine", "also fine", "a \ud800 cat"], [0, 1, 2], height=32, width=32, num_inference_steps=2)
+        gen32.generate(["fine", "also fine", "a \ud800 cat"], [0, 1, 2], **GEN32_SIZE)
     assert gen32.stats["prompts_encoded"] == before  # nothing was computed and thrown away
     # Concurrent calls share the embedding cache: they are serialised, and each gets its own images.
     prompts = [f"prompt {i}" for i in range(6)]
-    alone = [gen32.generate([p], [i], height=32, width=32, num_inference_steps=2) for i, p in enumerate(prompts)]
+    alone = [gen32.generate([p], [i], **GEN32_SIZE) for i, p in enumerate(prompts)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        together = list(pool.map(lambda i: gen32.generate([prompts[i]], [i], height=32, width=32,
-                                                          num_inference_steps=2), range(6)))
+        together = list(pool.map(lambda i: gen32.generate([prompts[i]], [i], **GEN32_SIZE), range(6)))
     for a, b in zip(alone, together):
         np.testing.assert_array_equal(a, b)
-    assert gen32.generate(["x"], [0], height=32, width=32, num_inference_steps=2,
-                          num_images_per_prompt=np.int64(2)).shape[0] == 2
+    assert gen32.generate(["x"], [0], **GEN32_SIZE, num_images_per_prompt=np.int64(2)).shape[0] == 2
     for bad in (2.0, True, "2"):
         with pytest.raises(ValueError, match="batch_size must be an integer"):
             model.load(tiny_ckpt, dtype="float32", max_sequence_length=MAX_LEN, batch_size=bad)

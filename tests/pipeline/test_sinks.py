@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tarfile
 
 import pytest
@@ -68,17 +69,25 @@ def _metrics(result) -> dict:
     return got
 
 
-def test_every_sink_gives_the_same_rows_errors_retries_and_metrics(ckpt32, loaded, xla_cache, inputs, tmp_path,
-                                                                 monkeypatch):
+@pytest.fixture(scope="module")
+def sink_jobs(ckpt32, loaded, xla_cache, inputs, tmp_path_factory):
+    """The same job once per --output_format ({fmt: its manifest and error rows, summary, metrics, output folder}),
+    each checked for the faults it met. Run once for this module: the WebDataset rerun test resumes a copy of the
+    WebDataset output (the first run it needs is this very job)."""
     found = {}
-    for fmt in ("files", "webdataset"):
-        out = tmp_path / fmt
-        result, summary = _job(fmt, inputs, out, ckpt32, xla_cache, monkeypatch)
-        raised = [kind for kind, _ in fault_jobs.RAISED]
-        assert raised.count("transient") == 1 and raised.count("oom") == 1, (fmt, raised)
-        found[fmt] = {"manifest": rows(str(out), "manifest"), "errors": rows(str(out), "errors"),
-                      "summary": summary, "metrics": _metrics(result), "out": out}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for fmt in ("files", "webdataset"):
+            out = tmp_path_factory.mktemp("sinks-out") / fmt
+            result, summary = _job(fmt, inputs, out, ckpt32, xla_cache, monkeypatch)
+            raised = [kind for kind, _ in fault_jobs.RAISED]
+            assert raised.count("transient") == 1 and raised.count("oom") == 1, (fmt, raised)
+            found[fmt] = {"manifest": rows(str(out), "manifest"), "errors": rows(str(out), "errors"),
+                          "summary": summary, "metrics": _metrics(result), "out": out}
+    return found
 
+
+def test_every_sink_gives_the_same_rows_errors_retries_and_metrics(sink_jobs):
+    found = sink_jobs
     for fmt, f in found.items():
         s = f["summary"]
         assert (s["images_generated"], s["failed"], s["errors_by_reason"]) == (IMAGES, 1, {"inference_failed": 1})
@@ -117,13 +126,16 @@ def test_every_sink_gives_the_same_rows_errors_retries_and_metrics(ckpt32, loade
     assert not (wds["out"] / "shards" / ".staging").exists()
 
 
-def test_a_webdataset_rerun_keeps_the_shards_with_their_references(ckpt32, loaded, xla_cache, inputs, tmp_path,
-                                                                   monkeypatch):
+def test_a_webdataset_rerun_keeps_the_shards_with_their_references(ckpt32, loaded, xla_cache, inputs, sink_jobs,
+                                                                   tmp_path, monkeypatch):
     """--skip_existing over a complete WebDataset output: the kept shards' rows (existing-*) are the manifest rows
     the first run wrote, references included."""
-    out = tmp_path / "wds"
-    _job("webdataset", inputs, out, ckpt32, xla_cache, monkeypatch)
-    first = {r["key"]: r for r in rows(str(out), "manifest")}
+    out, first_out = tmp_path / "wds", sink_jobs["webdataset"]["out"]
+    shutil.copytree(first_out, out)  # the first run's output, as it left it
+    # the first run's rows, their uri moved with the copy (a row names its shard by absolute path)
+    first = {r["key"]: dict(r, uri=r["uri"].replace(str(first_out), str(out), 1)) for r in rows(str(out), "manifest")}
+    assert all(r["uri"].startswith(str(out)) for r in first.values())
+    install_handler(monkeypatch, FaultyHandler, fail_calls=(1,), doomed_shape="64x32/")
     fault_jobs.reset_faults()
     _, summary = run([f"--model={ckpt32}", f"--input={inputs / 'p.jsonl'}", f"--output={out}", f"--height={HEIGHT}",
                       f"--width={WIDTH}", "--dtype=float32", "--max_sequence_length=32", "--batch_size=2",
