@@ -80,6 +80,7 @@ def child(args) -> dict:
     placed = gen.programs.parameter_bytes_per_device()
     out["loaded_gb"] = sum(placed.values()) / 1e9
     out["load_gb_per_s"] = out["loaded_gb"] / out["load_s"]
+    out["load_phases"] = gen.load_phases  # thread-seconds per phase of placing the weights, and its wall time
     size = dict(height=args.height, width=args.width)
     start = time.perf_counter()
     gen.plan_bucket(gen.check_inputs(["a red fox"], [0], **size))  # the bucket's three programs
@@ -135,6 +136,8 @@ def main(argv=None) -> dict:
         rows.append((key, f"{runs['cold'][key + '_s']:.2f}", f"{runs['warm'][key + '_s']:.2f}"))
     rows.append(("weights loaded GB", *(f"{runs[r]['loaded_gb']:.2f}" for r in ("cold", "warm"))))
     rows.append(("weights GB/s", f"{runs['cold']['load_gb_per_s']:.2f}", f"{runs['warm']['load_gb_per_s']:.2f}"))
+    for key in ("read", "host_layout", "transfer", "device_layout"):
+        rows.append((f"load: {key} thread-s", *(f"{runs[r]['load_phases'][key + '_s']:.1f}" for r in ("cold", "warm"))))
     for key in ("rss_before_load", "rss_after_load", "rss"):
         rows.append((key + " GB", *(f"{runs[r][key + '_gb'] or float('nan'):.2f}" for r in ("cold", "warm"))))
     rows.append(("XLA compiles / cache hits", f"{runs['cold']['xla_compiles']} / {runs['cold']['xla_cache_hits']}",

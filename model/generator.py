@@ -38,7 +38,7 @@ from .references import ProcessedReference, preprocess_all, reference_signature 
 from .sharding import placement
 from .tokenizer import PromptTokenizer
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
-from .weights import expected_tensors, load_component, release_host_memory, validate_component
+from .weights import LoadTimes, expected_tensors, load_component, release_host_memory, validate_component
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +126,12 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
             _precompile, settings.precompile, lambda: make_generator(*networks.run_modules(), abstract=True))
         pool.shutdown(wait=False)  # the thread ends with its one task
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
+    times, placing = LoadTimes(), time.perf_counter()
     text_encoder, transformer, vae = (
         load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
-                       placement=placement(mesh),
-                       permutations=shard_layout.stored_to_layout(module))
+                       placement=placement(mesh), permutations=shard_layout.stored_to_layout(module), times=times)
         for (name, module, exp, opt), f in zip(components, files))
+    load_phases = dict(times.as_dict(), wall_s=time.perf_counter() - placing)
     vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
 
     def load_vae_encoder():
@@ -140,8 +141,13 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                                                                 optional=vae_optional, variant=variant))
 
     release_host_memory()  # the host copies are gone: return their pages, the weights live on the devices
-    logger.info("loaded %s (%s) in %.1f s", settings.model, settings.dtype, time.perf_counter() - start)
+    logger.info("loaded %s (%s) in %.1f s; %d tensors, %.2f GB placed in %.1f s, thread-seconds: read %.1f, host "
+                "layout %.1f, transfer %.1f, device layout %.1f", settings.model, settings.dtype,
+                time.perf_counter() - start, load_phases["tensors"], load_phases["bytes"] / 1e9, load_phases["wall_s"],
+                load_phases["read_s"], load_phases["host_layout_s"], load_phases["transfer_s"],
+                load_phases["device_layout_s"])
     generator = make_generator(text_encoder, transformer, vae, vae_encoder_loader=load_vae_encoder)
+    generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
     if precompiling is not None:
         waited = time.perf_counter()
         compiled = precompiling.result()
@@ -248,6 +254,7 @@ class Flux2KleinGenerator:
         (`plan_bucket`); it never generates. `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
         self.config = config
         self.tokenizer = tokenizer
+        self.load_phases: dict = {}  # model.load's weight-loading phases (model.weights.LoadTimes, plus wall_s)
         self.dtype = dtype
         self.options = options
         self.lab = lab

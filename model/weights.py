@@ -8,12 +8,14 @@ for JAX one at a time, so peak host memory stays near one copy of the weights in
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import logging
 import os
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -381,15 +383,40 @@ def validate_component(folder: str, *, expected: dict[str, tuple[int, ...]], opt
     return tensor_to_file
 
 
+@dataclasses.dataclass
+class LoadTimes:
+    """Where the loading threads' time went, summed over the threads (their phases overlap in wall time): reading
+    the files, host-side casts and layout copies, host-to-device transfers, and layouts made on the device."""
+
+    tensors: int = 0
+    bytes: int = 0
+    read_s: float = 0.0
+    host_layout_s: float = 0.0
+    transfer_s: float = 0.0
+    device_layout_s: float = 0.0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, nbytes: int, **seconds: float) -> None:
+        with self._lock:
+            self.tensors += 1
+            self.bytes += nbytes
+            for phase, value in seconds.items():
+                setattr(self, phase, getattr(self, phase) + value)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+
+
 def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[int, ...]],
                    optional: Iterable[str] = (), tensor_to_file: dict | None = None, placement=None,
-                   permutations: dict | None = None):
+                   permutations: dict | None = None, times: LoadTimes | None = None):
     """Fill `abstract_module` (from nnx.eval_shape) with the folder's weights and return the concrete module.
 
     The folder is validated first (see `validate_component`) unless its result is passed in. Only the module's
     own parameters are read; each is cast to the parameter's dtype. `placement(path, variable)`: the sharding each
     tensor is put at as soon as it is read (so a model split over several chips never sits whole on one; default:
     the default device). `permutations`: {path: (order, axis)} applied to a tensor first (model.shard_layout).
+    `times`: where each phase's thread-seconds are added (see LoadTimes).
     """
     permutations = permutations or {}
     if tensor_to_file is None:
@@ -406,7 +433,9 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
         name = ".".join(str(p) for p in path)
         target = var.get_value() if hasattr(var, "get_value") else var.value
         sf = tensor_to_file[name]
+        clock = time.perf_counter()
         array = squeezed(sf.read(name), len(target.shape))
+        read_s, clock = time.perf_counter() - clock, time.perf_counter()
         order = jax_layout_order(name, array.ndim, len(target.shape))
         stored_shape = array.shape if order is None else tuple(array.shape[a] for a in order)
         if tuple(stored_shape) != tuple(target.shape):
@@ -417,17 +446,28 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
             array = np.take(array, perm, axis=axis if order is None else order[axis])
         array = array.astype(target.dtype, copy=False)
         sharding = placement(path, var) if placement is not None else SingleDeviceSharding(jax.devices()[0])
-        if order is not None and _platform(sharding) in DEVICE_LAYOUT_PLATFORMS:
-            # Sent in torch's layout and transposed by the device, whose memory does it in microseconds; the host
-            # copies it would take instead were 60% of klein-4B's load on a v5e host.
-            stored = jax.device_put(np.ascontiguousarray(array), _permuted(sharding, order))
-            placed = _device_transpose(order, sharding)(stored)
+        on_device = order is not None and _platform(sharding) in DEVICE_LAYOUT_PLATFORMS
+        if on_device:
+            array = np.ascontiguousarray(array)
         else:
             array = contiguous(array if order is None else array.transpose(order))
+        host_s, clock = time.perf_counter() - clock, time.perf_counter()
+        # Each step is waited on, so the host copy is released as soon as the device holds the tensor (host memory
+        # holds at most one tensor per loading thread, whatever the model's size) and each phase is timed.
+        if on_device:
+            # Sent in torch's layout and transposed by the device, whose memory does it in microseconds; the host
+            # copies it would take instead were 60% of klein-4B's load on a v5e host.
+            stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
+            transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
+            placed = _device_transpose(order, sharding)(stored).block_until_ready()
+        else:
             placed = jnp.asarray(array) if placement is None else jax.device_put(array, sharding)
-        # Waited on here, so the host copy is released as soon as the device holds the tensor: host memory holds at
-        # most one tensor per reading thread, whatever the model's size.
-        return path, var.replace(placed.block_until_ready())
+            placed = placed.block_until_ready()
+            transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
+        if times is not None:
+            times.add(array.nbytes, read_s=read_s, host_layout_s=host_s, transfer_s=transfer_s,
+                      device_layout_s=time.perf_counter() - clock)
+        return path, var.replace(placed)
 
     # Tensors are read, laid out and sent to the devices by several threads at once: file reads, the layout copies
     # (as 16-bit integers for 2-byte floats, which numpy copies without the GIL) and host-to-device transfers overlap.

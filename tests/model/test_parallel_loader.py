@@ -33,7 +33,7 @@ def check(path, dtype, shards, layout="host"):
     finally:
         model.weights.DEVICE_LAYOUT_PLATFORMS = platforms
     te, tr, vae = gen.programs.modules()
-    checked = 0
+    checked = placed_bytes = 0
     for folder, module in (("text_encoder", te), ("transformer", tr), ("vae", vae)):
         files = open_component(f"{path}/{folder}")
         perms = shard_layout.stored_to_layout(module)
@@ -51,6 +51,10 @@ def check(path, dtype, shards, layout="host"):
             if shards > 1 and value.ndim == 2:
                 assert len(value.sharding.device_set) == len(jax.devices()), name
             checked += 1
+            placed_bytes += want.nbytes
+    phases = gen.load_phases  # what the loader reports having read and placed: exactly these tensors
+    assert (phases["tensors"], phases["bytes"]) == (checked, placed_bytes), (phases, checked, placed_bytes)
+    assert all(phases[k] >= 0 for k in ("read_s", "host_layout_s", "transfer_s", "device_layout_s")), phases
     return checked
 
 
