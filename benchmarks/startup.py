@@ -36,6 +36,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-sequence-length", type=int, default=None)
     ap.add_argument("--no-precompile", action="store_true", help="compile after loading the weights, not meanwhile "
                     "(as before model.options.LoadSettings.precompile)")
+    ap.add_argument("--gil-switch-ms", type=float, default=None,
+                    help="the GIL switch interval while loading beside a precompile (model.generator."
+                    "LOADING_SWITCH_INTERVAL_S; default the library's; 5 = Python's own, as before)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint-cache", default=None, help=argparse.SUPPRESS)
@@ -50,8 +53,12 @@ def child(args) -> dict:
     import jax  # noqa: F401
 
     import model
+    import model.generator
     from model.compile_events import counts
     out["imports_s"] = time.perf_counter() - start
+    if args.gil_switch_ms is not None:
+        model.generator.LOADING_SWITCH_INTERVAL_S = args.gil_switch_ms / 1e3
+    out["gil_switch_ms"] = model.generator.LOADING_SWITCH_INTERVAL_S * 1e3
     start = time.perf_counter()
     out["backend"] = jax.default_backend()  # starts the runtime (on a TPU, its host memory too)
     out["backend_init_s"] = time.perf_counter() - start
@@ -106,7 +113,8 @@ def run_child(args, cache: str, checkpoint_cache: str) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", f"--model={args.model}", f"--cache={cache}",
            f"--checkpoint-cache={checkpoint_cache}", f"--height={args.height}", f"--width={args.width}",
            f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}",
-           *(["--no-precompile"] if args.no_precompile else [])]
+           *(["--no-precompile"] if args.no_precompile else []),
+           *([f"--gil-switch-ms={args.gil_switch_ms}"] if args.gil_switch_ms is not None else [])]
     env = dict(os.environ, STARTUP_T0=repr(time.time()))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:

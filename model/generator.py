@@ -10,9 +10,11 @@ these methods, and read XLA's cost analysis of a bucket's programs through `lowe
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +74,34 @@ def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
 PRECOMPILE_PLATFORMS = ("tpu", "gpu")
 
 
+# Python's GIL switch interval while a precompile traces the model beside the loading threads. At the default 5 ms
+# a loading thread that needs the GIL (after each read, transfer or transpose) may wait 5 ms for the tracing thread:
+# on the 2-core CPU machine, placing the small preset's 609 tensors took 4.5-4.9 s beside a precompile instead of
+# 0.4 s alone; at 0.25 ms it took 1.3 s (at 0.1 ms 0.9 s, but the model's own Python is slower then).
+LOADING_SWITCH_INTERVAL_S = 0.00025
+_switching_lock = threading.Lock()
+_switching = {"users": 0, "before": None}
+
+
+@contextlib.contextmanager
+def fine_gil_switching(seconds: float | None = None):
+    """The process's GIL switch interval at most `seconds` (default LOADING_SWITCH_INTERVAL_S) inside; the first
+    load to enter saves the interval and the last to leave restores it (loads may overlap in a worker's threads)."""
+    seconds = LOADING_SWITCH_INTERVAL_S if seconds is None else seconds
+    with _switching_lock:
+        if _switching["users"] == 0:
+            _switching["before"] = sys.getswitchinterval()
+        _switching["users"] += 1
+        sys.setswitchinterval(min(_switching["before"], seconds))
+    try:
+        yield
+    finally:
+        with _switching_lock:
+            _switching["users"] -= 1
+            if _switching["users"] == 0:
+                sys.setswitchinterval(_switching["before"])
+
+
 def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     options, variant = settings.engine, settings.variant
     enable_compilation_cache(options.compilation_cache_dir)
@@ -120,17 +150,20 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     # The programs of the shapes asked for compile from the modules' shapes on other threads while the weights load
     # (reading is bound by the disk, compiling by the host's cores): measured on a v5e chip, klein-4B 1024x1024.
     precompiling = None
-    if settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
-        precompiling = pool.submit(
-            _precompile, settings.precompile, lambda: make_generator(*networks.run_modules(), abstract=True))
-        pool.shutdown(wait=False)  # the thread ends with its one task
-    shard_layout.lay_out(transformer_abs, model_shards(mesh))
-    times, placing = LoadTimes(), time.perf_counter()
-    text_encoder, transformer, vae = (
-        load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
-                       placement=placement(mesh), permutations=shard_layout.stored_to_layout(module), times=times)
-        for (name, module, exp, opt), f in zip(components, files))
+    precompile_now = settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS
+    with fine_gil_switching() if precompile_now else contextlib.nullcontext():
+        if precompile_now:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
+            precompiling = pool.submit(
+                _precompile, settings.precompile, lambda: make_generator(*networks.run_modules(), abstract=True))
+            pool.shutdown(wait=False)  # the thread ends with its one task
+        shard_layout.lay_out(transformer_abs, model_shards(mesh))
+        times, placing = LoadTimes(), time.perf_counter()
+        text_encoder, transformer, vae = (
+            load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
+                           placement=placement(mesh), permutations=shard_layout.stored_to_layout(module),
+                           times=times)
+            for (name, module, exp, opt), f in zip(components, files))
     load_phases = dict(times.as_dict(), wall_s=time.perf_counter() - placing)
     vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
 

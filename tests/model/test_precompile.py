@@ -38,3 +38,34 @@ def test_precompiled_programs_are_adopted_and_give_the_same_images(tiny_ckpt, mo
 def test_bad_precompile_shapes_are_refused(bad):
     with pytest.raises(ValueError, match="precompile"):
         LoadSettings(model="x", precompile=bad)
+
+
+@pytest.mark.parametrize("precompile_on", [True, False], ids=["precompiling", "not-precompiling"])
+def test_loading_beside_a_precompile_switches_the_gil_finely_then_restores_it(tiny_ckpt, monkeypatch, precompile_on):
+    """While a precompile traces the model beside the loading threads, the GIL switch interval is
+    LOADING_SWITCH_INTERVAL_S (a loading thread waits at most that for the tracer); the process's own interval is
+    back once the weights are placed; a load without a precompile leaves it alone."""
+    import sys
+
+    seen = []
+    real = generator_lib.load_component
+
+    def spying(*args, **kwargs):
+        seen.append(sys.getswitchinterval())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generator_lib, "load_component", spying)
+    if precompile_on:
+        monkeypatch.setattr(generator_lib, "PRECOMPILE_PLATFORMS", ("cpu", "tpu", "gpu"))
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        gen = model.load(_settings(tiny_ckpt, precompile=((32, 48),)))
+        after = sys.getswitchinterval()
+    finally:
+        sys.setswitchinterval(before)
+    assert len(seen) == 3  # text encoder, transformer, VAE
+    want = generator_lib.LOADING_SWITCH_INTERVAL_S if precompile_on else 0.004
+    assert all(abs(v - want) < 1e-9 for v in seen), seen
+    assert abs(after - 0.004) < 1e-9, after
+    assert (gen.programs.compile_count > 0) == precompile_on
