@@ -219,7 +219,6 @@ def _device_transpose(order: tuple[int, ...], sharding):
     return jax.jit(functools.partial(jnp.transpose, axes=order), out_shardings=sharding)
 
 
-
 def release_host_memory() -> None:
     """Give the heap pages freed by loading back to the OS (glibc's malloc_trim), so a process whose weights now
     live on an accelerator does not keep their host copies' pages resident; a no-op without glibc."""
