@@ -84,15 +84,14 @@ _switching = {"users": 0, "before": None}
 
 
 @contextlib.contextmanager
-def fine_gil_switching(seconds: float | None = None):
-    """The process's GIL switch interval at most `seconds` (default LOADING_SWITCH_INTERVAL_S) inside; the first
-    load to enter saves the interval and the last to leave restores it (loads may overlap in a worker's threads)."""
-    seconds = LOADING_SWITCH_INTERVAL_S if seconds is None else seconds
+def fine_gil_switching():
+    """The process's GIL switch interval at most LOADING_SWITCH_INTERVAL_S inside; the first load to enter saves
+    the interval and the last to leave restores it (loads may overlap in a worker's threads)."""
     with _switching_lock:
         if _switching["users"] == 0:
             _switching["before"] = sys.getswitchinterval()
         _switching["users"] += 1
-        sys.setswitchinterval(min(_switching["before"], seconds))
+        sys.setswitchinterval(min(_switching["before"], LOADING_SWITCH_INTERVAL_S))
     try:
         yield
     finally:

@@ -110,16 +110,7 @@ class SafetensorsFile:
 # reading 16 MiB 4.5 GB/s and 32 threads reading 8 MiB 7.0 GB/s; a whole tensor per read was the 0.8 GB/s case.
 READ_CHUNK_BYTES = 8 << 20
 READ_THREADS = 32
-_read_pool: ThreadPoolExecutor | None = None
-_read_pool_lock = threading.Lock()
-
-
-def _reading_threads() -> ThreadPoolExecutor:
-    global _read_pool
-    with _read_pool_lock:
-        if _read_pool is None:
-            _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights-read")
-        return _read_pool
+_READING_THREADS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights-read")  # threads start on demand
 
 
 def _read_range(fd: int, view: memoryview, offset: int, path: str, tensor: str) -> None:
@@ -147,8 +138,7 @@ def read_into(path: str, buffer: memoryview, offset: int, *, tensor: str = "") -
         if len(starts) == 1:
             _read_range(fd, buffer, offset, path, tensor)
             return
-        pool = _reading_threads()
-        reads = [pool.submit(_read_range, fd, buffer[s:s + READ_CHUNK_BYTES], offset + s, path, tensor)
+        reads = [_READING_THREADS.submit(_read_range, fd, buffer[s:s + READ_CHUNK_BYTES], offset + s, path, tensor)
                  for s in starts]
         for r in reads:  # every read ends (its error raised) before the file is closed
             r.exception()
@@ -426,6 +416,8 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
         if name not in tensor_to_file:
             raise CheckpointError("model parameter has no tensor in the checkpoint", path=folder, tensor=name)
 
+    default_sharding = SingleDeviceSharding(jax.devices()[0]) if placement is None else None
+
     def place(item):
         path, var = item
         name = ".".join(str(p) for p in path)
@@ -443,7 +435,7 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
             perm, axis = permutations[tuple(path)]
             array = np.take(array, perm, axis=axis if order is None else order[axis])
         array = array.astype(target.dtype, copy=False)
-        sharding = placement(path, var) if placement is not None else SingleDeviceSharding(jax.devices()[0])
+        sharding = placement(path, var) if placement is not None else default_sharding
         on_device = order is not None and _platform(sharding) in DEVICE_LAYOUT_PLATFORMS
         if on_device:
             array = np.ascontiguousarray(array)
