@@ -39,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--gil-switch-ms", type=float, default=None,
                     help="the GIL switch interval while loading beside a precompile (model.generator."
                     "LOADING_SWITCH_INTERVAL_S; default the library's; 5 = Python's own, as before)")
+    ap.add_argument("--runtime-first", action="store_true", help="start the accelerator runtime before the load, "
+                    "not beside its preparations (as before model.generator._start_runtime)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint-cache", default=None, help=argparse.SUPPRESS)
@@ -49,6 +51,9 @@ def child(args) -> dict:
     """One worker start, timed from this process's start (the parent passes its launch time)."""
     t0 = float(os.environ["STARTUP_T0"])
     out = {"process_start_s": time.time() - t0}
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the parent keeps the load's lines
     start = time.perf_counter()
     import jax  # noqa: F401
 
@@ -60,7 +65,8 @@ def child(args) -> dict:
         model.generator.LOADING_SWITCH_INTERVAL_S = args.gil_switch_ms / 1e3
     out["gil_switch_ms"] = model.generator.LOADING_SWITCH_INTERVAL_S * 1e3
     start = time.perf_counter()
-    out["backend"] = jax.default_backend()  # starts the runtime (on a TPU, its host memory too)
+    if args.runtime_first:  # as before the load started the runtime itself, beside its own preparations
+        jax.devices()  # starts the runtime (on a TPU, its host memory too)
     out["backend_init_s"] = time.perf_counter() - start
     counts()
     path = args.model
@@ -81,6 +87,7 @@ def child(args) -> dict:
                                   engine=EngineOptions(batch_size=1, compilation_cache_dir=args.cache),
                                   precompile=precompile))
     out["load_s"] = time.perf_counter() - start
+    out["backend"] = jax.default_backend()
     out["rss_after_load_gb"] = _rss_gb()
     out["weight_gb"] = weight_bytes / 1e9  # the checkpoint's files; the load reads only the tensors the model uses
     # what was read and placed: the parameters the devices hold (one device: every loaded tensor, in the model's dtype)
@@ -113,13 +120,16 @@ def run_child(args, cache: str, checkpoint_cache: str) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", f"--model={args.model}", f"--cache={cache}",
            f"--checkpoint-cache={checkpoint_cache}", f"--height={args.height}", f"--width={args.width}",
            f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}",
-           *(["--no-precompile"] if args.no_precompile else []),
+           *(["--no-precompile"] if args.no_precompile else []), *(["--runtime-first"] if args.runtime_first else []),
            *([f"--gil-switch-ms={args.gil_switch_ms}"] if args.gil_switch_ms is not None else [])]
     env = dict(os.environ, STARTUP_T0=repr(time.time()))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"start-up run failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    for line in done.stderr.splitlines():  # the load's own account: placing, precompiling, waiting, compiling
+        if line.startswith(("model.generator:", "model.engine:")):
+            print(f"[startup] {line}", file=sys.stderr, flush=True)
     print(f"[startup] run done: {json.dumps(result)}", file=sys.stderr, flush=True)  # kept if a later run is cut off
     return result
 
@@ -144,8 +154,13 @@ def main(argv=None) -> dict:
         rows.append((key, f"{runs['cold'][key + '_s']:.2f}", f"{runs['warm'][key + '_s']:.2f}"))
     rows.append(("weights loaded GB", *(f"{runs[r]['loaded_gb']:.2f}" for r in ("cold", "warm"))))
     rows.append(("weights GB/s", f"{runs['cold']['load_gb_per_s']:.2f}", f"{runs['warm']['load_gb_per_s']:.2f}"))
+    for key in ("runtime_start", "runtime_wait", "prepare", "wall", "finish", "precompile_wait"):
+        name = {"wall": "placing weights", "runtime_start": "runtime start (beside prepare)",
+                "prepare": "prepare (with runtime wait)"}.get(key, key)
+        rows.append((f"load: {name} s", *(f"{runs[r]['load_phases'][key + '_s']:.2f}" for r in ("cold", "warm"))))
     for key in ("read", "host_layout", "transfer", "device_layout"):
-        rows.append((f"load: {key} thread-s", *(f"{runs[r]['load_phases'][key + '_s']:.1f}" for r in ("cold", "warm"))))
+        rows.append((f"placing: {key} thread-s",
+                     *(f"{runs[r]['load_phases'][key + '_s']:.1f}" for r in ("cold", "warm"))))
     for key in ("rss_before_load", "rss_after_load", "rss"):
         rows.append((key + " GB", *(f"{runs[r][key + '_gb'] or float('nan'):.2f}" for r in ("cold", "warm"))))
     rows.append(("XLA compiles / cache hits", f"{runs['cold']['xla_compiles']} / {runs['cold']['xla_cache_hits']}",
