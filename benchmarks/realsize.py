@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -49,8 +50,9 @@ def _fill(shape, block: np.ndarray, name: str) -> np.ndarray:
     """Cheap non-constant bf16 values: a random block tiled over the tensor (norm weights around 1)."""
     n = int(np.prod(shape))
     if name.endswith("running_var") or (len(shape) == 1 and "norm" in name):
-        return (1.0 + np.resize(block, n).reshape(shape)).astype(ml_dtypes.bfloat16)
-    return np.resize(block, n).reshape(shape).astype(ml_dtypes.bfloat16)
+        block = 1.0 + block
+    # Cast the block once and tile its bits: the same values as tiling and then casting, several times faster.
+    return np.resize(block.astype(ml_dtypes.bfloat16).view(np.uint16), n).view(ml_dtypes.bfloat16).reshape(shape)
 
 
 def write_safetensors_component(folder: str, tensors: dict[str, tuple], file_stem: str, seed: int = 0) -> None:
@@ -68,7 +70,8 @@ def write_safetensors_component(folder: str, tensors: dict[str, tuple], file_ste
         size += nbytes
     shards.append(current)
     weight_map = {}
-    for i, shard in enumerate(shards):
+
+    def write_shard(i: int, shard: list[str]) -> None:
         fname = f"{file_stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {}, 0
         for name in shard:
@@ -89,7 +92,12 @@ def write_safetensors_component(folder: str, tensors: dict[str, tuple], file_ste
                 if name == "bn.num_batches_tracked":
                     f.write(np.array(1000, np.int64).tobytes())
                 else:
-                    f.write(_fill(tensors[name], block, name).tobytes())
+                    f.write(memoryview(_fill(tensors[name], block, name).reshape(-1).view(np.uint8)))
+
+    # Shards are written at once, one thread each (one tensor in memory per thread): on a TPU host's 9p file
+    # system one stream writes far below what several do.
+    with ThreadPoolExecutor(min(8, len(shards))) as pool:
+        list(pool.map(write_shard, range(len(shards)), shards))
     with open(os.path.join(folder, f"{file_stem}.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
