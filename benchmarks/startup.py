@@ -6,7 +6,10 @@ from the compilation cache), first image. Each run is a fresh process, as a new 
     python -m benchmarks.startup --model gs://bucket/ckpt ...                        # with the gs:// copy
 
 By default the measured shape compiles while the weights load (`LoadSettings.precompile`, as the job does): the
-`load` phase then holds both and `compile` only what was left; `--no-precompile` compiles after loading.
+`load` phase then holds both and `compile` only what was left; `--no-precompile` compiles after loading. The load
+also starts the accelerator runtime, beside reading configs, tokenizer and headers (`--runtime-first` starts it
+before the load instead); its rows split the load's wall time (runtime start, preparing, placing the weights,
+finishing, waiting for the programs) and the loading threads' time.
 
 Runs cold (an empty compilation cache and, for gs://, an empty checkpoint cache) and then warm (the same caches, as a
 worker that starts after another of the same job). Prints a table and, last, one JSON line. A measurement tool:
@@ -16,8 +19,10 @@ nothing here is asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +46,8 @@ def parse_args(argv=None):
                     "LOADING_SWITCH_INTERVAL_S; default the library's; 5 = Python's own, as before)")
     ap.add_argument("--runtime-first", action="store_true", help="start the accelerator runtime before the load, "
                     "not beside its preparations (as before model.generator._start_runtime)")
+    ap.add_argument("--keep-caches", default=None, metavar="DIR", help="put the runs' caches in DIR (emptied "
+                    "first) and leave them there, for a later warm run or a profile")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint-cache", default=None, help=argparse.SUPPRESS)
@@ -94,6 +101,9 @@ def child(args) -> dict:
     placed = gen.programs.parameter_bytes_per_device()
     out["loaded_gb"] = sum(placed.values()) / 1e9
     out["load_gb_per_s"] = out["loaded_gb"] / out["load_s"]
+    # the weights' own rate: read, placed and laid out, over the placing's wall time (the load also holds the
+    # preparations and the wait for programs compiled meanwhile)
+    out["placing_gb_per_s"] = gen.load_phases["bytes"] / 1e9 / gen.load_phases["wall_s"]
     out["load_phases"] = gen.load_phases  # thread-seconds per phase of placing the weights, and its wall time
     size = dict(height=args.height, width=args.width)
     start = time.perf_counter()
@@ -145,7 +155,12 @@ def main(argv=None) -> dict:
         args.model = presets.ensure_checkpoint(args.preset)
     if args.max_sequence_length is None:
         args.max_sequence_length = presets.PRESETS[args.preset]["max_sequence_length"]
-    with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep_caches:
+            shutil.rmtree(args.keep_caches, ignore_errors=True)  # the cold run starts from empty caches
+            tmp = args.keep_caches
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="startup-"))
         cache, ckpt_cache = os.path.join(tmp, "xla"), os.path.join(tmp, "checkpoints")
         runs = {"cold": run_child(args, cache, ckpt_cache), "warm": run_child(args, cache, ckpt_cache)}
     rows = [("phase", "cold s", "warm s")]
@@ -153,7 +168,8 @@ def main(argv=None) -> dict:
                 "first_image_after_start"):
         rows.append((key, f"{runs['cold'][key + '_s']:.2f}", f"{runs['warm'][key + '_s']:.2f}"))
     rows.append(("weights loaded GB", *(f"{runs[r]['loaded_gb']:.2f}" for r in ("cold", "warm"))))
-    rows.append(("weights GB/s", f"{runs['cold']['load_gb_per_s']:.2f}", f"{runs['warm']['load_gb_per_s']:.2f}"))
+    rows.append(("weights GB/s (of the load)", *(f"{runs[r]['load_gb_per_s']:.2f}" for r in ("cold", "warm"))))
+    rows.append(("weights GB/s (of placing)", *(f"{runs[r]['placing_gb_per_s']:.2f}" for r in ("cold", "warm"))))
     for key in ("runtime_start", "runtime_wait", "prepare", "wall", "finish", "precompile_wait"):
         name = {"wall": "placing weights", "runtime_start": "runtime start (beside prepare)",
                 "prepare": "prepare (with runtime wait)"}.get(key, key)
