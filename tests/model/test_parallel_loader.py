@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 CHECK = r'''
+import dataclasses
 import json
 import sys
 import traceback
@@ -18,7 +19,9 @@ import traceback
 import jax
 import numpy as np
 import model
+import model.generator
 import model.weights
+from model.options import LoadSettings
 from model import shard_layout
 from model.weights import flat_params, open_component, to_jax_layout
 
@@ -28,8 +31,14 @@ def check(path, dtype, shards, layout="host"):
     `layout`: "device" transposes on the (CPU) devices, as the loader does on accelerators."""
     platforms = model.weights.DEVICE_LAYOUT_PLATFORMS
     model.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
+    # The split device-layout case also compiles its programs while loading, as accelerators do.
+    precompile = layout == "device" and shards > 1
+    settings = LoadSettings.create(path, dtype, max_sequence_length=32, model_shards=shards)
+    if precompile:
+        model.generator.PRECOMPILE_PLATFORMS = ("cpu", "tpu", "gpu")
+        settings = dataclasses.replace(settings, precompile=((32, 48),))
     try:
-        gen = model.load(path, dtype, max_sequence_length=32, model_shards=shards)
+        gen = model.load(settings)
     finally:
         model.weights.DEVICE_LAYOUT_PLATFORMS = platforms
     te, tr, vae = gen.programs.modules()
@@ -54,6 +63,11 @@ def check(path, dtype, shards, layout="host"):
             placed_bytes += want.nbytes
     phases = gen.load_phases  # what the loader reports having read and placed: exactly these tensors
     assert (phases["tensors"], phases["bytes"]) == (checked, placed_bytes), (phases, checked, placed_bytes)
+    if precompile:  # the programs compiled from the modules' shapes run the parameters as loaded, unchanged
+        compiled = gen.programs.compile_count
+        assert compiled > 0, "nothing was compiled while loading"
+        gen.generate(["a red fox"], [0], height=32, width=48)
+        assert gen.programs.compile_count == compiled, "the first call compiled again"
     assert all(phases[k] >= 0 for k in ("read_s", "host_layout_s", "transfer_s", "device_layout_s", "prepare_s",
                                         "wall_s", "finish_s", "precompile_wait_s", "runtime_start_s",
                                         "runtime_wait_s")), phases
