@@ -184,8 +184,10 @@ def main(argv=None) -> dict:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     print("\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                     for r in rows))
+    # the runtime's and compiler's settings the runs inherited (e.g. TPU_PREMAPPED_BUFFER_SIZE, XLA_FLAGS)
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TPU_", "LIBTPU_", "XLA_", "JAX_"))}
     result = {"model": args.model, "height": args.height, "width": args.width, "dtype": args.dtype,
-              "precompile": not args.no_precompile,
+              "precompile": not args.no_precompile, "runtime_first": args.runtime_first, "environment": settings,
               "backend": runs["cold"]["backend"], **runs}
     print(json.dumps(result))
     return result
