@@ -200,3 +200,24 @@ def test_a_thread_gives_up_its_buffer_when_the_placed_array_uses_that_memory():
     refilled[:] = 0
     assert refilled.ctypes.data != raw.ctypes.data
     assert np.array_equal(np.asarray(aliased), np.arange(1024, dtype=np.float32))
+
+
+def test_a_file_cut_short_after_validation_fails_the_read_naming_file_and_tensor(tmp_path, monkeypatch):
+    """The file shrinks between the header check and the read (a copy still being written, a shrinking mount):
+    the chunked read stops with a CheckpointError naming the file and the tensor, not with zeros."""
+    import torch
+    from safetensors.torch import save_file
+
+    from model import weights
+    from model.errors import CheckpointError
+
+    monkeypatch.setattr(weights, "READ_CHUNK_BYTES", 4096)
+    path = str(tmp_path / "w.safetensors")
+    save_file({"big": torch.randn(64, 1024)}, path)
+    sf = weights.SafetensorsFile(path)
+    os.truncate(path, os.path.getsize(path) - 50_000)
+    for buffers in (None, weights.ReadBuffers()):  # into a fresh array, and into a loading thread's buffer
+        with pytest.raises(CheckpointError) as err:
+            sf.read("big", buffers)
+        assert "ended before the tensor's data" in str(err.value)
+        assert path in str(err.value) and "big" in str(err.value)
