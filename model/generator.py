@@ -103,7 +103,7 @@ def fine_gil_switching():
 
 
 # The accelerator runtime starts on this thread while a load reads the checkpoint's configs, tokenizer and headers
-# and builds the model's shapes, none of which needs a device: the runtime took 7-10 s to start on a v5e host.
+# and builds the model's shapes, none of which needs a device: the runtime took 6-10 s to start on v5e hosts.
 _RUNTIME_STARTER = ThreadPoolExecutor(1, thread_name_prefix="runtime-start")
 
 
