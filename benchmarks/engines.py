@@ -166,9 +166,10 @@ ABLATIONS = {
 }
 # Not rows: reference mode is the last row; the persistent cache's effect is the cold/warm compile columns;
 # batch_size is the workload; max_buckets bounds memory over many sizes (one size here); context parallelism is a
-# layout over several devices, off by default; vae_splash is off by default (measured slower on v5e).
+# layout over several devices, off by default; vae_splash is off by default (measured slower on v5e);
+# layers_traced_once is off by default until measured on a chip (it shortens lowering, not the programs' run).
 NOT_ABLATED = ("reference", "batch_size", "compilation_cache_dir", "max_buckets", "context_parallel", "model_shards",
-               "platform", "vae_splash")
+               "platform", "vae_splash", "layers_traced_once")
 
 
 def ablation_variants(batch: int, cache_dir: str | None) -> list[Variant]:

@@ -46,6 +46,8 @@ def parse_args(argv=None):
                     "LOADING_SWITCH_INTERVAL_S; default the library's; 5 = Python's own, as before)")
     ap.add_argument("--runtime-first", action="store_true", help="start the accelerator runtime before the load, "
                     "not beside its preparations (as before model.generator._start_runtime)")
+    ap.add_argument("--lab", action="append", default=[], metavar="NAME=VALUE",
+                    help="a model.lab.LabSwitches field for the runs, e.g. layers_traced_once=true (repeatable)")
     ap.add_argument("--keep-caches", default=None, metavar="DIR", help="put the runs' caches in DIR (emptied "
                     "first) and leave them there, for a later warm run or a profile")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -92,7 +94,7 @@ def child(args) -> dict:
     precompile = () if args.no_precompile else ((args.height, args.width, None, None),)
     gen = model.load(LoadSettings(model=path, dtype=args.dtype, max_sequence_length=args.max_sequence_length,
                                   engine=EngineOptions(batch_size=1, compilation_cache_dir=args.cache),
-                                  precompile=precompile))
+                                  precompile=precompile), lab=lab_switches(args.lab))
     out["load_s"] = time.perf_counter() - start
     out["backend"] = jax.default_backend()
     out["rss_after_load_gb"] = _rss_gb()
@@ -118,6 +120,27 @@ def child(args) -> dict:
     return out
 
 
+def lab_switches(pairs: list[str]):
+    """`--lab NAME=VALUE` pairs as model.lab.LabSwitches (each value parsed as its field's type)."""
+    import dataclasses
+
+    from model.lab import LabSwitches
+
+    fields = {f.name: f for f in dataclasses.fields(LabSwitches)}
+    values = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--lab {pair!r}: no such switch; choose one of {sorted(fields)}")
+        if isinstance(fields[name].default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise SystemExit(f"--lab {pair!r}: {name} is true or false")
+            values[name] = text.lower() in ("true", "1")
+        else:
+            values[name] = type(fields[name].default)(text)
+    return LabSwitches(**values)
+
+
 def _rss_gb() -> float | None:
     """This process's resident memory in GB (None off Linux)."""
     from .runs import host_memory_mb
@@ -131,6 +154,7 @@ def run_child(args, cache: str, checkpoint_cache: str) -> dict:
            f"--checkpoint-cache={checkpoint_cache}", f"--height={args.height}", f"--width={args.width}",
            f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}",
            *(["--no-precompile"] if args.no_precompile else []), *(["--runtime-first"] if args.runtime_first else []),
+           *(f"--lab={pair}" for pair in args.lab),
            *([f"--gil-switch-ms={args.gil_switch_ms}"] if args.gil_switch_ms is not None else [])]
     env = dict(os.environ, STARTUP_T0=repr(time.time()))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -151,6 +175,7 @@ def main(argv=None) -> dict:
         return {}
     from . import presets
 
+    lab_switches(args.lab)  # a wrong --lab fails here, before any run
     if args.model is None:
         args.model = presets.ensure_checkpoint(args.preset)
     if args.max_sequence_length is None:
@@ -187,7 +212,8 @@ def main(argv=None) -> dict:
     # the runtime's and compiler's settings the runs inherited (e.g. TPU_PREMAPPED_BUFFER_SIZE, XLA_FLAGS)
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TPU_", "LIBTPU_", "XLA_", "JAX_"))}
     result = {"model": args.model, "height": args.height, "width": args.width, "dtype": args.dtype,
-              "precompile": not args.no_precompile, "runtime_first": args.runtime_first, "environment": settings,
+              "precompile": not args.no_precompile, "runtime_first": args.runtime_first, "lab": args.lab,
+              "environment": settings,
               "backend": runs["cold"]["backend"], **runs}
     print(json.dumps(result))
     return result

@@ -133,13 +133,15 @@ class CompiledPrograms:
         @on_mesh
         def encode(state, ids, mask):
             model = nnx.merge(te_graph, state)
-            return rows(lambda i, m: model(i, m, implementation=text_attention).astype(dtype), ids, mask)
+            return rows(lambda i, m: model(i, m, implementation=text_attention,
+                                           layers_traced_once=lab.layers_traced_once).astype(dtype), ids, mask)
 
         def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs):
             """The target tokens' velocity; `refs` (reference tokens, or None) follow them in the image sequence and
             are the same in both CFG branches, as in diffusers."""
             model = nnx.merge(tr_graph, state)
             kw = dict(implementation=attention, image_only_last_block=lab.image_only_last_block,
+                      layers_traced_once=lab.layers_traced_once,
                       target_tokens=x.shape[1])
             if refs is not None:
                 x = jnp.concatenate([x, refs.astype(x.dtype)], axis=1)

@@ -19,7 +19,7 @@ from flax import nnx
 from . import heads_kernel
 from .attention import attention, attention_heads, traced_devices, traced_platform
 from .config import TransformerConfig
-from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype
+from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype, called_directly, traced_once_per_structure
 from .scopes import scoped
 from .shard_layout import join_parts, split_parts
 
@@ -379,10 +379,12 @@ class Flux2Transformer(nnx.Module):
                                axes=("embed", "latent"))
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, cos, sin, guidance=None, *,
-                 implementation: str = "xla", image_only_last_block: bool = True, target_tokens: int | None = None):
+                 implementation: str = "xla", image_only_last_block: bool = True, target_tokens: int | None = None,
+                 layers_traced_once: bool = False):
         """Velocity for the image tokens. `image_only_last_block`: the last single-stream block computes outputs for
         the image tokens only (the text tokens' would be discarded); False computes every token, as diffusers.
-        `target_tokens`: only the first that many image tokens' velocity (the target's, before the references')."""
+        `target_tokens`: only the first that many image tokens' velocity (the target's, before the references').
+        `layers_traced_once`: identical blocks traced once (model.layers.traced_once_per_structure)."""
         dtype = self.x_embedder.weight.dtype
         timestep = timestep_from_sigma(timestep, dtype)
         if guidance is not None:
@@ -394,13 +396,15 @@ class Flux2Transformer(nnx.Module):
 
         img = self.x_embedder(hidden_states)
         txt = self.context_embedder(encoder_hidden_states)
+        call = traced_once_per_structure() if layers_traced_once else called_directly
         for block in self.transformer_blocks:
-            img, txt = block(img, txt, mod_img, mod_txt, cos, sin, implementation)
+            img, txt = call(block, img, txt, mod_img, mod_txt, cos, sin, implementation=implementation)
         num_txt = txt.shape[1]
         x = jnp.concatenate([txt, img], axis=1)
         last = len(self.single_transformer_blocks) - 1
         for i, block in enumerate(self.single_transformer_blocks):
-            x = block(x, mod_single, cos, sin, implementation, num_txt if image_only_last_block and i == last else 0)
+            x = call(block, x, mod_single, cos, sin, implementation=implementation,
+                     queries_from=num_txt if image_only_last_block and i == last else 0)
         start = x.shape[1] - img.shape[1]
         x = x[:, start:start + (img.shape[1] if target_tokens is None else target_tokens)]
         x = self.norm_out(x, temb)

@@ -115,6 +115,7 @@ SWITCHES = {
     "vae_one_pass_norm": dict(vae_one_pass_norm=False),  # the VAE's GroupNorms centre first (two passes)
     "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
     "heads_kernel": dict(heads_kernel="off"),  # a TPU kernel: tests/model/test_heads_kernel.py runs it interpreted
+    "layers_traced_once": dict(layers_traced_once=True),  # off by default: each layer a jitted call, traced once
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
 }
 
@@ -171,6 +172,27 @@ def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path
     assert max_diff(images, default_images) <= 1, f"{switch}: images differ from the default by more than 1/255"
     if change == "tmp_cache_dir":
         assert os.listdir(tmp_path / "xla-cache"), "the persistent compilation cache folder stayed empty"
+
+
+def test_layers_traced_once_traces_the_text_encoders_identical_layers_once(tiny_ckpt, monkeypatch):
+    """The switch's point: the text encoder's 27 layers run (and lower) as one traced function, called 27 times."""
+    import collections
+
+    import model
+    from model import qwen3
+
+    traced = collections.Counter()
+    original = qwen3.Qwen3DecoderLayer.__call__
+
+    def counting(self, *args, **kwargs):
+        traced["layer"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "__call__", counting)
+    gen = model.load(tiny_ckpt, layers_traced_once=True, **KW)
+    gen.generate(PROMPTS[:1], SEEDS[:1], **SIZE)
+    assert traced["layer"] == 1, traced
+    assert len(gen.programs.modules()[0].model.layers) > 1
 
 
 def test_reference_mode_equals_default_with_cfg(tiny_base_ckpt, base_gen):
