@@ -185,15 +185,15 @@ def called_directly(block, *args, **kwargs):
     return block(*args, **kwargs)
 
 
-def _run_block(graphdef, state, args, static):
-    return nnx.merge(graphdef, state)(*args, **dict(static))
-
-
 def traced_once_per_structure():
     """A caller of blocks as one jitted function of their parameters, made anew for each trace of the model: blocks
     of the same structure and static arguments are traced and lowered once per trace (XLA inlines the calls), and
-    nothing is reused across traces, whose context (kernels, precision, mesh) may differ."""
-    jitted = jax.jit(_run_block, static_argnums=(0, 3))
+    nothing is reused across traces, whose context (kernels, precision, mesh) may differ. The function is a new
+    closure each time because JAX caches traces by function, not by jit object."""
+    def run_block(graphdef, state, args, static):
+        return nnx.merge(graphdef, state)(*args, **dict(static))
+
+    jitted = jax.jit(run_block, static_argnums=(0, 3))
 
     def call(block, *args, **static):
         graphdef, state = nnx.split(block)
