@@ -121,23 +121,13 @@ def child(args) -> dict:
 
 
 def lab_switches(pairs: list[str]):
-    """`--lab NAME=VALUE` pairs as model.lab.LabSwitches (each value parsed as its field's type)."""
-    import dataclasses
+    """`--lab NAME=VALUE` pairs as model.lab.LabSwitches."""
+    from model.lab import LAB_FIELDS, LabSwitches, parse_overrides
 
-    from model.lab import LabSwitches
-
-    fields = {f.name: f for f in dataclasses.fields(LabSwitches)}
-    values = {}
-    for pair in pairs:
-        name, _, text = pair.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--lab {pair!r}: no such switch; choose one of {sorted(fields)}")
-        if isinstance(fields[name].default, bool):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise SystemExit(f"--lab {pair!r}: {name} is true or false")
-            values[name] = text.lower() in ("true", "1")
-        else:
-            values[name] = type(fields[name].default)(text)
+    values = parse_overrides(pairs)
+    unknown = sorted(set(values) - LAB_FIELDS)
+    if unknown:
+        raise SystemExit(f"--lab: no switch named {', '.join(unknown)}; choose one of {sorted(LAB_FIELDS)}")
     return LabSwitches(**values)
 
 

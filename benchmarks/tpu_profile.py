@@ -47,11 +47,9 @@ def parse_args(argv=None):
 
 
 def _overrides(text: str) -> dict:
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        out[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
-    return out
+    from model.lab import parse_overrides
+
+    return parse_overrides(filter(None, text.split(",")))
 
 
 def staged_times(engine, prompts, seeds, wl) -> dict:

@@ -63,3 +63,13 @@ def split_overrides(overrides: dict) -> tuple[dict, dict]:
     """`model.load`'s keyword overrides -> (EngineOptions fields, LabSwitches fields)."""
     lab = {k: v for k, v in overrides.items() if k in LAB_FIELDS}
     return {k: v for k, v in overrides.items() if k not in LAB_FIELDS}, lab
+
+
+def parse_overrides(items) -> dict:
+    """`key=value` items from a benchmark's command line as keyword overrides: true/false as booleans, digits as
+    integers, anything else as text (`split_overrides` then sorts them into engine and lab fields)."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return out

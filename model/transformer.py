@@ -19,7 +19,8 @@ from flax import nnx
 from . import heads_kernel
 from .attention import attention, attention_heads, traced_devices, traced_platform
 from .config import TransformerConfig
-from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype, called_directly, traced_once_per_structure
+from .layers import (Linear, RMSNorm, called_directly, layer_norm, precision_for, round_to_dtype,
+                     traced_once_per_structure)
 from .scopes import scoped
 from .shard_layout import join_parts, split_parts
 

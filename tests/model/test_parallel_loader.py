@@ -95,8 +95,9 @@ SPLIT = [("bfloat16", 2, "host"), ("float32", 4, "device")]
 @pytest.fixture(scope="module")
 def split_results(tiny_ckpt):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    out = subprocess.run([sys.executable, "-c", CHECK, tiny_ckpt, *(":".join(map(str, case)) for case in SPLIT)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    cases = (":".join(map(str, case)) for case in SPLIT)
+    out = subprocess.run([sys.executable, "-c", CHECK, tiny_ckpt, *cases], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
