@@ -45,7 +45,7 @@ def parse_args(argv=None):
                     help="the GIL switch interval while loading beside a precompile (model.generator."
                     "LOADING_SWITCH_INTERVAL_S; default the library's; 5 = Python's own, as before)")
     ap.add_argument("--runtime-first", action="store_true", help="start the accelerator runtime before the load, "
-                    "not beside its preparations (as before model.generator._start_runtime)")
+                    "not beside its preparations (as before model.runtime.start_runtime)")
     ap.add_argument("--lab", action="append", default=[], metavar="NAME=VALUE",
                     help="a model.lab.LabSwitches field for the runs, e.g. layers_traced_once=true (repeatable)")
     ap.add_argument("--keep-caches", default=None, metavar="DIR", help="put the runs' caches in DIR (emptied "
@@ -75,6 +75,9 @@ def child(args) -> dict:
     out["gil_switch_ms"] = model.generator.LOADING_SWITCH_INTERVAL_S * 1e3
     start = time.perf_counter()
     if args.runtime_first:  # as before the load started the runtime itself, beside its own preparations
+        from model.runtime import apply_runtime_defaults
+
+        apply_runtime_defaults()  # the same runtime settings as the load's own start
         jax.devices()  # starts the runtime (on a TPU, its host memory too)
     out["backend_init_s"] = time.perf_counter() - start
     counts()

@@ -37,6 +37,7 @@ from .noise import initial_noise
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
 from .plan import Bucket, Sampling, bucket_for, default_guidance, default_steps, latent_grid, resolve_sampling
 from .reference_encoder import ReferenceEncoder
+from .runtime import start_runtime
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
 from .sharding import placement
 from .tokenizer import PromptTokenizer
@@ -102,25 +103,10 @@ def fine_gil_switching():
                 sys.setswitchinterval(_switching["before"])
 
 
-# The accelerator runtime starts on this thread while a load reads the checkpoint's configs, tokenizer and headers
-# and builds the model's shapes, none of which needs a device: the runtime took 6-10 s to start on v5e hosts.
-_RUNTIME_STARTER = ThreadPoolExecutor(1, thread_name_prefix="runtime-start")
-
-
-def _start_runtime():
-    """jax.devices() on the starter thread; the future's result is the seconds it took (near 0 once started)."""
-    def start() -> float:
-        began = time.perf_counter()
-        jax.devices()
-        return time.perf_counter() - began
-
-    return _RUNTIME_STARTER.submit(start)
-
-
 def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     options, variant = settings.engine, settings.variant
     enable_compilation_cache(options.compilation_cache_dir)
-    runtime = _start_runtime()
+    runtime = start_runtime()  # beside the preparations below, none of which needs a device
     root = settings.model
     from .hub import is_hub_id
 

@@ -327,13 +327,18 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def load_model(self) -> LoadedGenerator:
         import model  # lazy: JAX and the model code load only on workers, when the model is needed
+        from model.runtime import apply_runtime_defaults
 
-        # Before the checkpoint is copied or read: a worker without its accelerator stops here, with the cause.
-        check_accelerator(self._require_accelerator)
+        apply_runtime_defaults()  # before anything here starts the runtime; --worker_env's settings are kept
+        if self._require_accelerator:
+            # Before the checkpoint is copied or read: a worker without its accelerator stops here, with the cause.
+            check_accelerator(self._require_accelerator)
         from model.compile_events import counts
 
         counts()  # start counting compilations before the first one
-        gen = model.load(self.settings)
+        gen = model.load(self.settings)  # starts the runtime itself, beside reading the checkpoint's headers
+        if not self._require_accelerator:
+            check_accelerator(None)  # logs the devices the model uses
         _note_model_load()
         return LoadedGenerator(gen)
 
