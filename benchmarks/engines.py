@@ -163,13 +163,13 @@ ABLATIONS = {
     "vae_one_pass_norm": ("VAE GroupNorm statistics in two passes (centred first)", dict(vae_one_pass_norm=False)),
     "tpu_rope": ("RoPE by splitting pairs on TPUs (CPU always does)", dict(tpu_rope="pairs")),
     "heads_kernel": ("q/k norm, RoPE and head layout by XLA on TPUs (CPU always is)", dict(heads_kernel="off")),
+    "layers_traced_once": ("each layer traced and lowered where it is called", dict(layers_traced_once=False)),
 }
 # Not rows: reference mode is the last row; the persistent cache's effect is the cold/warm compile columns;
 # batch_size is the workload; max_buckets bounds memory over many sizes (one size here); context parallelism is a
 # layout over several devices, off by default; vae_splash is off by default (measured slower on v5e);
-# layers_traced_once is off by default until measured on a chip (it shortens lowering, not the programs' run).
 NOT_ABLATED = ("reference", "batch_size", "compilation_cache_dir", "max_buckets", "context_parallel", "model_shards",
-               "platform", "vae_splash", "layers_traced_once")
+               "platform", "vae_splash")
 
 
 def ablation_variants(batch: int, cache_dir: str | None) -> list[Variant]:

@@ -32,9 +32,9 @@ class LabSwitches:
     heads_kernel: str = "tpu"          # q/k norm, RoPE, head-major layout in one kernel: tpu | off | interpret
     # Identical layers traced and lowered once per program (each a jitted call, which XLA inlines), and the text
     # encoder's RoPE tables one constant: klein-4B's three programs for a v5e chip lowered in 0.84-0.90 s instead of
-    # 1.81 s on the CPU machine, with the same compiler estimate (978.7 against 978.4 ms per image). Off until its
-    # speed is measured on a chip: XLA compiles a different denoise program (temporaries 363 MB against 968 MB).
-    layers_traced_once: bool = False
+    # 1.81 s on the CPU machine; on a v5e chip (klein-4B, 1024x1024) 952.9 against 970.0 ms per image, and the warm
+    # start's first image 26.9 against 29.4 s (benchmarks/tpu_measured.json: traced_once_15358e1).
+    layers_traced_once: bool = True
 
     @property
     def fused(self) -> bool:
@@ -55,7 +55,7 @@ def reference_mode(**engine_overrides) -> dict:
                       dedupe_prompts=False, aot_compile=False, overlap_host=False, image_only_last_block=False,
                       fused_upsample=False, tpu_upsample="plain", vae_splash="off",
                       vae_one_pass_norm=False,
-                      tpu_rope="pairs", heads_kernel="off")
+                      tpu_rope="pairs", heads_kernel="off", layers_traced_once=False)
     return {"options": EngineOptions(**engine), "lab": lab}
 
 

@@ -115,7 +115,7 @@ SWITCHES = {
     "vae_one_pass_norm": dict(vae_one_pass_norm=False),  # the VAE's GroupNorms centre first (two passes)
     "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
     "heads_kernel": dict(heads_kernel="off"),  # a TPU kernel: tests/model/test_heads_kernel.py runs it interpreted
-    "layers_traced_once": dict(layers_traced_once=True),  # off by default: each layer a jitted call, traced once
+    "layers_traced_once": dict(layers_traced_once=False),  # each layer traced where it is called, as inline code
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
 }
 
