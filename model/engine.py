@@ -47,7 +47,13 @@ def enable_compilation_cache(path: str | None) -> None:
     """Point JAX's persistent compilation cache at `path` (local folder or gs://) so restarts skip compiling."""
     if not path:
         return
-    jax.config.update("jax_compilation_cache_dir", path)
+    if jax.config.jax_compilation_cache_dir != path:
+        from jax._src import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", path)
+        # JAX opens its cache once per process: one opened earlier at another folder (an earlier load's, or the
+        # JAX_COMPILATION_CACHE_DIR one) would otherwise go on receiving the programs meant for this one.
+        compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

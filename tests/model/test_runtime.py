@@ -48,3 +48,29 @@ def test_the_handlers_load_sets_them_first_and_keeps_the_users(monkeypatch, tmp_
         assert calls == [("devices", "tpu"), ("load", "2147483648")]
     finally:
         inference.discard_pending_model_loads()
+
+
+def test_a_new_compilation_cache_folder_takes_effect_after_another_was_opened(tmp_path):
+    """JAX opens its persistent cache once per process: pointing it elsewhere later (the launcher's preflight into
+    the job's shared cache, a second load with another --compilation_cache_dir) must still write there."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import compilation_cache
+
+    from model.engine import enable_compilation_cache
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    first, second = tmp_path / "first", tmp_path / "second"
+    try:
+        enable_compilation_cache(str(first))
+        jax.jit(lambda x: x * 3.0 + 1.0).lower(jnp.ones(7)).compile()
+        assert os.listdir(first), "the first folder received nothing"
+        enable_compilation_cache(str(second))
+        jax.jit(lambda x: x * 5.0 - 2.0).lower(jnp.ones(11)).compile()
+        assert second.is_dir() and os.listdir(second), "the second folder received nothing: the first stayed open"
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
