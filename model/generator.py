@@ -40,7 +40,7 @@ from .reference_encoder import ReferenceEncoder
 from .runtime import start_runtime
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
 from .sharding import placement
-from .tokenizer import PromptTokenizer
+from .tokenizer import PromptTokenizer, TokenizerShape
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
 from .weights import LoadTimes, expected_tensors, load_component, release_host_memory, validate_component
 
@@ -103,6 +103,9 @@ def fine_gil_switching():
                 sys.setswitchinterval(_switching["before"])
 
 
+_TOKENIZER_LOADER = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+
+
 def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     options, variant = settings.engine, settings.variant
     enable_compilation_cache(options.compilation_cache_dir)
@@ -117,14 +120,13 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     elif not os.path.isdir(root):
         raise CheckpointError("checkpoint folder does not exist", path=root)
     start = time.perf_counter()
+    # The tokenizer (with the transformers import it needs: 3 s on a v5e host) loads on its own thread beside the
+    # preparations and the precompile's start; it is joined before any weight is read.
+    tokenizing = _TOKENIZER_LOADER.submit(PromptTokenizer, os.path.join(root, "tokenizer"),
+                                          settings.max_sequence_length)
     config = PipelineConfig.from_folder(root)
     te_cfg = config.text_encoder
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
-    tokenizer = PromptTokenizer(os.path.join(root, "tokenizer"), settings.max_sequence_length)
-    if len(tokenizer.tokenizer) > te_cfg.vocab_size:  # an id past the embedding table would read NaN: black images
-        raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
-                              f"table only {te_cfg.vocab_size} rows (vocab_size): tokenizer and text encoder do not "
-                              f"belong together", path=os.path.join(root, "tokenizer"))
     # The modules the programs run, as shapes: filled here, and copied for the precompiler.
     networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab)
     run_te, transformer_abs, run_vae = networks.run_modules()
@@ -148,7 +150,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     runtime_wait_s = time.perf_counter() - waiting
     mesh = make_mesh(options)
 
-    def make_generator(text_encoder, transformer, vae, **kw):
+    def make_generator(tokenizer, text_encoder, transformer, vae, **kw):
         return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
                                    options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh, **kw)
 
@@ -165,9 +167,15 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
             # longest path.
             modules = tuple(nnx.clone(m) for m in (run_te, transformer_abs, run_vae))
             pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
+            shape = TokenizerShape(contract.count("max_sequence_length", settings.max_sequence_length))
             precompiling = pool.submit(_precompile, settings.precompile,
-                                       lambda: make_generator(*modules, abstract=True))
+                                       lambda: make_generator(shape, *modules, abstract=True))
             pool.shutdown(wait=False)  # the thread ends with its one task
+        tokenizer = tokenizing.result()  # its CheckpointError, if any, is raised here, before any weight is read
+        if len(tokenizer.tokenizer) > te_cfg.vocab_size:  # an id past the embedding table would read NaN: black images
+            raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's "
+                                  f"embedding table only {te_cfg.vocab_size} rows (vocab_size): tokenizer and text "
+                                  f"encoder do not belong together", path=os.path.join(root, "tokenizer"))
         times, placing = LoadTimes(), time.perf_counter()
         text_encoder, transformer, vae = (
             load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
@@ -191,7 +199,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                 time.perf_counter() - start, load_phases["tensors"], load_phases["bytes"] / 1e9, load_phases["wall_s"],
                 load_phases["read_s"], load_phases["host_layout_s"], load_phases["transfer_s"],
                 load_phases["device_layout_s"])
-    generator = make_generator(text_encoder, transformer, vae, vae_encoder_loader=load_vae_encoder)
+    generator = make_generator(tokenizer, text_encoder, transformer, vae, vae_encoder_loader=load_vae_encoder)
     generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
     waited = time.perf_counter()
     load_phases["finish_s"] = waited - finishing  # host memory returned, the generator made

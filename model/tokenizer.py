@@ -19,6 +19,14 @@ class TokenizedPrompts:
     num_tokens: tuple[int, ...]  # untruncated token count of each templated prompt
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizerShape:
+    """What compiling needs of a tokenizer, the padded length: stands for it in a generator that only compiles, so
+    that the programs compile while the tokenizer (and the transformers import it needs, 3 s on a v5e host) loads."""
+
+    max_length: int
+
+
 class PromptTokenizer:
     """Chat-template + tokenize exactly like Flux2KleinPipeline._get_qwen3_prompt_embeds, padded to max_length."""
 
