@@ -37,8 +37,8 @@ from .noise import initial_noise
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
 from .plan import Bucket, Sampling, bucket_for, default_guidance, default_steps, latent_grid, resolve_sampling
 from .reference_encoder import ReferenceEncoder
-from .runtime import start_runtime
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
+from .runtime import start_runtime
 from .sharding import placement
 from .tokenizer import PromptTokenizer, TokenizerShape
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
