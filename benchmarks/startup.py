@@ -100,6 +100,9 @@ def child(args) -> dict:
                                   precompile=precompile), lab=lab_switches(args.lab))
     out["load_s"] = time.perf_counter() - start
     out["backend"] = jax.default_backend()
+    from model.runtime import PREMAPPED_BUFFER_ENV
+
+    out["runtime_settings"] = {PREMAPPED_BUFFER_ENV: os.environ.get(PREMAPPED_BUFFER_ENV)}  # inherited or the load's
     out["rss_after_load_gb"] = _rss_gb()
     out["weight_gb"] = weight_bytes / 1e9  # the checkpoint's files; the load reads only the tensors the model uses
     # what was read and placed: the parameters the devices hold (one device: every loaded tensor, in the model's dtype)
