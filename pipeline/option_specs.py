@@ -229,7 +229,7 @@ OPTIONS = (
                                    "before generating any.", type=int, default=DEFAULT_MAX_IMAGES, metavar="N"),
     # --- reliability
     Option("inference_retries", "reliability", "Times a failed batch is run again before its images become "
-                                               "error rows (never for out-of-memory or bad input).", type=int,
+                                               "error rows (bad input never; out of memory: in halves).", type=int,
            default=DEFAULT_INFERENCE_RETRIES, metavar="N"),
     Option("inference_timeout_s", "reliability", "Seconds one batch's generate call may take (first batch of a shape "
                                                  "compiles within it); then error rows. 0: no limit.", type=int,

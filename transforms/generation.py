@@ -23,9 +23,9 @@ FAILED = "failed"  # (ImageTask, error row) of every image that could not be gen
 NON_FINITE_TAG = "nonfinite"
 
 # What the error row of a batch that ran out of memory suggests.
-OUT_OF_MEMORY_REMEDY = ("Use a smaller size (the records' height and width, or --height / --width) or a smaller "
-                        "--batch_size; on TPU or GPU workers, a machine type with more chips (each batch is sharded "
-                        "over a worker's chips) or more memory per chip.")
+OUT_OF_MEMORY_REMEDY = ("Use a smaller size (the records' height and width, or --height / --width); on TPU or GPU "
+                        "workers, a machine type with more chips (each batch is sharded over a worker's chips) or "
+                        "more memory per chip.")
 
 
 class Generate(beam.PTransform):
@@ -77,8 +77,10 @@ def failed_batch_rows(failed) -> Iterable[dict]:
                                                  f"image(s): {message}"
     elif tasks and is_out_of_memory(message):
         first = tasks[0].request  # a batch has one shape
-        reason = (f"out of memory: this machine cannot hold a batch of {len(tasks)} image(s) at "
-                  f"{first.height}x{first.width}. {OUT_OF_MEMORY_REMEDY} The error: {message}")
+        # The handler splits a batch that runs out of memory down to single images: what fails, fails alone.
+        reason = (f"out of memory: this machine cannot hold one image at {first.height}x{first.width} (its batch of "
+                  f"{len(tasks)} was also tried in parts, down to one image). {OUT_OF_MEMORY_REMEDY} "
+                  f"The error: {message}")
     for task in tasks:
         r = task.request
         yield layout.error_row(source=r.source, line=r.line, id=r.id, kind=kind,

@@ -323,6 +323,8 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         if not inference_timeout_s >= 0:
             raise ValueError(f"inference_timeout_s must be >= 0 (0: no limit), got {inference_timeout_s!r}")
         self._inference_timeout_s = inference_timeout_s
+        # shape key -> the smallest batch of that shape that ran out of memory here (later batches start below it)
+        self._too_big: dict[str, int] = {}
         self.settings = settings
 
     def load_model(self) -> LoadedGenerator:
@@ -344,8 +346,9 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def run_inference(self, batch: Sequence[ImageTask], model: LoadedGenerator,
                       inference_args: dict | None = None) -> Iterable[PredictionResult]:
-        """One generate call for the batch, run again on a transient failure; what still fails raises (and
-        RunInference's exception handling turns it into one error row per image)."""
+        """One generate call for the batch, run again on a transient failure; a batch that runs out of memory runs
+        again in two halves, down to single images. What still fails raises (and RunInference's exception handling
+        turns it into one error row per image of the batch)."""
         flush_model_load_metrics()
         flush_compile_metrics()
         tasks = list(batch)
@@ -357,6 +360,35 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         Metrics.counter(METRICS_NAMESPACE, "batches").inc()
         Metrics.counter(METRICS_NAMESPACE, f"batches_in_process_{os.getpid()}").inc()
         Metrics.distribution(METRICS_NAMESPACE, "batch_size").update(len(tasks))
+        return self._run_in_parts_that_fit(tasks, model)
+
+    def _run_in_parts_that_fit(self, tasks: list[ImageTask], model: LoadedGenerator) -> list[PredictionResult]:
+        """The batch at once, or in parts below the smallest batch of its shape that ran out of memory here; a part
+        that runs out of memory is halved (a single image's failure is raised). The default --batch_size of 4 does
+        not fit one v5e chip with klein-4B at 1024x1024: without this, every image of such a job failed."""
+        key = tasks[0].shape_key
+        too_big = self._too_big.get(key)
+        if too_big is not None and len(tasks) >= too_big:
+            part = max(1, too_big - 1)
+            return [result for start in range(0, len(tasks), part)
+                    for result in self._run_in_parts_that_fit(tasks[start:start + part], model)]
+        try:
+            return self._run_with_retries(tasks, model)
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is handled here; the rest propagates unchanged
+            if len(tasks) == 1 or not is_out_of_memory(e):
+                raise
+            self._too_big[key] = min(self._too_big.get(key, len(tasks)), len(tasks))
+            Metrics.counter(METRICS_NAMESPACE, "batches_split_for_memory").inc()
+            half = (len(tasks) + 1) // 2
+            LOGGER.warning("a batch of %d image(s) at %dx%d ran out of memory (%.200s); running it as %d + %d, and "
+                           "later batches of this shape in parts of at most %d (a smaller --batch_size avoids the "
+                           "attempt)", len(tasks), tasks[0].request.height, tasks[0].request.width, e, half,
+                           len(tasks) - half, len(tasks) - 1)
+            return (self._run_in_parts_that_fit(tasks[:half], model)
+                    + self._run_in_parts_that_fit(tasks[half:], model))
+
+    def _run_with_retries(self, tasks: list[ImageTask], model: LoadedGenerator) -> list[PredictionResult]:
+        """One generate call, run again on a transient failure (see `is_retriable`) up to --inference_retries."""
         attempt = 0
         while True:
             try:

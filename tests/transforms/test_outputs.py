@@ -97,8 +97,9 @@ def test_out_of_memory_rows_say_so_and_what_to_change():
     oom = "JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 72000000000 bytes.')"
     rows = list(failed_batch_rows((tasks, (RuntimeError, oom, ["Traceback ..."]))))
     for row in rows:
-        assert row["reason"].startswith("out of memory: this machine cannot hold a batch of 2 image(s) at 512x256.")
-        assert "--batch_size" in row["reason"] and "more chips" in row["reason"] and oom in row["reason"]
+        assert row["reason"].startswith("out of memory: this machine cannot hold one image at 512x256 (its batch of "
+                                        "2 was also tried in parts, down to one image).")
+        assert "--height" in row["reason"] and "more chips" in row["reason"] and oom in row["reason"]
     fault = RuntimeError("device lost")
     (row,) = failed_batch_rows(([tasks[0]], (type(fault), repr(fault), [])))
     assert row["reason"] == f"inference failed for a batch of 1 image(s): {fault!r}"

@@ -1,0 +1,81 @@
+"""A batch that runs out of memory runs again in halves, down to single images, and later batches of its shape start
+in parts below the smallest size that failed: a job's default --batch_size gives images, not error rows, on a
+machine that holds fewer images at once (klein-4B at 1024x1024 on one v5e chip holds one)."""
+
+import numpy as np
+import pytest
+
+from transforms.inference import Flux2KleinModelHandler
+from transforms.requests import GenerationRequest, ImageTask
+
+OOM = ("RESOURCE_EXHAUSTED: E0101: RuntimeProgramAllocationFailure: Error loading program 'jit_denoise': "
+       "Attempting to reserve 3.41G at the bottom of memory.")
+
+
+class HoldsAtMost:
+    """A stand-in for the loaded model that holds at most `fits` images at once, as a chip does."""
+
+    def __init__(self, fits: int, error: Exception | None = None):
+        self.fits, self.error, self.calls = fits, error, []
+
+    def generate_batch(self, prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                       reference_images=None):
+        self.calls.append(len(prompts))
+        if self.error is not None:
+            raise self.error
+        if len(prompts) > self.fits:
+            raise RuntimeError(OOM)
+        n = len(prompts)
+        return {"images": np.stack([np.full((height, width, 3), s % 251, np.uint8) for s in seeds]),
+                "truncated": [False] * n, "nonfinite": [None] * n, "num_inference_steps": 4, "guidance_scale": 1.0,
+                "model": "m", "seconds": 0.01 * n, "loader_pid": 0}
+
+
+def _tasks(n: int, height: int = 32, first: int = 0) -> list[ImageTask]:
+    return [ImageTask(GenerationRequest(id=f"r{i}", prompt=f"prompt {i}", seed=i, height=height, width=48,
+                                        num_inference_steps=None, guidance_scale=None, num_images=1, source="s",
+                                        line=i + 1), 0) for i in range(first, first + n)]
+
+
+@pytest.fixture
+def handler(tmp_path):
+    return Flux2KleinModelHandler(str(tmp_path), dtype="float32", inference_retries=0, inference_timeout_s=0)
+
+
+def _ids(results) -> list[str]:
+    return [r.example.request.id for r in results]
+
+
+def test_a_batch_that_does_not_fit_runs_in_halves_down_to_what_fits(handler):
+    model = HoldsAtMost(1)
+    batch = _tasks(4)
+    results = handler.run_inference(batch, model)
+    assert _ids(results) == ["r0", "r1", "r2", "r3"]  # every image, in the batch's order
+    assert [int(r.inference.pixels[0, 0, 0]) for r in results] == [0, 1, 2, 3]  # each image its own seed's
+    assert model.calls == [4, 2, 1, 1, 1, 1]  # 4 and 2 ran out of memory; the second half starts below 2 at once
+    model.calls.clear()
+    assert _ids(handler.run_inference(_tasks(4, first=4), model)) == ["r4", "r5", "r6", "r7"]
+    assert model.calls == [1, 1, 1, 1], "a later batch of the shape tried a size that had run out of memory"
+    model.calls.clear()
+    handler.run_inference(_tasks(2, height=64), model)  # another shape: its own attempt
+    assert model.calls == [2, 1, 1]
+
+
+def test_later_batches_start_at_the_largest_size_below_the_failure(handler):
+    model = HoldsAtMost(2)
+    assert _ids(handler.run_inference(_tasks(3), model)) == ["r0", "r1", "r2"]
+    assert model.calls == [3, 2, 1]
+    model.calls.clear()
+    handler.run_inference(_tasks(4), model)
+    assert model.calls == [2, 2]
+
+
+def test_what_does_not_fit_alone_or_is_not_memory_still_fails(handler):
+    model = HoldsAtMost(0)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        handler.run_inference(_tasks(2), model)
+    assert model.calls == [2, 1]  # the first single image fails: the batch's images become error rows
+    broken = HoldsAtMost(4, error=ValueError("bad input"))
+    with pytest.raises(ValueError, match="bad input"):
+        handler.run_inference(_tasks(3, height=64), broken)
+    assert broken.calls == [3], "only running out of memory splits a batch"
