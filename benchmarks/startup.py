@@ -75,10 +75,9 @@ def child(args) -> dict:
     out["gil_switch_ms"] = model.generator.LOADING_SWITCH_INTERVAL_S * 1e3
     start = time.perf_counter()
     if args.runtime_first:  # as before the load started the runtime itself, beside its own preparations
-        from model.runtime import apply_runtime_defaults
+        from model.runtime import start_runtime
 
-        apply_runtime_defaults()  # the same runtime settings as the load's own start
-        jax.devices()  # starts the runtime (on a TPU, its host memory too)
+        start_runtime().result()  # the load's own start, with its settings, waited for here
     out["backend_init_s"] = time.perf_counter() - start
     counts()
     path = args.model

@@ -167,7 +167,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
             # longest path.
             modules = tuple(nnx.clone(m) for m in (run_te, transformer_abs, run_vae))
             pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
-            shape = TokenizerShape(contract.count("max_sequence_length", settings.max_sequence_length))
+            shape = TokenizerShape(settings.max_sequence_length)  # LoadSettings checked it
             precompiling = pool.submit(_precompile, settings.precompile,
                                        lambda: make_generator(shape, *modules, abstract=True))
             pool.shutdown(wait=False)  # the thread ends with its one task
