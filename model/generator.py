@@ -412,12 +412,13 @@ class Flux2KleinGenerator:
                                 references=None if references is None else tuple(
                                     r for r in references for _ in range(k)))
 
-    def plan_bucket(self, inputs: GenerationInputs, sigmas=None) -> BucketPlan:
-        """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule."""
+    def plan_bucket(self, inputs: GenerationInputs, sigmas=None, batch_size: int | None = None) -> BucketPlan:
+        """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule; the
+        programs take `batch_size` images at once (None: the engine's batch, else the call's images)."""
         bucket = bucket_for(
             self.config, height=inputs.height, width=inputs.width,
             sampling=Sampling(inputs.num_inference_steps, inputs.guidance_scale, inputs.use_cfg),
-            batch=self.options.batch_size or len(inputs.prompts), data_replicas=data_replicas(self.mesh),
+            batch=batch_size or self.options.batch_size or len(inputs.prompts), data_replicas=data_replicas(self.mesh),
             context_parallel=self.options.context_parallel, reference_sizes=inputs.reference_sizes)
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(
@@ -563,23 +564,29 @@ class Flux2KleinGenerator:
 
     def generate_result(self, prompts, seeds, height: int | None = None, width: int | None = None,
                         num_inference_steps: int | None = None, guidance_scale: float | None = None,
-                        num_images_per_prompt: int = 1, sigmas=None, reference_images=None) -> GenerationResult:
+                        num_images_per_prompt: int = 1, sigmas=None, reference_images=None,
+                        batch_size: int | None = None) -> GenerationResult:
         """`generate`, with the facts a caller reports beside the images: the resolved steps and guidance and
-        whether each image's prompt was truncated (from the same tokenization that encoded it)."""
+        whether each image's prompt was truncated (from the same tokenization that encoded it). `batch_size`: the
+        images the programs of this call take at once, instead of the engine's (EngineOptions.batch_size): a
+        smaller batch compiles programs of its own, e.g. after the engine's ran out of memory."""
         with self._generate_lock:
             start = time.perf_counter()
             inputs = self.check_inputs(prompts, seeds, height, width, num_inference_steps, guidance_scale,
                                        num_images_per_prompt, reference_images)
-            images, truncated, nonfinite = self._run(inputs, sigmas)
+            if batch_size is not None:
+                contract.count("batch_size", batch_size)
+            images, truncated, nonfinite = self._run(inputs, sigmas, batch_size)
             return GenerationResult(images=images, prompt_truncated=truncated,
                                     num_inference_steps=inputs.num_inference_steps,
                                     guidance_scale=inputs.guidance_scale, model=self.model_id,
                                     seconds=time.perf_counter() - start, nonfinite=nonfinite)
 
-    def _run(self, inputs: GenerationInputs, sigmas) -> tuple[np.ndarray, tuple[bool, ...], tuple]:
+    def _run(self, inputs: GenerationInputs, sigmas, batch_size: int | None = None):
+        """(images, truncated, nonfinite) of a checked call, in batches of the bucket's programs."""
         if not inputs.prompts:
             return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), (), ()
-        plan = self.plan_bucket(inputs, sigmas)
+        plan = self.plan_bucket(inputs, sigmas, batch_size)
         outputs: list[np.ndarray] = []
         nonfinite: list = []
         truncated: list[bool] = []

@@ -273,10 +273,13 @@ class LoadedGenerator:
 
     def generate_batch(self, prompts: list[str], seeds: list[int], height: int, width: int,
                        num_inference_steps: int | None, guidance_scale: float | None,
-                       reference_images: list[list] | None = None) -> dict:
+                       reference_images: list[list] | None = None, batch_size: int | None = None) -> dict:
         """One image per prompt; None steps/guidance take the checkpoint's defaults (generate resolves them).
-        `reference_images`: one list of references (PIL images) per prompt, or None for text-to-image."""
+        `reference_images`: one list of references (PIL images) per prompt, or None for text-to-image.
+        `batch_size`: the programs' batch for this call (None: the engine's; see generate_result)."""
         extra = {} if reference_images is None else {"reference_images": reference_images}
+        if batch_size is not None:
+            extra["batch_size"] = batch_size
         out = self._gen.generate_result(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
                                         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                         **extra)
@@ -323,8 +326,9 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         if not inference_timeout_s >= 0:
             raise ValueError(f"inference_timeout_s must be >= 0 (0: no limit), got {inference_timeout_s!r}")
         self._inference_timeout_s = inference_timeout_s
-        # shape key -> the smallest batch of that shape that ran out of memory here (later batches start below it)
-        self._too_big: dict[str, int] = {}
+        # shape key -> the compiled batch its batches run with here, below the smallest that ran out of memory
+        self._fits: dict[str, int] = {}
+        self._fits_lock = threading.Lock()
         self.settings = settings
 
     def load_model(self) -> LoadedGenerator:
@@ -363,36 +367,41 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         return self._run_in_parts_that_fit(tasks, model)
 
     def _run_in_parts_that_fit(self, tasks: list[ImageTask], model: LoadedGenerator) -> list[PredictionResult]:
-        """The batch at once, or in parts below the smallest batch of its shape that ran out of memory here; a part
-        that runs out of memory is halved (a single image's failure is raised). The default --batch_size of 4 does
-        not fit one v5e chip with klein-4B at 1024x1024: without this, every image of such a job failed."""
+        """The batch at once, or, once a batch of its shape ran out of memory here, in parts compiled for a smaller
+        batch; a part that runs out of memory runs again compiled for half as many images, down to one (whose
+        failure is raised). The default --batch_size of 4 does not fit one v5e chip with klein-4B at 1024x1024:
+        without this, every image of such a job failed."""
         key = tasks[0].shape_key
-        too_big = self._too_big.get(key)
-        if too_big is not None and len(tasks) >= too_big:
-            part = max(1, too_big - 1)
-            return [result for start in range(0, len(tasks), part)
-                    for result in self._run_in_parts_that_fit(tasks[start:start + part], model)]
+        limit = self._fits.get(key)  # the compiled batch of this shape that may fit (None: the engine's own)
+        if limit is not None and len(tasks) > limit:
+            return [result for start in range(0, len(tasks), limit)
+                    for result in self._run_in_parts_that_fit(tasks[start:start + limit], model)]
         try:
-            return self._run_with_retries(tasks, model)
+            return self._run_with_retries(tasks, model, limit)
         except Exception as e:  # noqa: BLE001 - only out-of-memory is handled here; the rest propagates unchanged
-            if len(tasks) == 1 or not is_out_of_memory(e):
+            if not is_out_of_memory(e):
                 raise
-            self._too_big[key] = min(self._too_big.get(key, len(tasks)), len(tasks))
+            # The programs that ran out of memory were compiled for `tried` images (a short batch is padded to it).
+            tried = max(len(tasks), limit or self.settings.engine.batch_size or 0)
+            if tried <= 1:
+                raise
+            smaller = (min(len(tasks), tried) + 1) // 2
+            with self._fits_lock:
+                self._fits[key] = min(self._fits.get(key, smaller), smaller)
             Metrics.counter(METRICS_NAMESPACE, "batches_split_for_memory").inc()
-            half = (len(tasks) + 1) // 2
-            LOGGER.warning("a batch of %d image(s) at %dx%d ran out of memory (%.200s); running it as %d + %d, and "
-                           "later batches of this shape in parts of at most %d (a smaller --batch_size avoids the "
-                           "attempt)", len(tasks), tasks[0].request.height, tasks[0].request.width, e, half,
-                           len(tasks) - half, len(tasks) - 1)
-            return (self._run_in_parts_that_fit(tasks[:half], model)
-                    + self._run_in_parts_that_fit(tasks[half:], model))
+            LOGGER.warning("a batch of %d image(s) at %dx%d, compiled for %d, ran out of memory (%.200s); running "
+                           "it, and later batches of this shape, compiled for at most %d (a smaller --batch_size "
+                           "avoids the attempt)", len(tasks), tasks[0].request.height, tasks[0].request.width, tried,
+                           e, self._fits[key])
+            return self._run_in_parts_that_fit(tasks, model)
 
-    def _run_with_retries(self, tasks: list[ImageTask], model: LoadedGenerator) -> list[PredictionResult]:
+    def _run_with_retries(self, tasks: list[ImageTask], model: LoadedGenerator,
+                          compiled_batch: int | None = None) -> list[PredictionResult]:
         """One generate call, run again on a transient failure (see `is_retriable`) up to --inference_retries."""
         attempt = 0
         while True:
             try:
-                results = self.generate_once(tasks, model)
+                results = self.generate_once(tasks, model, compiled_batch)
                 flush_compile_metrics()  # this batch's compiles (its bucket's first)
                 return results
             except Exception as e:  # noqa: BLE001 - classified below; what is not retried propagates unchanged
@@ -407,17 +416,20 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
                                delay, tasks[0].request.id)
                 time.sleep(delay)
 
-    def generate_once(self, tasks: list[ImageTask], model: LoadedGenerator) -> list[PredictionResult]:
-        """One attempt: generate the batch and wrap each image in a PredictionResult."""
+    def generate_once(self, tasks: list[ImageTask], model: LoadedGenerator,
+                      compiled_batch: int | None = None) -> list[PredictionResult]:
+        """One attempt: generate the batch (programs compiled for `compiled_batch` images; None: the engine's
+        batch) and wrap each image in a PredictionResult."""
         first = tasks[0].request
         refs = None
         if first.reference_images:  # the same files the request was resolved with (checked by sha256)
             refs = [[r.image for r in references.read_all(t.request.reference_images, self._reference_limits,
                                                           t.request.reference_sha256)] for t in tasks]
         prompts, seeds = [t.request.prompt for t in tasks], [t.seed for t in tasks]
+        extra = {} if compiled_batch is None else {"batch_size": compiled_batch}
         out = call_with_timeout(
             model, lambda: model.generate_batch(prompts, seeds, first.height, first.width, first.num_inference_steps,
-                                                first.guidance_scale, refs),
+                                                first.guidance_scale, refs, **extra),
             self._inference_timeout_s, len(tasks), first.id)
         images = out["images"]
         if images.shape[0] != len(tasks):

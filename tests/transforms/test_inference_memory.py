@@ -13,17 +13,23 @@ OOM = ("RESOURCE_EXHAUSTED: E0101: RuntimeProgramAllocationFailure: Error loadin
 
 
 class HoldsAtMost:
-    """A stand-in for the loaded model that holds at most `fits` images at once, as a chip does."""
+    """A stand-in for the loaded model that holds programs of at most `fits` images at once, as a chip does. Its
+    programs take `engine_batch` images (None: as many as the call has) unless the call names its own batch; a
+    shorter call is padded to them, as the generator pads it."""
 
-    def __init__(self, fits: int, error: Exception | None = None):
-        self.fits, self.error, self.calls = fits, error, []
+    def __init__(self, fits: int, error: Exception | None = None, engine_batch: int | None = None):
+        self.fits, self.error, self.engine_batch, self.calls, self.compiled = fits, error, engine_batch, [], []
 
     def generate_batch(self, prompts, seeds, height, width, num_inference_steps, guidance_scale,
-                       reference_images=None):
+                       reference_images=None, batch_size=None):
         self.calls.append(len(prompts))
+        compiled = batch_size or self.engine_batch or len(prompts)
+        self.compiled.append(compiled)
         if self.error is not None:
             raise self.error
-        if len(prompts) > self.fits:
+        if min(compiled, len(prompts)) < len(prompts):
+            raise AssertionError("the generator runs a call larger than its batch in several batches")
+        if compiled > self.fits:
             raise RuntimeError(OOM)
         n = len(prompts)
         return {"images": np.stack([np.full((height, width, 3), s % 251, np.uint8) for s in seeds]),
@@ -79,3 +85,19 @@ def test_what_does_not_fit_alone_or_is_not_memory_still_fails(handler):
     with pytest.raises(ValueError, match="bad input"):
         handler.run_inference(_tasks(3, height=64), broken)
     assert broken.calls == [3], "only running out of memory splits a batch"
+
+
+def test_a_short_batch_padded_to_the_engines_batch_runs_compiled_for_fewer_images(tmp_path):
+    """The engine's batch of 4 pads a batch of 3, or a lone image, to 4: running it again in parts of the same
+    compiled batch would run out of memory again. The parts compile for fewer images instead."""
+    handler = Flux2KleinModelHandler(str(tmp_path), dtype="float32", batch_size=4, inference_retries=0,
+                                     inference_timeout_s=0)
+    model = HoldsAtMost(1, engine_batch=4)
+    assert _ids(handler.run_inference(_tasks(3), model)) == ["r0", "r1", "r2"]
+    assert list(zip(model.calls, model.compiled)) == [(3, 4), (2, 2), (1, 1), (1, 1), (1, 1)]
+    model.calls.clear(), model.compiled.clear()
+    assert _ids(handler.run_inference(_tasks(1, height=64), model)) == ["r0"]  # a lone image of another shape
+    assert list(zip(model.calls, model.compiled)) == [(1, 4), (1, 1)]
+    model.calls.clear(), model.compiled.clear()
+    handler.run_inference(_tasks(2, height=64), model)  # its shape's later batches start at what fitted
+    assert list(zip(model.calls, model.compiled)) == [(1, 1), (1, 1)]
