@@ -194,6 +194,13 @@ def main(argv=None) -> dict:
         name = {"wall": "placing weights", "runtime_start": "runtime start (beside prepare)",
                 "prepare": "prepare (with runtime wait)"}.get(key, key)
         rows.append((f"load: {name} s", *(f"{runs[r]['load_phases'][key + '_s']:.2f}" for r in ("cold", "warm"))))
+    for key in runs["warm"]["load_phases"].get("prepare_steps_s", {}):  # the preparations' steps, in order
+        rows.append((f"prepare: {key} s", *(f"{runs[r]['load_phases']['prepare_steps_s'].get(key, float('nan')):.2f}"
+                                            for r in ("cold", "warm"))))
+    for key in runs["warm"]["load_phases"].get("precompile_steps_s", {}):  # the precompile's own steps
+        rows.append((f"precompile: {key} s", *(
+            f"{runs[r]['load_phases'].get('precompile_steps_s', {}).get(key, float('nan')):.2f}"
+            for r in ("cold", "warm"))))
     for key in ("read", "host_layout", "transfer", "device_layout"):
         rows.append((f"placing: {key} thread-s",
                      *(f"{runs[r]['load_phases'][key + '_s']:.1f}" for r in ("cold", "warm"))))

@@ -42,7 +42,8 @@ from .runtime import start_runtime
 from .sharding import placement
 from .tokenizer import PromptTokenizer, TokenizerShape
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
-from .weights import LoadTimes, expected_tensors, load_component, release_host_memory, validate_component
+from .weights import (ComponentLoad, LoadTimes, expected_tensors, load_component, load_components,
+                      prepare_device_transposes, release_host_memory, validate_component)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,13 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     elif not os.path.isdir(root):
         raise CheckpointError("checkpoint folder does not exist", path=root)
     start = time.perf_counter()
+    steps = {}  # the preparations' own steps, seconds each (benchmarks.startup reports them)
+    mark = [start]
+
+    def step(name):
+        now = time.perf_counter()
+        steps[name], mark[0] = now - mark[0], now
+
     # The tokenizer (with the transformers import it needs: 3 s on a v5e host) loads on its own thread beside the
     # preparations and the precompile's start; it is joined before any weight is read.
     tokenizing = _TOKENIZER_LOADER.submit(PromptTokenizer, os.path.join(root, "tokenizer"),
@@ -140,14 +148,17 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     ]
     # Validate every component's files, names, shapes and dtypes (headers only) before reading any weight, so a
     # broken shard anywhere fails in seconds, not after minutes of loading the components before it.
+    step("shapes")
     files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
              for name, _, exp, opt in components]
+    step("validate")
 
     # Each weight goes straight to its place on the mesh as it is read (split over the model axis, fused projections
     # laid out per shard), so a model larger than one chip is never whole on the first one.
     waiting = time.perf_counter()
     runtime_start_s = runtime.result()  # the runtime's own error (no chip, chip busy) is raised here
     runtime_wait_s = time.perf_counter() - waiting
+    step("runtime_wait")
     mesh = make_mesh(options)
 
     def make_generator(tokenizer, text_encoder, transformer, vae, **kw):
@@ -159,6 +170,11 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     precompiling = None
     precompile_now = settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
+    loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_layout.stored_to_layout(module))
+             for (name, module, exp, opt), f in zip(components, files)]
+    # The device transposes the weights need compile (or come from the compilation cache) first, before the
+    # precompile's programs take the compiler.
+    prepare_device_transposes(loads, placement(mesh))
     with fine_gil_switching() if precompile_now else contextlib.nullcontext():
         if precompile_now:
             # The precompiler gets copies of the modules the load fills (made here, so no thread reads a module
@@ -171,20 +187,29 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
             precompiling = pool.submit(_precompile, settings.precompile,
                                        lambda: make_generator(shape, *modules, abstract=True))
             pool.shutdown(wait=False)  # the thread ends with its one task
-        tokenizer = tokenizing.result()  # its CheckpointError, if any, is raised here, before any weight is read
-        if len(tokenizer.tokenizer) > te_cfg.vocab_size:  # an id past the embedding table would read NaN: black images
-            raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's "
-                                  f"embedding table only {te_cfg.vocab_size} rows (vocab_size): tokenizer and text "
-                                  f"encoder do not belong together", path=os.path.join(root, "tokenizer"))
+        step("mesh_and_precompile_start")
+
+        def tokenizer_problem() -> Exception | None:
+            """The tokenizer's failure once it has loaded (the loading threads stop reading at it), else None."""
+            if not tokenizing.done():
+                return None
+            return tokenizing.exception() or vocabulary_problem(tokenizing.result(), te_cfg.vocab_size, root)
+
+        # The tokenizer goes on loading beside the weights (on a v5e host it took 4.1-4.4 s more after the runtime
+        # had started); a broken one stops the loading threads as soon as it has failed.
         times, placing = LoadTimes(), time.perf_counter()
-        text_encoder, transformer, vae = (
-            load_component(os.path.join(root, name), module, expected=exp, optional=opt, tensor_to_file=f,
-                           placement=placement(mesh), permutations=shard_layout.stored_to_layout(module),
-                           times=times)
-            for (name, module, exp, opt), f in zip(components, files))
+        text_encoder, transformer, vae = load_components(loads, placement=placement(mesh), times=times,
+                                                         should_stop=tokenizer_problem)
+    finishing = time.perf_counter()
+    tokenizer = tokenizing.result()  # its CheckpointError, if it failed after the last tensor was read
+    problem = vocabulary_problem(tokenizer, te_cfg.vocab_size, root)
+    if problem is not None:
+        raise problem
+    steps["tokenizer_wait_after_placing"] = time.perf_counter() - finishing
     finishing = time.perf_counter()
     load_phases = dict(times.as_dict(), runtime_start_s=runtime_start_s, runtime_wait_s=runtime_wait_s,
-                       prepare_s=placing - start, wall_s=finishing - placing)
+                       prepare_s=placing - start, wall_s=finishing - placing,
+                       prepare_steps_s={k: round(v, 3) for k, v in steps.items()})
     vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
 
     def load_vae_encoder():
@@ -207,9 +232,24 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
         compiled = precompiling.result()
         if compiled is not None:
             generator.programs.adopt(compiled)
+            # where the precompile went: making the abstract generator, then per program (summed over the shapes)
+            built = collections.Counter({"make": getattr(compiled, "made_in_s", 0.0)})
+            for seconds in compiled.build_seconds.values():
+                built.update(seconds)
+            load_phases["precompile_steps_s"] = {name: round(v, 3) for name, v in built.items()}
         logger.info("waited %.1f s after loading for the programs compiled meanwhile", time.perf_counter() - waited)
     load_phases["precompile_wait_s"] = time.perf_counter() - waited
     return generator
+
+
+def vocabulary_problem(tokenizer: PromptTokenizer, vocab_size: int, root: str) -> CheckpointError | None:
+    """A CheckpointError if the tokenizer has ids past the text encoder's embedding table (they would read NaN:
+    black images), else None."""
+    if len(tokenizer.tokenizer) <= vocab_size:
+        return None
+    return CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
+                           f"table only {vocab_size} rows (vocab_size): tokenizer and text encoder do not belong "
+                           f"together", path=os.path.join(root, "tokenizer"))
 
 
 def _precompile(shapes, make_abstract_generator):
@@ -218,6 +258,7 @@ def _precompile(shapes, make_abstract_generator):
     try:
         start = time.perf_counter()
         gen = make_abstract_generator()
+        gen.programs.made_in_s = time.perf_counter() - start  # the abstract generator's own making (the rest: plans)
         for height, width, steps, guidance in shapes:
             try:
                 inputs = gen.check_inputs(["precompile"], [0], height, width, num_inference_steps=steps,

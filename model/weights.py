@@ -248,11 +248,50 @@ def _permuted(sharding, order: tuple[int, ...]):
     return NamedSharding(sharding.mesh, PartitionSpec(*stored))
 
 
-@functools.lru_cache(maxsize=None)
-def _device_transpose(order: tuple[int, ...], sharding):
-    """A compiled transpose by `order` whose result has `sharding` (one per order and sharding; jit keeps one
-    executable per shape and dtype, which the persistent compilation cache also holds)."""
-    return jax.jit(functools.partial(jnp.transpose, axes=order), out_shardings=sharding)
+class DeviceTransposes:
+    """Compiled transposes (torch layout -> JAX layout on the device), one per (axes order, stored shape, dtype,
+    sharding) and process, compiled on their own threads as soon as the loader knows the shapes: a cold start
+    compiles them before the generator's large programs take the compiler (klein-4B on a v5e chip: 31 s of placing
+    when the loading threads met them during the precompile, against 7.5 s), a warm one reads them from the
+    persistent compilation cache before the weights are read."""
+
+    THREADS = 4
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._compiled: dict = {}  # key -> Future of the compiled transpose
+        self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="transpose-compile")
+
+    @staticmethod
+    def key(order: tuple[int, ...], stored_shape: tuple[int, ...], dtype, sharding) -> tuple:
+        return tuple(order), tuple(stored_shape), np.dtype(dtype).name, sharding
+
+    def prepare(self, key: tuple):
+        """The future of the compiled transpose `key`, submitted for compiling if it is not already."""
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None:
+                future = self._compiled[key] = self._pool.submit(self._compile, *key)
+            return future
+
+    def get(self, key: tuple):
+        return self.prepare(key).result()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._compiled.clear()
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    @staticmethod
+    def _compile(order, stored_shape, dtype, sharding):
+        spec = jax.ShapeDtypeStruct(stored_shape, jnp.dtype(dtype), sharding=_permuted(sharding, order))
+        transpose = jax.jit(functools.partial(jnp.transpose, axes=order), out_shardings=sharding)
+        return transpose.lower(spec).compile()
+
+
+DEVICE_TRANSPOSES = DeviceTransposes()
 
 
 def release_host_memory() -> None:
@@ -441,6 +480,44 @@ class LoadTimes:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
 
+@dataclasses.dataclass
+class ComponentLoad:
+    """One component to fill (see `load_component` for the fields): several load through one pool of threads."""
+
+    folder: str
+    abstract_module: object
+    expected: dict
+    optional: Iterable[str] = ()
+    tensor_to_file: dict | None = None
+    permutations: dict | None = None
+
+
+def prepare_device_transposes(components: list[ComponentLoad], placement) -> int:
+    """Start compiling (on DEVICE_TRANSPOSES' threads) every transpose that loading `components` with `placement`
+    will make on the device; returns how many the tensors need. Their tensor files must be known (validated)."""
+    needed = set()
+    for c in components:
+        if c.tensor_to_file is None:
+            continue
+        for path, var in nnx.to_flat_state(nnx.state(c.abstract_module)):
+            name = ".".join(str(p) for p in path)
+            sf = c.tensor_to_file.get(name)
+            if sf is None:
+                continue
+            target = var.get_value() if hasattr(var, "get_value") else var.value
+            sharding = placement(path, var)
+            order = jax_layout_order(name, len(sf.entries[name][1]), len(target.shape))
+            if order is None or len(order) != len(target.shape) or _platform(sharding) not in DEVICE_LAYOUT_PLATFORMS:
+                continue
+            stored = [0] * len(order)
+            for k, axis in enumerate(order):  # torch axis order[k] is JAX axis k
+                stored[axis] = target.shape[k]
+            needed.add(DEVICE_TRANSPOSES.key(order, stored, target.dtype, sharding))
+    for key in needed:
+        DEVICE_TRANSPOSES.prepare(key)
+    return len(needed)
+
+
 def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[int, ...]],
                    optional: Iterable[str] = (), tensor_to_file: dict | None = None, placement=None,
                    permutations: dict | None = None, times: LoadTimes | None = None):
@@ -452,21 +529,47 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
     the default device). `permutations`: {path: (order, axis)} applied to a tensor first (model.shard_layout).
     `times`: where each phase's thread-seconds are added (see LoadTimes).
     """
-    permutations = permutations or {}
-    if tensor_to_file is None:
-        tensor_to_file = validate_component(folder, expected=expected, optional=optional)
-    graphdef, abstract_state = nnx.split(abstract_module)
-    flat = nnx.to_flat_state(abstract_state)
-    for path, _ in flat:
-        name = ".".join(str(p) for p in path)
-        if name not in tensor_to_file:
-            raise CheckpointError("model parameter has no tensor in the checkpoint", path=folder, tensor=name)
+    (module,) = load_components([ComponentLoad(folder, abstract_module, expected, optional, tensor_to_file,
+                                               permutations)], placement=placement, times=times)
+    return module
+
+
+def load_components(components: list[ComponentLoad], *, placement=None, times: LoadTimes | None = None,
+                    should_stop=None) -> list:
+    """`load_component` for several components at once, their tensors in one queue for the same loading threads:
+    no thread waits for the last large tensors of one component before the next component's start.
+    `should_stop()`: an exception to raise instead of reading the next tensor (e.g. a tokenizer that failed to load
+    meanwhile), or None to go on."""
+    jobs = []  # (component index, path, abstract variable)
+    graphs = []
+    resolved = []  # the components with their validated tensor files
+    for index, c in enumerate(components):
+        tensor_to_file = c.tensor_to_file
+        if tensor_to_file is None:
+            tensor_to_file = validate_component(c.folder, expected=c.expected, optional=c.optional)
+        graphdef, abstract_state = nnx.split(c.abstract_module)
+        flat = nnx.to_flat_state(abstract_state)
+        for path, _ in flat:
+            name = ".".join(str(p) for p in path)
+            if name not in tensor_to_file:
+                raise CheckpointError("model parameter has no tensor in the checkpoint", path=c.folder, tensor=name)
+        graphs.append((graphdef, flat, tensor_to_file, c.permutations or {}))
+        resolved.append(dataclasses.replace(c, tensor_to_file=tensor_to_file))
+        jobs.extend((index, path, var) for path, var in flat)
 
     default_sharding = SingleDeviceSharding(jax.devices()[0]) if placement is None else None
     buffers = ReadBuffers()
+    # Every transpose the tensors need, compiled (or read from the compilation cache) on the transposes' threads
+    # while the first tensors are read (a no-op for those a caller prepared already).
+    prepare_device_transposes(resolved, placement or (lambda path, var: default_sharding))
 
-    def place(item):
-        path, var = item
+    def place(job):
+        index, path, var = job
+        if should_stop is not None:
+            stop = should_stop()
+            if stop is not None:
+                raise stop
+        _, _, tensor_to_file, permutations = graphs[index]
         name = ".".join(str(p) for p in path)
         target = var.get_value() if hasattr(var, "get_value") else var.value
         sf = tensor_to_file[name]
@@ -497,7 +600,8 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
             # copies it would take instead were 60% of klein-4B's load on a v5e host.
             stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
             transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
-            placed = _device_transpose(order, sharding)(stored).block_until_ready()
+            transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding))
+            placed = transpose(stored).block_until_ready()
         else:
             placed = jnp.asarray(array) if placement is None else jax.device_put(array, sharding)
             placed = placed.block_until_ready()
@@ -507,17 +611,21 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
         if times is not None:
             times.add(array.nbytes, read_s=read_s, host_layout_s=host_s, transfer_s=transfer_s,
                       device_layout_s=time.perf_counter() - clock)
-        return path, var.replace(placed)
+        return (index, path), var.replace(placed)
 
     # Tensors are read, laid out and sent to the devices by several threads at once: file reads, the layout copies
     # (as 16-bit integers for 2-byte floats, which numpy copies without the GIL) and host-to-device transfers overlap.
     # They are taken in the order they lie in the files, so the threads' reads move through each file together.
-    def position(item):
-        sf = tensor_to_file[".".join(str(p) for p in item[0])]
-        return sf.path, sf.entries[".".join(str(p) for p in item[0])][2]
+    def position(job):
+        index, path, _ = job
+        name = ".".join(str(p) for p in path)
+        sf = graphs[index][2][name]
+        return sf.path, sf.entries[name][2]
 
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
-        placed = dict(pool.map(place, sorted(flat, key=position)))
-    leaves = [(path, placed[path]) for path, _ in flat]
-    state = nnx.from_flat_state(leaves)
-    return nnx.merge(graphdef, state)
+        placed = dict(pool.map(place, sorted(jobs, key=position)))
+    modules = []
+    for index, (graphdef, flat, _, _) in enumerate(graphs):
+        leaves = [(path, placed[(index, path)]) for path, _ in flat]
+        modules.append(nnx.merge(graphdef, nnx.from_flat_state(leaves)))
+    return modules

@@ -37,10 +37,25 @@ def check(path, dtype, shards, layout="host"):
     if precompile:
         model.generator.PRECOMPILE_PLATFORMS = ("cpu", "tpu", "gpu")
         settings = dataclasses.replace(settings, precompile=((32, 48),))
+    transposes = model.weights.DEVICE_TRANSPOSES
+    transposes.clear()
+    prepared = []
+    plain_prepare = model.weights.prepare_device_transposes
+
+    def prepare(components, placement):  # what the load compiles ahead, from the shapes and headers alone
+        prepared.append(plain_prepare(components, placement))
+        return prepared[-1]
+
+    model.generator.prepare_device_transposes = prepare
     try:
         gen = model.load(settings)
     finally:
         model.weights.DEVICE_LAYOUT_PLATFORMS = platforms
+        model.generator.prepare_device_transposes = plain_prepare
+    # Every transpose the weights took was among those prepared before the first tensor was read: none compiled
+    # on the loading threads, where it would wait for the precompile's programs.
+    assert prepared and prepared[0] == len(transposes), (prepared, len(transposes))
+    assert (len(transposes) > 0) == (layout == "device"), len(transposes)
     te, tr, vae = gen.programs.modules()
     checked = placed_bytes = 0
     for folder, module in (("text_encoder", te), ("transformer", tr), ("vae", vae)):
@@ -66,6 +81,8 @@ def check(path, dtype, shards, layout="host"):
     if precompile:  # the programs compiled from the modules' shapes run the parameters as loaded, unchanged
         compiled = gen.programs.compile_count
         assert compiled > 0, "nothing was compiled while loading"
+        steps = phases["precompile_steps_s"]  # where the precompile went, as benchmarks.startup reports it
+        assert set(steps) == {"make", "lower", "encode", "denoise", "decode"} and min(steps.values()) >= 0, steps
         gen.generate(["a red fox"], [0], height=32, width=48)
         assert gen.programs.compile_count == compiled, "the first call compiled again"
     assert all(phases[k] >= 0 for k in ("read_s", "host_layout_s", "transfer_s", "device_layout_s", "prepare_s",

@@ -344,7 +344,9 @@ def test_tokenizer_and_text_encoder_must_belong_together(ckpt_copy):
     """A tokenizer with ids past the embedding table gave NaN embeddings and black images, silently."""
     from safetensors.numpy import load_file, save_file
 
-    rows = len(model.tokenizer.PromptTokenizer(os.path.join(ckpt_copy, "tokenizer")).tokenizer) - 5
+    from model.tokenizer import PromptTokenizer
+
+    rows = len(PromptTokenizer(os.path.join(ckpt_copy, "tokenizer")).tokenizer) - 5
     folder = os.path.join(ckpt_copy, "text_encoder")
     shard = os.path.join(folder, _index(folder)[1]["weight_map"]["model.embed_tokens.weight"])
     tensors = load_file(shard)
@@ -363,6 +365,36 @@ def test_tokenizer_without_chat_template_is_refused_at_load(ckpt_copy):
             os.remove(os.path.join(folder, extra))
     with pytest.raises(model.CheckpointError, match="chat template"):
         _load(ckpt_copy)
+
+
+def test_a_tokenizer_that_fails_while_the_weights_load_stops_the_loading(tiny_ckpt, monkeypatch):
+    """The tokenizer loads beside the weights; when it fails, the loading threads stop at their next tensor with its
+    error instead of reading the rest of the checkpoint first."""
+    import threading
+
+    from model import generator, weights
+
+    reads, some_read = [], threading.Event()
+    plain_read = weights.SafetensorsFile.read
+
+    def counting_read(self, name, buffers=None):
+        reads.append(name)
+        if len(reads) >= 3:
+            some_read.set()
+        return plain_read(self, name, buffers)
+
+    class FailsOnceWeightsAreRead:
+        def __init__(self, folder, max_length):
+            assert some_read.wait(60), "no weight was read while the tokenizer loaded"
+            raise model.CheckpointError("cannot load tokenizer: broken on purpose", path=folder)
+
+    monkeypatch.setattr(weights.SafetensorsFile, "read", counting_read)
+    monkeypatch.setattr(weights, "LOAD_THREADS", 1)  # one tensor at a time: the stop comes before the last
+    monkeypatch.setattr(generator, "PromptTokenizer", FailsOnceWeightsAreRead)
+    with pytest.raises(model.CheckpointError, match="broken on purpose"):
+        _load(tiny_ckpt)
+    total = sum(len(model.weights.open_component(os.path.join(tiny_ckpt, c))) for c in ("text_encoder", "transformer"))
+    assert 3 <= len(reads) < total, f"{len(reads)} of more than {total} tensors read after the tokenizer failed"
 
 
 def test_config_values_that_cannot_build_a_model(ckpt_copy):
