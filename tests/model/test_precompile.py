@@ -48,13 +48,13 @@ def test_loading_beside_a_precompile_switches_the_gil_finely_then_restores_it(ti
     import sys
 
     seen = []
-    real = generator_lib.load_component
+    real = generator_lib.load_components
 
-    def spying(*args, **kwargs):
-        seen.append(sys.getswitchinterval())
-        return real(*args, **kwargs)
+    def spying(components, **kwargs):
+        seen.extend(sys.getswitchinterval() for _ in components)
+        return real(components, **kwargs)
 
-    monkeypatch.setattr(generator_lib, "load_component", spying)
+    monkeypatch.setattr(generator_lib, "load_components", spying)
     if precompile_on:
         monkeypatch.setattr(generator_lib, "PRECOMPILE_PLATFORMS", ("cpu", "tpu", "gpu"))
     before = sys.getswitchinterval()
