@@ -72,9 +72,12 @@ def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
     return _load(settings, lab)
 
 
-# Where LoadSettings.precompile runs during the load: on accelerators. On a CPU the programs would run on the very
-# cores that compile them and that lay out the weights, so there is nothing to overlap.
-PRECOMPILE_PLATFORMS = ("tpu", "gpu")
+# Where LoadSettings.precompile runs during the load; elsewhere the programs compile on first use, after it. On a CPU
+# the programs would compile on the very cores that lay out the weights. On a TPU v5e host (klein-4B, 1024x1024, one
+# machine, 0c557ce) the precompile's lowering, Python like the tokenizer and the loading threads' steps, took 7.4 s
+# beside them against about 2 s alone, and the start was slower with it: first image 21.1 s warm and 52.0 s cold,
+# against 19.3 and 51.1 s compiling after the load (benchmarks/tpu_measured.json: startup_0c557ce). GPUs: unmeasured.
+PRECOMPILE_PLATFORMS = ("gpu",)
 
 
 # Python's GIL switch interval while a precompile traces the model beside the loading threads. At the default 5 ms
