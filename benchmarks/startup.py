@@ -5,8 +5,9 @@ from the compilation cache), first image. Each run is a fresh process, as a new 
     python -m benchmarks.startup --preset klein-4b --height 1024 --width 1024       # a TPU chip
     python -m benchmarks.startup --model gs://bucket/ckpt ...                        # with the gs:// copy
 
-By default the measured shape compiles while the weights load (`LoadSettings.precompile`, as the job does): the
-`load` phase then holds both and `compile` only what was left; `--no-precompile` compiles after loading. The load
+By default the measured shape is the load's `LoadSettings.precompile`, as in the job: where
+`model.generator.PRECOMPILE_PLATFORMS` says (GPUs) it compiles while the weights load, and the `load` phase then holds
+both and `compile` only what was left; elsewhere, and with `--no-precompile`, it compiles after loading. The load
 also starts the accelerator runtime, beside reading configs, tokenizer and headers (`--runtime-first` starts it
 before the load instead); its rows split the load's wall time (runtime start, preparing, placing the weights,
 finishing, waiting for the programs) and the loading threads' time.
