@@ -192,11 +192,16 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
             pool.shutdown(wait=False)  # the thread ends with its one task
         step("mesh_and_precompile_start")
 
+        checked = []  # the tokenizer's verdict, once it has loaded
+
         def tokenizer_problem() -> Exception | None:
             """The tokenizer's failure once it has loaded (the loading threads stop reading at it), else None."""
-            if not tokenizing.done():
-                return None
-            return tokenizing.exception() or vocabulary_problem(tokenizing.result(), te_cfg.vocab_size, root)
+            if not checked:
+                if not tokenizing.done():
+                    return None
+                checked.append(tokenizing.exception()
+                               or vocabulary_problem(tokenizing.result(), te_cfg.vocab_size, root))
+            return checked[0]
 
         # The tokenizer goes on loading beside the weights (on a v5e host it took 4.1-4.4 s more after the runtime
         # had started); a broken one stops the loading threads as soon as it has failed.
