@@ -2,9 +2,10 @@
 
 The other modules of `model` are its internals: they may be split, merged or renamed without notice, so pipeline/
 imports from here only (tests/model checks it). Importing this module does not load JAX: the names that need it
-(`load`, `fit`, `enable_compilation_cache`) are imported on first use.
+(`load`, `fit`, `enable_compilation_cache`, `start_runtime`) are imported on first use.
 
-- Loading and generating: `load`, `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`, `DEFAULT_TEXT_ENCODER_OUT_LAYERS`.
+- Loading and generating: `load` (which starts the accelerator runtime itself; `start_runtime` starts it earlier, on a
+  thread, in a process that will load), `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`, `DEFAULT_TEXT_ENCODER_OUT_LAYERS`.
 - The request contract (model.contract): `validate`, `count`, `optional_count`, `is_integer`, `Limits` and the DEFAULT_*
   limits; `MIN_REFERENCE_SIDE`, the smallest side a reference image may have.
 - Checkpoints: `read_config`, `read_config_and_digest` (configs only), `is_hub_id`, `resolve_hub`, `HubSnapshot`,
@@ -37,8 +38,8 @@ from .tpu_topology import CHIPS, GiB, Topology, TopologyError, load_topology
 from .weight_files import validate_variant
 
 # Imported on first use (they load JAX): name -> (module, attribute).
-_LAZY = {"load": ("generator", "load"), "fit": ("aot", "fit"), "enable_compilation_cache": ("engine",
-                                                                                            "enable_compilation_cache")}
+_LAZY = {"load": ("generator", "load"), "fit": ("aot", "fit"),
+         "enable_compilation_cache": ("engine", "enable_compilation_cache"), "start_runtime": ("runtime", "start_runtime")}
 
 __all__ = sorted([
     "cache_root", "read_config", "read_config_and_digest", "split_gs_uri", "gcs_client",

@@ -288,7 +288,8 @@ class DeviceTransposes:
     def _compile(order, stored_shape, dtype, sharding):
         spec = jax.ShapeDtypeStruct(stored_shape, jnp.dtype(dtype), sharding=_permuted(sharding, order))
         transpose = jax.jit(functools.partial(jnp.transpose, axes=order), out_shardings=sharding)
-        return transpose.lower(spec).compile()
+        lowered = transpose.lower(spec)
+        return lowered.compile()
 
 
 DEVICE_TRANSPOSES = DeviceTransposes()

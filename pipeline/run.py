@@ -436,9 +436,9 @@ def start_local_runtime(options: PipelineOptions, job: JobConfig, device_nodes=a
         return False
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu" or not device_nodes():
         return False
-    from model.runtime import start_runtime
+    from model import api
 
-    start_runtime()
+    api.start_runtime()
     return True
 
 

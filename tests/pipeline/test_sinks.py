@@ -80,7 +80,8 @@ def sink_jobs(ckpt32, loaded, xla_cache, inputs, tmp_path_factory):
             out = tmp_path_factory.mktemp("sinks-out") / fmt
             result, summary = _job(fmt, inputs, out, ckpt32, xla_cache, monkeypatch)
             raised = [kind for kind, _ in fault_jobs.RAISED]
-            assert raised.count("transient") == 1 and raised.count("oom") == 1, (fmt, raised)
+            # The doomed shape's lone image runs out of memory padded to the batch of 2, then again compiled for 1.
+            assert raised.count("transient") == 1 and raised.count("oom") == 2, (fmt, raised)
             found[fmt] = {"manifest": rows(str(out), "manifest"), "errors": rows(str(out), "errors"),
                           "summary": summary, "metrics": _metrics(result), "out": out}
     return found

@@ -73,7 +73,7 @@ class FaultyHandler(CachedHandler):
         self._fault_seed = fault_seed
         self._doomed = doomed_shape
 
-    def generate_once(self, tasks, model):
+    def generate_once(self, tasks, model, compiled_batch=None):
         # Faults are injected per attempt, under the handler's own retry loop (run_inference), as real ones are.
         key = tasks[0].shape_key if tasks else ""
         names = [t.file_name for t in tasks]
@@ -92,7 +92,7 @@ class FaultyHandler(CachedHandler):
                 RAISED.append(("transient", names))
                 raise RuntimeError(f"injected transient fault in inference call {call} (a worker lost its "
                                    f"accelerator)")
-        return super().generate_once(tasks, model)
+        return super().generate_once(tasks, model, compiled_batch)
 
 
 def install_handler(monkeypatch, cls=CachedHandler, **extra):
