@@ -304,15 +304,16 @@ class CompiledPrograms:
         start = time.perf_counter()
         lowered = self.lower(b, in_channels, joint_dim, head_dim, fused=self.lab.fused)
         lowered_at = time.perf_counter()
+        devices = list(self.mesh.devices.flat)
 
         def compile_one(low):
+            """(the program compiled, seconds)."""
             began = time.perf_counter()
             return compile_lowered(low, devices), time.perf_counter() - began
 
         with ThreadPoolExecutor(3) as pool:
             # Under a compile lease: of the workers sharing the compilation cache only the first compiles a program,
             # the others wait and then load it from the cache (model/compile_lease.py).
-            devices = list(self.mesh.devices.flat)
             (encode_c, encode_s), (denoise_c, denoise_s), (decode_c, decode_s) = pool.map(compile_one, lowered)
         # where the bucket's build went: lowering the three, then each one's compile (or persistent-cache load)
         self.build_seconds[b] = {"lower": lowered_at - start, "encode": encode_s, "denoise": denoise_s,

@@ -43,7 +43,7 @@ from .sharding import placement
 from .tokenizer import PromptTokenizer, TokenizerShape
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
 from .weights import (ComponentLoad, LoadTimes, expected_tensors, load_component, load_components,
-                      prepare_device_transposes, release_host_memory, validate_component)
+                      release_host_memory, validate_component)
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +131,12 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
         now = time.perf_counter()
         steps[name], mark[0] = now - mark[0], now
 
-    # The tokenizer (with the transformers import it needs: 3 s on a v5e host) loads on its own thread beside the
-    # preparations and the precompile's start; it is joined before any weight is read.
-    tokenizing = _TOKENIZER_LOADER.submit(PromptTokenizer, os.path.join(root, "tokenizer"),
-                                          settings.max_sequence_length)
     config = PipelineConfig.from_folder(root)
     te_cfg = config.text_encoder
+    # The tokenizer (with the transformers import it needs: 3 s on a v5e host) loads, and is checked against the text
+    # encoder, on its own thread beside the preparations and the weights' placing.
+    tokenizing = _TOKENIZER_LOADER.submit(load_tokenizer, os.path.join(root, "tokenizer"),
+                                          settings.max_sequence_length, te_cfg.vocab_size)
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
     # The modules the programs run, as shapes: filled here, and copied for the precompiler.
     networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab)
@@ -175,9 +175,6 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
     loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_layout.stored_to_layout(module))
              for (name, module, exp, opt), f in zip(components, files)]
-    # The device transposes the weights need compile (or come from the compilation cache) first, before the
-    # precompile's programs take the compiler.
-    prepare_device_transposes(loads, placement(mesh))
     with fine_gil_switching() if precompile_now else contextlib.nullcontext():
         if precompile_now:
             # The precompiler gets copies of the modules the load fills (made here, so no thread reads a module
@@ -192,27 +189,15 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
             pool.shutdown(wait=False)  # the thread ends with its one task
         step("mesh_and_precompile_start")
 
-        checked = []  # the tokenizer's verdict, once it has loaded
-
-        def tokenizer_problem() -> Exception | None:
-            """The tokenizer's failure once it has loaded (the loading threads stop reading at it), else None."""
-            if not checked:
-                if not tokenizing.done():
-                    return None
-                checked.append(tokenizing.exception()
-                               or vocabulary_problem(tokenizing.result(), te_cfg.vocab_size, root))
-            return checked[0]
-
         # The tokenizer goes on loading beside the weights (on a v5e host it took 4.1-4.4 s more after the runtime
-        # had started); a broken one stops the loading threads as soon as it has failed.
+        # had started); a broken one stops the loading threads as soon as it has failed. The device transposes the
+        # weights need compile first (model.weights.load_components), before any other program takes the compiler.
         times, placing = LoadTimes(), time.perf_counter()
-        text_encoder, transformer, vae = load_components(loads, placement=placement(mesh), times=times,
-                                                         should_stop=tokenizer_problem)
+        text_encoder, transformer, vae = load_components(
+            loads, placement=placement(mesh), times=times,
+            should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
     finishing = time.perf_counter()
     tokenizer = tokenizing.result()  # its CheckpointError, if it failed after the last tensor was read
-    problem = vocabulary_problem(tokenizer, te_cfg.vocab_size, root)
-    if problem is not None:
-        raise problem
     steps["tokenizer_wait_after_placing"] = time.perf_counter() - finishing
     finishing = time.perf_counter()
     load_phases = dict(times.as_dict(), runtime_start_s=runtime_start_s, runtime_wait_s=runtime_wait_s,
@@ -237,11 +222,11 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     waited = time.perf_counter()
     load_phases["finish_s"] = waited - finishing  # host memory returned, the generator made
     if precompiling is not None:
-        compiled = precompiling.result()
+        compiled, made_s = precompiling.result()
         if compiled is not None:
             generator.programs.adopt(compiled)
             # where the precompile went: making the abstract generator, then per program (summed over the shapes)
-            built = collections.Counter({"make": getattr(compiled, "made_in_s", 0.0)})
+            built = collections.Counter({"make": made_s})
             for seconds in compiled.build_seconds.values():
                 built.update(seconds)
             load_phases["precompile_steps_s"] = {name: round(v, 3) for name, v in built.items()}
@@ -250,23 +235,25 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     return generator
 
 
-def vocabulary_problem(tokenizer: PromptTokenizer, vocab_size: int, root: str) -> CheckpointError | None:
-    """A CheckpointError if the tokenizer has ids past the text encoder's embedding table (they would read NaN:
-    black images), else None."""
-    if len(tokenizer.tokenizer) <= vocab_size:
-        return None
-    return CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
-                           f"table only {vocab_size} rows (vocab_size): tokenizer and text encoder do not belong "
-                           f"together", path=os.path.join(root, "tokenizer"))
+def load_tokenizer(folder: str, max_length: int, vocab_size: int) -> PromptTokenizer:
+    """The checkpoint's tokenizer; CheckpointError if it has ids past the text encoder's embedding table (they would
+    read NaN: black images)."""
+    tokenizer = PromptTokenizer(folder, max_length)
+    if len(tokenizer.tokenizer) > vocab_size:
+        raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
+                              f"table only {vocab_size} rows (vocab_size): tokenizer and text encoder do not belong "
+                              f"together", path=folder)
+    return tokenizer
 
 
 def _precompile(shapes, make_abstract_generator):
-    """The programs of `shapes` (LoadSettings.precompile) compiled from shapes alone, or None if that failed (the
-    generator then compiles on first use, as without precompiling)."""
+    """(the programs of `shapes` (LoadSettings.precompile) compiled from shapes alone, or None if that failed (the
+    generator then compiles on first use, as without precompiling); seconds making the abstract generator)."""
+    made_s = 0.0
     try:
         start = time.perf_counter()
         gen = make_abstract_generator()
-        gen.programs.made_in_s = time.perf_counter() - start  # the abstract generator's own making (the rest: plans)
+        made_s = time.perf_counter() - start
         for height, width, steps, guidance in shapes:
             try:
                 inputs = gen.check_inputs(["precompile"], [0], height, width, num_inference_steps=steps,
@@ -276,10 +263,10 @@ def _precompile(shapes, make_abstract_generator):
                 continue
             gen.plan_bucket(inputs)
         logger.info("precompiled %d shape(s) in %.1f s while loading", len(shapes), time.perf_counter() - start)
-        return gen.programs
+        return gen.programs, made_s
     except Exception:  # noqa: BLE001 - an optimisation: the generator compiles on first use instead
         logger.warning("precompiling while loading failed; the programs compile on first use", exc_info=True)
-        return None
+        return None, made_s
 
 
 @dataclasses.dataclass(frozen=True)

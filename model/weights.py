@@ -508,12 +508,8 @@ def prepare_device_transposes(components: list[ComponentLoad], placement) -> int
             target = var.get_value() if hasattr(var, "get_value") else var.value
             sharding = placement(path, var)
             order = jax_layout_order(name, len(sf.entries[name][1]), len(target.shape))
-            if order is None or len(order) != len(target.shape) or _platform(sharding) not in DEVICE_LAYOUT_PLATFORMS:
-                continue
-            stored = [0] * len(order)
-            for k, axis in enumerate(order):  # torch axis order[k] is JAX axis k
-                stored[axis] = target.shape[k]
-            needed.add(DEVICE_TRANSPOSES.key(order, stored, target.dtype, sharding))
+            if order is not None and _platform(sharding) in DEVICE_LAYOUT_PLATFORMS:
+                needed.add(DEVICE_TRANSPOSES.key(order, torch_shape(name, target.shape), target.dtype, sharding))
     for key in needed:
         DEVICE_TRANSPOSES.prepare(key)
     return len(needed)

@@ -278,11 +278,9 @@ class LoadedGenerator:
         `reference_images`: one list of references (PIL images) per prompt, or None for text-to-image.
         `batch_size`: the programs' batch for this call (None: the engine's; see generate_result)."""
         extra = {} if reference_images is None else {"reference_images": reference_images}
-        if batch_size is not None:
-            extra["batch_size"] = batch_size
         out = self._gen.generate_result(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
                                         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                                        **extra)
+                                        batch_size=batch_size, **extra)
         return {"images": np.asarray(out.images), "truncated": list(out.prompt_truncated),
                 "nonfinite": [None if n is None else n.describe() for n in out.nonfinite],
                 "num_inference_steps": out.num_inference_steps, "guidance_scale": out.guidance_scale,

@@ -46,12 +46,12 @@ def check(path, dtype, shards, layout="host"):
         prepared.append(plain_prepare(components, placement))
         return prepared[-1]
 
-    model.generator.prepare_device_transposes = prepare
+    model.weights.prepare_device_transposes = prepare
     try:
         gen = model.load(settings)
     finally:
         model.weights.DEVICE_LAYOUT_PLATFORMS = platforms
-        model.generator.prepare_device_transposes = plain_prepare
+        model.weights.prepare_device_transposes = plain_prepare
     # Every transpose the weights took was among those prepared before the first tensor was read: none compiled
     # on the loading threads, where it would wait for the precompile's programs.
     assert prepared and prepared[0] == len(transposes), (prepared, len(transposes))
