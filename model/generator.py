@@ -196,12 +196,12 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
         text_encoder, transformer, vae = load_components(
             loads, placement=placement(mesh), times=times,
             should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
-    finishing = time.perf_counter()
+    placed = time.perf_counter()
     tokenizer = tokenizing.result()  # its CheckpointError, if it failed after the last tensor was read
-    steps["tokenizer_wait_after_placing"] = time.perf_counter() - finishing
     finishing = time.perf_counter()
+    steps["tokenizer_wait_after_placing"] = finishing - placed
     load_phases = dict(times.as_dict(), runtime_start_s=runtime_start_s, runtime_wait_s=runtime_wait_s,
-                       prepare_s=placing - start, wall_s=finishing - placing,
+                       prepare_s=placing - start, wall_s=placed - placing,
                        prepare_steps_s={k: round(v, 3) for k, v in steps.items()})
     vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
 

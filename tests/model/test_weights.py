@@ -397,6 +397,37 @@ def test_a_tokenizer_that_fails_while_the_weights_load_stops_the_loading(tiny_ck
     assert 3 <= len(reads) < total, f"{len(reads)} of more than {total} tensors read after the tokenizer failed"
 
 
+def test_the_placing_time_leaves_out_the_wait_for_a_slower_tokenizer(tiny_ckpt, monkeypatch):
+    """load_phases' placing (wall_s, the weights' GB/s) ends with the last tensor; a tokenizer still loading then is
+    its own step (prepare_steps_s["tokenizer_wait_after_placing"])."""
+    import threading
+    import time
+
+    from model import generator
+
+    placed = threading.Event()
+    plain_load, plain_tokenizer = generator.load_components, generator.PromptTokenizer
+
+    def load_then_signal(*args, **kwargs):
+        modules = plain_load(*args, **kwargs)
+        placed.set()
+        return modules
+
+    def tokenizer_done_after_the_weights(folder, max_length):
+        assert placed.wait(60)
+        time.sleep(0.5)
+        return plain_tokenizer(folder, max_length)
+
+    monkeypatch.setattr(generator, "load_components", load_then_signal)
+    monkeypatch.setattr(generator, "PromptTokenizer", tokenizer_done_after_the_weights)
+    began = time.perf_counter()
+    phases = _load(tiny_ckpt).load_phases
+    took = time.perf_counter() - began
+    waited = phases["prepare_steps_s"]["tokenizer_wait_after_placing"]
+    assert waited >= 0.5, phases
+    assert phases["prepare_s"] + phases["wall_s"] + waited <= took, (phases, took)
+
+
 def test_config_values_that_cannot_build_a_model(ckpt_copy):
     path = os.path.join(ckpt_copy, "transformer", "config.json")
     for key, value in (("mlp_ratio", 0), ("num_single_layers", -1)):
