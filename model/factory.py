@@ -41,12 +41,13 @@ class Networks:
     """The networks of one checkpoint config in one dtype, as shapes (`nnx.eval_shape`: no memory, no weights).
 
     `out_layers`: the text-encoder hidden states the transformer reads; `lab`: the fast path's switches (a truncated
-    text encoder unless the lab turns it off)."""
+    text encoder unless the lab turns it off); `quantize`: as EngineOptions.quantize."""
 
     config: PipelineConfig
     dtype: str = "bfloat16"
     out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     lab: LabSwitches = LabSwitches()
+    quantize: str = "none"  # EngineOptions.quantize: the transformer's block projections int8 (model.quantize)
 
     @property
     def jax_dtype(self):
@@ -60,10 +61,10 @@ class Networks:
         if full_depth is None:
             full_depth = not self.lab.truncated_encoder or self.lab.reference
         return self._abstract(lambda **kw: Qwen3TextEncoder(self.config.text_encoder, self.out_layers,
-                                                            full_depth=full_depth, **kw))
+                                                            full_depth=full_depth, quantize=self.quantize, **kw))
 
     def transformer(self):
-        return self._abstract(lambda **kw: Flux2Transformer(self.config.transformer, **kw))
+        return self._abstract(lambda **kw: Flux2Transformer(self.config.transformer, quantize=self.quantize, **kw))
 
     def vae_decoder(self, *, with_encoder: bool = False):
         """The VAE's decoder side (what the decode program runs), with its encoder too when `with_encoder`."""

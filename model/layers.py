@@ -73,10 +73,16 @@ class Linear(nnx.Module):
         self.bias = param(jnp.zeros((out_features,), dtype), axes[1:]) if bias else None
 
     def __call__(self, x):
+        return self.columns(x, None)
+
+    def columns(self, x, take):
+        """x times the columns `take` selects (a function of an array's last axis; None: all of them)."""
         w = self.weight[...]
+        if take is not None:
+            w = take(w)
         y = jnp.dot(x.astype(w.dtype), w, precision=precision_for(w.dtype))
         if self.bias is not None:
-            y = y + self.bias[...]
+            y = y + (self.bias[...] if take is None else take(self.bias[...]))
         return y
 
 

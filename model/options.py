@@ -13,6 +13,8 @@ from .contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, is_integer, optional_c
 from .weight_files import validate_variant
 
 DTYPE_NAMES = ("bfloat16", "float32")
+# Weight and activation quantization of the transformer's block projections (model.quantize): none | int8.
+QUANTIZE_MODES = ("none", "int8")
 PROGRAMS = ("encode", "denoise", "decode")
 DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 
@@ -61,8 +63,14 @@ class EngineOptions:
     # programs run on CPU; a program not listed, and () for all, gets XLA's defaults.
     cpu_compiler_options: tuple[tuple[str, tuple[tuple[str, str | bool | int], ...]], ...] = \
         DEFAULT_CPU_COMPILER_OPTIONS
+    # "int8": the transformer blocks' projections run W8A8 (int8 weights per output channel, activations per token,
+    # int32 accumulation): about half the weight memory; images differ from bf16's pixel by pixel
+    # (benchmarks.quality measures by how much on your weights).
+    quantize: str = "none"
 
     def __post_init__(self):
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
         unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
         if unknown:
             raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")

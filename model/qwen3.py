@@ -14,6 +14,7 @@ from flax import nnx
 from .attention import attention
 from .config import TextEncoderConfig
 from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, called_directly, traced_once_per_structure
+from .quantize import Int8Linear
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float):
@@ -41,17 +42,18 @@ def sliding_window_mask(length: int, window: int) -> np.ndarray:
 
 
 class Qwen3Attention(nnx.Module):
-    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs, sliding_window: int | None = None):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs, sliding_window: int | None = None,
+                 linear=Linear):
         self.sliding_window = sliding_window
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "heads"))
-        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "kv_heads"))
-        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "kv_heads"))
-        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=bias, dtype=dtype, rngs=rngs, axes=("heads", "embed"))
+        self.q_proj = linear(cfg.hidden_size, q_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "heads"))
+        self.k_proj = linear(cfg.hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "kv_heads"))
+        self.v_proj = linear(cfg.hidden_size, kv_dim, bias=bias, dtype=dtype, rngs=rngs, axes=("embed", "kv_heads"))
+        self.o_proj = linear(q_dim, cfg.hidden_size, bias=bias, dtype=dtype, rngs=rngs, axes=("heads", "embed"))
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
 
@@ -70,23 +72,24 @@ class Qwen3Attention(nnx.Module):
 
 
 class Qwen3MLP(nnx.Module):
-    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs, linear=Linear):
         self.act = cfg.hidden_act
         hidden, inner = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(hidden, inner, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
-        self.up_proj = Linear(hidden, inner, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
-        self.down_proj = Linear(inner, hidden, bias=False, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
+        self.gate_proj = linear(hidden, inner, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
+        self.up_proj = linear(hidden, inner, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
+        self.down_proj = linear(inner, hidden, bias=False, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
 
     def __call__(self, x):
         return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen3DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs, sliding_window: int | None = None):
+    def __init__(self, cfg: TextEncoderConfig, *, dtype, rngs: nnx.Rngs, sliding_window: int | None = None,
+                 linear=Linear):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Qwen3Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=sliding_window)
+        self.self_attn = Qwen3Attention(cfg, dtype=dtype, rngs=rngs, sliding_window=sliding_window, linear=linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = Qwen3MLP(cfg, dtype=dtype, rngs=rngs, linear=linear)
 
     def __call__(self, x, cos, sin, key_mask, implementation):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_mask, implementation)
@@ -117,9 +120,11 @@ def layers_to_run(cfg: TextEncoderConfig, out_layers) -> tuple[int, bool]:
 class Qwen3Body(nnx.Module):
     """`model.*` of Qwen3ForCausalLM, truncated to `num_layers` decoder layers (plus the final norm if needed)."""
 
-    def __init__(self, cfg: TextEncoderConfig, num_layers: int, with_final_norm: bool, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextEncoderConfig, num_layers: int, with_final_norm: bool, *, dtype, rngs: nnx.Rngs,
+                 linear=Linear):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Qwen3DecoderLayer(cfg, dtype=dtype, rngs=rngs, sliding_window=cfg.window_of(i))
+        self.layers = nnx.List([Qwen3DecoderLayer(cfg, dtype=dtype, rngs=rngs, sliding_window=cfg.window_of(i),
+                                                  linear=linear)
                                 for i in range(num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype) if with_final_norm else None
 
@@ -128,13 +133,15 @@ class Qwen3TextEncoder(nnx.Module):
     """Returns the requested hidden states stacked per token as [B, L, len(out_layers) * hidden]."""
 
     def __init__(self, cfg: TextEncoderConfig, out_layers=(9, 18, 27), *, full_depth: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, quantize: str = "none"):
+        """`quantize`: "int8" makes the decoder layers' projections int8 layers (model.quantize)."""
         self.config = cfg
         self.out_layers = normalize_out_layers(cfg, out_layers)
         num_layers, with_norm = layers_to_run(cfg, self.out_layers)
         if full_depth:  # reference mode: run the whole stack like transformers does
             num_layers, with_norm = cfg.num_hidden_layers, True
-        self.model = Qwen3Body(cfg, num_layers, with_norm, dtype=dtype, rngs=rngs)
+        self.model = Qwen3Body(cfg, num_layers, with_norm, dtype=dtype, rngs=rngs,
+                               linear=Int8Linear if quantize == "int8" else Linear)
 
     def __call__(self, input_ids, attention_mask, *, implementation: str = "xla", layers_traced_once: bool = False):
         """`layers_traced_once`: identical layers traced once (model.layers.traced_once_per_structure), and the RoPE

@@ -68,8 +68,10 @@ def lay_out(module: nnx.Module, shards: int) -> nnx.Module:
             order = back[shard_major_order(sizes, new)]  # stored -> new, composed
             linear = getattr(layer, name)
             _permute(linear.weight, order, axis)
-            if axis == 1 and getattr(linear, "bias", None) is not None:
-                _permute(linear.bias, order, 0)
+            if axis == 1:  # a column's bias and int8 scale (model.quantize) move with it
+                for per_column in ("bias", "weight_scale"):
+                    if getattr(linear, per_column, None) is not None:
+                        _permute(getattr(linear, per_column), order, 0)
         layer.layout_shards = new
     return module
 

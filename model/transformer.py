@@ -21,6 +21,7 @@ from .attention import attention, attention_heads, traced_devices, traced_platfo
 from .config import TransformerConfig
 from .layers import (Linear, RMSNorm, called_directly, layer_norm, precision_for, round_to_dtype,
                      traced_once_per_structure)
+from .quantize import Int8Linear
 from .scopes import scoped
 from .shard_layout import join_parts, split_parts
 
@@ -179,11 +180,11 @@ class FeedForward(nnx.Module):
     `layout_shards` > 1: linear_in's columns are laid out shard-major (model.shard_layout), so each of that many
     chips holds matching slices of both halves."""
 
-    def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs, linear=Linear):
         self.hidden = hidden
         self.layout_shards = 1
-        self.linear_in = Linear(dim, 2 * hidden, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
-        self.linear_out = Linear(hidden, dim, bias=False, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
+        self.linear_in = linear(dim, 2 * hidden, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
+        self.linear_out = linear(hidden, dim, bias=False, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
 
     def fused_layout(self):
         """The fused projection whose output parts model.shard_layout lays out per shard."""
@@ -197,22 +198,22 @@ class FeedForward(nnx.Module):
 class JointAttention(nnx.Module):
     """Double-stream attention: separate q/k/v for image and text, one attention over [text ; image]."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs, linear=Linear):
         d, hd = cfg.inner_dim, cfg.attention_head_dim
         self.heads, self.head_dim = cfg.num_attention_heads, hd
         fan_out, fan_in = ("embed", "heads"), ("heads", "embed")  # logical axes (model.sharding)
-        self.to_q = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
-        self.to_k = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
-        self.to_v = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.to_q = linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.to_k = linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.to_v = linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
         self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
-        self.to_out = nnx.List([Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_in)])
-        self.add_q_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
-        self.add_k_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
-        self.add_v_proj = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.to_out = nnx.List([linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_in)])
+        self.add_q_proj = linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.add_k_proj = linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
+        self.add_v_proj = linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_out)
         self.norm_added_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_added_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
-        self.to_add_out = Linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_in)
+        self.to_add_out = linear(d, d, bias=False, dtype=dtype, rngs=rngs, axes=fan_in)
 
     def _heads(self, x):
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)
@@ -254,11 +255,11 @@ class JointAttention(nnx.Module):
 
 
 class DoubleStreamBlock(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs, linear=Linear):
         self.eps = cfg.eps
-        self.attn = JointAttention(cfg, dtype=dtype, rngs=rngs)
-        self.ff = FeedForward(cfg.inner_dim, cfg.mlp_hidden_dim, dtype=dtype, rngs=rngs)
-        self.ff_context = FeedForward(cfg.inner_dim, cfg.mlp_hidden_dim, dtype=dtype, rngs=rngs)
+        self.attn = JointAttention(cfg, dtype=dtype, rngs=rngs, linear=linear)
+        self.ff = FeedForward(cfg.inner_dim, cfg.mlp_hidden_dim, dtype=dtype, rngs=rngs, linear=linear)
+        self.ff_context = FeedForward(cfg.inner_dim, cfg.mlp_hidden_dim, dtype=dtype, rngs=rngs, linear=linear)
 
     def __call__(self, img, txt, mod_img, mod_txt, cos, sin, implementation):
         (shift, scale, gate), (shift2, scale2, gate2) = mod_img
@@ -277,14 +278,14 @@ class ParallelSelfAttention(nnx.Module):
     [attention | mlp]. `layout_shards` > 1: both are laid out shard-major (model.shard_layout), so each of that many
     chips holds its heads' q, k, v, its MLP columns and the matching rows of the output projection."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs, linear=Linear):
         d, m, hd = cfg.inner_dim, cfg.mlp_hidden_dim, cfg.attention_head_dim
         self.heads, self.head_dim, self.inner_dim, self.mlp_dim = cfg.num_attention_heads, hd, d, m
         self.layout_shards = 1
-        self.to_qkv_mlp_proj = Linear(d, 3 * d + 2 * m, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "heads_mlp"))
+        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * m, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "heads_mlp"))
         self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
-        self.to_out = Linear(d + m, d, bias=False, dtype=dtype, rngs=rngs, axes=("heads_mlp", "embed"))
+        self.to_out = linear(d + m, d, bias=False, dtype=dtype, rngs=rngs, axes=("heads_mlp", "embed"))
 
     def fused_layout(self):
         """The projections whose parts model.shard_layout lays out per shard: columns in, rows out."""
@@ -302,9 +303,8 @@ class ParallelSelfAttention(nnx.Module):
             return self._with_heads_kernel(x, fused, cos, sin, queries_from, mode == "interpret")
         q, k, v, a, b = split_parts(fused, (d, d, d, m, m), shards)
         if queries_from:  # keys and values of the tokens without outputs: only those columns of the projection
-            w = self.to_qkv_mlp_proj.weight[...]
-            w_kv = w.reshape(w.shape[0], shards, -1)[:, :, d // shards:3 * d // shards].reshape(w.shape[0], 2 * d)
-            kv = jnp.dot(x[:, :queries_from].astype(w.dtype), w_kv, precision=precision_for(w.dtype))
+            kv = self.to_qkv_mlp_proj.columns(x[:, :queries_from], lambda a: a.reshape(
+                *a.shape[:-1], shards, -1)[..., d // shards:3 * d // shards].reshape(*a.shape[:-1], 2 * d))
             k_text, v_text = split_parts(kv, (d, d), shards)
             k = jnp.concatenate([k_text, k], axis=1)
             v = jnp.concatenate([v_text, v], axis=1)
@@ -327,8 +327,7 @@ class ParallelSelfAttention(nnx.Module):
         k = heads_kernel.head_major(fused, d, heads, hd, **norm_k, **rope, **kw)
         v = heads_kernel.head_major(fused, 2 * d, heads, hd, **kw)
         if queries_from:  # keys and values of the tokens without outputs: only those columns of the projection
-            w = self.to_qkv_mlp_proj.weight[...]
-            kv = jnp.dot(x[:, :queries_from].astype(w.dtype), w[:, d:3 * d], precision=precision_for(w.dtype))
+            kv = self.to_qkv_mlp_proj.columns(x[:, :queries_from], lambda a: a[..., d:3 * d])
             rope_text = dict(cos=cos[:queries_from], sin=sin[:queries_from])
             k = jnp.concatenate([heads_kernel.head_major(kv, 0, heads, hd, **norm_k, **rope_text, **kw), k], axis=2)
             v = jnp.concatenate([heads_kernel.head_major(kv, d, heads, hd, **kw), v], axis=2)
@@ -338,9 +337,9 @@ class ParallelSelfAttention(nnx.Module):
 
 
 class SingleStreamBlock(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs, linear=Linear):
         self.eps = cfg.eps
-        self.attn = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs)
+        self.attn = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, linear=linear)
 
     def __call__(self, x, mod, cos, sin, implementation, queries_from: int = 0):
         ((shift, scale, gate),) = mod
@@ -361,9 +360,13 @@ class AdaLayerNormOut(nnx.Module):
 
 
 class Flux2Transformer(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    """`quantize`: "int8" makes the blocks' attention and MLP projections int8 layers (model.quantize); the
+    embedders, modulation and output projection stay in `dtype`."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantize: str = "none"):
         self.config = cfg
         d = cfg.inner_dim
+        linear = Int8Linear if quantize == "int8" else Linear
         self.time_guidance_embed = TimestepGuidanceEmbeddings(cfg, dtype=dtype, rngs=rngs)
         self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
         self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
@@ -371,9 +374,9 @@ class Flux2Transformer(nnx.Module):
         self.x_embedder = Linear(cfg.in_channels, d, bias=False, dtype=dtype, rngs=rngs, axes=("latent", "embed"))
         self.context_embedder = Linear(cfg.joint_attention_dim, d, bias=False, dtype=dtype, rngs=rngs,
                                        axes=("text_embed", "embed"))
-        self.transformer_blocks = nnx.List([DoubleStreamBlock(cfg, dtype=dtype, rngs=rngs)
+        self.transformer_blocks = nnx.List([DoubleStreamBlock(cfg, dtype=dtype, rngs=rngs, linear=linear)
                                             for _ in range(cfg.num_layers)])
-        self.single_transformer_blocks = nnx.List([SingleStreamBlock(cfg, dtype=dtype, rngs=rngs)
+        self.single_transformer_blocks = nnx.List([SingleStreamBlock(cfg, dtype=dtype, rngs=rngs, linear=linear)
                                                    for _ in range(cfg.num_single_layers)])
         self.norm_out = AdaLayerNormOut(d, cfg.eps, dtype=dtype, rngs=rngs)
         self.proj_out = Linear(d, cfg.patch_size ** 2 * cfg.out_channels, bias=False, dtype=dtype, rngs=rngs,

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .errors import CheckpointError, UnsafeWeightsError
 from .contract import is_integer
+from .quantize import QuantScale, is_quantized, quantize_columns, scale_path, source_dtype
 from .weight_files import select_weight_files
 
 logger = logging.getLogger(__name__)
@@ -263,8 +264,9 @@ class DeviceTransposes:
         self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="transpose-compile")
 
     @staticmethod
-    def key(order: tuple[int, ...], stored_shape: tuple[int, ...], dtype, sharding) -> tuple:
-        return tuple(order), tuple(stored_shape), np.dtype(dtype).name, sharding
+    def key(order: tuple[int, ...], stored_shape: tuple[int, ...], dtype, sharding, scale_sharding=None) -> tuple:
+        """`scale_sharding`: the transpose also quantizes to int8 (model.quantize), its scale placed so."""
+        return tuple(order), tuple(stored_shape), np.dtype(dtype).name, sharding, scale_sharding
 
     def prepare(self, key: tuple):
         """The future of the compiled transpose `key`, submitted for compiling if it is not already."""
@@ -285,11 +287,21 @@ class DeviceTransposes:
         return len(self._compiled)
 
     @staticmethod
-    def _compile(order, stored_shape, dtype, sharding):
+    def _compile(order, stored_shape, dtype, sharding, scale_sharding):
         spec = jax.ShapeDtypeStruct(stored_shape, jnp.dtype(dtype), sharding=_permuted(sharding, order))
-        transpose = jax.jit(functools.partial(jnp.transpose, axes=order), out_shardings=sharding)
+        if scale_sharding is None:
+            transpose = jax.jit(functools.partial(jnp.transpose, axes=order), out_shardings=sharding)
+        else:
+            transpose = jax.jit(lambda w: quantize_columns(jnp.transpose(w, order)),
+                                out_shardings=(sharding, scale_sharding))
         lowered = transpose.lower(spec)
         return lowered.compile()
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(sharding, scale_sharding):
+    """`quantize_columns` on the device, its outputs placed by the two shardings (jit compiles per shape)."""
+    return jax.jit(quantize_columns, out_shardings=(sharding, scale_sharding))
 
 
 DEVICE_TRANSPOSES = DeviceTransposes()
@@ -500,7 +512,8 @@ def prepare_device_transposes(components: list[ComponentLoad], placement) -> int
     for c in components:
         if c.tensor_to_file is None:
             continue
-        for path, var in nnx.to_flat_state(nnx.state(c.abstract_module)):
+        variables = dict(nnx.to_flat_state(nnx.state(c.abstract_module)))
+        for path, var in variables.items():
             name = ".".join(str(p) for p in path)
             sf = c.tensor_to_file.get(name)
             if sf is None:
@@ -509,10 +522,26 @@ def prepare_device_transposes(components: list[ComponentLoad], placement) -> int
             sharding = placement(path, var)
             order = jax_layout_order(name, len(sf.entries[name][1]), len(target.shape))
             if order is not None and _platform(sharding) in DEVICE_LAYOUT_PLATFORMS:
-                needed.add(DEVICE_TRANSPOSES.key(order, torch_shape(name, target.shape), target.dtype, sharding))
+                dtype, scale_sharding = _stored_dtype(var, target), _scale_sharding(path, variables, placement)
+                needed.add(DEVICE_TRANSPOSES.key(order, torch_shape(name, target.shape), dtype, sharding,
+                                                 scale_sharding))
     for key in needed:
         DEVICE_TRANSPOSES.prepare(key)
     return len(needed)
+
+
+def _stored_dtype(var, target):
+    """The dtype a tensor is cast to on the host: its parameter's, or for an int8 weight the float dtype it is
+    quantized from on the device."""
+    return source_dtype(var) if is_quantized(var) else target.dtype
+
+
+def _scale_sharding(path, variables: dict, placement):
+    """Where a quantized weight's scale goes (None for a weight that is not quantized)."""
+    if not is_quantized(variables[path]):
+        return None
+    scale = scale_path(path)
+    return placement(scale, variables[scale])
 
 
 def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[int, ...]],
@@ -546,13 +575,15 @@ def load_components(components: list[ComponentLoad], *, placement=None, times: L
             tensor_to_file = validate_component(c.folder, expected=c.expected, optional=c.optional)
         graphdef, abstract_state = nnx.split(c.abstract_module)
         flat = nnx.to_flat_state(abstract_state)
-        for path, _ in flat:
+        # An int8 weight's scale is no checkpoint tensor: its weight's job fills it (model.quantize).
+        read = [(path, var) for path, var in flat if not isinstance(var, QuantScale)]
+        for path, _ in read:
             name = ".".join(str(p) for p in path)
             if name not in tensor_to_file:
                 raise CheckpointError("model parameter has no tensor in the checkpoint", path=c.folder, tensor=name)
-        graphs.append((graphdef, flat, tensor_to_file, c.permutations or {}))
+        graphs.append((graphdef, flat, tensor_to_file, c.permutations or {}, dict(flat)))
         resolved.append(dataclasses.replace(c, tensor_to_file=tensor_to_file))
-        jobs.extend((index, path, var) for path, var in flat)
+        jobs.extend((index, path, var) for path, var in read)
 
     default_sharding = SingleDeviceSharding(jax.devices()[0]) if placement is None else None
     buffers = ReadBuffers()
@@ -566,11 +597,15 @@ def load_components(components: list[ComponentLoad], *, placement=None, times: L
             stop = should_stop()
             if stop is not None:
                 raise stop
-        _, _, tensor_to_file, permutations = graphs[index]
+        _, _, tensor_to_file, permutations, variables = graphs[index]
         name = ".".join(str(p) for p in path)
         target = var.get_value() if hasattr(var, "get_value") else var.value
         sf = tensor_to_file[name]
         sharding = placement(path, var) if placement is not None else default_sharding
+        scale_sharding = None
+        if is_quantized(var):
+            scale_var = variables[scale_path(path)]
+            scale_sharding = placement(scale_path(path), scale_var) if placement is not None else default_sharding
         accelerator = _platform(sharding) in DEVICE_LAYOUT_PLATFORMS
         clock = time.perf_counter()
         array = squeezed(sf.read(name, buffers if accelerator else None), len(target.shape))
@@ -583,7 +618,7 @@ def load_components(components: list[ComponentLoad], *, placement=None, times: L
         if tuple(path) in permutations:  # along the JAX layout's `axis`, which is torch's axis order[axis]
             perm, axis = permutations[tuple(path)]
             array = np.take(array, perm, axis=axis if order is None else order[axis])
-        array = array.astype(target.dtype, copy=False)
+        array = array.astype(_stored_dtype(var, target), copy=False)
         on_device = order is not None and accelerator
         if on_device:
             array = np.ascontiguousarray(array)
@@ -597,18 +632,24 @@ def load_components(components: list[ComponentLoad], *, placement=None, times: L
             # copies it would take instead were 60% of klein-4B's load on a v5e host.
             stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
             transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
-            transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding))
-            placed = transpose(stored).block_until_ready()
+            transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding,
+                                                                    scale_sharding))
+            placed = jax.block_until_ready(transpose(stored))
         else:
             placed = jnp.asarray(array) if placement is None else jax.device_put(array, sharding)
             placed = placed.block_until_ready()
             transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
+            if scale_sharding is not None:  # int8 on the device that holds the float copy (model.quantize)
+                placed = jax.block_until_ready(_quantizer(sharding, scale_sharding)(placed))
         if accelerator:
-            buffers.keep_unless_aliased(placed)  # the thread's next tensor is read into the same pages
+            buffers.keep_unless_aliased(placed[0] if scale_sharding is not None else placed)
         if times is not None:
             times.add(array.nbytes, read_s=read_s, host_layout_s=host_s, transfer_s=transfer_s,
                       device_layout_s=time.perf_counter() - clock)
-        return (index, path), var.replace(placed)
+        if scale_sharding is None:
+            return [((index, path), var.replace(placed))]
+        values, scale = placed
+        return [((index, path), var.replace(values)), ((index, scale_path(path)), scale_var.replace(scale))]
 
     # Tensors are read, laid out and sent to the devices by several threads at once: file reads, the layout copies
     # (as 16-bit integers for 2-byte floats, which numpy copies without the GIL) and host-to-device transfers overlap.
@@ -620,9 +661,9 @@ def load_components(components: list[ComponentLoad], *, placement=None, times: L
         return sf.path, sf.entries[name][2]
 
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
-        placed = dict(pool.map(place, sorted(jobs, key=position)))
+        placed = dict(leaf for leaves in pool.map(place, sorted(jobs, key=position)) for leaf in leaves)
     modules = []
-    for index, (graphdef, flat, _, _) in enumerate(graphs):
+    for index, (graphdef, flat, _, _, _) in enumerate(graphs):
         leaves = [(path, placed[(index, path)]) for path, _ in flat]
         modules.append(nnx.merge(graphdef, nnx.from_flat_state(leaves)))
     return modules
