@@ -185,6 +185,12 @@ class CompiledPrograms:
             return rows(one, x, txt, neg_txt, refs)
 
         @on_mesh
+        def velocity_at(state, x, txt, neg_txt, refs, timestep, cos, sin, guidance_scale):
+            """One step's velocity (as the denoising loop computes it) at latents `x`: drift measures compare it."""
+            return rows(lambda x, tx, ntx, r: velocity(state, x, tx, model_timestep(timestep, x.dtype, x.shape[0]),
+                                                       cos, sin, ntx, guidance_scale, r), x, txt, neg_txt, refs)
+
+        @on_mesh
         def decode(state, tokens, grid_h, grid_w, to_uint8):
             model = nnx.merge(vae_graph, state)
             image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, forms).astype(jnp.float32), tokens)
@@ -203,6 +209,7 @@ class CompiledPrograms:
         self._encode = jax.jit(encode, compiler_options=copts("encode"))
         self._denoise = jax.jit(denoise, donate_argnums=(1,), compiler_options=copts("denoise"))
         self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
+        self.velocity = jax.jit(velocity_at, compiler_options=copts("denoise"))
         self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
 
     def _place(self, state, abstract: bool):

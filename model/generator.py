@@ -139,7 +139,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                                           settings.max_sequence_length, te_cfg.vocab_size)
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
     # The modules the programs run, as shapes: filled here, and copied for the precompiler.
-    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab)
+    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab, options.quantize)
     run_te, transformer_abs, run_vae = networks.run_modules()
     full_te, full_vae = networks.text_encoder(full_depth=True), networks.vae_decoder(with_encoder=True)
     lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
@@ -547,6 +547,11 @@ class Flux2KleinGenerator:
                                       ts_host[i], plan.cos, plan.sin, plan.guidance)
         return latents
 
+    def velocity(self, latents, txt, neg, plan: BucketPlan, step: int, refs=None):
+        """The velocity the denoising loop takes at `step` from `latents` (for drift measures: benchmarks.drift)."""
+        return self.programs.velocity(self.programs.tr_state, latents, txt, neg, refs, plan.timesteps[step],
+                                      plan.cos, plan.sin, plan.guidance)
+
     def decode(self, latents, plan: BucketPlan) -> DecodedBatch:
         """Pixels on the devices, uint8 [B, H, W, 3] (float in [-1, 1] with the device_uint8 ablation), with each
         image's share of non-finite values (`DecodedBatch`)."""
@@ -633,10 +638,11 @@ class Flux2KleinGenerator:
             chunk_s = list(inputs.seeds[start:start + plan.batch])
             real = len(chunk_p)
             pad = self.padding(plan, real)  # padding rows would be computed for nothing
-            latents = self.prepare_latents(chunk_s, plan, pad)
             txt, flags = self.encode_prompts(chunk_p + chunk_p[:1] * pad, plan)
             truncated.extend(flags[:real])
             neg = self.encode_prompts([""] * (real + pad), plan)[0] if inputs.use_cfg else None
+            # The noise is drawn on the host while the device runs the text encoder just dispatched.
+            latents = self.prepare_latents(chunk_s, plan, pad)
             refs = (self.reference_tokens(inputs.references[start:start + plan.batch], plan, pad, reference_cache)
                     if inputs.references else None)
             pixels = self.decode(self.denoise(latents, txt, neg, plan, refs), plan)

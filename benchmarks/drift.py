@@ -1,0 +1,100 @@
+"""How far a quantized model drifts from bf16 on the same weights and noise: velocity per step, images' PSNR and SSIM.
+
+    python -m benchmarks.drift --preset small [--height 256 --width 256] [--prompts 4]
+    python -m benchmarks.drift --preset klein-4b --height 1024 --width 1024      # on a TPU chip
+
+Loads the preset's random-weight checkpoint (or --checkpoint) twice, in bf16 and with --quantize (int8), and for the
+same prompts and seeds reports, per denoising step, the relative error ||v_q - v|| / ||v|| of the quantized model's
+velocity against bf16's at bf16's own latents (each model with its own text embeddings), then both models' images
+and their PSNR (dB) and SSIM per image. Random weights are not a trained model: these figures show the quantization
+error's size on the real shapes, not how a trained model's images change (benchmarks.quality on your weights). Prints
+one JSON line last. A measurement tool: nothing is asserted (tests/model/test_quantize.py bounds the tiny case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+
+
+def velocity_errors(reference, candidate, prompts, seeds, height: int, width: int) -> list[float]:
+    """Per step, ||v_candidate - v_reference|| / ||v_reference|| along the reference's own trajectory: both models'
+    velocities at the same latents, each with its own text embeddings, the latents stepped with the reference's."""
+    from model.quantize import relative_error
+    from model.scheduler import euler_step
+
+    inputs = reference.check_inputs(prompts, seeds, height, width)
+    plans = [gen.plan_bucket(inputs) for gen in (reference, candidate)]
+    texts = []
+    for gen, plan in zip((reference, candidate), plans):
+        txt, _ = gen.encode_prompts(list(inputs.prompts), plan)
+        neg = gen.encode_prompts([""] * len(inputs.prompts), plan)[0] if inputs.use_cfg else None
+        texts.append((txt, neg))
+    x = reference.prepare_latents(list(inputs.seeds), plans[0])
+    sigmas = np.asarray(plans[0].sigmas)
+    errors = []
+    for step in range(plans[0].bucket.steps):
+        v_ref = reference.velocity(x, *texts[0], plans[0], step)
+        v_cand = candidate.velocity(x, *texts[1], plans[1], step)
+        errors.append(relative_error(np.asarray(v_cand, np.float32), np.asarray(v_ref, np.float32)))
+        x = euler_step(x, v_ref, sigmas[step], sigmas[step + 1])
+    return errors
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio of two uint8 images in dB (inf when equal)."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
+
+
+def image_similarity(reference: np.ndarray, candidate: np.ndarray) -> list[dict]:
+    """[{psnr, ssim, max_abs}] per image of two uint8 batches [N, H, W, 3]."""
+    from .similarity import ssim
+
+    return [{"psnr": psnr(a, b), "ssim": ssim(a, b), "max_abs": int(np.abs(a.astype(int) - b).max())}
+            for a, b in zip(reference, candidate)]
+
+
+def measure(checkpoint: str, *, quantize: str, prompts: list[str], seeds: list[int], height: int, width: int) -> dict:
+    """Velocity errors per step and image similarity of `quantize` against bf16 on `checkpoint`."""
+    import model
+
+    reference = model.load(checkpoint, dtype="bfloat16")
+    candidate = model.load(checkpoint, dtype="bfloat16", quantize=quantize)
+    errors = velocity_errors(reference, candidate, prompts, seeds, height, width)
+    images = image_similarity(reference.generate(prompts, seeds, height=height, width=width),
+                              candidate.generate(prompts, seeds, height=height, width=width))
+    return {"quantize": quantize, "height": height, "width": width, "velocity_relative_error": errors,
+            "images": images, "psnr_min": min(i["psnr"] for i in images),
+            "ssim_min": min(i["ssim"] for i in images)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.drift", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small", choices=["tiny", "small", "klein-4b", "klein-9b"])
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--quantize", default="int8")
+    ap.add_argument("--height", type=int, default=256)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=2)
+    args = ap.parse_args(argv)
+    from . import presets
+
+    path = args.checkpoint or presets.ensure_checkpoint(args.preset)
+    prompts = [f"a photograph of object {i} on a wooden table, soft light" for i in range(args.prompts)]
+    result = {"preset": args.preset, **measure(path, quantize=args.quantize, prompts=prompts,
+                                               seeds=list(range(args.prompts)), height=args.height,
+                                               width=args.width)}
+    for step, err in enumerate(result["velocity_relative_error"]):
+        print(f"step {step}: velocity relative error {err:.4f}")
+    for i, image in enumerate(result["images"]):
+        print(f"image {i}: PSNR {image['psnr']:.2f} dB, SSIM {image['ssim']:.4f}, max |diff| {image['max_abs']}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
