@@ -33,7 +33,8 @@ EXAMPLE_HUB_ID = "black-forest-labs/FLUX.2-klein-4B"
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """The checkpoint the workers load, as the launch found it (its configs only: no weight is read)."""
+    """The checkpoint the workers load, as the launch found it (its configs, and its weight files' headers: no
+    weight is read)."""
 
     location: str  # a local folder or a gs:// prefix
     size_multiple: int  # heights and widths are multiples of it (the job accepts what generate() accepts)
@@ -56,9 +57,11 @@ def checkpoint_location(spec: ModelSpec, runner: Runner) -> str:
 
 
 def read_checkpoint(location: str, variant: str | None) -> Checkpoint:
-    """The checkpoint's configs and digest; UsageError when they cannot be read as FLUX.2 [klein]'s."""
+    """The checkpoint's configs and digest, and its weight files checked from their headers and sizes (every file
+    the workers' loader reads, of `variant`: no LFS pointer, empty or cut short file, every tensor of the model);
+    UsageError naming the file when they cannot be read as FLUX.2 [klein]'s."""
     try:
-        config, digest = read_config_and_digest(location, variant)
+        config, digest = read_config_and_digest(location, variant, check_weights=True)
     except ModelError as e:
         raise UsageError(f"--model={location!r} cannot be read as a FLUX.2 [klein] checkpoint: "
                          f"{type(e).__name__}: {e}") from e

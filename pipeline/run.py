@@ -61,7 +61,7 @@ from transforms.progress import ProgressReporter, ReportTotal
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
 
-from model.api import LoadSettings
+from model.api import LoadSettings, ModelError
 
 from . import launch_check, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
@@ -400,6 +400,11 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         limit = _max_images_error(e)
         if limit:
             raise UsageError(limit) from e
+        failed_load = model_load_error(e)
+        if failed_load:  # the launch checked the checkpoint; it changed since, or its copy failed on a worker
+            remove_beam_temp(job.output)
+            raise UsageError(f"--model={job.model!r} could not be loaded, so no image was generated: "
+                             f"{failed_load}") from e
         raise
     finally:
         if progress_dir:
@@ -492,6 +497,39 @@ def _max_images_error(error: BaseException) -> str | None:
     return match.group(0) if match else None
 
 
+_STEP_SUFFIX = re.compile(r" \[while running '[^']*'\]")
+# How a worker process's model error reads in the text Beam passes on from it (multi_processing workers).
+_MODEL_ERROR_TEXT = re.compile(r"^model\.errors\.(\w+): (.+)$", re.MULTILINE)
+# Beam's loggers that report a worker's failed DoFn setup, in this process or from a worker process.
+_WORKER_ERROR_LOGGERS = ("apache_beam.runners.common", "apache_beam.runners.portability.local_job_service")
+
+
+def model_load_error(error: BaseException) -> str | None:
+    """'Kind: message' of the model.ModelError that `error` is or wraps (Beam re-raises a worker's exception with the
+    step's name added, or, from a worker process, its traceback as text), else None: the model load failed on a
+    worker (a failed batch never gets here: it becomes error rows)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ModelError):
+            return f"{type(error).__name__}: {_STEP_SUFFIX.sub('', str(error))}"
+        found = _MODEL_ERROR_TEXT.findall(str(error))
+        if found:
+            kind, message = found[-1]
+            return f"{kind}: {_STEP_SUFFIX.sub('', message)}"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _WithoutModelLoadTraceback(logging.Filter):
+    """Drops Beam's reports (tracebacks) of a worker's failed model load: `main` says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ModelError):
+            return False
+        return "model.errors." not in record.getMessage()
+
+
 def _use_emulator_credentials() -> None:
     """Against a local GCS emulator (STORAGE_EMULATOR_HOST), skip Beam's ~20 s credential lookup: Beam then
     connects anonymously, which is what the emulator wants. Has no effect on real GCS runs."""
@@ -514,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_beam_help(), end="")
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in _WORKER_ERROR_LOGGERS:
+        logging.getLogger(name).addFilter(_WithoutModelLoadTraceback())
     signal.signal(signal.SIGINT, _raise_interrupted)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
