@@ -172,6 +172,26 @@ def is_local_runner(options: PipelineOptions) -> bool:
     return runner_name(options).rsplit(".", 1)[-1].lower() in LOCAL_RUNNERS
 
 
+def is_dry_run(options: PipelineOptions) -> bool:
+    """`--dry_run=True` on a remote runner (Dataflow): the job is translated, not submitted, and writes nothing. (The
+    local runners ignore the flag and run the job.)"""
+    return bool(options.view_as(TestOptions).dry_run) and not is_local_runner(options)
+
+
+def check_dry_run_locations(options: PipelineOptions) -> None:
+    """UsageError unless a dry run has a valid gs:// --temp_location or --staging_location: without one, Beam's check
+    of the options looks up (or creates) a default bucket through the Cloud APIs, which a dry run must not need."""
+    from apache_beam.options.pipeline_options_validator import PipelineOptionsValidator
+
+    cloud = options.view_as(GoogleCloudOptions)
+    validator = PipelineOptionsValidator(options, None)
+    errors = [validator.validate_gcs_path(cloud, name) for name in ("temp_location", "staging_location")]
+    if all(errors):
+        raise UsageError(f"--dry_run=True needs a valid gs:// --temp_location (or --staging_location), e.g. "
+                         f"--temp_location=gs://BUCKET/tmp (nothing is written there): without one Beam looks up or "
+                         f"creates a default bucket through the Cloud APIs ({' '.join(errors[0][0].split())})")
+
+
 def resolve_job(options: PipelineOptions) -> JobConfig:
     """The options as checked groups (pipeline/specs.py), then what the launch finds with them (pipeline/probes.py):
     the checkpoint and its configs, what BigQuery needs, the input files and their headers, the output folder.
@@ -179,6 +199,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     cloud = options.view_as(GoogleCloudOptions)
     runner = Runner(runner_name(options), is_local_runner(options), cloud.temp_location, cloud.project)
     spec = job_spec(options.view_as(Flux2KleinOptions), runner)
+    probes.check_gcs_reachable(probes.gcs_paths_read(spec, output_checked=not is_dry_run(options)))
     checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
     defaults = spec.request_defaults(checkpoint.size_multiple)
     load = spec.load_settings(checkpoint.location, defaults)
@@ -361,10 +382,15 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     local = is_local_runner(options)
     if local:
         quiet_tpu_runtime()
+    dry_run = is_dry_run(options)
+    if dry_run:
+        check_dry_run_locations(options)
     job = resolve_job(options)
     o = options.view_as(Flux2KleinOptions)
-    replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
-                             demo_default_output=job.demo and o.output is None)
+    replacing = None
+    if not dry_run:  # a dry run writes nothing: what the output holds does not matter to it
+        replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
+                                 demo_default_output=job.demo and o.output is None)
     if local:  # what a stopped or killed run left behind
         remove_beam_temp(job.output)
     wait = local if wait is None else wait
@@ -384,12 +410,21 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if show_progress:
         progress_dir = tempfile.mkdtemp(prefix="flux2-progress-")
     started_at = time.time()
-    p = beam.Pipeline(options=options)
+    try:
+        p = beam.Pipeline(options=options)
+    except ValueError as e:  # Beam's own check of its options (a project id, a region, gs:// locations)
+        if not str(e).startswith("Pipeline has validations errors"):
+            raise
+        found = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        raise UsageError(f"Beam's check of the options failed: {' '.join(found)}") from None
     build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir)
     if not wait:
         result = p.run()
-        verb = "translated (dry run) for" if options.view_as(TestOptions).dry_run else "submitted to"
-        print(f"{verb} {runner_name(options)}; outputs will be under {job.output}", flush=True)
+        if dry_run:
+            print(f"translated (dry run) for {runner_name(options)}: nothing submitted or written; the output "
+                  f"{job.output} was not checked for a previous run's results", flush=True)
+        else:
+            print(f"submitted to {runner_name(options)}; outputs will be under {job.output}", flush=True)
         return result, None
     # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
     try:
