@@ -8,7 +8,8 @@ imports from here only (tests/model checks it). Importing this module does not l
   thread, in a process that will load), `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`, `DEFAULT_TEXT_ENCODER_OUT_LAYERS`.
 - The request contract (model.contract): `validate`, `count`, `optional_count`, `is_integer`, `Limits` and the DEFAULT_*
   limits; `MIN_REFERENCE_SIDE`, the smallest side a reference image may have.
-- Checkpoints: `read_config`, `read_config_and_digest` (configs only), `is_hub_id`, `resolve_hub`, `HubSnapshot`,
+- Checkpoints: `read_config`, `read_config_and_digest` (configs only; `check_weights=True` checks each weight
+  file the loader reads from its header and size, no weight read), `is_hub_id`, `resolve_hub`, `HubSnapshot`,
   `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
   `preset_config`.
 - Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.

@@ -57,6 +57,7 @@ _SLICE_THREADS = 16     # byte-range requests in flight, shared by those objects
 _SLICE = 32 * 1024 * 1024
 SLICE_WINDOW = 4        # slices of one object fetched ahead of the one being written (memory: 4 x 4 x 32 MiB at most)
 _CHUNK = 8 * 1024 * 1024
+GZIP_HEAD_CHUNK = 256 * 1024  # stored bytes read at a time for the header of a gzip-encoded weight file
 SUPERSEDED_COPY_AGE_S = 3600.0
 PARTIAL_PREFIX = ".partial-"  # a copy in progress: PARTIAL_PREFIX + fingerprint + "-" + random, renamed when complete
 _copies_made = 0  # gs:// checkpoints this process copied (not reused from the cache); see copies_made()
@@ -116,12 +117,17 @@ def read_config(uri: str, variant: str | None = None) -> PipelineConfig:
     return read_config_and_digest(uri, variant)[0]
 
 
-def read_config_and_digest(uri: str, variant: str | None = None) -> tuple[PipelineConfig, str]:
+def read_config_and_digest(uri: str, variant: str | None = None, *,
+                           check_weights: bool = False) -> tuple[PipelineConfig, str]:
     """`read_config`, and the checkpoint's content digest (`checkpoint_digest`) from the same listing and config
-    reads: the launcher learns both at once, without reading a weight."""
+    reads: the launcher learns both at once, without reading a weight. `check_weights`: also check every weight
+    file the loader would read (`check_weight_files`) from its size and header alone: CheckpointError naming the
+    first that is missing, is no safetensors file, is cut short or lacks a tensor of the model."""
     if not (isinstance(uri, str) and uri.startswith("gs://")):
         folder = resolve_checkpoint(uri, variant=variant)
         config = PipelineConfig.from_folder(folder)
+        if check_weights:
+            check_weight_files(config, lambda name: os.path.join(folder, name), variant)
         return config, checkpoint_digest(_local_listing(folder, variant), folder)
     uri = uri.rstrip("/")
     bucket, prefix = split_gs_uri(uri)
@@ -134,7 +140,96 @@ def read_config_and_digest(uri: str, variant: str | None = None) -> tuple[Pipeli
             config = PipelineConfig.from_folder(tmp)
         except ConfigError as e:
             raise ConfigError(str(e).replace(tmp, uri)) from None
+        if check_weights:
+            check_weight_files(config, lambda name: GcsFolder(f"{uri}/{name}", {
+                rel[len(name) + 1:]: b for rel, b in blobs.items()
+                if rel.startswith(name + "/") and "/" not in rel[len(name) + 1:]}, os.path.join(tmp, name)), variant)
         return config, checkpoint_digest({rel: int(b.size or 0) for rel, b in blobs.items()}, tmp)
+
+
+def check_weight_files(config: PipelineConfig, folder_of, variant: str | None = None) -> None:
+    """Check the weight files of each component folder the loader reads (`folder_of(name)`: a local path or a
+    `GcsFolder`) as the loader does before reading any weight (model.weights.validate_component, with the tensors
+    `Networks.stored_tensors` names), from headers and sizes only; CheckpointError naming the file otherwise."""
+    from .factory import COMPONENT_FOLDERS, Networks  # JAX: the names come from the model's modules, as shapes
+    from .weights import validate_component
+
+    # Which hidden states the transformer reads does not change what a complete checkpoint holds (every layer).
+    stored = Networks(config, out_layers=(-1,)).stored_tensors()
+    for name in COMPONENT_FOLDERS:
+        expected, optional = stored[name]
+        validate_component(folder_of(name), expected=expected, optional=optional, variant=variant)
+
+
+class GcsFolder:
+    """A component folder under a gs:// prefix, as model.weights.open_component reads one (see LocalFolder there),
+    from the listing's objects {name: blob}: of a weight file only its first 8 bytes and its header are read, by
+    ranged reads, its size is the listing's; the index is read whole (into `scratch`, checked against its
+    checksums). Nothing is copied into the checkpoint cache."""
+
+    def __init__(self, uri: str, blobs: dict, scratch: str):
+        self.path = uri
+        self._blobs = blobs
+        self._scratch = scratch
+
+    def names(self) -> list[str] | None:
+        return sorted(self._blobs) or None
+
+    def path_of(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def has(self, name: str) -> bool:
+        return name in self._blobs
+
+    def read_bytes(self, name: str) -> bytes:
+        dest = os.path.join(self._scratch, name)
+        _download_one(self._blobs[name], dest, self.path_of(name))
+        with open(dest, "rb") as f:
+            return f.read()
+
+    def weights(self, name: str):
+        from .weights import SafetensorsFile
+
+        blob, uri = self._blobs[name], self.path_of(name)
+        if (blob.content_encoding or "").strip().lower() == "gzip":  # its stored size is not the file's
+            return SafetensorsFile(uri, size=None, read_range=_GzipPrefix(blob, uri).read)
+        return SafetensorsFile(uri, size=int(blob.size or 0),
+                               read_range=lambda offset, length: _read_range(blob, offset, length, uri))
+
+
+def _read_range(blob, offset: int, length: int, object_uri: str) -> bytes:
+    """Bytes [offset, offset + length) of a gs:// object as stored (fewer where it ends first)."""
+    end = min(offset + length, int(blob.size or 0))
+    if end <= offset:
+        return b""
+    try:
+        return blob.download_as_bytes(start=offset, end=end - 1, raw_download=True, checksum=None)
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint object (bytes {offset}-{end - 1}): {type(e).__name__}: {e}",
+                              path=object_uri) from e
+
+
+class _GzipPrefix:
+    """The first bytes of a gs:// object stored with `Content-Encoding: gzip`, as uploaded: its stored bytes are
+    read from the start, GZIP_HEAD_CHUNK at a time, and decompressed as far as a read needs."""
+
+    def __init__(self, blob, object_uri: str):
+        self._blob, self._uri = blob, object_uri
+        self._inflate = zlib.decompressobj(wbits=31)
+        self._data, self._stored = b"", 0
+
+    def read(self, offset: int, length: int) -> bytes:
+        while len(self._data) < offset + length and self._stored < int(self._blob.size or 0):
+            raw = _read_range(self._blob, self._stored, GZIP_HEAD_CHUNK, self._uri)
+            self._stored += len(raw)
+            try:
+                self._data += self._inflate.decompress(raw)
+            except zlib.error as e:
+                raise CheckpointError(f"object is stored with Content-Encoding gzip but is not valid gzip data: {e}",
+                                      path=self._uri) from e
+            if not raw:
+                break
+        return self._data[offset:offset + length]
 
 
 def _local_listing(folder: str, variant: str | None) -> dict[str, int]:

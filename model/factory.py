@@ -22,8 +22,11 @@ from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions
 from .qwen3 import Qwen3TextEncoder
 from .transformer import Flux2Transformer
 from .vae import Flux2VAEDecoder, Flux2VAEEncoder
+from .weights import expected_tensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The checkpoint's folders whose weights the loader reads, in the order it loads them.
+COMPONENT_FOLDERS = ("text_encoder", "transformer", "vae")
 
 
 def check_text_width(config: PipelineConfig, out_layers, path: str | None = None) -> None:
@@ -77,6 +80,20 @@ class Networks:
     def run_modules(self) -> tuple:
         """(text encoder, transformer, VAE decoder) as the programs run them."""
         return self.text_encoder(), self.transformer(), self.vae_decoder()
+
+    def stored_tensors(self, transformer=None) -> dict[str, tuple[dict, dict]]:
+        """{component folder: (every tensor a complete checkpoint holds there, by name with its torch shape; those
+        of them that may be absent)} for the folders the loader reads (COMPONENT_FOLDERS): what it validates before
+        reading any weight, and what the launch checks from the files' headers. The whole text encoder and VAE
+        (its encoder too, which reference images use); `transformer`: its shapes when the caller has them."""
+        te = self.config.text_encoder
+        lm_head = {"lm_head.weight": (te.vocab_size, te.hidden_size)}
+        bn_count = {"bn.num_batches_tracked": ()}
+        return {
+            "text_encoder": (expected_tensors(self.text_encoder(full_depth=True), lm_head), lm_head),
+            "transformer": (expected_tensors(self.transformer() if transformer is None else transformer), {}),
+            "vae": (expected_tensors(self.vae_decoder(with_encoder=True), bn_count), bn_count),
+        }
 
 
 def build_programs(modules, *, dtype: str, mesh, options: EngineOptions, text_len: int,

@@ -29,7 +29,7 @@ from . import scheduler as sched
 from .config import PipelineConfig
 from .engine import DecodedBatch, enable_compilation_cache
 from .errors import CheckpointError, NonFiniteImageError, RequestError
-from .factory import DTYPES, Networks, build_programs, check_text_width
+from .factory import COMPONENT_FOLDERS, DTYPES, Networks, build_programs, check_text_width
 from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
 from .mesh import data_replicas, make_mesh, model_shards
@@ -42,7 +42,7 @@ from .runtime import start_runtime
 from .sharding import placement
 from .tokenizer import PromptTokenizer, TokenizerShape
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
-from .weights import (ComponentLoad, LoadTimes, expected_tensors, load_component, load_components,
+from .weights import (ComponentLoad, LoadTimes, load_component, load_components,
                       release_host_memory, validate_component)
 
 logger = logging.getLogger(__name__)
@@ -141,14 +141,10 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     # The modules the programs run, as shapes: filled here, and copied for the precompiler.
     networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab, options.quantize)
     run_te, transformer_abs, run_vae = networks.run_modules()
-    full_te, full_vae = networks.text_encoder(full_depth=True), networks.vae_decoder(with_encoder=True)
-    lm_head = {"lm_head.weight": (te_cfg.vocab_size, te_cfg.hidden_size)}
-    bn_count = {"bn.num_batches_tracked": ()}
-    components = [  # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
-        ("text_encoder", run_te, expected_tensors(full_te, lm_head), lm_head),
-        ("transformer", transformer_abs, expected_tensors(transformer_abs), {}),
-        ("vae", run_vae, expected_tensors(full_vae, bn_count), bn_count),
-    ]
+    stored = networks.stored_tensors(transformer_abs)
+    # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
+    components = [(name, module, *stored[name])
+                  for name, module in zip(COMPONENT_FOLDERS, (run_te, transformer_abs, run_vae))]
     # Validate every component's files, names, shapes and dtypes (headers only) before reading any weight, so a
     # broken shard anywhere fails in seconds, not after minutes of loading the components before it.
     step("shapes")

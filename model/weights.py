@@ -40,26 +40,30 @@ SAFETENSORS_DTYPES = {
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# How a Git LFS pointer file starts ("version https://git-lfs.github.com/spec/v1"): a clone made without git-lfs
+# holds these in place of the weights.
+LFS_POINTER_START = b"version "
 # Threads that read, lay out and place tensors at once (host memory holds at most one tensor per thread).
 LOAD_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 class SafetensorsFile:
-    """One .safetensors file: its parsed header and lazy, memory-mapped access to each tensor."""
+    """One .safetensors file: its parsed header and lazy, memory-mapped access to each tensor.
 
-    def __init__(self, path: str):
+    `path` is a local file, or, with `size` and `read_range(offset, length) -> bytes`, any file whose size and bytes
+    can be had (the launch reads a gs:// object's first 8 bytes and header by ranged reads, its size from the
+    listing: `read` is then unavailable). `size` None: unknown (an object stored gzip-encoded), so a file cut short
+    is not detected from its header."""
+
+    def __init__(self, path: str, *, size: int | None = None, read_range=None):
         self.path = path
         try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                raw = f.read(8)
-                if len(raw) < 8:
-                    raise CheckpointError("safetensors file is truncated (no header)", path=path)
-                (header_len,) = struct.unpack("<Q", raw)
-                if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                    raise CheckpointError(f"safetensors header length {header_len} is invalid for a file of "
-                                          f"{size} bytes (truncated or not a safetensors file)", path=path)
-                header = json.loads(f.read(header_len).decode("utf-8"))
+            if read_range is None:
+                size = os.path.getsize(path)
+                with open(path, "rb") as f:
+                    header_len, header = self._parse_start(f.read(8), size, f.read)
+            else:
+                header_len, header = self._parse_start(read_range(0, 8), size, lambda n: read_range(8, n))
         except OSError as e:
             raise CheckpointError(f"cannot read weight file: {e}", path=path) from e
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -68,7 +72,7 @@ class SafetensorsFile:
             raise CheckpointError("safetensors header is not a JSON object", path=path)
         header.pop("__metadata__", None)
         self.data_start = 8 + header_len
-        data_len = size - self.data_start
+        data_len = None if size is None else size - self.data_start
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             try:
@@ -85,7 +89,7 @@ class SafetensorsFile:
             if end - begin != nbytes or begin < 0:
                 raise CheckpointError(f"tensor byte range [{begin}, {end}) does not match dtype {dtype} and shape "
                                       f"{list(shape)}", path=path, tensor=name)
-            if end > data_len:
+            if data_len is not None and end > data_len:
                 raise CheckpointError(f"safetensors file is truncated: tensor needs bytes up to {end} but the file "
                                       f"holds {data_len} data bytes", path=path, tensor=name)
             self.entries[name] = (dtype, shape, begin, end)
@@ -95,6 +99,27 @@ class SafetensorsFile:
             if begin_b < end_a:
                 raise CheckpointError(f"tensor byte ranges overlap: {name_a!r} and {name_b!r} share bytes", path=path,
                                       tensor=name_b)
+
+    def _parse_start(self, raw: bytes, size: int | None, read_header) -> tuple[int, object]:
+        """(header length, decoded header) from the file's first 8 bytes and `read_header(n)`, its next n bytes;
+        CheckpointError for an empty file, a Git LFS pointer in place of the weights, a header the file cannot hold."""
+        if size == 0 or (size is None and not raw):
+            raise CheckpointError("weight file is empty (0 bytes): not a safetensors file", path=self.path)
+        if len(raw) < 8:
+            raise CheckpointError("safetensors file is truncated (no header)", path=self.path)
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > MAX_HEADER_BYTES or (size is not None and 8 + header_len > size):
+            if raw == LFS_POINTER_START:
+                raise CheckpointError(f"a Git LFS pointer file ({size} bytes), not the weights: fetch them (`git lfs "
+                                      f"pull` in the clone, or download the model with huggingface_hub)",
+                                      path=self.path)
+            raise CheckpointError(f"safetensors header length {header_len} is invalid for a file of {size} bytes "
+                                  f"(truncated or not a safetensors file)", path=self.path)
+        data = read_header(header_len)
+        if len(data) < header_len:
+            raise CheckpointError(f"safetensors file is truncated: its header of {header_len} bytes ends after "
+                                  f"{len(data)}", path=self.path)
+        return header_len, json.loads(data.decode("utf-8"))
 
     def read(self, name: str, buffers: "ReadBuffers | None" = None) -> np.ndarray:
         """The tensor as a numpy array, read by positioned reads of READ_CHUNK_BYTES on the shared reading threads
@@ -323,49 +348,75 @@ def _is_count(value) -> bool:
     return is_integer(value) and value >= 0
 
 
-def open_component(folder: str, variant: str | None = None) -> dict[str, SafetensorsFile]:
+class LocalFolder:
+    """A component folder on this machine, as `open_component` reads it: its file names, a small file's bytes (the
+    index), a weight file's parsed header. model.checkpoint's `GcsFolder` answers the same for a gs:// prefix."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def names(self) -> list[str] | None:
+        """The folder's file names, sorted; None when there is no such folder."""
+        return sorted(os.listdir(self.path)) if os.path.isdir(self.path) else None
+
+    def path_of(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def has(self, name: str) -> bool:
+        return os.path.isfile(self.path_of(name))
+
+    def read_bytes(self, name: str) -> bytes:
+        with open(self.path_of(name), "rb") as f:
+            return f.read()
+
+    def weights(self, name: str) -> SafetensorsFile:
+        return SafetensorsFile(self.path_of(name))
+
+
+def open_component(folder, variant: str | None = None) -> dict[str, SafetensorsFile]:
     """Map every tensor name of a component folder (e.g. `transformer/`) to the file holding it.
 
     Accepts one .safetensors file or shards listed by a `*.safetensors.index.json`, of the `variant` chosen by
-    `select_weight_files` (other variants' files are ignored). Pickle weights are refused.
+    `select_weight_files` (other variants' files are ignored). Pickle weights are refused. `folder`: a local path,
+    or an object that reads one as `LocalFolder` does (the launch's view of a gs:// prefix, headers only).
     """
-    if not os.path.isdir(folder):
-        raise CheckpointError("component folder is missing", path=folder)
-    names = sorted(os.listdir(folder))
+    source = LocalFolder(folder) if isinstance(folder, str) else folder
+    names = source.names()
+    if names is None:
+        raise CheckpointError("component folder is missing", path=source.path)
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
-    selected = select_weight_files(names, variant, folder)
+    selected = select_weight_files(names, variant, source.path)
     indexes = [n for n in selected if n.endswith(".json")]
     singles = [n for n in selected if n.endswith(".safetensors")]
     if not singles and not indexes:
         if pickles:
             raise UnsafeWeightsError("only pickle weights found; this loader reads safetensors only (pickle files "
                                      "can execute code). Convert them with safetensors first",
-                                     path=os.path.join(folder, pickles[0]))
-        raise CheckpointError("no .safetensors weights found", path=folder)
+                                     path=source.path_of(pickles[0]))
+        raise CheckpointError("no .safetensors weights found", path=source.path)
     if pickles:
-        logger.warning("ignoring pickle weight files %s in %s (safetensors are used)", pickles, folder)
+        logger.warning("ignoring pickle weight files %s in %s (safetensors are used)", pickles, source.path)
     files: dict[str, SafetensorsFile] = {}
     tensor_to_file: dict[str, SafetensorsFile] = {}
     if indexes:
         if len(indexes) > 1:
-            raise CheckpointError(f"several safetensors index files: {indexes}", path=folder)
-        index_path = os.path.join(folder, indexes[0])
+            raise CheckpointError(f"several safetensors index files: {indexes}", path=source.path)
+        index_path = source.path_of(indexes[0])
         try:
-            with open(index_path, "rb") as f:
-                weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
+            weight_map = json.loads(source.read_bytes(indexes[0]).decode("utf-8"))["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"unreadable safetensors index: {e}", path=index_path) from e
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError("the index's weight_map must map tensor names to shard file names",
                                   path=index_path)
         for tensor, shard in weight_map.items():
-            shard_path = os.path.join(folder, shard)
+            shard_path = source.path_of(shard)
             if os.path.basename(shard) != shard:
                 raise CheckpointError("shard name in index must be a plain file name", path=index_path, tensor=tensor)
             if shard not in files:
-                if not os.path.isfile(shard_path):
+                if not source.has(shard):
                     raise CheckpointError("shard listed in the index is missing", path=shard_path, tensor=tensor)
-                files[shard] = SafetensorsFile(shard_path)
+                files[shard] = source.weights(shard)
             if tensor not in files[shard].entries:
                 raise CheckpointError("index lists a tensor that its shard does not contain", path=shard_path,
                                       tensor=tensor)
@@ -377,11 +428,11 @@ def open_component(folder: str, variant: str | None = None) -> dict[str, Safeten
                                           path=sf.path, tensor=tensor)
         for n in singles:
             if n not in files:
-                raise CheckpointError("safetensors file is not listed in the index", path=os.path.join(folder, n))
+                raise CheckpointError("safetensors file is not listed in the index", path=source.path_of(n))
     else:
         if len(singles) > 1:
-            raise CheckpointError(f"several safetensors files but no index: {singles}", path=folder)
-        sf = SafetensorsFile(os.path.join(folder, singles[0]))
+            raise CheckpointError(f"several safetensors files but no index: {singles}", path=source.path)
+        sf = source.weights(singles[0])
         tensor_to_file = dict.fromkeys(sf.entries, sf)
     return tensor_to_file
 
@@ -439,15 +490,16 @@ def expected_tensors(full_abstract, extra: dict[str, tuple[int, ...]] | None = N
     return names
 
 
-def validate_component(folder: str, *, expected: dict[str, tuple[int, ...]], optional: Iterable[str] = (),
+def validate_component(folder, *, expected: dict[str, tuple[int, ...]], optional: Iterable[str] = (),
                        variant: str | None = None):
     """Check a component folder against the names/shapes a complete checkpoint holds, reading headers only.
 
     Every name of `expected` must be present with its shape, except those in `optional`; any other name in the
-    checkpoint is an error. `variant`: which weight files (see `select_weight_files`). Returns {tensor name: file}
-    for `load_component`.
+    checkpoint is an error. `variant`: which weight files (see `select_weight_files`). `folder`: as `open_component`
+    takes it. Returns {tensor name: file} for `load_component`.
     """
     tensor_to_file = open_component(folder, variant)
+    where = folder if isinstance(folder, str) else folder.path
     optional = set(optional)
     unexpected = sorted(set(tensor_to_file) - set(expected))
     if unexpected:
@@ -457,7 +509,7 @@ def validate_component(folder: str, *, expected: dict[str, tuple[int, ...]], opt
     missing = sorted(set(expected) - set(tensor_to_file) - optional)
     if missing:
         raise CheckpointError(f"tensor missing from checkpoint ({len(missing)} in all: {missing[:5]})",
-                              path=folder, tensor=missing[0])
+                              path=where, tensor=missing[0])
     for name, sf in tensor_to_file.items():
         dtype, shape, _, _ = sf.entries[name]
         if tuple(shape) != tuple(expected[name]) and not (len(expected[name]) == 2 and tuple(shape) == (

@@ -4,7 +4,10 @@ Without one, a second run into the same output would silently replace the first 
 So when the output holds any of RESULTS, the launch stops (exit 2) unless `--skip_existing` (keep them, generate
 only what is missing) or `--overwrite` (generate everything again and replace them) is given. The bundled demo run
 with no `--output` replaces its own earlier output (a `summary.json` that says `"demo": true`), nothing else.
-The check is a few listings of one entry each (local or gs:// through Beam's FileSystems), before any model loads.
+The files of a run that generated no image (every record invalid: a failed run whose rerun is its fix) are replaced
+without a choice: the listings found no image and its `summary.json` says it generated and kept none.
+The check is a few listings of one entry each (local or gs:// through Beam's FileSystems) and, only when they find
+results, one read of `summary.json`, before any model loads.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ logger = logging.getLogger("pipeline.output_check")
 # What a run writes directly under --output: folders (with a trailing '/') and files.
 RESULTS = (f"{layout.IMAGES_DIR}/", f"{SHARDS_DIR}/", f"{layout.MANIFEST_DIR}/", f"{layout.ERRORS_DIR}/",
            f"{PREVIEW_DIR}/", layout.SUMMARY_FILE, layout.METADATA_FILE)
+IMAGE_RESULTS = (f"{layout.IMAGES_DIR}/", f"{SHARDS_DIR}/")  # where images are: the files' folder, the tar shards
 
 
 def _local_has(output: str, entry: str) -> bool:
@@ -53,16 +57,32 @@ def previous_results(output: str) -> list[str]:
     return [entry for entry in RESULTS if has(output, entry)]
 
 
-def holds_demo_output(output: str) -> bool:
-    """Whether `output`'s summary.json says the bundled demo wrote it."""
+def read_summary(output: str) -> dict | None:
+    """`output`'s summary.json, or None when there is none or it is not a JSON object (not one of ours)."""
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
     try:
         with FileSystems.open(layout.summary_path(output), compression_type=CompressionTypes.UNCOMPRESSED) as f:
-            return json.loads(f.read().decode("utf-8")).get("demo") is True
-    except Exception:  # noqa: BLE001 - no summary, or not one of ours: not the demo's
+            summary = json.loads(f.read().decode("utf-8"))
+    except Exception:  # noqa: BLE001 - no summary, or not one of ours
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def holds_demo_output(output: str) -> bool:
+    """Whether `output`'s summary.json says the bundled demo wrote it."""
+    return (read_summary(output) or {}).get("demo") is True
+
+
+def holds_only_a_failed_run(output: str, found: list[str]) -> bool:
+    """Whether the results `found` in `output` (`previous_results`) are those of a run that wrote no image: the
+    listings found nothing under images/ or shards/, and its summary.json says it generated none and kept none.
+    Replacing them loses no image: its manifest lists none, its errors file only what the rerun will say again."""
+    if layout.SUMMARY_FILE not in found or any(entry in found for entry in IMAGE_RESULTS):
         return False
+    summary = read_summary(output) or {}
+    return summary.get("images_generated") == 0 and summary.get("skipped") == 0
 
 
 def check_output(output: str, *, skip_existing: bool, overwrite: bool, demo_default_output: bool = False
@@ -78,6 +98,9 @@ def check_output(output: str, *, skip_existing: bool, overwrite: bool, demo_defa
         return None
     if demo_default_output and holds_demo_output(output):
         return f"replacing the previous demo output in {output} (give --output to write elsewhere)"
+    if holds_only_a_failed_run(output, found):
+        return (f"replacing the files of a previous run in {output} that generated no image (its summary.json says "
+                f"so and it holds no image)")
     raise UsageError(f"--output={output!r} already holds a previous run's results ({', '.join(found)}); pass "
                      f"--skip_existing to keep them and generate only what is missing, or --overwrite to generate "
                      f"everything again and replace them (or choose another --output)")

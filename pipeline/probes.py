@@ -2,9 +2,10 @@
 
 The checkpoint (the demo's, built on first use; a local folder; a gs:// prefix; a Hugging Face Hub id, downloaded
 once) and its configs, the files each `--input` pattern matches and their headers, what a BigQuery read needs, and
-whether the output folder tells 'A.png' from 'a.png'. Everything that only looks at the option values is
-pipeline/specs.py; pipeline/output_check.py looks for a previous run's results in the output. Each probe raises a
-UsageError naming the option whose value it could not use.
+whether the output folder tells 'A.png' from 'a.png'; first, whether the GCS API answers at all when the launch has
+gs:// paths to read (offline, the clients' retries would take two minutes to say so). Everything that only looks at
+the option values is pipeline/specs.py; pipeline/output_check.py looks for a previous run's results in the output.
+Each probe raises a UsageError naming the option whose value it could not use.
 """
 
 from __future__ import annotations
@@ -24,20 +25,65 @@ from transforms.inputs.delimited import field_limit_for
 from .demo import demo_checkpoint
 from .errors import UsageError
 from .hub_model import hub_model
-from .specs import InputSpec, ModelSpec, Runner
+from .specs import InputSpec, JobSpec, ModelSpec, Runner
 
 logger = logging.getLogger("pipeline.probes")
 
 EXAMPLE_HUB_ID = "black-forest-labs/FLUX.2-klein-4B"
+GCS_PROBE_TIMEOUT_S = 5.0  # how long the launch waits for the GCS API to answer at all before saying it cannot
 
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """The checkpoint the workers load, as the launch found it (its configs only: no weight is read)."""
+    """The checkpoint the workers load, as the launch found it (its configs, and its weight files' headers: no
+    weight is read)."""
 
     location: str  # a local folder or a gs:// prefix
     size_multiple: int  # heights and widths are multiples of it (the job accepts what generate() accepts)
     digest: str  # what the checkpoint holds (model.checkpoint.checkpoint_digest): part of the model fingerprint
+
+
+def gcs_paths_read(spec: JobSpec, *, output_checked: bool) -> list[tuple[str, str]]:
+    """(option, gs:// path) of what the launch reads on GCS: the checkpoint, the input files, a Hub id's gs:// copy
+    for remote workers, and the output when it is checked for a previous run's results."""
+    model, found = spec.model.model, []
+    if model and model.startswith("gs://"):
+        found.append(("--model", model))
+    elif model and is_hub_id(model) and not spec.runner.local:
+        found.append(("--model_cache" if spec.model.model_cache else "--temp_location",
+                      spec.model.model_cache or spec.runner.temp_location or ""))
+    found += [("--input", path) for path in spec.input.files]
+    if output_checked:
+        found.append(("--output", spec.output.output))
+    return [(option, path) for option, path in found if path.startswith("gs://")]
+
+
+def gcs_endpoint() -> str:
+    """The URL of the GCS API this process talks to: the emulator's (STORAGE_EMULATOR_HOST) or Google's."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    if not host:
+        return "https://storage.googleapis.com"
+    return host if "://" in host else f"http://{host}"
+
+
+def check_gcs_reachable(paths: list[tuple[str, str]], timeout_s: float = GCS_PROBE_TIMEOUT_S) -> None:
+    """UsageError within about `timeout_s` when the launch has gs:// `paths` to read and the GCS API does not answer
+    at all (offline, no DNS, a firewall): Beam's and the storage client's own retries take two minutes to give up.
+    Any HTTP answer will do (through the proxies the environment names, as the clients go); nothing is read."""
+    if not paths:
+        return
+    import requests
+
+    endpoint = gcs_endpoint()
+    try:
+        requests.head(endpoint, timeout=timeout_s, allow_redirects=False)
+    except requests.RequestException as e:
+        option, path = paths[0]
+        cause = getattr(e.args[0], "reason", None) if e.args else None  # urllib3's: what failed, without the URL
+        reason = " ".join(str(cause or e).split())
+        raise UsageError(f"{option}={path!r} is on Google Cloud Storage, and {endpoint} cannot be reached within "
+                         f"{timeout_s:g} s ({type(cause or e).__name__}: {reason[:300]}); check the network, or give "
+                         f"local paths") from None
 
 
 def checkpoint_location(spec: ModelSpec, runner: Runner) -> str:
@@ -56,9 +102,11 @@ def checkpoint_location(spec: ModelSpec, runner: Runner) -> str:
 
 
 def read_checkpoint(location: str, variant: str | None) -> Checkpoint:
-    """The checkpoint's configs and digest; UsageError when they cannot be read as FLUX.2 [klein]'s."""
+    """The checkpoint's configs and digest, and its weight files checked from their headers and sizes (every file
+    the workers' loader reads, of `variant`: no LFS pointer, empty or cut short file, every tensor of the model);
+    UsageError naming the file when they cannot be read as FLUX.2 [klein]'s."""
     try:
-        config, digest = read_config_and_digest(location, variant)
+        config, digest = read_config_and_digest(location, variant, check_weights=True)
     except ModelError as e:
         raise UsageError(f"--model={location!r} cannot be read as a FLUX.2 [klein] checkpoint: "
                          f"{type(e).__name__}: {e}") from e

@@ -61,7 +61,7 @@ from transforms.progress import ProgressReporter, ReportTotal
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
 
-from model.api import LoadSettings
+from model.api import LoadSettings, ModelError
 
 from . import launch_check, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
@@ -172,6 +172,26 @@ def is_local_runner(options: PipelineOptions) -> bool:
     return runner_name(options).rsplit(".", 1)[-1].lower() in LOCAL_RUNNERS
 
 
+def is_dry_run(options: PipelineOptions) -> bool:
+    """`--dry_run=True` on a remote runner (Dataflow): the job is translated, not submitted, and writes nothing. (The
+    local runners ignore the flag and run the job.)"""
+    return bool(options.view_as(TestOptions).dry_run) and not is_local_runner(options)
+
+
+def check_dry_run_locations(options: PipelineOptions) -> None:
+    """UsageError unless a dry run has a valid gs:// --temp_location or --staging_location: without one, Beam's check
+    of the options looks up (or creates) a default bucket through the Cloud APIs, which a dry run must not need."""
+    from apache_beam.options.pipeline_options_validator import PipelineOptionsValidator
+
+    cloud = options.view_as(GoogleCloudOptions)
+    validator = PipelineOptionsValidator(options, None)
+    errors = [validator.validate_gcs_path(cloud, name) for name in ("temp_location", "staging_location")]
+    if all(errors):
+        raise UsageError(f"--dry_run=True needs a valid gs:// --temp_location (or --staging_location), e.g. "
+                         f"--temp_location=gs://BUCKET/tmp (nothing is written there): without one Beam looks up or "
+                         f"creates a default bucket through the Cloud APIs ({' '.join(errors[0][0].split())})")
+
+
 def resolve_job(options: PipelineOptions) -> JobConfig:
     """The options as checked groups (pipeline/specs.py), then what the launch finds with them (pipeline/probes.py):
     the checkpoint and its configs, what BigQuery needs, the input files and their headers, the output folder.
@@ -179,6 +199,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     cloud = options.view_as(GoogleCloudOptions)
     runner = Runner(runner_name(options), is_local_runner(options), cloud.temp_location, cloud.project)
     spec = job_spec(options.view_as(Flux2KleinOptions), runner)
+    probes.check_gcs_reachable(probes.gcs_paths_read(spec, output_checked=not is_dry_run(options)))
     checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
     defaults = spec.request_defaults(checkpoint.size_multiple)
     load = spec.load_settings(checkpoint.location, defaults)
@@ -361,10 +382,15 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     local = is_local_runner(options)
     if local:
         quiet_tpu_runtime()
+    dry_run = is_dry_run(options)
+    if dry_run:
+        check_dry_run_locations(options)
     job = resolve_job(options)
     o = options.view_as(Flux2KleinOptions)
-    replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
-                             demo_default_output=job.demo and o.output is None)
+    replacing = None
+    if not dry_run:  # a dry run writes nothing: what the output holds does not matter to it
+        replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
+                                 demo_default_output=job.demo and o.output is None)
     if local:  # what a stopped or killed run left behind
         remove_beam_temp(job.output)
     wait = local if wait is None else wait
@@ -384,12 +410,21 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if show_progress:
         progress_dir = tempfile.mkdtemp(prefix="flux2-progress-")
     started_at = time.time()
-    p = beam.Pipeline(options=options)
+    try:
+        p = beam.Pipeline(options=options)
+    except ValueError as e:  # Beam's own check of its options (a project id, a region, gs:// locations)
+        if not str(e).startswith("Pipeline has validations errors"):
+            raise
+        found = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        raise UsageError(f"Beam's check of the options failed: {' '.join(found)}") from None
     build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir)
     if not wait:
         result = p.run()
-        verb = "translated (dry run) for" if options.view_as(TestOptions).dry_run else "submitted to"
-        print(f"{verb} {runner_name(options)}; outputs will be under {job.output}", flush=True)
+        if dry_run:
+            print(f"translated (dry run) for {runner_name(options)}: nothing submitted or written; the output "
+                  f"{job.output} was not checked for a previous run's results", flush=True)
+        else:
+            print(f"submitted to {runner_name(options)}; outputs will be under {job.output}", flush=True)
         return result, None
     # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
     try:
@@ -400,6 +435,11 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         limit = _max_images_error(e)
         if limit:
             raise UsageError(limit) from e
+        failed_load = model_load_error(e)
+        if failed_load:  # the launch checked the checkpoint; it changed since, or its copy failed on a worker
+            remove_beam_temp(job.output)
+            raise UsageError(f"--model={job.model!r} could not be loaded, so no image was generated: "
+                             f"{failed_load}") from e
         raise
     finally:
         if progress_dir:
@@ -492,6 +532,39 @@ def _max_images_error(error: BaseException) -> str | None:
     return match.group(0) if match else None
 
 
+_STEP_SUFFIX = re.compile(r" \[while running '[^']*'\]")
+# How a worker process's model error reads in the text Beam passes on from it (multi_processing workers).
+_MODEL_ERROR_TEXT = re.compile(r"^model\.errors\.(\w+): (.+)$", re.MULTILINE)
+# Beam's loggers that report a worker's failed DoFn setup, in this process or from a worker process.
+_WORKER_ERROR_LOGGERS = ("apache_beam.runners.common", "apache_beam.runners.portability.local_job_service")
+
+
+def model_load_error(error: BaseException) -> str | None:
+    """'Kind: message' of the model.ModelError that `error` is or wraps (Beam re-raises a worker's exception with the
+    step's name added, or, from a worker process, its traceback as text), else None: the model load failed on a
+    worker (a failed batch never gets here: it becomes error rows)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ModelError):
+            return f"{type(error).__name__}: {_STEP_SUFFIX.sub('', str(error))}"
+        found = _MODEL_ERROR_TEXT.findall(str(error))
+        if found:
+            kind, message = found[-1]
+            return f"{kind}: {_STEP_SUFFIX.sub('', message)}"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _WithoutModelLoadTraceback(logging.Filter):
+    """Drops Beam's reports (tracebacks) of a worker's failed model load: `main` says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ModelError):
+            return False
+        return "model.errors." not in record.getMessage()
+
+
 def _use_emulator_credentials() -> None:
     """Against a local GCS emulator (STORAGE_EMULATOR_HOST), skip Beam's ~20 s credential lookup: Beam then
     connects anonymously, which is what the emulator wants. Has no effect on real GCS runs."""
@@ -514,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_beam_help(), end="")
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in _WORKER_ERROR_LOGGERS:
+        logging.getLogger(name).addFilter(_WithoutModelLoadTraceback())
     signal.signal(signal.SIGINT, _raise_interrupted)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:

@@ -52,6 +52,21 @@ def test_a_jsonl_input_without_its_prompt_key_is_a_launch_error(ckpt32, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_a_jsonl_input_whose_lines_are_all_malformed_is_a_launch_error(ckpt32, tmp_path, capsys):
+    """Every sampled line malformed: exit 2 before the model loads, one line naming the file, the first bad line and
+    the JSON parser's message, and no output folder."""
+    from pipeline.run import main
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text('{"prompt": "a fox",}\n{"prompt": "a lighthouse"\n')
+    out = tmp_path / "out"
+    assert main([f"--model={ckpt32}", f"--input={source}", f"--output={out}", *MODEL_ARGS, "--no_progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --input {source}: none of its 2 line(s)"), lines
+    assert "line 1: malformed JSON: Expecting property name enclosed in double quotes" in lines[0]
+    assert not out.exists()
+
+
 def test_exit_statuses_are_documented():
     from pipeline.usage import EXIT_STATUSES, format_help
 

@@ -160,6 +160,73 @@ def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket, tiny_ckpt):
     assert not gcs_emulator.list_blobs(f"{b}/out")  # nothing ran, nothing written
 
 
+def _offline(env: dict) -> dict:
+    """`env` for a process with no network: every HTTP(S) request goes to a proxy port nothing listens on (refused
+    at once, as an offline machine's requests fail), no emulator, no metadata-server probe."""
+    from gcs_emulator import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in env.items() if k.lower() not in ("no_proxy", "storage_emulator_host")}
+    return dict(env, HTTPS_PROXY=dead, HTTP_PROXY=dead, https_proxy=dead, http_proxy=dead, NO_GCE_CHECK="true")
+
+
+DRY_RUN = ["--runner=DataflowRunner", "--dry_run=True", "--project=test-project", "--region=us-central1",
+           "--skip_preflight"]
+
+
+def test_a_dataflow_dry_run_of_local_files_needs_no_network(tmp_path, tiny_ckpt):
+    """The README's dry run with a local checkpoint and input and a gs:// output: translated offline in seconds. The
+    output is not listed (a dry run writes nothing), and no default bucket is looked up."""
+    import time
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    env = _offline(dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)))
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pipeline.run", *DRY_RUN, "--temp_location=gs://flux2-dry/tmp",
+                               f"--model={tiny_ckpt}", f"--input={prompts}", "--output=gs://flux2-dry/out"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the offline dry run was still trying after {e.timeout} s: {(e.stderr or b'')[-2000:]!r}")
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "translated (dry run) for DataflowRunner" in proc.stdout
+    assert "not checked" in proc.stdout  # it says what it did not do
+    assert elapsed < 30, elapsed
+
+
+def test_a_dry_run_that_needs_gcs_offline_fails_in_seconds_with_one_line(tmp_path, tiny_ckpt, monkeypatch, capsys):
+    """A gs:// checkpoint cannot be read offline: one line saying so, within seconds (not after two minutes of
+    retries); a dry run without a valid gs:// temp location (Beam would look up a default bucket) and options Beam
+    refuses are one line too."""
+    import time
+
+    from pipeline.run import main
+
+    for name, value in _offline(dict(os.environ)).items():
+        monkeypatch.setenv(name, value)
+    for name in ("STORAGE_EMULATOR_HOST", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    start = time.monotonic()
+    status = main([*DRY_RUN, "--temp_location=gs://flux2-dry/tmp", "--model=gs://flux2-dry/models/klein",
+                   f"--input={prompts}", "--output=gs://flux2-dry/out"])
+    elapsed = time.monotonic() - start
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --model='gs://flux2-dry/models/klein' is on Google Cloud Storage") and \
+        "cannot be reached" in lines[0], lines
+    assert elapsed < 30, elapsed
+    for argv, words in ((["--temp_location=gs://b/tmp", f"--model={tiny_ckpt}"], "needs a valid gs:// --temp_location"),
+                        (["--temp_location=gs://flux2-dry/tmp", f"--model={tiny_ckpt}", "--project=p"],
+                         "Invalid Project ID (p)")):
+        assert main([*DRY_RUN, *argv, f"--input={prompts}", "--output=gs://flux2-dry/out"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], lines
+
+
 def test_readme_demo_command(tmp_path):
     """`python -m pipeline.run` with no --model/--input: the bundled demo, from any working folder."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))

@@ -58,3 +58,26 @@ def test_unreadable_or_empty_jsonl_is_left_to_the_job(tmp_path):
     empty.write_bytes(b"")
     assert check_input_files([str(cut)], "auto", ColumnMap()) == []
     assert check_input_files([str(empty)], "auto", ColumnMap()) == []
+
+
+@pytest.mark.parametrize("content,words", [
+    (b'{"prompt": "a",}\n{prompt: "b"}\n', "line 1: malformed JSON: Expecting property name enclosed in double quotes"),
+    (b'\n["a fox"]\n"a lighthouse"\n', "line 2: record must be a JSON object, got array"),
+    (b"a fox\na lighthouse\n", "line 1: malformed JSON: Expecting value"),
+], ids=["malformed", "not-objects", "plain-text"])
+def test_jsonl_whose_first_lines_are_all_malformed_is_refused_naming_line_and_message(tmp_path, content, words):
+    """Every line would be an error row after the model has loaded: the launch says so, naming the file, the first
+    bad line and what the JSON parser said about it."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(InputCheckError) as e:
+        check_input_files([str(path)], "auto", ColumnMap())
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"--input {path}: none of its ") and words in message, message
+    assert "is a JSON object" in message
+
+
+def test_one_json_object_among_the_malformed_lines_is_enough(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b"not json\n" * 5 + _jsonl([{"prompt": "a"}]))
+    assert check_input_files([str(path)], "auto", ColumnMap()) == []

@@ -5,13 +5,15 @@ A table without its prompt column would otherwise become one error row per recor
 launcher calls `check_input_files` on the files it matched and stops with the columns the file has. Only the header
 (or the Parquet footer) of each table is read, several files at a time. JSONL records may vary in their keys, so only
 a first file none of whose first JSONL_RECORDS records has the prompt column stops the launch (a `--prompt_column`
-typo); a later record without it is still an error row. A file that cannot be read at all is left to the job, which
-reports it as an error row like any damaged file.
+typo); a later record without it is still an error row. So does a first file none of whose first JSONL_RECORDS lines
+is a JSON object at all (not JSONL, or every line malformed), naming the first such line and the parser's message.
+A file that cannot be read at all is left to the job, which reports it as an error row like any damaged file.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import difflib
 import itertools
 import logging
@@ -19,6 +21,7 @@ import logging
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
+from ..layout import UNREADABLE_INPUT
 from .columns import ColumnError, ColumnMap, MissingPromptColumn
 from .delimited import DEFAULT_FIELD_LIMIT, table_header
 from .files import InputReadError, open_decompressed
@@ -76,24 +79,53 @@ def _check_one(path: str, input_format: str | None, columns: ColumnMap, field_li
             f"{', '.join(map(repr, header))})" for old in columns.unused_renames(header)]
 
 
-def jsonl_keys(path: str, most: int = JSONL_RECORDS) -> tuple[list[tuple[str, ...]], int]:
-    """(the key sets of the JSON objects among the first `most` non-empty lines of a JSONL file, each once, in
-    order; the lines looked at). Lines are read within the readers' size bound; a line that is no JSON object
-    counts but gives no keys. No key sets when the file cannot be read: the job reports that."""
+@dataclasses.dataclass(frozen=True)
+class JsonlSample:
+    """What the first non-empty lines of a JSONL file hold: the key sets of its JSON objects (each once, in order),
+    how many lines were looked at and how many were objects, and the first line that was none (its number and the
+    parser's message); `unreadable` when reading stopped on a damaged file (the job reports that)."""
 
+    key_sets: list[tuple[str, ...]]
+    lines: int = 0
+    objects: int = 0
+    first_error: tuple[int | None, str] | None = None
+    unreadable: bool = False
+
+
+def jsonl_sample(path: str, most: int = JSONL_RECORDS) -> JsonlSample:
+    """The first `most` non-empty lines of a JSONL file, read within the readers' size bound and parsed as the job
+    parses them. Nothing when the file cannot be read at all: the job reports that."""
     found: dict[tuple[str, ...], None] = {}
-    lines = 0
+    lines = objects = 0
+    first_error = None
+    unreadable = False
     try:
         with FileSystems.open(path, mime_type="application/octet-stream",
                               compression_type=CompressionTypes.UNCOMPRESSED) as raw:
             for record in itertools.islice(iter_jsonl(open_decompressed(raw, path), path), most):
                 lines += 1
                 if record.fields is not None:
+                    objects += 1
                     found.setdefault(tuple(record.fields), None)
+                elif record.error is not None:
+                    unreadable = unreadable or record.error.get("kind") == UNREADABLE_INPUT
+                    if first_error is None:
+                        first_error = (record.error.get("line"), str(record.error.get("reason")))
     except (OSError, InputReadError) as e:
         logger.info("cannot read the first records of %s at launch (%s); the job reports it", path, e)
-        return [], lines
-    return list(found), lines
+        return JsonlSample([])
+    return JsonlSample(list(found), lines, objects, first_error, unreadable)
+
+
+def malformed_reason(sample: JsonlSample) -> str | None:
+    """Why a JSONL file cannot give a single request because none of its sampled lines is a JSON object (with the
+    first one's line and the parser's message); None when one is, or reading stopped on damage (the job's error
+    row says that)."""
+    if not sample.lines or sample.objects or sample.unreadable or sample.first_error is None:
+        return None
+    line, message = sample.first_error
+    first = f"its {sample.lines} line(s)" if sample.lines < JSONL_RECORDS else f"its first {sample.lines} lines"
+    return f"none of {first} is a JSON object (one record a line); line {line}: {message}"
 
 
 def missing_prompt_reason(key_sets: list[tuple[str, ...]], lines: int, columns: ColumnMap) -> str | None:
@@ -120,7 +152,8 @@ def missing_prompt_reason(key_sets: list[tuple[str, ...]], lines: int, columns: 
 
 
 def _check_first_jsonl(paths: list[str], input_format: str | None, columns: ColumnMap) -> None:
-    """InputCheckError when the first JSONL file among `paths` starts with records none of which has a prompt."""
+    """InputCheckError when the first JSONL file among `paths` starts with lines none of which is a JSON object, or
+    with records none of which has a prompt."""
     for path in paths:
         try:
             fmt = detect_format(path, input_format)
@@ -128,7 +161,8 @@ def _check_first_jsonl(paths: list[str], input_format: str | None, columns: Colu
             continue  # reported by the table check
         if fmt != "jsonl":
             continue
-        reason = missing_prompt_reason(*jsonl_keys(path), columns=columns)
+        sample = jsonl_sample(path)
+        reason = malformed_reason(sample) or missing_prompt_reason(sample.key_sets, sample.lines, columns)
         if reason:
             raise InputCheckError(path, reason)
         return
