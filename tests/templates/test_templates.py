@@ -1243,7 +1243,7 @@ def test_docs_build_launch_and_sizing_commands_run(fake_gcloud):
     assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 2  # TPU and GPU builds
     assert commands.count("dataflow flex-template build") == 2
     runs = [c["args"] for c in calls() if c["args"][:3] == ["dataflow", "flex-template", "run"]]
-    assert len(runs) == 3
+    assert len(runs) == 4  # v5e and v6e in the first launch block, then klein-9B with a reservation, then GPU
     # each launch names the image its build printed, and the reservation example consumes a reservation
     images = [gcloud_parameters(args)["sdk_container_image"] for args in runs]
     assert all(re.fullmatch(rf".*/flux2-klein:(tpu|gpu)-\d{{8}}-\d{{6}}", image) for image in images), images
