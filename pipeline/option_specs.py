@@ -2,8 +2,8 @@
 
 Beam-free (so are the modules it takes defaults from): the command line checks its arguments against these options
 before importing Beam (pipeline/usage.py), and `Flux2KleinOptions` (pipeline/options.py) declares them to Beam.
-`--help` (pipeline/usage.py), the README's option table and the Flex Template's metadata.json help texts all show
-the description declared here (tests check the last two), so they cannot drift apart. To add an option, add one
+`--help` (pipeline/usage.py), the option table of docs/options.md and the Flex Template's metadata.json help texts all
+show the description declared here (tests check the last two), so they cannot drift apart. To add an option, add one
 `Option(...)` to `OPTIONS` under its group and a field of the same name to that group's spec (pipeline/specs.py),
 which is where the job reads it (`JobSpec.<group>.<name>`).
 
@@ -51,7 +51,7 @@ def str2bool(value) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-# The groups of --help and of the README's option table, in their order: (key, title).
+# The groups of --help and of the option table (docs/options.md), in their order: (key, title).
 GROUPS = (
     ("input", "Input"),
     ("output", "Output"),
@@ -64,8 +64,8 @@ GROUPS = (
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One option of the job: how it parses, where --help lists it, and the one-line description that --help, the
-    README and metadata.json show."""
+    """One option of the job: how it parses, where --help lists it, and the one-line description that --help,
+    docs/options.md and metadata.json show."""
 
     name: str  # without the leading --
     group: str  # a key of GROUPS
@@ -84,7 +84,7 @@ class Option:
 
     @property
     def default_text(self) -> str:
-        """The default as --help and the README show it."""
+        """The default as --help and docs/options.md show it."""
         if self.shown_default is not None:
             return self.shown_default
         if self.default is None:

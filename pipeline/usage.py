@@ -1,4 +1,5 @@
-"""The job's command line: `--help`, `--help_beam`, the README's option table, and the launch check of arguments.
+"""The job's command line: `--help`, `--help_beam`, the option table (docs/options.md), and the launch check of
+arguments.
 
 Beam's option parsing keeps the arguments it knows and silently drops the rest, so a misspelled option
 (`--num_inference_step=8`, `--hieght=64`) used to run the job with the default. `check_arguments` parses the
@@ -10,7 +11,7 @@ Importing Beam takes seconds, so this module imports it only where it needs Beam
 quick check (`check_arguments_quickly`: the job's option table and a snapshot of Beam's flags, pipeline/beam_flags.py)
 answer a typo or a bad value without it.
 
-    python -m pipeline.usage --markdown     # the option table of README.md (tests check that the README has it)
+    python -m pipeline.usage --markdown     # the option table of docs/options.md (a test checks that it has it)
     python -m pipeline.usage --beam_flags > pipeline/beam_flags.py   # the snapshot, after a Beam upgrade
 """
 
@@ -40,7 +41,7 @@ COMMON_BEAM_OPTIONS = (
 
 DESCRIPTION = (
     "FLUX.2 [klein] text-to-image as an Apache Beam batch job: prompt files in; PNGs, a manifest, error rows and "
-    "summary.json out (README.md, 'The batch job: I/O contract'). With neither --input nor --model it runs the "
+    "summary.json out (docs/io-contract.md). With neither --input nor --model it runs the "
     "bundled demo: a tiny random-weight checkpoint, so noise images. Options take --name=value; switches also work "
     "bare (--skip_existing). An argument that is not an option of the job or of Beam stops the job before it starts."
 )
@@ -339,7 +340,7 @@ def format_beam_help() -> str:
 
 
 def markdown_table() -> str:
-    """The README's option table: option, default and description of every job option, by group."""
+    """The option table of docs/options.md: option, default and description of every job option, by group."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("*", "\\*")

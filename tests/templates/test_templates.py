@@ -1243,7 +1243,7 @@ def test_docs_build_launch_and_sizing_commands_run(fake_gcloud):
     assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 2  # TPU and GPU builds
     assert commands.count("dataflow flex-template build") == 2
     runs = [c["args"] for c in calls() if c["args"][:3] == ["dataflow", "flex-template", "run"]]
-    assert len(runs) == 3
+    assert len(runs) == 4  # v5e and v6e in the first launch block, then klein-9B with a reservation, then GPU
     # each launch names the image its build printed, and the reservation example consumes a reservation
     images = [gcloud_parameters(args)["sdk_container_image"] for args in runs]
     assert all(re.fullmatch(rf".*/flux2-klein:(tpu|gpu)-\d{{8}}-\d{{6}}", image) for image in images), images
@@ -1260,3 +1260,21 @@ def test_docs_build_launch_and_sizing_commands_run(fake_gcloud):
     assert f"worker-hours: {m.group(3)}\n" in out
     assert f"cost: {m.group(4)} " in out
     assert f"--max-workers={m.group(1)} --num-workers={m.group(1)}" in dataflow_docs()
+
+
+def test_readme_launch_commands_run_on_v5e_and_v6e(fake_gcloud):
+    """The README's own Dataflow block (variables, build, upload, the v5e and v6e launches) runs with the stub gcloud
+    and launches one job on a v5e chip and one on a v6e chip, both with the image the build printed."""
+    env, calls = fake_gcloud
+    readme = (ROOT / "README.md").read_text()
+    (block,) = [b for b in bash_blocks(readme) if b.startswith("export PROJECT=")]
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    runs = [c["args"] for c in calls() if c["args"][:3] == ["dataflow", "flex-template", "run"]]
+    accelerators = [next(a for a in args if a.startswith("--additional-experiments=")) for args in runs]
+    assert len(runs) == 2
+    assert "type:tpu-v5-lite-podslice;topology:1x1" in accelerators[0], accelerators
+    assert "type:tpu-v6e-slice;topology:1x1" in accelerators[1], accelerators
+    images = {gcloud_parameters(args)["sdk_container_image"] for args in runs}
+    assert len(images) == 1 and re.fullmatch(r".*/flux2-klein:tpu-\d{8}-\d{6}", images.pop())
