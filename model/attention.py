@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from . import flash_attention
 from .scopes import scoped
 
 logger = logging.getLogger(__name__)
@@ -311,11 +312,20 @@ def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, device_ki
     return jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :lq]
 
 
+# Chips whose one-device unmasked attention runs the project's flash kernel (model/flash_attention.py: every key of a
+# head in one block, which splash cannot hold in its scoped VMEM) instead of splash: measured faster there
+# (docs/performance.md). Elsewhere, and for lengths the kernel's blocks do not divide, splash.
+FLASH_KERNEL_CHIPS = ("TPU v5 lite",)
+
+
 def attention_heads(qh, kh, vh):
     """Unmasked attention on head-major q, k, v [B, H, L, D] whose q is already scaled by 1/sqrt(D), on one device
-    (`model.heads_kernel` prepares them): the splash kernel, compiled on TPUs and interpreted elsewhere.
-    Returns [B, Lq, H, D] in q's dtype."""
-    out = _splash_heads(qh, kh, vh, False, None, *_kernel_device())
+    (`model.heads_kernel` prepares them): the flash kernel on the chips of FLASH_KERNEL_CHIPS, else the splash kernel;
+    compiled on TPUs and interpreted elsewhere. Returns [B, Lq, H, D] in q's dtype."""
+    interpret, kind = _kernel_device()
+    if kind in FLASH_KERNEL_CHIPS and flash_attention.fits(qh.shape[2], kh.shape[2]):
+        return flash_attention.flash_attention(qh, kh, vh)
+    out = _splash_heads(qh, kh, vh, False, None, interpret, kind)
     return out.transpose(0, 2, 1, 3).astype(qh.dtype)
 
 
