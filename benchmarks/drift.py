@@ -20,28 +20,42 @@ import math
 import numpy as np
 
 
-def velocity_errors(reference, candidate, prompts, seeds, height: int, width: int) -> list[float]:
-    """Per step, ||v_candidate - v_reference|| / ||v_reference|| along the reference's own trajectory: both models'
-    velocities at the same latents, each with its own text embeddings, the latents stepped with the reference's."""
-    from model.quantize import relative_error
+def trajectory(gen, prompts, seeds, height: int, width: int, latents=None) -> dict:
+    """The denoising loop of `gen` run step by step from its initial noise: {latents: the input of each step,
+    velocities: what `gen` computes there}. Given `latents` (another model's trajectory), each step's velocity is
+    `gen`'s at those latents instead, so two models are compared on the same inputs, each with its own text
+    embeddings. Host arrays, so the models need not be loaded at once."""
     from model.scheduler import euler_step
 
-    inputs = reference.check_inputs(prompts, seeds, height, width)
-    plans = [gen.plan_bucket(inputs) for gen in (reference, candidate)]
-    texts = []
-    for gen, plan in zip((reference, candidate), plans):
-        txt, _ = gen.encode_prompts(list(inputs.prompts), plan)
-        neg = gen.encode_prompts([""] * len(inputs.prompts), plan)[0] if inputs.use_cfg else None
-        texts.append((txt, neg))
-    x = reference.prepare_latents(list(inputs.seeds), plans[0])
-    sigmas = np.asarray(plans[0].sigmas)
-    errors = []
-    for step in range(plans[0].bucket.steps):
-        v_ref = reference.velocity(x, *texts[0], plans[0], step)
-        v_cand = candidate.velocity(x, *texts[1], plans[1], step)
-        errors.append(relative_error(np.asarray(v_cand, np.float32), np.asarray(v_ref, np.float32)))
-        x = euler_step(x, v_ref, sigmas[step], sigmas[step + 1])
-    return errors
+    inputs = gen.check_inputs(prompts, seeds, height, width)
+    plan = gen.plan_bucket(inputs)
+    txt, _ = gen.encode_prompts(list(inputs.prompts), plan)
+    neg = gen.encode_prompts([""] * len(inputs.prompts), plan)[0] if inputs.use_cfg else None
+    x = gen.prepare_latents(list(inputs.seeds), plan)
+    sigmas = np.asarray(plan.sigmas)
+    out = {"latents": [], "velocities": []}
+    for step in range(plan.bucket.steps):
+        if latents is not None:
+            x = jax_put(latents[step], x)
+        v = gen.velocity(x, txt, neg, plan, step)
+        out["latents"].append(np.asarray(x, np.float32))
+        out["velocities"].append(np.asarray(v, np.float32))
+        x = euler_step(x, v, sigmas[step], sigmas[step + 1])
+    return out
+
+
+def jax_put(host, like):
+    """`host` on the devices as `like` is (dtype and sharding)."""
+    import jax
+
+    return jax.device_put(host.astype(like.dtype), like.sharding)
+
+
+def velocity_errors(reference: dict, candidate: dict) -> list[float]:
+    """Per step, ||v_candidate - v_reference|| / ||v_reference|| of two `trajectory` results on the same latents."""
+    from model.quantize import relative_error
+
+    return [relative_error(c, r) for c, r in zip(candidate["velocities"], reference["velocities"])]
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -59,17 +73,24 @@ def image_similarity(reference: np.ndarray, candidate: np.ndarray) -> list[dict]
 
 
 def measure(checkpoint: str, *, quantize: str, prompts: list[str], seeds: list[int], height: int, width: int) -> dict:
-    """Velocity errors per step and image similarity of `quantize` against bf16 on `checkpoint`."""
+    """Velocity errors per step and image similarity of `quantize` against bf16 on `checkpoint`; one model loaded at a
+    time (a real-size model in both forms may not fit one chip)."""
+    import gc
+
     import model
 
-    reference = model.load(checkpoint, dtype="bfloat16")
-    candidate = model.load(checkpoint, dtype="bfloat16", quantize=quantize)
-    errors = velocity_errors(reference, candidate, prompts, seeds, height, width)
-    images = image_similarity(reference.generate(prompts, seeds, height=height, width=width),
-                              candidate.generate(prompts, seeds, height=height, width=width))
-    return {"quantize": quantize, "height": height, "width": width, "velocity_relative_error": errors,
-            "images": images, "psnr_min": min(i["psnr"] for i in images),
-            "ssim_min": min(i["ssim"] for i in images)}
+    results = []
+    for options in ({}, {"quantize": quantize}):
+        gen = model.load(checkpoint, dtype="bfloat16", **options)
+        steps = trajectory(gen, prompts, seeds, height, width, results[0][0]["latents"] if results else None)
+        results.append((steps, gen.generate(prompts, seeds, height=height, width=width)))
+        del gen
+        gc.collect()
+    (ref_steps, ref_images), (steps, images) = results
+    similarity = image_similarity(ref_images, images)
+    return {"quantize": quantize, "height": height, "width": width,
+            "velocity_relative_error": velocity_errors(ref_steps, steps), "images": similarity,
+            "psnr_min": min(i["psnr"] for i in similarity), "ssim_min": min(i["ssim"] for i in similarity)}
 
 
 def main(argv=None) -> dict:

@@ -31,7 +31,7 @@ from .estimate import V5E_CALIBRATION, ProgramStats
 from .fit_report import Report, format_bytes
 from .hub import HubSnapshot, is_hub_id, resolve_hub
 from .mesh import ShardCountError, shard_counts
-from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES, EngineOptions, LoadSettings
+from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES, QUANTIZE_MODES, EngineOptions, LoadSettings
 from .plan import resolve_sampling
 from .presets import PRESET_NAMES, is_preset, preset_config
 from .references import MIN_SIDE as MIN_REFERENCE_SIDE
@@ -50,7 +50,7 @@ __all__ = sorted([
     "CheckpointError", "ConfigError", "HubError", "ModelError", "NonFiniteImageError", "ReferenceImageError",
     "RequestError", "UnsafeWeightsError", "ShardCountError", "TopologyError",
     "V5E_CALIBRATION", "ProgramStats", "Report", "format_bytes", "HubSnapshot", "is_hub_id", "resolve_hub",
-    "shard_counts", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "EngineOptions", "LoadSettings",
+    "shard_counts", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES", "EngineOptions", "LoadSettings",
     "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config", "CHIPS", "GiB", "Topology", "load_topology",
     "validate_variant", *_LAZY,
 ])

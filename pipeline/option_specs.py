@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from model.api import (
     DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
-    DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DTYPE_NAMES as DTYPES,
+    DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DTYPE_NAMES as DTYPES, QUANTIZE_MODES,
 )
 from model.api import EngineOptions, LoadSettings
 from transforms.defaults import (
@@ -169,6 +169,8 @@ OPTIONS = (
            shown_default="the files without a variant"),
     Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
            shown_default=f"{LoadSettings.dtype}; {DEMO_DTYPE} for the demo checkpoint"),
+    Option("quantize", "model", "int8: projections in int8 (faster, less memory; images differ slightly: run "
+                                "benchmarks.quality first).", choices=QUANTIZE_MODES, default=EngineOptions.quantize),
     Option("max_sequence_length", "model", "Text-encoder tokens per prompt; longer prompts are truncated and "
                                            "flagged in the manifest.", type=int,
            default=DEFAULT_MAX_SEQUENCE_LENGTH, metavar="TOKENS"),

@@ -101,12 +101,20 @@ def checkpoint_location(spec: ModelSpec, runner: Runner) -> str:
     return model
 
 
+# Set by templates/main.py to the folder of checkpoint configs a Flex Template launcher defaults --model to.
+CONFIGS_ONLY_ENV = "FLUX2_CONFIGS_ONLY"
+
+
 def read_checkpoint(location: str, variant: str | None) -> Checkpoint:
     """The checkpoint's configs and digest, and its weight files checked from their headers and sizes (every file
     the workers' loader reads, of `variant`: no LFS pointer, empty or cut short file, every tensor of the model);
     UsageError naming the file when they cannot be read as FLUX.2 [klein]'s."""
+    configs_only = os.environ.get(CONFIGS_ONLY_ENV) == location
+    if configs_only:
+        logger.info("--model=%s holds the checkpoint's configs only (a Flex Template launcher): its weights are in the "
+                    "worker image, where the loader checks them", location)
     try:
-        config, digest = read_config_and_digest(location, variant, check_weights=True)
+        config, digest = read_config_and_digest(location, variant, check_weights=not configs_only)
     except ModelError as e:
         raise UsageError(f"--model={location!r} cannot be read as a FLUX.2 [klein] checkpoint: "
                          f"{type(e).__name__}: {e}") from e

@@ -210,7 +210,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      case_insensitive_output=probes.case_insensitive_output(spec.output.output),
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
-                         text_encoder_out_layers=load.text_encoder_out_layers))
+                         text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize))
 
 
 def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) -> Flux2KleinModelHandler:

@@ -17,8 +17,8 @@ import enum
 import re
 from typing import Any
 
-from model.api import (DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, EngineOptions, LoadSettings, count,
-                       is_integer, optional_count, validate_variant)
+from model.api import (DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES, EngineOptions,
+                       LoadSettings, count, is_integer, optional_count, validate_variant)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
@@ -43,6 +43,7 @@ InputFormat = _choices("InputFormat", INPUT_FORMATS)  # --input_format
 ImageFormat = _choices("ImageFormat", IMAGE_FORMATS)  # --image_format
 OutputFormat = _choices("OutputFormat", OUTPUT_FORMATS)  # --output_format
 Dtype = _choices("Dtype", DTYPE_NAMES)  # --dtype
+Quantize = _choices("Quantize", QUANTIZE_MODES)  # --quantize
 Accelerator = _choices("Accelerator", ACCELERATORS)  # --require_accelerator
 
 
@@ -195,6 +196,7 @@ class ModelSpec:
     demo_checkpoint: bool
     model_variant: str | None
     dtype: Dtype
+    quantize: Quantize
     max_sequence_length: int
     model_cache: str | None
     checkpoint_cache_dir: str | None
@@ -202,7 +204,8 @@ class ModelSpec:
     def __post_init__(self):
         validate_variant(self.model_variant, name="--model_variant")
         count("--max_sequence_length", self.max_sequence_length)
-        _set(self, dtype=Dtype(self.dtype), demo_checkpoint=bool(self.demo_checkpoint))
+        _set(self, dtype=Dtype(self.dtype), quantize=Quantize(self.quantize),
+             demo_checkpoint=bool(self.demo_checkpoint))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +334,7 @@ class JobSpec:
                 model=location, dtype=str(self.model.dtype), variant=self.model.model_variant,
                 max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
                 engine=EngineOptions(batch_size=self.limits.batch_size, model_shards=self.limits.model_shards,
-                                     compilation_cache_dir=cache),
+                                     compilation_cache_dir=cache, quantize=str(self.model.quantize)),
                 precompile=((defaults.height, defaults.width, defaults.num_inference_steps,
                              defaults.guidance_scale),))
         except ValueError as e:

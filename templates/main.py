@@ -9,7 +9,8 @@ wait_until_finish raises); `--no_wait_until_finish`, Beam's standard option for 
 Two defaults for launches from the image:
 - `--no_wait_until_finish` is added when absent;
 - `--model=$FLUX2_WEIGHTS_DIR` is added when the job names no checkpoint and the build baked one in: the worker
-  image holds the checkpoint there, the launcher image only its JSON configs, enough to check the launch.
+  image holds the checkpoint there, the launcher image only its JSON configs, enough to check the launch's configs
+  (CONFIGS_ONLY_ENV tells the launch so: the weight files, which it cannot see, are checked by the workers' loader).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 
 NO_WAIT = "--no_wait_until_finish"
 WEIGHTS_ENV = "FLUX2_WEIGHTS_DIR"
+CONFIGS_ONLY_ENV = "FLUX2_CONFIGS_ONLY"  # pipeline/probes.py reads the same name
 
 
 def _has_option(argv: list[str], name: str) -> bool:
@@ -33,6 +35,7 @@ def launcher_argv(argv: list[str], environ: dict | None = None) -> list[str]:
     baked = environ.get(WEIGHTS_ENV, "")
     if not _has_option(out, "model") and baked and os.path.isfile(os.path.join(baked, "model_index.json")):
         out.append(f"--model={baked}")
+        environ[CONFIGS_ONLY_ENV] = baked
     if not _has_option(out, NO_WAIT[2:]):
         out.append(NO_WAIT)
     return out

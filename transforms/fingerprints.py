@@ -42,12 +42,16 @@ def request_fingerprint(task) -> str:
 
 
 def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length: int,
-                      text_encoder_out_layers=()) -> str:
-    """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels."""
-    return _digest({
+                      text_encoder_out_layers=(), quantize: str = "none") -> str:
+    """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels
+    (an int8 model's images are another model's: a resume never mixes them with bf16 ones)."""
+    settings = {
         "v": VERSION,
         "checkpoint": checkpoint_digest,
         "dtype": dtype,
         "max_sequence_length": int(max_sequence_length),
         "text_encoder_out_layers": [int(k) for k in text_encoder_out_layers],
-    })
+    }
+    if quantize != "none":  # unquantized models keep the fingerprint they always had (their outputs still resume)
+        settings["quantize"] = quantize
+    return _digest(settings)

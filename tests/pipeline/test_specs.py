@@ -10,7 +10,7 @@ from pipeline.demo import DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE
 from pipeline.errors import UsageError
 from pipeline.option_specs import GROUPS, OPTIONS
 from pipeline.specs import (
-    SPECS, Accelerator, Dtype, ExistingResults, ImageFormat, InputFormat, OutputFormat, Runner, job_spec,
+    SPECS, Accelerator, Dtype, ExistingResults, ImageFormat, InputFormat, OutputFormat, Quantize, Runner, job_spec,
 )
 
 LOCAL = Runner("FnApiRunner", local=True)
@@ -48,7 +48,7 @@ def test_choices_are_enums_that_read_as_their_values():
     assert spec(input=["a.jsonl"], model="m", overwrite=True).output.existing is ExistingResults.OVERWRITE
     for option in OPTIONS:  # each enum has exactly its option's choices
         enum = {"input_format": InputFormat, "image_format": ImageFormat, "output_format": OutputFormat,
-                "dtype": Dtype, "require_accelerator": Accelerator}.get(option.name)
+                "dtype": Dtype, "require_accelerator": Accelerator, "quantize": Quantize}.get(option.name)
         assert enum is None or tuple(enum) == option.choices, option.name
 
 
@@ -65,6 +65,10 @@ def test_defaults_follow_the_checkpoint_and_the_inputs():
     assert spec(input=["a.jsonl"], demo_checkpoint=True).tiny
     env = spec(input=["a.jsonl"], model="m", worker_env="A=1;B=x=y").reliability.worker_env
     assert env == (("A", "1"), ("B", "x=y"))
+    assert mine.model.quantize is Quantize.NONE
+    int8 = spec(input=["a.jsonl"], model="ckpt", quantize="int8")
+    assert int8.model.quantize is Quantize.INT8
+    assert int8.load_settings("ckpt", int8.request_defaults(16)).engine.quantize == "int8"
 
 
 @pytest.mark.parametrize("given, words", [

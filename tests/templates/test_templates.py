@@ -379,10 +379,13 @@ def test_dockerfile_launcher_and_worker_wiring():
     assert re.search(r"^images:\n  - \$\{_LAUNCHER_IMAGE\}\n  - \$\{_IMAGE\}$", build, re.M)
 
 
-def test_launcher_checks_a_launch_with_the_checkpoint_configs_alone(tiny_ckpt, tmp_path):
+def test_launcher_checks_a_launch_with_the_checkpoint_configs_alone(tiny_ckpt, tmp_path, monkeypatch):
     """The launcher image holds only the checkpoint's JSON files (the weight_configs stage): enough for main.py to
-    default --model to them and for the launch checks to read the configs."""
+    default --model to them and for the launch checks to read the configs; the weight files, in the worker image
+    only, are left to the workers' loader. The same folder named by a user is refused: its weights are missing."""
     from apache_beam.options.pipeline_options import PipelineOptions
+    from pipeline.errors import UsageError
+    from pipeline.probes import CONFIGS_ONLY_ENV
     from pipeline.run import resolve_job
 
     configs = tmp_path / "weights"
@@ -393,9 +396,13 @@ def test_launcher_checks_a_launch_with_the_checkpoint_configs_alone(tiny_ckpt, t
     assert not list(configs.rglob("*.safetensors"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
-    argv = template_main.launcher_argv([f"--input={prompts}", f"--output={tmp_path / 'out'}"],
-                                       {"FLUX2_WEIGHTS_DIR": str(configs)})
-    assert f"--model={configs}" in argv
+    monkeypatch.delenv(CONFIGS_ONLY_ENV, raising=False)
+    with pytest.raises(UsageError, match="cannot be read as a FLUX.2 .klein. checkpoint.*is missing"):
+        resolve_job(PipelineOptions([f"--input={prompts}", f"--output={tmp_path / 'out'}", f"--model={configs}"]))
+    environ = {"FLUX2_WEIGHTS_DIR": str(configs)}
+    argv = template_main.launcher_argv([f"--input={prompts}", f"--output={tmp_path / 'out'}"], environ)
+    assert f"--model={configs}" in argv and environ[template_main.CONFIGS_ONLY_ENV] == str(configs)
+    monkeypatch.setenv(CONFIGS_ONLY_ENV, environ[template_main.CONFIGS_ONLY_ENV])
     job = resolve_job(PipelineOptions(argv))
     assert job.model == str(configs)
 
@@ -667,6 +674,7 @@ BAD_VALUES = {
     "model_cache": GS_BAD,
     "model_variant": ["fp16.x", "a/b", "fp 16", "../x"],
     "dtype": ["float16", "bf16", "BFLOAT16", "fp32"],
+    "quantize": ["int4", "INT8", "fp8", "yes"],
     "height": INT_BAD,
     "width": INT_BAD,
     "num_inference_steps": INT_BAD,

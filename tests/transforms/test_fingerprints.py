@@ -37,14 +37,15 @@ def test_request_fingerprint_covers_the_fields_that_change_pixels_only():
         request_fingerprint(task(**ref, reference_sha256=("cd",)))
 
 
-def test_model_fingerprint_covers_checkpoint_dtype_and_sequence_length():
+def test_model_fingerprint_covers_checkpoint_dtype_quantization_and_sequence_length():
     base = dict(dtype="bfloat16", max_sequence_length=512, text_encoder_out_layers=(9, 18, 27))
     fp = model_fingerprint("c1", **base)
-    assert fp == model_fingerprint("c1", **base)
+    assert fp == model_fingerprint("c1", **base) == model_fingerprint("c1", **base, quantize="none")
     others = [model_fingerprint("c2", **base), model_fingerprint("c1", **dict(base, dtype="float32")),
               model_fingerprint("c1", **dict(base, max_sequence_length=256)),
-              model_fingerprint("c1", **dict(base, text_encoder_out_layers=(9, 18)))]
-    assert len(set(others) | {fp}) == 5
+              model_fingerprint("c1", **dict(base, text_encoder_out_layers=(9, 18))),
+              model_fingerprint("c1", **dict(base, quantize="int8"))]
+    assert len(set(others) | {fp}) == 6
 
 
 def _fake_checkpoint(folder, weights=b"w" * 100):

@@ -22,6 +22,7 @@ from transforms.sinks.writes import write_bytes_atomic
 MODEL = model_fingerprint("ckpt", dtype="float32", max_sequence_length=64)
 OTHER_DTYPE = model_fingerprint("ckpt", dtype="bfloat16", max_sequence_length=64)
 OTHER_LENGTH = model_fingerprint("ckpt", dtype="float32", max_sequence_length=32)
+INT8 = model_fingerprint("ckpt", dtype="float32", max_sequence_length=64, quantize="int8")
 
 
 def task(id, prompt="a fox", **kw) -> ImageTask:
@@ -112,7 +113,7 @@ def test_an_edited_prompt_is_generated_again_and_counted_stale(tmp_path, image_r
     assert image_reads == []
 
 
-@pytest.mark.parametrize("new_model", [OTHER_DTYPE, OTHER_LENGTH], ids=["dtype", "max_sequence_length"])
+@pytest.mark.parametrize("new_model", [OTHER_DTYPE, OTHER_LENGTH, INT8], ids=["dtype", "max_sequence_length", "int8"])
 def test_another_model_regenerates_every_image(tmp_path, image_reads, new_model):
     out = str(tmp_path / "out")
     _write_run(out, [task("a"), task("b")])

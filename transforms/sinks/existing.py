@@ -115,7 +115,7 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
         raise StaleImage(file_name, "was made for another request (its request fingerprint differs)")
     if model_fingerprint and text.get("model_fingerprint", model_fingerprint) != model_fingerprint:
         raise StaleImage(file_name, "was made by another model (its model fingerprint differs: another checkpoint, "
-                                    "dtype or max_sequence_length)")
+                                    "dtype, quantization or max_sequence_length)")
     try:
         steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
     except (KeyError, ValueError):
