@@ -44,14 +44,16 @@ def test_a_preflight_run_becomes_a_row(tmp_path, capsys):
     the row of the same model, topology, size and batch choice; the table shows it, an auto batch marked so."""
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(_data()))
-    report = dict(next(r["report"] for r in _data()["rows"] if r["report"]["topology"] == "v5e:1x1"),
-                  batch_picked=True, peak_bytes_per_chip=15 * 2**30, est_seconds_per_image=0.5)
+    fixed = next(r["report"] for r in _data()["rows"] if r["report"]["fits"] and not r["report"].get("batch_picked"))
+    report = dict(fixed, batch_picked=True, peak_bytes_per_chip=15 * 2**30, est_seconds_per_image=0.5)
     out = tmp_path / "preflight.out"
     out.write_text("klein-4b on v5e:1x1 ...\nfits: yes\n" + json.dumps(report) + "\n")
     assert sizing_table.main(["--json", str(path), "--add", str(out), "--compiled-on", "a test, libtpu x"]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == len(_data()["rows"]) + 1 and rows[-1]["report"] == report  # auto: not the batch-1 row
-    assert "| 1 (auto) | 1 | 15.00 / 16.00 | 0.500 | 7,200 | a test, libtpu x |" in capsys.readouterr().out
+    hbm = report["hbm_bytes_per_chip"] / 2**30
+    assert (f"| {report['batch']} (auto) | {report['model_shards']} | 15.00 / {hbm:.2f} | 0.500 | 7,200 | "
+            f"a test, libtpu x |") in capsys.readouterr().out
     assert sizing_table.main(["--json", str(path), "--add", str(out), "--compiled-on", "again, libtpu y"]) == 0
     again = json.loads(path.read_text())["rows"]
     assert len(again) == len(rows) and again[-1]["compiled_on"] == "again, libtpu y"  # replaced, not added
