@@ -14,8 +14,9 @@ imports from here only (tests/model checks it). Importing this module does not l
   `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
   `preset_config`.
 - Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
-- TPU preflight: `load_topology` (`Topology`, `CHIPS`), `attached_topology` (this machine's chips, by name), `fit`
-  (compile for the topology and report: `Report`, `ProgramStats`, `V5E_CALIBRATION`), `format_bytes`, `GiB`.
+- TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
+  (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
+  `V5E_CALIBRATION`), `format_bytes`, `GiB`.
 - Errors: `ModelError` and its kinds, `ShardCountError`, `TopologyError`.
 """
 
@@ -37,7 +38,7 @@ from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_E
 from .plan import resolve_sampling
 from .presets import PRESET_NAMES, is_preset, preset_config
 from .references import MIN_SIDE as MIN_REFERENCE_SIDE
-from .tpu_topology import CHIPS, GiB, Topology, TopologyError, attached_topology, load_topology
+from .tpu_topology import ATTACHED, CHIPS, GiB, Topology, TopologyError, attached_topology, load_topology
 from .weight_files import validate_variant
 
 # Imported on first use (they load JAX): name -> (module, attribute).
@@ -54,7 +55,7 @@ __all__ = sorted([
     "V5E_CALIBRATION", "ProgramStats", "Report", "format_bytes", "HubSnapshot", "is_hub_id", "resolve_hub",
     "shard_counts", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES",
     "EngineOptions", "LoadSettings", "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config", "CHIPS", "GiB",
-    "Topology", "load_topology", "attached_topology", "validate_variant", *_LAZY,
+    "Topology", "load_topology", "attached_topology", "ATTACHED", "validate_variant", *_LAZY,
 ])
 
 

@@ -23,7 +23,7 @@ import re
 import subprocess
 import sys
 
-from model.api import attached_topology
+from model.api import ATTACHED, attached_topology
 
 from .errors import UsageError
 
@@ -163,31 +163,42 @@ def pick_local_batch(job, topology: str) -> dict:
     """--batch_size auto on this machine's TPU: the preflight (`python -m pipeline.preflight`) searches the largest
     batch up to --max_batch_size that fits `topology` at the job's defaults, in a child process kept to the CPU
     (JAX_PLATFORMS=cpu: it compiles with libtpu but never opens the chips, and this process, the local worker, does
-    not load libtpu before its own runtime starts). Returns the preflight's JSON report; UsageError when nothing
-    fits or the preflight cannot run."""
+    not load libtpu before its own runtime starts). Should libtpu refuse to compile for that topology here, the child
+    compiles on the chips themselves instead (`--topology=attached`, with the worker's environment; it releases them
+    when it ends). Returns the preflight's JSON report; UsageError when nothing fits or the preflight cannot run."""
     d, limits = job.defaults, job.spec.limits
-    args = {"model": job.model, "topology": topology, "height": d.height, "width": d.width, "batch_size": "auto",
+    args = {"model": job.model, "height": d.height, "width": d.width, "batch_size": "auto",
             "max_batch_size": limits.max_batch_size, "dtype": job.dtype, "model_shards": job.load.engine.model_shards,
             "max_sequence_length": job.max_sequence_length, "num_inference_steps": d.num_inference_steps,
             "guidance_scale": d.guidance_scale, "hbm_bytes": hbm_bytes_override()}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this `pipeline` package is
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "
                 "skips)", topology)
-    out = subprocess.run([sys.executable, "-m", "pipeline.preflight",
-                          *(f"--{k}={v}" for k, v in args.items() if v is not None)],
-                         env=env, capture_output=True, text=True)
-    reports = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if not reports:
-        why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-        raise UsageError(f"TPU preflight for this machine's {topology}: {why.removeprefix('error: ')} "
-                         f"(--skip_preflight, or a --batch_size, runs without it)")
-    report = json.loads(reports[-1])
-    logger.info("TPU preflight:\n%s", out.stdout[:out.stdout.rfind(reports[-1])].rstrip())
+    report, why = _child_preflight({**args, "topology": topology}, {"JAX_PLATFORMS": "cpu"})
+    if report is None:
+        logger.warning("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
+        on_chips = {**dict(job.worker_env), "JAX_PLATFORMS": "tpu"}
+        report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
+    if report is None:
+        raise UsageError(f"TPU preflight for this machine's {topology}: {why} (--skip_preflight, or a --batch_size, "
+                         f"runs without it)")
     if not report["fits"]:
-        why = (out.stderr.strip().splitlines() or ["does not fit"])[-1].removeprefix("error: ")
         advice = "; ".join(report.get("advice") or [])
         raise UsageError(f"TPU preflight for this machine's {topology}: {why}"
                          f"{'; would fit: ' + advice if advice else ''}")
     return report
+
+
+def _child_preflight(args: dict, env: dict) -> tuple[dict | None, str]:
+    """(the JSON report, its error line) of `python -m pipeline.preflight` with `args` in a child process with `env`
+    added to this one's environment; (None, why) when it gave no report."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this `pipeline` package is
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    out = subprocess.run([sys.executable, "-m", "pipeline.preflight",
+                          *(f"--{k}={v}" for k, v in args.items() if v is not None)],
+                         env=env, capture_output=True, text=True)
+    errors = [line.removeprefix("error: ") for line in out.stderr.strip().splitlines() if line.startswith("error: ")]
+    reports = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not reports:
+        return None, (errors or out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    logger.info("TPU preflight:\n%s", out.stdout[:out.stdout.rfind(reports[-1])].rstrip())
+    return json.loads(reports[-1]), (errors or ["does not fit"])[-1]

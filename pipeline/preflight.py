@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="Checkpoint (local folder or gs://; configs only), a preset: "
                                                        "klein-4b, klein-9b, klein-base-4b, klein-base-9b, or "
                                                        f"'{DEMO_MODEL}' (the bundled demo's tiny checkpoint).")
-    parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:1x1, v5e:2x2, v6e:2x2, tpu7x:1x1.")
+    parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:1x1, v5e:2x2, v6e:2x2, tpu7x:1x1; "
+                                                          "'attached': this machine's own chips.")
     parser.add_argument("--height", type=int, required=True, help="Image height in pixels, as the job's --height.")
     parser.add_argument("--width", type=int, required=True, help="Image width in pixels, as the job's --width.")
     parser.add_argument("--batch_size", type=batch_size_value, default=None, metavar="N|auto",

@@ -113,3 +113,16 @@ def test_a_local_run_on_a_tpu_machine_runs_the_batch_that_fits(tmp_path, tiny_ck
     options, job = _job(tmp_path, tiny_ckpt, *tpu_job)
     with pytest.raises(UsageError, match="TPU preflight for this machine's v5e:1x1: .*does not fit"):
         run._tpu_preflight(options, job, local=True)
+
+
+def test_a_tpu_machine_whose_libtpu_refuses_the_topology_compiles_on_its_chips(tmp_path, tiny_ckpt, caplog):
+    """When libtpu here does not compile for the topology the launch named (say, a host whose runtime settings give
+    other bounds), the child preflight compiles on the machine's own chips (`--topology=attached`) instead; on this
+    machine, which has none, both fail and the launch stops, naming why."""
+    pytest.importorskip("libtpu", reason="the TPU preflight compiles with libtpu")
+    from pipeline.launch_check import pick_local_batch
+
+    _, job = _job(tmp_path, tiny_ckpt, "--max_sequence_length=32")
+    with pytest.raises(UsageError, match=r"TPU preflight for this machine's v9z:1x1: no TPU chips attached here"):
+        pick_local_batch(job, "v9z:1x1")
+    assert "compiling on this machine's chips instead" in caplog.text
