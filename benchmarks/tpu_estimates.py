@@ -1,12 +1,14 @@
 """The compiler's estimates for klein-4B and klein-9B on TPU machine types: a markdown table and a JSON line.
 
 For each model and topology the preflight (pipeline/preflight.py) compiles the real programs at batch 1 (with the
-fewest model shards that fit), then searches the largest batch that fits at that shard count: a line through the
-largest program's bytes at the batches compiled so far predicts the next batch to try, and each prediction is compiled
-to check it. Every figure is the compiler's estimate from XLA's cost analysis plus attention at the chip's bf16 peak,
-not a measurement; the published 430 ms per image (klein-9B on one TPU v7 chip) stands beside it for comparison.
+fewest model shards that fit), then searches the largest batch that fits at that shard count as `--batch_size auto`
+does (model/batch_search.py: a line through the bytes of the batches compiled so far predicts the next batch to
+try, and each prediction is compiled to check it). Every figure is the compiler's estimate from XLA's cost analysis
+plus attention at the chip's bf16 peak, not a measurement; the published 430 ms per image (klein-9B on one TPU v7 chip) stands beside it for comparison.
 
     python -m benchmarks.tpu_estimates [--models klein-4b,klein-9b] [--topologies v5e:1x1,...] [--max_batch 16]
+
+The README's sizing table is made from the preflight's own reports instead (benchmarks/sizing_table.py).
 
 Compiling the real models takes minutes per program on a small machine: run it in the background.
 """
@@ -30,39 +32,11 @@ DEFAULT_TOPOLOGIES = ("v5e:1x1", "v5e:2x2", "v6e:1x1", "v6e:2x2", "tpu7x:1x1")
 PUBLISHED = {("klein-9b", "TPU v7", 1): 0.430}
 
 
-def _transient(report: Report) -> int:
-    return report.peak_bytes_per_chip - report.resident_bytes_per_chip
-
-
-def next_batch(reports: dict, capacity_left: int, max_batch: int) -> int | None:
-    """The next per-replica batch to compile (`reports`: per-replica batch -> Report): where a line through the
-    largest program's bytes per chip beyond the parameters, at the smallest and largest batches compiled so far,
-    meets the free HBM `capacity_left`; None when the line promises nothing larger than the best fitting batch."""
-    fitting = max((b for b, r in reports.items() if r.fits), default=0)
-    ceiling = min(min((b for b, r in reports.items() if not r.fits), default=max_batch + 1) - 1, max_batch)
-    low, high = min(reports), max(reports)
-    if high > low:
-        slope = (_transient(reports[high]) - _transient(reports[low])) / (high - low)
-        base = _transient(reports[low]) - slope * low
-    else:  # one point: all of it per image (an under-estimate of the batch, checked by the next compile)
-        slope, base = _transient(reports[low]) / low, 0.0
-    guess = int((capacity_left - base) // slope) if slope > 0 else ceiling
-    guess = min(guess, ceiling)
-    return None if guess <= fitting or guess in reports else guess
-
-
-def best_batch(request: PreflightRequest, first: Report, max_batch: int, tries: int = 2) -> Report:
-    """The largest per-replica batch up to `max_batch` that fits at `first`'s shard count (at most `tries` more
-    compiles); `first` itself when no larger batch fits."""
-    replicas = first.data_replicas
-    reports = {first.batch // replicas: first}
-    for _ in range(tries):
-        per_replica = next_batch(reports, first.hbm_bytes_per_chip - first.resident_bytes_per_chip, max_batch)
-        if per_replica is None:
-            break
-        reports[per_replica] = preflight(dataclasses.replace(request, batch_size=per_replica * replicas,
-                                                             model_shards=first.model_shards))
-    return max((r for r in reports.values() if r.fits), key=lambda r: r.batch, default=first)
+def picked_batch(request: PreflightRequest, first: Report, max_batch: int) -> Report:
+    """The largest batch up to `max_batch` per data replica that fits at `first`'s shard count: the preflight's own
+    search (--batch_size auto, model.batch_search), which reuses what `first` compiled."""
+    return preflight(dataclasses.replace(request, batch_size=None, model_shards=first.model_shards,
+                                         max_batch_size=max_batch * first.data_replicas))
 
 
 def row(report: Report, label: str) -> dict:
@@ -110,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--num_inference_steps", type=int, default=4)
     parser.add_argument("--max_batch", type=int, default=16, help="Largest batch per data replica to try.")
-    parser.add_argument("--tries", type=int, default=2, help="Compiles spent searching the best batch per row.")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rows = []
@@ -123,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 first = preflight(request)
                 rows.append(row(first, "batch 1"))
                 if first.fits:
-                    best = best_batch(request, first, args.max_batch, args.tries)
-                    if best is not first:
+                    best = picked_batch(request, first, args.max_batch)
+                    if best.batch != first.batch:
                         rows.append(row(best, "best batch"))
             except Exception as e:  # noqa: BLE001 - one machine type failing to compile must not lose the others
                 logging.exception("%s on %s failed", model, topology)

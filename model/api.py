@@ -5,7 +5,9 @@ imports from here only (tests/model checks it). Importing this module does not l
 (`load`, `fit`, `enable_compilation_cache`, `start_runtime`) are imported on first use.
 
 - Loading and generating: `load` (which starts the accelerator runtime itself; `start_runtime` starts it earlier, on a
-  thread, in a process that will load), `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`, `DEFAULT_TEXT_ENCODER_OUT_LAYERS`.
+  thread, in a process that will load), `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`,
+  `DEFAULT_TEXT_ENCODER_OUT_LAYERS`, `DEFAULT_BATCH_SIZE` (without a TPU to fit), `DEFAULT_MAX_BATCH_SIZE` (the most
+  a search for the batch that fits tries).
 - The request contract (model.contract): `validate`, `count`, `optional_count`, `is_integer`, `Limits` and the DEFAULT_*
   limits; `MIN_REFERENCE_SIDE`, the smallest side a reference image may have.
 - Checkpoints: `read_config`, `read_config_and_digest` (configs only; `check_weights=True` checks each weight
@@ -13,8 +15,9 @@ imports from here only (tests/model checks it). Importing this module does not l
   `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
   `preset_config`.
 - Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
-- TPU preflight: `load_topology` (`Topology`, `CHIPS`), `fit` (compile for the topology and report: `Report`,
-  `ProgramStats`, `V5E_CALIBRATION`), `format_bytes`, `GiB`.
+- TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
+  (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
+  `V5E_CALIBRATION`), `format_bytes`, `GiB`.
 - Errors: `ModelError` and its kinds, `ShardCountError`, `TopologyError`.
 """
 
@@ -31,11 +34,12 @@ from .estimate import V5E_CALIBRATION, ProgramStats
 from .fit_report import Report, format_bytes
 from .hub import HubSnapshot, is_hub_id, resolve_hub
 from .mesh import ShardCountError, shard_counts
-from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES, QUANTIZE_MODES, EngineOptions, LoadSettings
+from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
+                      QUANTIZE_MODES, EngineOptions, LoadSettings)
 from .plan import resolve_sampling
 from .presets import PRESET_NAMES, is_preset, preset_config
 from .references import MIN_SIDE as MIN_REFERENCE_SIDE
-from .tpu_topology import CHIPS, GiB, Topology, TopologyError, load_topology
+from .tpu_topology import ATTACHED, CHIPS, GiB, Topology, TopologyError, attached_topology, load_topology
 from .weight_files import validate_variant
 
 # Imported on first use (they load JAX): name -> (module, attribute).
@@ -50,9 +54,9 @@ __all__ = sorted([
     "CheckpointError", "ConfigError", "HubError", "ModelError", "NonFiniteImageError", "ReferenceImageError",
     "RequestError", "UnsafeWeightsError", "ShardCountError", "TopologyError",
     "V5E_CALIBRATION", "ProgramStats", "Report", "format_bytes", "HubSnapshot", "is_hub_id", "resolve_hub",
-    "shard_counts", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES", "EngineOptions", "LoadSettings",
-    "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config", "CHIPS", "GiB", "Topology", "load_topology",
-    "validate_variant", *_LAZY,
+    "shard_counts", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES",
+    "QUANTIZE_MODES", "EngineOptions", "LoadSettings", "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config",
+    "CHIPS", "GiB", "Topology", "load_topology", "attached_topology", "ATTACHED", "validate_variant", *_LAZY,
 ])
 
 

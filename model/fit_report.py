@@ -31,6 +31,9 @@ class Report:
     hbm_bytes_per_chip: int
     auto_shards: bool = False   # the shard count was picked by the preflight
     advice: tuple = ()
+    batch_picked: bool = False  # the batch is the largest up to `max_batch_size` that fits (model.aot.fit)
+    max_batch_size: int | None = None
+    batch_trials: tuple = ()    # every batch compiled to find it: (batch, model shards, peak bytes per chip, fits)
 
     @property
     def data_replicas(self) -> int:
@@ -97,6 +100,9 @@ class Report:
             "devices_per_chip": self.topology.devices_per_chip, "hosts": self.topology.hosts, "dtype": self.dtype,
             "height": self.height, "width": self.width, "batch": self.batch,
             "batch_per_replica": self.batch // self.data_replicas, "steps": self.steps, "cfg": self.cfg,
+            "batch_picked": self.batch_picked, "max_batch_size": self.max_batch_size,
+            "batch_search": [{"batch": b, "model_shards": s, "peak_bytes_per_chip": int(peak), "fits": ok}
+                             for b, s, peak, ok in self.batch_trials],
             "model_shards": self.model_shards, "model_shards_picked": self.auto_shards,
             "data_replicas": self.data_replicas, "hbm_bytes_per_chip": self.hbm_bytes_per_chip,
             "parameter_bytes_per_chip": {k: int(self.per_chip(v)) for k, v in self.parameter_bytes.items()},
@@ -114,7 +120,7 @@ class Report:
                 "argument_bytes": int(self.per_chip(p.argument_bytes)), "temp_bytes": int(self.per_chip(p.temp_bytes)),
                 "output_bytes": int(self.per_chip(p.output_bytes)), "flops": _finite(self.flops_per_image(p)),
                 "kernel_flops": p.kernel_flops * len(self.topology.devices) / self.batch,
-                "optimal_seconds": _finite(p.optimal_seconds), "est_seconds": _finite(self.est_seconds(p)),
+                "optimal_seconds": meaningful_optimal_seconds(p), "est_seconds": _finite(self.est_seconds(p)),
                 "bytes_accessed": _finite(p.bytes_accessed * len(self.topology.devices) / self.batch),
                 "est_basis": "calibrated roofline",
                 "compile_s": round(p.compile_s, 2), "mosaic_kernels": p.mosaic_kernels,
@@ -125,22 +131,22 @@ class Report:
         }
 
 
-def fit_advice(report: Report, resident_by_shards: dict) -> tuple[str, ...]:
-    """What would fit when `report` does not: more shards (their parameters per chip), a smaller batch (by the
-    largest program's bytes per image), a chip with more HBM. `resident_by_shards`: shard count -> bytes per chip."""
+def fit_advice(report: Report, resident_by_shards: dict, smaller: Report | None = None) -> tuple[str, ...]:
+    """What would fit when `report` does not: `smaller`, the largest smaller batch that fits on this chip (compiled:
+    its peak), more shards (their parameters per chip), a chip with more HBM. `resident_by_shards`: shard count ->
+    bytes per chip."""
     cap, shortfall = report.hbm_bytes_per_chip, report.peak_bytes_per_chip - report.hbm_bytes_per_chip
     transient = report.peak_bytes_per_chip - report.resident_bytes_per_chip
     advice = []
+    if smaller is not None:
+        shards = "" if smaller.model_shards == report.model_shards else f" with --model_shards {smaller.model_shards}"
+        advice.append(f"a smaller batch: --batch_size {smaller.batch}{shards} fits "
+                      f"({format_bytes(smaller.peak_bytes_per_chip)} of {format_bytes(cap)} per chip; "
+                      f"--batch_size auto picks it)")
     more = [s for s, r in sorted(resident_by_shards.items()) if s > report.model_shards and r + transient <= cap]
     if more:
         advice.append(f"more shards: --model_shards {more[0]} holds {format_bytes(resident_by_shards[more[0]])} of "
                       f"parameters per chip (run the preflight with it to check the programs)")
-    per_replica = report.batch // report.data_replicas
-    if per_replica > 1:
-        fitting = int((cap - report.resident_bytes_per_chip) // max(1, transient / per_replica))
-        if 1 <= fitting < per_replica:
-            advice.append(f"a smaller batch: about --batch_size {fitting * report.data_replicas} "
-                          f"({fitting} per data replica)")
     bigger = [c for c in CHIPS.values() if c.hbm_bytes >= report.peak_bytes_per_chip and c.hbm_bytes > cap]
     if bigger:
         advice.append("a larger machine type: " + ", ".join(f"{c.name} ({format_bytes(c.hbm_bytes)} per chip)"
@@ -149,6 +155,14 @@ def fit_advice(report: Report, resident_by_shards: dict) -> tuple[str, ...]:
         advice.append(f"a topology with more chips and --model_shards over them (short by {format_bytes(shortfall)} "
                       f"per chip)")
     return tuple(advice)
+
+
+def meaningful_optimal_seconds(program: ProgramStats) -> float | None:
+    """XLA's own time estimate where it means something: None for a program holding Mosaic kernels (XLA cannot see
+    inside them; it gives such programs nonsense, negative values included) or one it did not compile."""
+    if program.mosaic_kernels or not math.isfinite(program.optimal_seconds) or program.optimal_seconds < 0:
+        return None
+    return program.optimal_seconds
 
 
 def _finite(x: float) -> float | None:

@@ -17,6 +17,10 @@ DTYPE_NAMES = ("bfloat16", "float32")
 QUANTIZE_MODES = ("none", "int8")
 PROGRAMS = ("encode", "denoise", "decode")
 DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
+# The compiled batch where nothing names one: without a known TPU topology to check it against, and the most that the
+# search for the largest batch that fits a TPU chip tries (model.aot.fit).
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_MAX_BATCH_SIZE = 8
 
 # XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
 # (YNNPACK dots) for the transformer. Measured on a 2-core AMD EPYC (small preset, 256x256, fp32): Eigen decodes in

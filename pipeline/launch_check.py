@@ -6,14 +6,24 @@ pass it: `--dataflow_service_options` or, through a Flex Template, `--experiment
 The programs it compiles are written to the job's shared compilation cache (`--compilation_cache_dir`, by default
 under `--temp_location`): a worker whose JAX, libtpu and chips match the launcher's loads them instead of compiling.
 The check compiles at the job's default size, batch, steps, dtype and `--model_shards` (records that ask for more
-pixels are not covered); `--skip_preflight` skips it. Local runners and GPU or CPU workers are never checked.
+pixels are not covered); `--skip_preflight` skips it. With `--batch_size auto` (the default) it picks the batch: the
+largest up to `--max_batch_size` whose programs fit (model.api.fit's search), which the job then runs at.
+
+A local run checks nothing, except that with `--batch_size auto` on a machine with a TPU attached the batch is picked
+the same way, for the chips found here (`local_tpu_topology`), by the preflight in a child process that never opens
+the chips (`pick_local_batch`). GPU and CPU workers are never checked; auto is then DEFAULT_BATCH_SIZE.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import subprocess
+import sys
+
+from model.api import ATTACHED, attached_topology
 
 from .errors import UsageError
 
@@ -80,17 +90,21 @@ def hbm_bytes_override() -> int | None:
 
 
 def check_fits(job, topology: str):
-    """Compile `job`'s programs for `topology` at its defaults; UsageError naming the shortfall and what would
-    fit when they do not. Returns the preflight's report."""
+    """Compile `job`'s programs for `topology` at its defaults; with --batch_size auto, the largest batch up to
+    --max_batch_size that fits. UsageError naming the shortfall and what would fit (a smaller batch first) when they
+    do not. Returns the preflight's report (its `batch` is the one to run)."""
     from .preflight import PreflightRequest, format_report, preflight, shortfall_message
 
-    d = job.defaults
+    d, limits = job.defaults, job.spec.limits
     request = PreflightRequest(model=job.model, topology=topology, height=d.height, width=d.width,
-                               batch_size=job.batch_size, dtype=job.dtype, num_inference_steps=d.num_inference_steps,
-                               guidance_scale=d.guidance_scale, model_shards=job.load.engine.model_shards,
-                               max_sequence_length=job.max_sequence_length, hbm_bytes=hbm_bytes_override())
-    logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %d, %d model shard(s) (--skip_preflight skips)",
-                job.model, topology, d.height, d.width, job.batch_size, request.model_shards)
+                               batch_size=None if limits.auto_batch else job.batch_size, dtype=job.dtype,
+                               num_inference_steps=d.num_inference_steps, guidance_scale=d.guidance_scale,
+                               model_shards=job.load.engine.model_shards, max_sequence_length=job.max_sequence_length,
+                               hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size)
+    logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %s, %d model shard(s) (--skip_preflight skips)",
+                job.model, topology, d.height, d.width,
+                f"auto (up to {limits.max_batch_size})" if limits.auto_batch else job.batch_size,
+                request.model_shards)
     cache = job.load.engine.compilation_cache_dir
     if cache:  # the workers' shared cache: what the launch compiles for their chips is there when they start
         from model.api import enable_compilation_cache
@@ -108,3 +122,83 @@ def check_fits(job, topology: str):
                          f"{'; would fit: ' + advice if advice else ''}. The job was not submitted "
                          f"(--skip_preflight launches it anyway)")
     return report
+
+
+def local_tpu_topology(job, *, tpu_attached: bool) -> str | None:
+    """The topology of the TPU chips a local run's worker will use, or None (no TPU device here, or JAX kept off
+    it by JAX_PLATFORMS): named by the TPU runtime's accelerator type (--worker_env's TPU_ACCELERATOR_TYPE, else
+    the environment's), else by the chips on the PCI bus, else by asking JAX in a child process
+    (`probe_local_devices`)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if not tpu_attached or (platforms and "tpu" not in platforms.split(",")):
+        return None
+    env = dict(job.worker_env)
+    accelerator = env.get("TPU_ACCELERATOR_TYPE") or os.environ.get("TPU_ACCELERATOR_TYPE")
+    return attached_topology(accelerator) or attached_topology() or probe_local_devices(env)
+
+
+# JAX's device kinds -> libtpu's chip names in topology names; devices of one host -> its grid.
+_DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e"}
+_LOCAL_GRIDS = {1: "1x1", 4: "2x2", 8: "2x4"}
+_PROBE = "import jax; d = jax.devices('tpu'); print(d[0].device_kind, len(d), sep=';')"
+
+
+def probe_local_devices(worker_env: dict, timeout_s: float = 180) -> str | None:
+    """This machine's TPU topology as JAX finds it, in a child process (with the worker's environment) that opens
+    the chips and ends, so this process never holds them; None when it finds no v5e or v6e chips."""
+    env = {**os.environ, **worker_env, "JAX_PLATFORMS": "tpu"}
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    kind, _, count = (out.stdout.strip().splitlines() or [""])[-1].partition(";")
+    if out.returncode or kind not in _DEVICE_KINDS or not count.isdigit() or int(count) not in _LOCAL_GRIDS:
+        logger.info("no TPU topology found by JAX here (%s)", (out.stderr.strip().splitlines() or ["-"])[-1])
+        return None
+    return f"{_DEVICE_KINDS[kind]}:{_LOCAL_GRIDS[int(count)]}"
+
+
+def pick_local_batch(job, topology: str) -> dict:
+    """--batch_size auto on this machine's TPU: the preflight (`python -m pipeline.preflight`) searches the largest
+    batch up to --max_batch_size that fits `topology` at the job's defaults, in a child process kept to the CPU
+    (JAX_PLATFORMS=cpu: it compiles with libtpu but never opens the chips, and this process, the local worker, does
+    not load libtpu before its own runtime starts). Should libtpu refuse to compile for that topology here, the child
+    compiles on the chips themselves instead (`--topology=attached`, with the worker's environment; it releases them
+    when it ends). Returns the preflight's JSON report; UsageError when nothing fits or the preflight cannot run."""
+    d, limits = job.defaults, job.spec.limits
+    args = {"model": job.model, "height": d.height, "width": d.width, "batch_size": "auto",
+            "max_batch_size": limits.max_batch_size, "dtype": job.dtype, "model_shards": job.load.engine.model_shards,
+            "max_sequence_length": job.max_sequence_length, "num_inference_steps": d.num_inference_steps,
+            "guidance_scale": d.guidance_scale, "hbm_bytes": hbm_bytes_override()}
+    logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "
+                "skips)", topology)
+    report, why = _child_preflight({**args, "topology": topology}, {"JAX_PLATFORMS": "cpu"})
+    if report is None:
+        logger.warning("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
+        on_chips = {**dict(job.worker_env), "JAX_PLATFORMS": "tpu"}
+        report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
+    if report is None:
+        raise UsageError(f"TPU preflight for this machine's {topology}: {why} (--skip_preflight, or a --batch_size, "
+                         f"runs without it)")
+    if not report["fits"]:
+        advice = "; ".join(report.get("advice") or [])
+        raise UsageError(f"TPU preflight for this machine's {topology}: {why}"
+                         f"{'; would fit: ' + advice if advice else ''}")
+    return report
+
+
+def _child_preflight(args: dict, env: dict) -> tuple[dict | None, str]:
+    """(the JSON report, its error line) of `python -m pipeline.preflight` with `args` in a child process with `env`
+    added to this one's environment; (None, why) when it gave no report."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this `pipeline` package is
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    out = subprocess.run([sys.executable, "-m", "pipeline.preflight",
+                          *(f"--{k}={v}" for k, v in args.items() if v is not None)],
+                         env=env, capture_output=True, text=True)
+    errors = [line.removeprefix("error: ") for line in out.stderr.strip().splitlines() if line.startswith("error: ")]
+    reports = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not reports:
+        return None, (errors or out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    logger.info("TPU preflight:\n%s", out.stdout[:out.stdout.rfind(reports[-1])].rstrip())
+    return json.loads(reports[-1]), (errors or ["does not fit"])[-1]

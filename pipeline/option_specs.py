@@ -21,7 +21,7 @@ from model.api import (
     DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
     DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DTYPE_NAMES as DTYPES, QUANTIZE_MODES,
 )
-from model.api import EngineOptions, LoadSettings
+from model.api import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, EngineOptions, LoadSettings
 from transforms.defaults import (
     DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
     DEFAULT_PREVIEW, DEFAULT_SEED,
@@ -34,7 +34,7 @@ from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
 from .demo import DEMO_DTYPE, DEMO_SIZE
 
 DEFAULT_OUTPUT = "./output"
-DEFAULT_BATCH_SIZE = 4
+AUTO_BATCH = "auto"  # --batch_size: the largest batch up to --max_batch_size that fits the TPU chips (the launch picks)
 INPUT_FORMATS = ("auto",) + FORMATS
 DEFAULT_MAX_IMAGES = 10_000_000
 ACCELERATORS = ("tpu", "gpu")  # JAX platform names that --require_accelerator accepts
@@ -49,6 +49,13 @@ def str2bool(value) -> bool:
     if text in ("0", "false", "no", "n", "off", ""):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def batch_size_value(value) -> int | str:
+    """--batch_size as given: 'auto', or a whole number (the spec checks that it is at least 1); ValueError else."""
+    if isinstance(value, int) or str(value).strip().lower() != AUTO_BATCH:
+        return int(value)
+    return AUTO_BATCH
 
 
 # The groups of --help and of the option table (docs/options.md), in their order: (key, title).
@@ -196,8 +203,12 @@ OPTIONS = (
     Option("seed", "generation", "Base seed: a record without a seed gets one derived from this and its id.",
            type=int, default=DEFAULT_SEED, metavar="SEED"),
     # --- performance and limits
-    Option("batch_size", "limits", "Images per generate call (the compiled batch); a short batch is padded.",
-           type=int, default=DEFAULT_BATCH_SIZE, metavar="N"),
+    Option("batch_size", "limits", "Images per generate call (the compiled batch; a short one is padded); auto: the "
+                                   "largest that fits the TPU chips.",
+           type=batch_size_value, default=AUTO_BATCH, metavar="N|auto",
+           shown_default=f"auto (found at launch for TPU workers and a local TPU; else {DEFAULT_BATCH_SIZE})"),
+    Option("max_batch_size", "limits", "Largest batch --batch_size auto may pick.", type=int,
+           default=DEFAULT_MAX_BATCH_SIZE, metavar="N"),
     Option("model_shards", "limits", "Chips that share one copy of the weights (tensor parallel); the copies on a "
                                      "host split the batch.", type=int, default=EngineOptions.model_shards,
            metavar="N"),

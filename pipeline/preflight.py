@@ -1,18 +1,21 @@
 """TPU preflight: compile the job's real programs for a TPU topology on this (CPU) machine, before renting any TPU.
 
-`python -m pipeline.preflight --model M --topology T --height H --width W --batch_size B` reads only the configs of
-`M` (a checkpoint, local or gs://, or a bundled preset: model.presets), builds the three programs a worker would run
-(encode, the fused denoising loop, decode) with the job's sharding over the topology's chips (data replicas x model
-shards, parameters as shapes only), compiles them with libtpu's compiler, and prints per program the per-chip bytes,
-FLOPs per image, the compiler's time estimate, the Mosaic kernels and the compile time; then whether everything fits
+`python -m pipeline.preflight --model M --topology T --height H --width W [--batch_size B]` reads only the configs
+of `M` (a checkpoint, local or gs://, or a bundled preset: model.presets), builds the three programs a worker would
+run (encode, the fused denoising loop, decode) with the job's sharding over the topology's chips (data replicas x
+model shards, parameters as shapes only), compiles them with libtpu's compiler, and prints per program the per-chip
+bytes, FLOPs per image, the calibrated time, the Mosaic kernels and the compile time; then whether everything fits
 in the chip's HBM and an estimate of seconds per image: the compiler's FLOPs and bytes at the efficiencies measured on
-a TPU v5e chip (`V5E_CALIBRATION`), labelled "calibrated on v5e, not measured" for other chips.
+a TPU v5e chip (`V5E_CALIBRATION`), labelled "calibrated on v5e, not measured" for other chips. `--batch_size auto`
+(the default, as the job's) searches the largest batch up to `--max_batch_size` that fits, as the job's launch does.
 
 Two corrections to XLA's cost analysis, both said in the output:
 - it counts a loop body once: the denoising loop's FLOPs, bytes and seconds are multiplied by its steps;
-- it knows nothing of Pallas kernels (splash attention, a Mosaic custom call: its FLOPs are not counted and its
-  `optimal_seconds` is meaningless, even negative): attention is estimated from its FLOPs at its measured share of
-  the chip's bf16 peak, and every program is timed by the calibrated roofline of the compiler's FLOPs and bytes.
+- it knows nothing of Pallas kernels (splash attention, a Mosaic custom call: its FLOPs are not counted): attention
+  is estimated from its FLOPs at its measured share of the chip's bf16 peak, and every program is timed by the
+  calibrated roofline of the compiler's FLOPs and bytes. XLA's own `optimal_seconds` is not shown: libtpu 0.0.52
+  gives negative values (for the decode too, which holds no kernel), and the JSON has it only where it is positive
+  for a program without kernels.
 
 This module is the command line (arguments, the printed tables, exit codes); the compiling and the estimates are the
 model's (`model.api.fit`, model/aot.py), made with the generator's own factory, mesh and plan.
@@ -29,9 +32,9 @@ import os
 import sys
 
 from model import api
-from model.api import (DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES, PRESET_NAMES,
-                       Limits, ModelError, Report, ShardCountError, TopologyError, count, format_bytes, is_preset,
-                       load_topology, preset_config, read_config, shard_counts, validate)
+from model.api import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_TEXT_ENCODER_OUT_LAYERS,
+                       DTYPE_NAMES, PRESET_NAMES, Limits, ModelError, Report, ShardCountError, TopologyError, count,
+                       format_bytes, is_preset, load_topology, preset_config, read_config, shard_counts, validate)
 
 from .errors import UsageError
 
@@ -44,7 +47,7 @@ class PreflightRequest:
     topology: str
     height: int
     width: int
-    batch_size: int
+    batch_size: int | None  # None: the largest up to max_batch_size that fits
     dtype: str = "bfloat16"
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
@@ -52,6 +55,7 @@ class PreflightRequest:
     max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH
     hbm_bytes: int | None = None        # testing: HBM per chip instead of the chip's own
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
 
 
 def resolve_model(model: str):
@@ -70,7 +74,9 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
     config = resolve_model(request.model)
     if request.dtype not in DTYPE_NAMES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {request.dtype!r}")
-    count("batch_size", request.batch_size)
+    if request.batch_size is not None:
+        count("batch_size", request.batch_size)
+    count("max_batch_size", request.max_batch_size)
     text_len = count("max_sequence_length", request.max_sequence_length)
     valid = validate(prompt="", height=request.height, width=request.width,
                      num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale,
@@ -81,7 +87,8 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
                        width=request.width, batch_size=request.batch_size, text_len=text_len,
                        num_inference_steps=valid.num_inference_steps, guidance_scale=valid.guidance_scale,
                        model_shards=request.model_shards, hbm_bytes=request.hbm_bytes,
-                       out_layers=request.text_encoder_out_layers, dump_dir=dump_dir)
+                       out_layers=request.text_encoder_out_layers, dump_dir=dump_dir,
+                       max_batch_size=request.max_batch_size)
     except TopologyError as e:
         raise UsageError(str(e)) from None
     except ShardCountError as e:
@@ -100,20 +107,23 @@ def _seconds(s: float) -> str:
 def format_report(report: Report) -> str:
     """The human-readable tables: one row per program, then the whole worker."""
     topo = report.topology
+    picked = f"; picked: the largest up to {report.max_batch_size} that fits" if report.batch_picked else ""
+    if report.batch_picked and not report.fits:
+        picked = f"; none up to {report.max_batch_size} fits"
     head = (f"{report.model} on {topo.name} ({topo.chips} x {topo.chip.name}, {len(topo.devices)} devices"
             f"{f', first of {topo.hosts} hosts' if topo.hosts > 1 else ''}), {report.dtype}, "
             f"{report.height}x{report.width}, {report.steps} steps{' with CFG' if report.cfg else ''}, batch "
-            f"{report.batch} ({report.batch // report.data_replicas} per data replica)")
+            f"{report.batch} ({report.batch // report.data_replicas} per data replica{picked})")
     shards = (f"{report.model_shards} model shard(s) x {report.data_replicas} data replica(s)"
               f"{' (picked: the fewest that fit)' if report.auto_shards and report.fits else ''}")
-    rows = [("program", "args/chip", "temp/chip", "out/chip", "GFLOP/image", "XLA optimal_s", "est s", "Mosaic",
-             "compile s")]  # GFLOP/image: all chips' work, so a program repeated on every model shard counts each
+    # GFLOP/image: all chips' work, so a program repeated on every model shard counts each
+    rows = [("program", "args/chip", "temp/chip", "out/chip", "GFLOP/image", "est s", "Mosaic", "compile s")]
     for p in report.programs.values():
         flops = report.flops_per_image(p)
         rows.append((p.name, format_bytes(report.per_chip(p.argument_bytes)),
                      format_bytes(report.per_chip(p.temp_bytes)), format_bytes(report.per_chip(p.output_bytes)),
                      "refused" if p.compile_error else f"{flops / 1e9:,.{0 if flops >= 1e10 else 3}f}",
-                     _seconds(p.optimal_seconds), _seconds(report.est_seconds(p)), str(p.mosaic_kernels),
+                     _seconds(report.est_seconds(p)), str(p.mosaic_kernels),
                      f"{p.compile_s:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -137,8 +147,8 @@ def format_report(report: Report) -> str:
         f"Bytes and FLOPs are the compiler's for {topo.chip.name} (bf16 peak {topo.chip.bf16_flops / 1e12:,.0f} "
         f"TFLOP/s per chip); the time is a {report.estimate_label}, not a measurement of this configuration.",
         f"Attention runs in {report.attention} kernels (Mosaic custom calls), which XLA's cost analysis does not see: "
-        f"their FLOPs are added from the shapes; XLA's optimal_seconds is shown but not used (not meaningful for "
-        f"programs holding such kernels).",
+        f"their FLOPs are added from the shapes. est s is the calibrated roofline; XLA's own time estimate "
+        f"(optimal_seconds) is not shown: it cannot see such kernels, and libtpu gives it negative values.",
         f"XLA counts a loop body once: denoise is multiplied by its {report.steps} steps. GFLOP/image is the work of "
         f"all chips (the VAE decode, not split, runs on every model shard). Collectives between shards are not timed.",
     ]
@@ -147,7 +157,13 @@ def format_report(report: Report) -> str:
                for p in report.programs.values() if p.collectives]
     if traffic:
         traffic = ["collectives per device (per denoising step for denoise; not timed):", *traffic]
-    out = [head, shards, "", *table, "", *whole, "", *traffic, *([""] if traffic else []), *notes]
+    searched = []
+    if report.batch_trials and (report.batch_picked or len(report.batch_trials) > 1):
+        what = f"batch search (up to {report.max_batch_size})" if report.batch_picked else "batches compiled"
+        searched = [f"{what}: " + ", ".join(f"{b}{f' with {s} shards' if s != report.model_shards else ''} "
+                                            f"{'fits' if ok else 'does not fit'} ({format_bytes(peak)})"
+                                            for b, s, peak, ok in report.batch_trials)]
+    out = [head, shards, *searched, "", *table, "", *whole, "", *traffic, *([""] if traffic else []), *notes]
     if not report.fits:
         out += ["", shortfall_message(report)] + [f"  would fit: {a}" for a in report.advice]
     return "\n".join(out)
@@ -173,7 +189,8 @@ pip install -e '.[preflight]', and the demo's: '.[demo]'):
   python -m pipeline.preflight --model={DEMO_MODEL} --topology=v5e:1x1 --height=128 --width=128 --batch_size=1 \\
       --max_sequence_length=32
 then the real model, from its preset (configs only, no weights needed), on four chips:
-  python -m pipeline.preflight --model=klein-4b --topology=v5e:2x2 --height=1024 --width=1024 --batch_size=4
+  python -m pipeline.preflight --model=klein-4b --topology=v5e:2x2 --height=1024 --width=1024
+(without --batch_size it finds the largest batch up to --max_batch_size that fits, as the job's launch does)
 """
 
 
@@ -184,11 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="Checkpoint (local folder or gs://; configs only), a preset: "
                                                        "klein-4b, klein-9b, klein-base-4b, klein-base-9b, or "
                                                        f"'{DEMO_MODEL}' (the bundled demo's tiny checkpoint).")
-    parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:1x1, v5e:2x2, v6e:2x2, tpu7x:1x1.")
+    parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:1x1, v5e:2x2, v6e:2x2, tpu7x:1x1; "
+                                                          "'attached': this machine's own chips.")
     parser.add_argument("--height", type=int, required=True, help="Image height in pixels, as the job's --height.")
     parser.add_argument("--width", type=int, required=True, help="Image width in pixels, as the job's --width.")
-    parser.add_argument("--batch_size", type=int, required=True, help="The job's --batch_size (images per compiled "
-                                                                       "batch, rounded up to whole data replicas).")
+    parser.add_argument("--batch_size", type=batch_size_value, default=None, metavar="N|auto",
+                        help="The job's --batch_size (images per compiled batch, rounded up to whole data replicas); "
+                             "default auto: the largest up to --max_batch_size that fits.")
+    parser.add_argument("--max_batch_size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                        help="The most images per batch --batch_size auto tries, as the job's --max_batch_size "
+                             "(default: %(default)s).")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
                         help="Compute dtype, as the job's --dtype (default: %(default)s).")
     parser.add_argument("--num_inference_steps", type=int, default=None,
@@ -203,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dump_dir", default=None, help="Write each compiled program's text to DIR/<program>.txt.")
     parser.add_argument("--hbm_bytes", type=int, default=None, help=argparse.SUPPRESS)  # testing: force a capacity
     return parser
+
+
+def batch_size_value(text: str) -> int | None:
+    """--batch_size: a number, or 'auto' (None: the search)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of images or 'auto', got {text!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -226,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                                batch_size=args.batch_size, dtype=args.dtype,
                                num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
                                model_shards=args.model_shards, max_sequence_length=args.max_sequence_length,
-                               hbm_bytes=args.hbm_bytes)
+                               hbm_bytes=args.hbm_bytes, max_batch_size=args.max_batch_size)
     try:
         report = preflight(request, dump_dir=args.dump_dir)
     except (UsageError, ModelError, ValueError) as e:

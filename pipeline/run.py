@@ -103,6 +103,8 @@ class JobConfig:
     # What the loaded model is (transforms/fingerprints.py): stored with every image, compared by --skip_existing.
     model_fingerprint: str = ""
     run_token: str = ""  # this launch, so a worker process's reference cache never serves an earlier job's copy
+    # How --batch_size auto became `batch_size` (the launch's TPU preflight, or the default); None: --batch_size N.
+    batch_choice: str | None = None
 
     patterns = _from_spec("input", "files")  # input file patterns (the demo's prompts for the demo)
     input_format = _from_spec("input", "input_format")
@@ -286,7 +288,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     }
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns) + [b.source for b in job.bigquery],
-        "demo": job.demo, "batch_size": job.batch_size, "dtype": job.dtype, "output_format": job.output_format},
+        "demo": job.demo, "batch_size": job.batch_size, "batch_size_auto": job.batch_choice is not None,
+        "batch_size_chosen": job.batch_choice, "dtype": job.dtype, "output_format": job.output_format},
         after=after, rows={"warnings": read[WARNING_TAG]},
         tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
@@ -394,8 +397,7 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     if local:  # what a stopped or killed run left behind
         remove_beam_temp(job.output)
     wait = local if wait is None else wait
-    if not local and not options.view_as(Flux2KleinOptions).skip_preflight:
-        _tpu_preflight(options, job)
+    job = _tpu_preflight(options, job, local=local)
     if local:
         start_local_runtime(options, job)
     if job.demo:
@@ -512,16 +514,45 @@ def closing_lines(job: JobConfig, summary: dict) -> list[str]:
     return lines
 
 
-def _tpu_preflight(options: PipelineOptions, job: JobConfig) -> None:
-    """For TPU workers: compile the job for their topology first; UsageError (nothing submitted) if it cannot fit."""
-    topology = launch_check.job_topology(options)
+def _tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> JobConfig:
+    """For TPU workers (unless --skip_preflight): compile the job for their topology first; UsageError (nothing
+    submitted) if it cannot fit. With --batch_size auto the batch is the largest up to --max_batch_size that fits
+    there, also on a local run with this machine's TPU (pipeline/launch_check.py); with no TPU topology to fit, the
+    default (model.api.DEFAULT_BATCH_SIZE, at most --max_batch_size). Returns the job with its batch; the submitted
+    options carry it too."""
+    auto = job.spec.limits.auto_batch
+    skip = options.view_as(Flux2KleinOptions).skip_preflight
+    if skip or (local and not auto):
+        topology = None
+    elif local:
+        tpu_nodes = [node for node in accelerator_device_nodes() if "nvidia" not in node]
+        topology = launch_check.local_tpu_topology(job, tpu_attached=bool(tpu_nodes))
+    else:
+        topology = launch_check.job_topology(options)
     if topology is None:
-        return
-    report = launch_check.check_fits(job, topology)
-    figures = report.to_json()
-    print(f"TPU preflight: fits {topology} with {report.model_shards} model shard(s): peak "
-          f"{figures['peak_bytes_per_chip'] / 2**30:.2f} of {figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip "
-          f"(compiler's estimate)", flush=True)
+        if not auto:
+            return job
+        why = "--skip_preflight" if skip else "no TPU topology to fit it to"
+        return _with_batch(options, job, job.batch_size, f"the default, {job.batch_size} ({why})")
+    print(f"TPU preflight: compiling the job for {topology}{' to pick its batch' if auto else ''} (minutes for a "
+          f"real-size model)", flush=True)
+    figures = (launch_check.pick_local_batch(job, topology) if local
+               else launch_check.check_fits(job, topology).to_json())
+    if auto:
+        job = _with_batch(options, job, figures["batch"], f"the largest up to {figures['max_batch_size']} whose "
+                                                           f"programs fit {topology} (TPU preflight at launch)")
+    print(f"TPU preflight: fits {topology} with {figures['model_shards']} model shard(s) at batch "
+          f"{figures['batch']}{' (picked)' if auto else ''}: peak {figures['peak_bytes_per_chip'] / 2**30:.2f} of "
+          f"{figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip (compiler's estimate)", flush=True)
+    return job
+
+
+def _with_batch(options: PipelineOptions, job: JobConfig, batch: int, choice: str) -> JobConfig:
+    """`job` at `batch` images per compiled batch (what every worker's model compiles), with how it was chosen for
+    summary.json; the pipeline options that go to the runner say the number instead of 'auto'."""
+    options.view_as(Flux2KleinOptions).batch_size = batch
+    engine = dataclasses.replace(job.load.engine, batch_size=batch)
+    return dataclasses.replace(job, load=dataclasses.replace(job.load, engine=engine), batch_choice=choice)
 
 
 def _max_images_error(error: BaseException) -> str | None:

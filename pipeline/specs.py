@@ -17,8 +17,8 @@ import enum
 import re
 from typing import Any
 
-from model.api import (DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES, EngineOptions,
-                       LoadSettings, count, is_integer, optional_count, validate_variant)
+from model.api import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
+                       EngineOptions, LoadSettings, count, is_integer, optional_count, validate_variant)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
@@ -31,7 +31,7 @@ from transforms.shards import OUTPUT_FORMATS, check_samples_per_shard
 from .compile_cache import resolve_compilation_cache
 from .demo import DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE
 from .errors import UsageError
-from .option_specs import ACCELERATORS, DEFAULT_OUTPUT, GROUPS, INPUT_FORMATS, OPTIONS
+from .option_specs import ACCELERATORS, AUTO_BATCH, DEFAULT_OUTPUT, GROUPS, INPUT_FORMATS, OPTIONS
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[enum.StrEnum]:
@@ -225,7 +225,8 @@ class GenerationSpec:
 class LimitsSpec:
     """How the work is laid out and what one request or one job may ask for."""
 
-    batch_size: int
+    batch_size: int | str  # AUTO_BATCH: the launch picks it (pipeline/launch_check.py)
+    max_batch_size: int
     model_shards: int
     large_model: bool
     model_copies: int | None
@@ -243,7 +244,9 @@ class LimitsSpec:
             _at_least("max_images", self.max_images, 1)
         optional_count("--model_copies", self.model_copies)
         optional_count("--encode_threads", self.encode_threads)
-        count("--batch_size", self.batch_size)
+        if self.batch_size != AUTO_BATCH:
+            count("--batch_size", self.batch_size)
+        count("--max_batch_size", self.max_batch_size)
         count("--model_shards", self.model_shards)
         count("--max_prompt_bytes", self.max_prompt_bytes)
         count("--max_reference_images", self.max_reference_images)
@@ -252,6 +255,12 @@ class LimitsSpec:
             raise ValueError(f"--max_reference_pixels must be an integer >= {smallest} ({MIN_SIDE} x {MIN_SIDE}), "
                              f"got {self.max_reference_pixels!r}")
         _set(self, reference_root=reference_root_list(self.reference_root), large_model=bool(self.large_model))
+
+    @property
+    def auto_batch(self) -> bool:
+        """--batch_size auto: the launch picks the batch where it knows the chips, else DEFAULT_BATCH_SIZE (at most
+        --max_batch_size)."""
+        return self.batch_size == AUTO_BATCH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,12 +338,15 @@ class JobSpec:
         while the weights load (model.options.LoadSettings.precompile)."""
         cache = resolve_compilation_cache(self.limits.compilation_cache_dir, local_runner=self.runner.local,
                                           temp_location=self.runner.temp_location)
+        limits = self.limits
+        # auto: the default (within --max_batch_size) until the launch picks one for the TPU chips
+        batch = min(DEFAULT_BATCH_SIZE, limits.max_batch_size) if limits.auto_batch else limits.batch_size
         try:
             return LoadSettings(
                 model=location, dtype=str(self.model.dtype), variant=self.model.model_variant,
                 max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
-                engine=EngineOptions(batch_size=self.limits.batch_size, model_shards=self.limits.model_shards,
-                                     compilation_cache_dir=cache, quantize=str(self.model.quantize)),
+                engine=EngineOptions(batch_size=batch, model_shards=limits.model_shards, compilation_cache_dir=cache,
+                                     quantize=str(self.model.quantize)),
                 precompile=((defaults.height, defaults.width, defaults.num_inference_steps,
                              defaults.guidance_scale),))
         except ValueError as e:

@@ -26,7 +26,7 @@ import sys
 import textwrap
 
 from .errors import OptionValueError, UnknownOptionError, UsageError
-from .option_specs import Option, options_by_group
+from .option_specs import AUTO_BATCH, Option, options_by_group
 
 PROG = "python -m pipeline.run"
 HELP_FLAGS = ("-h", "--help")
@@ -248,7 +248,8 @@ def _value_error(error: argparse.ArgumentError) -> OptionValueError:
     option, message = error.argument_name or "argument", error.message
     match = re.fullmatch(r"invalid (\w+) value: (.*)", message)
     if match:
-        kind = {"int": "a whole number", "float": "a number"}.get(match.group(1), f"a {match.group(1)} value")
+        kind = {"int": "a whole number", "float": "a number", "batch_size_value": f"a whole number or {AUTO_BATCH}"
+                }.get(match.group(1), f"a {match.group(1)} value")
         return OptionValueError(option, _literal(match.group(2)), f"expected {kind}")
     match = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", message)
     if match:

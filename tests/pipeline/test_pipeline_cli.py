@@ -239,6 +239,9 @@ def test_readme_demo_command(tmp_path):
     out = tmp_path / "output"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["demo"] is True and summary["images_generated"] == 7 and summary["invalid"] == 0
+    # --batch_size auto with no TPU to fit: the default, and summary.json says how it was chosen
+    assert (summary["batch_size"], summary["batch_size_auto"]) == (4, True)
+    assert "no TPU topology" in summary["batch_size_chosen"]
     assert len(os.listdir(out / "images")) == 7
     manifest = (out / "manifest").glob("manifest-*.jsonl")
     assert sum(len(f.read_text().splitlines()) for f in manifest) == 7

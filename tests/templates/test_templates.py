@@ -134,6 +134,8 @@ def test_settings_say_what_the_docs_say(name):
     assert s.get("sdk_container_image") == IMAGES[variant]
     assert s.get("sdk_location") == "container"
     assert s.description
+    if variant == "tpu":  # the launch picks the batch that fits the chips (--batch_size auto)
+        assert s.get("batch_size") is None
 
 
 @pytest.mark.parametrize("name", settings.available())
@@ -681,7 +683,8 @@ BAD_VALUES = {
     "guidance_scale": ["-1", "abc", "4.", ".5", "1e3", "4,0"],
     "num_images": INT_BAD + ["100"],
     "max_sequence_length": INT_BAD,
-    "batch_size": INT_BAD,
+    "batch_size": INT_BAD + ["AUTO", "auto4", "0auto"],
+    "max_batch_size": INT_BAD,
     "model_shards": INT_BAD,
     "prompt_column": ["", " x", "a,b", "a=b"],
     "id_column": ["", " x", "a,b", "a=b"],
@@ -988,14 +991,17 @@ def dataflow_argv(bucket: str, name: str) -> list[str]:
 def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket, monkeypatch, capsys):
     s = load_settings(name)
     bucket = dataflow_bucket
+    # --batch_size auto (the default): TPU workers get the largest batch up to --max_batch_size that fits their chips
+    # (the tiny model at 64x64 fits 2), GPU workers the default, within --max_batch_size
     argv = [*dataflow_argv(bucket, name),
             f"--input=gs://{bucket}/prompts/*.jsonl", f"--output=gs://{bucket}/out/{name}",
-            f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=64", "--width=64", "--batch_size=2"]
+            f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=64", "--width=64", "--max_batch_size=2"]
     status, result, waited = dataflow_dry_run(monkeypatch, argv)
     assert status == 0 and result is not None
     # TPU workers: the launch compiled the job for their topology first (pipeline/launch_check.py)
     printed = capsys.readouterr().out
-    assert ("TPU preflight: fits v5e:1x1" in printed) == (s.variant == "tpu"), printed
+    assert ("TPU preflight: fits v5e:1x1 with 1 model shard(s) at batch 2 (picked)" in printed) == \
+        (s.variant == "tpu"), printed
     if s.variant == "tpu":  # what it compiled is in the workers' shared compilation cache, under --temp_location
         from model.checkpoint import _client
 
@@ -1012,13 +1018,15 @@ def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket
     assert not options.view_as(StandardOptions).streaming
     assert options.view_as(SetupOptions).sdk_location == "container"
     job_opts = options.view_as(Flux2KleinOptions)
-    assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 64 and job_opts.batch_size == 2
+    assert job_opts.output == f"gs://{bucket}/out/{name}" and job_opts.height == 64
+    assert job_opts.batch_size == 2  # the number, not 'auto': what the job's summary and Dataflow's page show
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
     assert "Generate/RunInference" in labels
     # what the workers receive: the settings' environment (set before the model loads) and the accelerator check
     handler = job_model_handler(result.job)
     assert handler._env_vars == EXPECTED_WORKER_ENV[name]
     assert handler._base._require_accelerator == s.variant
+    assert handler._base.settings.engine.batch_size == 2  # what every worker compiles
 
 
 @pytest.mark.parametrize("name", settings.available())
@@ -1053,22 +1061,38 @@ def test_settings_reach_the_dataflow_job_environment(name, dataflow_bucket, monk
     assert_environment_carries(job_environment(result.job), load_settings(name))
 
 
-def test_a_tpu_job_that_cannot_fit_is_not_submitted(dataflow_bucket, monkeypatch, capsys):
-    """The launch compiles the job for the settings' TPU topology; a job whose programs exceed the chip's HBM
-    stops it with exit status 2 before the runner sees it, naming the shortfall; --skip_preflight submits anyway."""
+def test_a_tpu_job_that_cannot_fit_is_not_submitted(dataflow_bucket, tiny_ckpt, monkeypatch, capsys):
+    """The launch compiles the job for the settings' TPU topology; a --batch_size whose programs exceed the chip's HBM
+    stops it with exit status 2 before the runner sees it, naming the shortfall and first the batch that fits;
+    --skip_preflight submits anyway, and --batch_size auto submits the batch that fits."""
     pytest.importorskip("libtpu", reason="the TPU preflight compiles with libtpu")
+    from pipeline.options import Flux2KleinOptions
+    from pipeline.preflight import PreflightRequest, preflight
+
+    one, two = (preflight(PreflightRequest(model=tiny_ckpt, topology="v5e:1x1", height=64, width=64, batch_size=n))
+                for n in (1, 2))  # as the launch compiles them (the same programs: reused in this process)
+    assert two.peak_bytes_per_chip > one.peak_bytes_per_chip
+    # a chip that holds one image, not two
+    monkeypatch.setenv("FLUX2_PREFLIGHT_HBM_BYTES", str((one.peak_bytes_per_chip + two.peak_bytes_per_chip) // 2))
     bucket = dataflow_bucket
     argv = [*dataflow_argv(bucket, "tpu-v5e"), f"--input=gs://{bucket}/prompts/*.jsonl",
             f"--output=gs://{bucket}/out/big", f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=64",
-            "--width=64", "--batch_size=2"]
-    monkeypatch.setenv("FLUX2_PREFLIGHT_HBM_BYTES", str(2**20))  # a chip of 1 MiB: the tiny model cannot fit
-    status, result, _ = dataflow_dry_run(monkeypatch, argv)
+            "--width=64"]
+    status, result, _ = dataflow_dry_run(monkeypatch, [*argv, "--batch_size=2"])
     err = capsys.readouterr().err
     assert status == 2 and result is None, err
     assert "TPU preflight for v5e:1x1: does not fit" in err and "not submitted" in err, err
+    smaller = err.index("would fit: a smaller batch: --batch_size 1 fits")
+    assert smaller < err.index("a larger machine type"), err
 
-    status, result, _ = dataflow_dry_run(monkeypatch, [*argv, "--skip_preflight"])
+    status, result, _ = dataflow_dry_run(monkeypatch, [*argv, "--batch_size=2", "--skip_preflight"])
     assert status == 0 and result is not None
+    assert result.job.options.view_as(Flux2KleinOptions).batch_size == 2
+
+    status, result, _ = dataflow_dry_run(monkeypatch, argv)  # --batch_size auto
+    assert status == 0 and result is not None, capsys.readouterr().err
+    assert result.job.options.view_as(Flux2KleinOptions).batch_size == 1
+    assert job_model_handler(result.job)._base.settings.engine.batch_size == 1
 
 
 def test_tpu_topology_from_the_launch_options():

@@ -1,0 +1,99 @@
+"""The README's TPU sizing table, made from the preflight's own reports (benchmarks/sizing_1024.json), never typed.
+
+Each row of the JSON is one `python -m pipeline.preflight` run: its JSON report line (`report`), where and with which
+compiler it was compiled (`compiled_on`) and a note. The README holds the table between SIZING_BEGIN and SIZING_END;
+tests/benchmarks/test_sizing_table.py checks that it equals this module's output.
+
+    python -m benchmarks.sizing_table                       # the table, with its markers, for README.md
+    python -m pipeline.preflight --model=klein-4b --topology=v5e:1x1 --height=1024 --width=1024 > run.out
+    python -m benchmarks.sizing_table --add run.out --compiled-on "CPU machine, libtpu 0.0.52" [--note TEXT]
+
+`--add` puts the run's report in the JSON (in place of an earlier row for the same model, topology, size and batch
+choice). Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+SIZING_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sizing_1024.json")
+SIZING_BEGIN = "<!-- sizing:begin -->"
+SIZING_END = "<!-- sizing:end -->"
+GiB = 1024**3
+
+
+def _cell(row: dict) -> list[str]:
+    r = row["report"]
+    machine = f"{r['topology']} ({r['chips']} x {r['chip']})"
+    if not r["fits"]:
+        return [r["model"], machine, "-", "-", f"{r['peak_bytes_per_chip'] / GiB:.2f} / "
+                f"{r['hbm_bytes_per_chip'] / GiB:.2f}", "does not fit", "-", row["compiled_on"], row.get("note", "")]
+    batch = f"{r['batch']}" + (" (auto)" if r.get("batch_picked") else "")
+    per_hour = 3600 / r["est_seconds_per_image"]
+    return [r["model"], machine, batch, str(r["model_shards"]),
+            f"{r['peak_bytes_per_chip'] / GiB:.2f} / {r['hbm_bytes_per_chip'] / GiB:.2f}",
+            f"{r['est_seconds_per_image']:.3f}", f"{per_hour:,.0f}", row["compiled_on"], row.get("note", "")]
+
+
+def table(data: dict) -> str:
+    """The markdown table of `data` (the JSON's contents), between its markers."""
+    head = ["model", "machine (chips per worker)", "batch", "model shards", "peak / HBM GiB per chip",
+            "est. s/image (per worker)", "images/h per worker", "compiled with", "note"]
+    lines = [SIZING_BEGIN, "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cell(row)) + " |" for row in data["rows"]]
+    return "\n".join(lines + [SIZING_END]) + "\n"
+
+
+def readme_table(text: str) -> str | None:
+    """The table in a README's `text`, markers included; None when it has no markers."""
+    start, end = text.find(SIZING_BEGIN), text.find(SIZING_END)
+    if start < 0 or end < start:
+        return None
+    return text[start:end + len(SIZING_END)] + "\n"
+
+
+def preflight_report(path: str) -> dict:
+    """The report of a `python -m pipeline.preflight` run saved in `path` (its last line that is a JSON object)."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f.read().splitlines() if line.startswith("{")]
+    if not lines:
+        raise ValueError(f"{path} holds no preflight report (the JSON line python -m pipeline.preflight prints last)")
+    return json.loads(lines[-1])
+
+
+def add(data: dict, report: dict, compiled_on: str, note: str = "") -> dict:
+    """`data` with `report` as a row, in place of a row of the same model, topology, size and batch choice (else
+    last)."""
+    def key(r: dict) -> tuple:
+        return (r["model"], r["topology"], r.get("height"), r.get("width"), bool(r.get("batch_picked")),
+                None if r.get("batch_picked") else r["batch"])
+
+    new = {"compiled_on": compiled_on, "note": note, "report": report}
+    rows = [new if key(row["report"]) == key(report) else row for row in data["rows"]]
+    return dict(data, rows=rows if new in rows else [*rows, new])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sizing_table", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=SIZING_JSON, help="The rows (default: %(default)s).")
+    parser.add_argument("--add", metavar="FILE", help="Add the report of a preflight run's output saved in FILE.")
+    parser.add_argument("--compiled-on", help="With --add: the machine and libtpu build that compiled it.")
+    parser.add_argument("--note", default="", help="With --add: what the row is (shown in the table).")
+    args = parser.parse_args(argv)
+    with open(args.json, encoding="utf-8") as f:
+        data = json.load(f)
+    if args.add:
+        if not args.compiled_on:
+            parser.error("--add needs --compiled-on")
+        data = add(data, preflight_report(args.add), args.compiled_on, args.note)
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
+    print(table(data), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

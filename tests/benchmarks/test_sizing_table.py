@@ -1,0 +1,59 @@
+"""The README's TPU sizing table is made from the preflight's reports (benchmarks/sizing_table.py over
+benchmarks/sizing_1024.json), never typed: the README holds exactly the generated table between its markers."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks import sizing_table
+from paths import REPO
+
+
+def _data() -> dict:
+    with open(sizing_table.SIZING_JSON, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_the_readme_table_is_the_generated_one():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        found = sizing_table.readme_table(f.read())
+    if found is None:
+        pytest.skip(f"README.md has no sizing table yet: put `python -m benchmarks.sizing_table`'s output there (it "
+                    f"starts with {sizing_table.SIZING_BEGIN} and ends with {sizing_table.SIZING_END})")
+    assert found == sizing_table.table(_data()), "README.md's sizing table is stale: paste python -m " \
+                                                 "benchmarks.sizing_table"
+
+
+def test_every_row_is_a_preflight_report_with_its_compiler():
+    rows = _data()["rows"]
+    assert rows and all(row["compiled_on"] and "libtpu" in row["compiled_on"] for row in rows)
+    lines = sizing_table.table(_data()).splitlines()
+    assert lines[0] == sizing_table.SIZING_BEGIN and lines[-1] == sizing_table.SIZING_END
+    assert len(lines) == len(rows) + 4  # markers, header, rule
+    for row, line in zip(rows, lines[3:-1]):
+        r = row["report"]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == r["model"] and cells[1].startswith(r["topology"])
+        assert cells[4] == f"{r['peak_bytes_per_chip'] / 2**30:.2f} / {r['hbm_bytes_per_chip'] / 2**30:.2f}"
+        assert cells[5] == (f"{r['est_seconds_per_image']:.3f}" if r["fits"] else "does not fit")
+
+
+def test_a_preflight_run_becomes_a_row(tmp_path, capsys):
+    """`--add` reads the report (the last JSON line of the preflight's output) and puts it in the JSON, in place of
+    the row of the same model, topology, size and batch choice; the table shows it, an auto batch marked so."""
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(_data()))
+    fixed = next(r["report"] for r in _data()["rows"] if r["report"]["fits"] and not r["report"].get("batch_picked"))
+    report = dict(fixed, batch_picked=True, peak_bytes_per_chip=15 * 2**30, est_seconds_per_image=0.5)
+    out = tmp_path / "preflight.out"
+    out.write_text("klein-4b on v5e:1x1 ...\nfits: yes\n" + json.dumps(report) + "\n")
+    assert sizing_table.main(["--json", str(path), "--add", str(out), "--compiled-on", "a test, libtpu x"]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == len(_data()["rows"]) + 1 and rows[-1]["report"] == report  # auto: not the batch-1 row
+    hbm = report["hbm_bytes_per_chip"] / 2**30
+    assert (f"| {report['batch']} (auto) | {report['model_shards']} | 15.00 / {hbm:.2f} | 0.500 | 7,200 | "
+            f"a test, libtpu x |") in capsys.readouterr().out
+    assert sizing_table.main(["--json", str(path), "--add", str(out), "--compiled-on", "again, libtpu y"]) == 0
+    again = json.loads(path.read_text())["rows"]
+    assert len(again) == len(rows) and again[-1]["compiled_on"] == "again, libtpu y"  # replaced, not added
