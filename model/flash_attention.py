@@ -4,7 +4,9 @@ Splash streams the keys in blocks of at most 1536 on a v5e chip: its scoped VMEM
 raises the scoped limit (VMEM_LIMIT_BYTES) so a query block meets all of a head's keys and values in one grid step,
 which removes the per-block pipeline overhead; inside, it walks the keys in slices of `block_kv_compute` with the
 usual running max and rescale. On one v5e chip it measured faster than splash at klein's shapes, with the same output
-(docs/performance.md). float32 logits and accumulators; the probabilities meet v in v's dtype, as splash does.
+(docs/performance.md; `python -m benchmarks.attention_kernels` times it per block pair). float32 logits and
+accumulators; the probabilities meet v in v's dtype, as splash does. Lengths longer than a block are cut into the
+largest blocks of a multiple of 128 tokens that divide them (`kernel_blocks`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,20 @@ def fit_block(requested: int, length: int) -> int | None:
     return None
 
 
+def kernel_blocks(lq: int, lk: int, block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
+                  block_kv_compute: int = BLOCK_KV_COMPUTE) -> tuple[int, int, int] | None:
+    """The (block_q, block_kv, block_kv_compute) the kernel runs for these lengths and requested blocks: query and key
+    blocks fitted to the lengths (`fit_block`), the key slices a whole key block when they do not divide it; None
+    when no block fits."""
+    bq, bkv = fit_block(block_q, lq), fit_block(block_kv, lk)
+    if bq is None or bkv is None:
+        return None
+    return bq, bkv, block_kv_compute if bkv % block_kv_compute == 0 else bkv
+
+
 def fits(lq: int, lk: int) -> bool:
-    """Whether the kernel takes queries and keys of these lengths (blocks that divide them)."""
-    return lq % 8 == 0 and lk % LANES == 0 and None not in (fit_block(BLOCK_Q, lq), fit_block(BLOCK_KV, lk))
+    """Whether the kernel takes queries and keys of these lengths at the default blocks (blocks that divide them)."""
+    return lq % 8 == 0 and lk % LANES == 0 and kernel_blocks(lq, lk) is not None
 
 
 def _lanes(x, width: int):
@@ -89,11 +102,11 @@ def flash_attention(qh, kh, vh, *, interpret: bool = False, block_q: int = BLOCK
 
     b, h, lq, d = qh.shape
     lk = kh.shape[2]
-    bq, bkv = fit_block(block_q, lq), fit_block(block_kv, lk)
-    if bq is None or bkv is None:
+    blocks = kernel_blocks(lq, lk, block_q, block_kv, block_kv_compute)
+    if blocks is None:
         raise ValueError(f"flash_attention: no block of at most {block_q} / {block_kv} tokens, a multiple of {LANES}, "
                          f"divides the lengths {lq} / {lk}")
-    bkvc = block_kv_compute if bkv % block_kv_compute == 0 else bkv
+    bq, bkv, bkvc = blocks
     lane_dense = d % LANES == 0  # then the output is written straight into [B, Lq, H * D] (no transpose after)
     if lane_dense:
         out_shape = jax.ShapeDtypeStruct((b, lq, h * d), qh.dtype)

@@ -1,15 +1,15 @@
-"""The fixed-shift attention kernel (model/fixed_max_attention.py) against splash, at klein-4B's attention shape.
+"""The flash attention kernel (model/flash_attention.py) per block pair against splash, at klein-4B's attention shape.
 
-    python -m benchmarks.attention_fixed_max            # on a TPU chip: 24 heads x 4608 tokens x 128, B=1, bf16
-    python -m benchmarks.attention_fixed_max --small    # anywhere (Pallas interpret mode off TPU): 2 x 512 x 128
+    python -m benchmarks.attention_kernels            # on a TPU chip: 24 heads x 4608 tokens x 128, B=1, bf16
+    python -m benchmarks.attention_kernels --small    # anywhere (Pallas interpret mode off TPU): 2 x 512 x 128
 
 Inputs as the transformer makes them: q and k RMS-normed with weights near 1, q scaled by 1/sqrt(D), v normal.
-Times splash (`model.attention.attention_heads`, its measured blocks) and the kernel per (block_q, block_kv) with the
-gate forced on (fixed shift everywhere), automatic (the per-block gate, its key statistics pass included) and forced
-off (online softmax everywhere: the kernel's own baseline). Each row: ms per call, TFLOP/s (4 L^2 D H per call), max
-|out - splash| and max |out - float32 reference| (NaN for a non-finite output). Prints a table, then one JSON line.
-Key blocks of 512 were slower than 1024 for every gate and block_q on v5e, so the default pairs leave them out
-(`--block-kv 512,1024,4608` puts them back); the defaults take about 75 s on one v5e chip.
+Times splash (`model.attention._splash_heads` at the blocks `splash_blocks` picks for the chip, as `attention_heads`
+runs it where the flash kernel is not used) and the flash kernel for each (block_q, block_kv) asked for, fitted to
+the length as the kernel fits them (at 4608 tokens 1024 becomes 768; every row gives the blocks that ran). Each row:
+ms per call, TFLOP/s (4 B H L^2 D per call), max |out - splash| and max |out - float32 reference| (NaN for a
+non-finite output); a block pair that does not compile is a row with its error. Prints a table, then one JSON line.
+The kernel's defaults (model.flash_attention.BLOCK_Q, BLOCK_KV, BLOCK_KV_COMPUTE) are the best row on v5e.
 """
 
 from __future__ import annotations
@@ -21,22 +21,21 @@ import time
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.attention_fixed_max", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.attention_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="2 heads x 512 tokens, small blocks: for CPU tests")
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--seq", type=int, default=4608, help="512 text + 4096 image tokens at 1024x1024")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--block-q", default="512,1024,1536")
-    ap.add_argument("--block-kv", default="1024,4608", help="4608: every key in one block (a longer --seq is cut "
-                    "to the largest multiple of 128 dividing it)")
+    ap.add_argument("--block-q", default="512,1024,1536", help="query blocks to time (fitted to --seq)")
+    ap.add_argument("--block-kv", default="1024,2304,4608", help="key blocks to time (fitted to --seq); 4608: "
+                    "every key of a head in one block")
     ap.add_argument("--block-kv-compute", type=int, default=512, help="keys per matmul inside a key block")
-    ap.add_argument("--gates", default="on,auto,off", help="the kernel's gate modes to time")
     ap.add_argument("--iters", type=int, default=10, help="calls per timed batch")
     ap.add_argument("--batches", type=int, default=3, help="timed batches per kernel, the median kept")
     args = ap.parse_args(argv)
     if args.small:
-        args.heads, args.seq, args.block_q, args.block_kv, args.iters = 2, 512, "512", "256", 1
+        args.heads, args.seq, args.block_q, args.block_kv, args.iters = 2, 512, "512", "256,512", 1
         args.block_kv_compute, args.batches = 128, 1
     return args
 
@@ -91,15 +90,31 @@ def time_fn(fn, *args, iters: int, batches: int = 3) -> float:
     return statistics.median(per_call)
 
 
+def flash_pairs(args) -> list[tuple[int, int, int]]:
+    """The distinct (block_q, block_kv, block_kv_compute) the kernel runs for the block pairs asked for, in order."""
+    from model.flash_attention import kernel_blocks
+
+    pairs = []
+    for bq in (int(x) for x in args.block_q.split(",")):
+        for bkv in (int(x) for x in args.block_kv.split(",")):
+            blocks = kernel_blocks(args.seq, args.seq, bq, bkv, args.block_kv_compute)
+            if blocks is None:
+                raise SystemExit(f"no block of at most {bq} / {bkv} tokens divides --seq {args.seq}")
+            if blocks not in pairs:
+                pairs.append(blocks)
+    return pairs
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import jax
     import jax.numpy as jnp
 
-    from model.attention import attention_heads
-    from model.fixed_max_attention import fixed_max_attention, fixed_max_gate
+    from model.attention import _splash_heads
+    from model.flash_attention import flash_attention
 
     interpret = jax.default_backend() != "tpu"
+    kind = None if interpret else jax.devices()[0].device_kind
     q, k, v = realistic_inputs(args.batch, args.heads, args.seq, args.head_dim)
     flops = 4.0 * args.batch * args.heads * args.seq * args.seq * args.head_dim
     want = reference(q, k, v)
@@ -119,27 +134,23 @@ def main(argv=None) -> dict:
             row["error"] = " ".join(str(e).split())[:300]
         text = (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TF/s  |d splash| {row['max_diff_splash']:.2e}  "
                 f"|d f32| {row['max_diff_f32']:.2e}" if "ms" in row else "error: " + row["error"][:120])
-        print(f"{name:9s} {str(extra.get('blocks', '')):18s} {text}", flush=True)
+        print(f"{name:7s} {str(extra.get('blocks', '')):18s} {text}", flush=True)
         return row
 
-    splash = jax.jit(attention_heads)
+    # splash as attention_heads runs it off the flash kernel's chips: [B, H, L, D] out, laid out as [B, L, H, D]
+    splash = jax.jit(lambda q, k, v: _splash_heads(q, k, v, False, None, interpret, kind).transpose(0, 2, 1, 3))
     splash_out = splash(q, k, v)
     rows = [measure("splash", splash)]
-    gates = args.gates.split(",")
-    for bq in (int(x) for x in args.block_q.split(",")):
-        for bkv in (int(x) for x in args.block_kv.split(",")):
-            for gate in gates:
-                bkvc = min(bkv, args.block_kv_compute)
-                fn = jax.jit(lambda q, k, v, bq=bq, bkv=bkv, bkvc=bkvc, gate=gate: fixed_max_attention(
-                    q, k, v, interpret=interpret, block_q=bq, block_kv=bkv, block_kv_compute=bkvc, gate=gate))
-                rows.append(measure(f"gate-{gate}", fn, blocks=[bq, bkv, bkvc]))
-    passed = fixed_max_gate(q, k, v, block_q=min(int(x) for x in args.block_q.split(",")))
-    ok = [r for r in rows if "ms" in r and r["kernel"] != "splash"]
+    for bq, bkv, bkvc in flash_pairs(args):
+        fn = jax.jit(lambda q, k, v, bq=bq, bkv=bkv, bkvc=bkvc: flash_attention(
+            q, k, v, interpret=interpret, block_q=bq, block_kv=bkv, block_kv_compute=bkvc))
+        rows.append(measure("flash", fn, blocks=[bq, bkv, bkvc]))
+    best = min((r for r in rows[1:] if "ms" in r), key=lambda r: r["ms"], default=None)
     result = {"device_kind": jax.devices()[0].device_kind, "interpret": interpret,
               "shape": [args.batch, args.heads, args.seq, args.head_dim], "gflop_per_call": flops / 1e9,
-              "gate_pass_share": float(jnp.mean(passed)), "splash": rows[0],
-              "best": {g: min((r for r in ok if r["kernel"] == f"gate-{g}"), key=lambda r: r["ms"], default=None)
-                       for g in gates},
+              "splash": rows[0], "best": best,
+              "speedup_over_splash": (round(rows[0]["ms"] / best["ms"], 3)
+                                      if best is not None and "ms" in rows[0] else None),
               "rows": rows[1:]}
     print(json.dumps(result))
     return result
