@@ -117,12 +117,13 @@ class _Fitting:
 
     def __init__(self, config: PipelineConfig, topology: Topology, *, model: str, dtype: str, height: int,
                  width: int, text_len: int, sampling, capacity: int, out_layers, dump_dir: str | None,
-                 auto_shards: bool):
+                 auto_shards: bool, quantize: str = "none"):
         self.config, self.topology, self.model, self.dtype = config, topology, model, dtype
         self.height, self.width, self.text_len, self.sampling = height, width, text_len, sampling
         self.capacity, self.out_layers, self.dump_dir, self.auto_shards = capacity, out_layers, dump_dir, auto_shards
         self.devices = len(topology.devices)
-        self.modules = Networks(config, dtype, tuple(out_layers)).run_modules()
+        self.quantize = quantize
+        self.modules = Networks(config, dtype, tuple(out_layers), quantize=quantize).run_modules()
         self.resident_by_shards = {s: resident_bytes_for(self.modules, topology.devices, s) * topology.devices_per_chip
                                    for s in shard_counts(self.devices)}
         self._programs: dict = {}
@@ -160,7 +161,7 @@ class _Fitting:
         report = Report(model=self.model, topology=self.topology, dtype=self.dtype, height=self.height,
                         width=self.width, batch=bucket.batch, steps=steps, cfg=cfg, model_shards=shards,
                         attention=programs.attention, parameter_bytes=parameters, programs=stats,
-                        hbm_bytes_per_chip=self.capacity, auto_shards=self.auto_shards)
+                        hbm_bytes_per_chip=self.capacity, auto_shards=self.auto_shards, quantize=self.quantize)
         self._reports[(shards, per_replica)] = (report, len(stats) == len(PROGRAMS))
         return report
 
@@ -197,14 +198,14 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
         batch_size: int | None, text_len: int, num_inference_steps: int | None = None,
         guidance_scale: float | None = None, model_shards: int | None = None, hbm_bytes: int | None = None,
         out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, dump_dir: str | None = None,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> Report:
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, quantize: str = "none") -> Report:
     """Compile the programs of `config` (named `model` in the report) for `topology` and report; without
     `model_shards`, the fewest shards (a divisor of the worker's devices) whose programs fit, else the most shards'
     report with advice. `batch_size` None: the largest batch up to `max_batch_size` (at least one image per data
     replica) that fits, searched at the fewest shards where one image per replica fits; a given batch that does not
     fit gets the largest smaller batch that does in its advice. Steps and guidance None: the checkpoint's.
     ShardCountError for a `model_shards` that does not divide the devices; the arguments are otherwise taken as
-    valid (model.contract checks them)."""
+    valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and their time)."""
     sampling = resolve_sampling(config, num_inference_steps, guidance_scale)
     devices = len(topology.devices)
     if model_shards is not None:
@@ -213,7 +214,7 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
     check_text_width(config, out_layers)
     fitting = _Fitting(config, topology, model=model, dtype=dtype, height=height, width=width, text_len=text_len,
                        sampling=sampling, capacity=capacity, out_layers=out_layers, dump_dir=dump_dir,
-                       auto_shards=model_shards is None)
+                       auto_shards=model_shards is None, quantize=quantize)
     candidates = [model_shards] if model_shards else shard_counts(devices)
     usable = [s for s in candidates[:-1] if fitting.resident_by_shards[s] <= capacity] + candidates[-1:]
     for s in candidates:

@@ -18,6 +18,7 @@ class Calibration:
 
     chip: str                     # ChipSpec.name the figures were measured on
     matmul: float                 # XLA's FLOPs of the transformer and text-encoder programs (fused elementwise included)
+    int8_matmul: float            # the same programs' FLOPs with int8 projections (model.quantize): int8 runs 2x bf16
     attention: float              # the splash kernels' FLOPs
     convolution: float            # the VAE decode's FLOPs
     memory: float                 # the roofline's bytes leg (not measured apart: no measured program was bytes-bound)
@@ -109,11 +110,14 @@ class ProgramStats:
         return (self.temp_bytes + self.output_bytes - self.alias_bytes
                 + max(0, self.argument_bytes - self.parameter_bytes))
 
-    def est_seconds(self, chip: ChipSpec, devices_per_chip: int, calibration: Calibration = V5E_CALIBRATION) -> float:
+    def est_seconds(self, chip: ChipSpec, devices_per_chip: int, calibration: Calibration = V5E_CALIBRATION, *,
+                    int8: bool = False) -> float:
         """Seconds for one run, calibrated: the roofline of XLA's FLOPs (at the measured share of the bf16 peak for
-        the program's kind of work: convolutions for decode, matmuls otherwise) and bytes, plus the attention
-        kernels' FLOPs at their measured share of the peak (all per device)."""
+        the program's kind of work: convolutions for decode, matmuls otherwise, int8 matmuls for the int8 model's
+        encode and denoise) and bytes, plus the attention kernels' FLOPs at their measured share of the peak (all per
+        device)."""
         peak, bandwidth = chip.bf16_flops / devices_per_chip, chip.hbm_bandwidth / devices_per_chip
-        compute = calibration.convolution if self.name == "decode" else calibration.matmul
+        matmul = calibration.int8_matmul if int8 else calibration.matmul
+        compute = calibration.convolution if self.name == "decode" else matmul
         rest = max(self.flops / (peak * compute), self.bytes_accessed / (bandwidth * calibration.memory))
         return rest + self.kernel_flops / (peak * calibration.attention)

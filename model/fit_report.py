@@ -34,6 +34,7 @@ class Report:
     batch_picked: bool = False  # the batch is the largest up to `max_batch_size` that fits (model.aot.fit)
     max_batch_size: int | None = None
     batch_trials: tuple = ()    # every batch compiled to find it: (batch, model shards, peak bytes per chip, fits)
+    quantize: str = "none"      # EngineOptions.quantize the programs were built with
 
     @property
     def data_replicas(self) -> int:
@@ -66,7 +67,7 @@ class Report:
         return (program.flops + program.kernel_flops) * len(self.topology.devices) / self.batch
 
     def est_seconds(self, program: ProgramStats) -> float:
-        return program.est_seconds(self.topology.chip, self.topology.devices_per_chip)
+        return program.est_seconds(self.topology.chip, self.topology.devices_per_chip, int8=self.quantize == "int8")
 
     @property
     def seconds_at_peak_per_image(self) -> float:
@@ -98,6 +99,7 @@ class Report:
             "model": self.model, "topology": self.topology.name, "chip": self.topology.chip.name,
             "chips": self.topology.chips, "devices": len(self.topology.devices),
             "devices_per_chip": self.topology.devices_per_chip, "hosts": self.topology.hosts, "dtype": self.dtype,
+            "quantize": self.quantize,
             "height": self.height, "width": self.width, "batch": self.batch,
             "batch_per_replica": self.batch // self.data_replicas, "steps": self.steps, "cfg": self.cfg,
             "batch_picked": self.batch_picked, "max_batch_size": self.max_batch_size,

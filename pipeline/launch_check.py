@@ -100,7 +100,8 @@ def check_fits(job, topology: str):
                                batch_size=None if limits.auto_batch else job.batch_size, dtype=job.dtype,
                                num_inference_steps=d.num_inference_steps, guidance_scale=d.guidance_scale,
                                model_shards=job.load.engine.model_shards, max_sequence_length=job.max_sequence_length,
-                               hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size)
+                               hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size,
+                               quantize=job.load.engine.quantize)
     logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %s, %d model shard(s) (--skip_preflight skips)",
                 job.model, topology, d.height, d.width,
                 f"auto (up to {limits.max_batch_size})" if limits.auto_batch else job.batch_size,
@@ -168,7 +169,8 @@ def pick_local_batch(job, topology: str) -> dict:
     when it ends). Returns the preflight's JSON report; UsageError when nothing fits or the preflight cannot run."""
     d, limits = job.defaults, job.spec.limits
     args = {"model": job.model, "height": d.height, "width": d.width, "batch_size": "auto",
-            "max_batch_size": limits.max_batch_size, "dtype": job.dtype, "model_shards": job.load.engine.model_shards,
+            "max_batch_size": limits.max_batch_size, "dtype": job.dtype, "quantize": job.load.engine.quantize,
+            "model_shards": job.load.engine.model_shards,
             "max_sequence_length": job.max_sequence_length, "num_inference_steps": d.num_inference_steps,
             "guidance_scale": d.guidance_scale, "hbm_bytes": hbm_bytes_override()}
     logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "

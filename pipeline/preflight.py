@@ -33,8 +33,9 @@ import sys
 
 from model import api
 from model.api import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_TEXT_ENCODER_OUT_LAYERS,
-                       DTYPE_NAMES, PRESET_NAMES, Limits, ModelError, Report, ShardCountError, TopologyError, count,
-                       format_bytes, is_preset, load_topology, preset_config, read_config, shard_counts, validate)
+                       DTYPE_NAMES, PRESET_NAMES, QUANTIZE_MODES, Limits, ModelError, Report, ShardCountError,
+                       TopologyError, count, format_bytes, is_preset, load_topology, preset_config, read_config,
+                       shard_counts, validate)
 
 from .errors import UsageError
 
@@ -56,6 +57,7 @@ class PreflightRequest:
     hbm_bytes: int | None = None        # testing: HBM per chip instead of the chip's own
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    quantize: str = "none"              # as the job's --quantize
 
 
 def resolve_model(model: str):
@@ -88,7 +90,7 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
                        num_inference_steps=valid.num_inference_steps, guidance_scale=valid.guidance_scale,
                        model_shards=request.model_shards, hbm_bytes=request.hbm_bytes,
                        out_layers=request.text_encoder_out_layers, dump_dir=dump_dir,
-                       max_batch_size=request.max_batch_size)
+                       max_batch_size=request.max_batch_size, quantize=request.quantize)
     except TopologyError as e:
         raise UsageError(str(e)) from None
     except ShardCountError as e:
@@ -110,8 +112,9 @@ def format_report(report: Report) -> str:
     picked = f"; picked: the largest up to {report.max_batch_size} that fits" if report.batch_picked else ""
     if report.batch_picked and not report.fits:
         picked = f"; none up to {report.max_batch_size} fits"
+    quantized = " with int8 projections" if report.quantize == "int8" else ""
     head = (f"{report.model} on {topo.name} ({topo.chips} x {topo.chip.name}, {len(topo.devices)} devices"
-            f"{f', first of {topo.hosts} hosts' if topo.hosts > 1 else ''}), {report.dtype}, "
+            f"{f', first of {topo.hosts} hosts' if topo.hosts > 1 else ''}), {report.dtype}{quantized}, "
             f"{report.height}x{report.width}, {report.steps} steps{' with CFG' if report.cfg else ''}, batch "
             f"{report.batch} ({report.batch // report.data_replicas} per data replica{picked})")
     shards = (f"{report.model_shards} model shard(s) x {report.data_replicas} data replica(s)"
@@ -213,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: %(default)s).")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
                         help="Compute dtype, as the job's --dtype (default: %(default)s).")
+    parser.add_argument("--quantize", default="none", choices=QUANTIZE_MODES,
+                        help="As the job's --quantize: int8 weights and activations in the projections "
+                             "(default: %(default)s).")
     parser.add_argument("--num_inference_steps", type=int, default=None,
                         help="Denoising steps (default: the checkpoint's: 4 distilled, 50 base).")
     parser.add_argument("--guidance_scale", type=float, default=None,
@@ -258,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                                batch_size=args.batch_size, dtype=args.dtype,
                                num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
                                model_shards=args.model_shards, max_sequence_length=args.max_sequence_length,
-                               hbm_bytes=args.hbm_bytes, max_batch_size=args.max_batch_size)
+                               hbm_bytes=args.hbm_bytes, max_batch_size=args.max_batch_size,
+                               quantize=args.quantize)
     try:
         report = preflight(request, dump_dir=args.dump_dir)
     except (UsageError, ModelError, ValueError) as e:
