@@ -34,7 +34,7 @@ class Calibration:
 # copy, 0.606): the share folds in the decode's memory-bound passes, which the roofline's bytes leg does not bind
 # (25.4 GB at the nominal bandwidth is 31 ms). The text encoder (20.9 ms) was not used: it is the check (the estimate gives
 # it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
-V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.812, attention=0.781, convolution=0.706, memory=1.0,
+V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.812, int8_matmul=1.345, attention=0.781, convolution=0.706, memory=1.0,
                               host_seconds_per_image=0.0111, source="benchmarks/tpu_measured.json")
 
 
