@@ -32,6 +32,12 @@ CONTACT_SHEET = "contact_sheet.jpg"
 MAX_PREVIEW = 1000  # the page inlines every thumbnail: keep it a page, not a dataset
 THUMB_SIZE = 160
 SHEET_COLUMNS = 8
+# The look of the project's pages: this gallery and benchmarks/quality.py's side-by-side comparison.
+PAGE_STYLE = """body { font-family: system-ui, sans-serif; margin: 1em; background: #fafafa; color: #222; }
+figure { margin: 0; background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 8px; }
+figure img { display: block; margin: 0 auto; max-width: 100%; image-rendering: pixelated; min-width: 96px; }
+figcaption { font-size: 12px; overflow-wrap: anywhere; }
+.p { color: #444; display: block; max-height: 8.5em; overflow-y: auto; }"""
 
 
 class PreviewError(ValueError):
@@ -99,12 +105,8 @@ def render_html(items: list[dict], *, title: str, total: int | None = None) -> s
 <html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 1em; background: #fafafa; color: #222; }}
+{PAGE_STYLE}
 main {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 12px; }}
-figure {{ margin: 0; background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 8px; }}
-figure img {{ display: block; margin: 0 auto; max-width: 100%; image-rendering: pixelated; min-width: 96px; }}
-figcaption {{ font-size: 12px; overflow-wrap: anywhere; }}
-.p {{ color: #444; display: block; max-height: 8.5em; overflow-y: auto; }}
 </style></head>
 <body><h1>{e(title)}</h1>
 <p>The first {shown} images by id. <a href="{CONTACT_SHEET}">Contact sheet</a> &middot;
