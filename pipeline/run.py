@@ -23,6 +23,11 @@ The graph (every step a transform from `transforms/`):
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all: a signal while the modules below import is one line and exit 130
+    from pipeline.interrupts import install_while_starting
+
+    install_while_starting()
+
 import contextlib
 import dataclasses
 import enum
@@ -31,7 +36,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -63,7 +67,7 @@ from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxIm
 
 from model.api import LoadSettings
 
-from . import launch_check, probes
+from . import interrupts, launch_check, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
 from .errors import UsageError
 from .option_specs import DEFAULT_OUTPUT
@@ -514,15 +518,15 @@ def main(argv: list[str] | None = None) -> int:
         print(format_beam_help(), end="")
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, _raise_interrupted)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
+    interrupts.install()
     try:
         result, summary = run(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # noqa: BLE001 - a signal however Beam wrapped it; anything else re-raised
-        signum = _interrupting_signal(e)
+        interrupts.STATE.stopping = True  # first, before any call: a re-delivered interrupt must not raise in here
+        signum = interrupts.STATE.received or interrupts.interrupting_signal(e)
         if signum is None:
             raise
         return _stop_after_signal(argv, signum)
@@ -531,30 +535,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {reason} (--allow_empty accepts such a run)", file=sys.stderr)
         return 1
     return 0
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT."""
-
-
-def _raise_interrupted(signum, frame):
-    """Stop the run where it is: Beam's own reports of the interrupt (tracebacks from its threads) are silenced, the
-    one line of `_stop_after_signal` says what happened."""
-    logging.disable(logging.CRITICAL)
-    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
-
-
-def _interrupting_signal(error: BaseException) -> int | None:
-    """SIGINT or SIGTERM when `error` is the interrupt (or Beam's RuntimeError wrapping one), else None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, KeyboardInterrupt) or "KeyboardInterrupt" in str(error):
-            return signal.SIGINT
-        if isinstance(error, Terminated) or "Terminated" in type(error).__name__:
-            return signal.SIGTERM
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def _stop_after_signal(argv: list[str], signum: int) -> int:
@@ -566,11 +546,10 @@ def _stop_after_signal(argv: list[str], signum: int) -> int:
         written = len(FileSystems.match([layout.join(output, layout.IMAGES_DIR + "/*")])[0].metadata_list)
     except Exception:  # noqa: BLE001 - nothing listable: say nothing was written
         written = 0
-    name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
-    print(f"interrupted ({name}): {written} image(s) written under {output}"
+    print(f"interrupted ({interrupts.signal_name(signum)}): {written} image(s) written under {output}"
           f"{f', {removed} temporary folder(s) removed' if removed else ''}; to resume, run the same command with "
           f"--skip_existing", file=sys.stderr, flush=True)
-    return 128 + signum
+    return interrupts.status(signum)
 
 
 def remove_beam_temp(output: str) -> int:
@@ -610,4 +589,4 @@ def empty_run_reason(summary: dict | None) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    interrupts.exit_process(main())
