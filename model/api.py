@@ -8,8 +8,8 @@ imports from here only (tests/model checks it). Importing this module does not l
   thread, in a process that will load), `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`, `DEFAULT_TEXT_ENCODER_OUT_LAYERS`.
 - The request contract (model.contract): `validate`, `count`, `optional_count`, `is_integer`, `Limits` and the DEFAULT_*
   limits; `MIN_REFERENCE_SIDE`, the smallest side a reference image may have.
-- Checkpoints: `read_config`, `read_config_and_digest` (configs only), `is_hub_id`, `resolve_hub`, `HubSnapshot`,
-  `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
+- Checkpoints: `read_config`, `read_config_and_digest` (configs only), `is_hub_id`, `resolve_hub`, `with_revision`,
+  `HubSnapshot`, `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
   `preset_config`.
 - Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
 - TPU preflight: `load_topology` (`Topology`, `CHIPS`), `fit` (compile for the topology and report: `Report`,
@@ -28,7 +28,7 @@ from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFini
                      RequestError, UnsafeWeightsError)
 from .estimate import V5E_CALIBRATION, ProgramStats
 from .fit_report import Report, format_bytes
-from .hub import HubSnapshot, is_hub_id, resolve_hub
+from .hub import HubSnapshot, is_hub_id, resolve_hub, with_revision
 from .mesh import ShardCountError, shard_counts
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES, EngineOptions, LoadSettings
 from .plan import resolve_sampling
@@ -49,6 +49,7 @@ __all__ = sorted([
     "CheckpointError", "ConfigError", "HubError", "ModelError", "NonFiniteImageError", "ReferenceImageError",
     "RequestError", "UnsafeWeightsError", "ShardCountError", "TopologyError",
     "V5E_CALIBRATION", "ProgramStats", "Report", "format_bytes", "HubSnapshot", "is_hub_id", "resolve_hub",
+    "with_revision",
     "shard_counts", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "EngineOptions", "LoadSettings",
     "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config", "CHIPS", "GiB", "Topology", "load_topology",
     "validate_variant", *_LAZY,

@@ -666,6 +666,7 @@ BAD_VALUES = {
               "owner/name@", "owner/name@a b", "-owner/name"],
     "model_cache": GS_BAD,
     "model_variant": ["fp16.x", "a/b", "fp 16", "../x"],
+    "model_revision": ["", "v 1", "a@b", "main;rm"],
     "dtype": ["float16", "bf16", "BFLOAT16", "fp32"],
     "height": INT_BAD,
     "width": INT_BAD,
