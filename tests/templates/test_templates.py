@@ -630,6 +630,9 @@ def test_build_sh_local_docker_builds_both_targets(fake_gcloud, tmp_path):
     assert f"--target worker --build-arg ACCELERATOR=tpu --build-arg GPU_JAX_EXTRA=cuda12 --tag " \
            f"{IMAGE_NAME}:tpu-release-7" in printed
     assert f"docker push {IMAGE_NAME}:tpu-release-7" in printed
+    # nothing was built: the last line says so, never "Built ..."
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith("Dry run: nothing was built or pushed") and "Built" not in printed, last
 
 
 @pytest.mark.parametrize("args, message", [
