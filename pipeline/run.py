@@ -392,8 +392,10 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir)
     if not wait:
         result = p.run()
-        verb = "translated (dry run) for" if options.view_as(TestOptions).dry_run else "submitted to"
-        print(f"{verb} {runner_name(options)}; outputs will be under {job.output}", flush=True)
+        cloud = options.view_as(GoogleCloudOptions)
+        for line in submitted_lines(runner_name(options), job.output, dry_run=options.view_as(TestOptions).dry_run,
+                                    job_id=submitted_job_id(result), region=cloud.region, project=cloud.project):
+            print(line, flush=True)
         return result, None
     # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
     try:
@@ -474,6 +476,31 @@ def closing_lines(job: JobConfig, summary: dict) -> list[str]:
                      f"with the reason)")
     lines.append(f"summary: {layout.summary_path(out)}")
     return lines
+
+
+DATAFLOW_CONSOLE = "https://console.cloud.google.com/dataflow/jobs/{region}/{job_id}?project={project}"
+
+
+def submitted_lines(runner: str, output: str, *, dry_run: bool, job_id: str | None = None, region: str | None = None,
+                    project: str | None = None) -> list[str]:
+    """What a launch that does not wait prints: where the outputs go, and for a submitted job its id and the
+    Dataflow console page that follows it (Beam logs them at INFO, which the command line does not show)."""
+    lines = [f"{'translated (dry run) for' if dry_run else 'submitted to'} {runner}; outputs will be under {output}"]
+    if job_id and not dry_run:
+        lines.append(f"job id: {job_id}")
+        if region and project:
+            lines.append(f"console: {DATAFLOW_CONSOLE.format(region=region, job_id=job_id, project=project)}")
+    return lines
+
+
+def submitted_job_id(result) -> str | None:
+    """The id of the job `result` stands for (a DataflowPipelineResult's job_id()); None for a dry run's result
+    or a runner without job ids."""
+    try:
+        job_id = result.job_id()
+    except Exception:  # noqa: BLE001 - no job: nothing to say
+        return None
+    return job_id if isinstance(job_id, str) and job_id else None
 
 
 def _tpu_preflight(options: PipelineOptions, job: JobConfig) -> None:
