@@ -67,7 +67,7 @@ from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxIm
 
 from model.api import LoadSettings
 
-from . import interrupts, launch_check, probes
+from . import interrupts, launch_check, log_filters, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
 from .errors import UsageError
 from .option_specs import DEFAULT_OUTPUT
@@ -545,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_beam_help(), end="")
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log_filters.quiet_replaced_row_files()  # a rerun replaces the row files under their fixed names: no warning
     interrupts.install()
     try:
         result, summary = run(argv)
