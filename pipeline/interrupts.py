@@ -6,10 +6,11 @@ Why it is more than `signal.signal(SIGINT, raise)`:
   signal with one line and the exit status: nothing has been written yet.
 - A Python signal handler runs in the main thread at the next bytecode, which may be inside a garbage collector
   callback (JAX registers one), a `__del__` or a weakref callback: an exception raised there is "ignored" (printed
-  as `Exception ignored in ...`) and the job went on to exit 0. `install` hands such a lost interrupt back to the
-  main thread (`_thread.interrupt_main`), and re-delivers it every few seconds until the main thread reaches the stop
-  path (code that catches BaseException and goes on would lose it otherwise; a `finally` that waits for Beam's
-  worker threads is cut short the same way).
+  as `Exception ignored in ...`) and the job went on to exit 0. `install`'s unraisable hook catches such a lost
+  interrupt (printing nothing), and a re-delivery thread raises it again in the main thread
+  (`_thread.interrupt_main`); it also re-delivers it every few seconds until the main thread reaches the stop path
+  (code that catches BaseException and goes on would lose it otherwise; a `finally` that waits for Beam's worker
+  threads is cut short the same way).
 - `leave` ends the process with os._exit. Beam runs the job's steps on daemon threads, which may be inside jaxlib
   (generating, compiling, placing weights) when the main thread stops. A normal exit finalizes the interpreter
   under them: a daemon thread that then re-takes the GIL is ended by pthread_exit, whose forced unwinding runs
@@ -30,6 +31,7 @@ import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REDELIVER_S = 2.0  # how often a raised interrupt is raised again until the main thread reaches the stop path
+LOST_DELAY_S = 0.05  # after an ignored one: time for the main thread to leave the callback that ignored it
 
 
 class Terminated(BaseException):
@@ -41,6 +43,7 @@ class _State:
     stopping = False  # the main thread is in the stop path: later signals do not raise
     redelivering = False  # an interrupt_main() of ours is pending (not the user's second Ctrl-C)
     watchdog: threading.Thread | None = None
+    lost = threading.Event()  # the interrupt was raised where Python ignored it: re-deliver it now
 
 
 STATE = _State()
@@ -76,13 +79,24 @@ def install_while_starting() -> None:
         signal.signal(signum, interrupted)
 
 
-def install() -> None:
-    """Raise KeyboardInterrupt (SIGINT) or Terminated (SIGTERM) in the main thread, and keep it from being lost."""
+def install():
+    """Raise KeyboardInterrupt (SIGINT) or Terminated (SIGTERM) in the main thread, and keep it from being lost.
+    Returns what `restore` puts back (the handlers and unraisable hook before)."""
     STATE.received, STATE.stopping, STATE.redelivering = None, False, False
-    for signum in SIGNALS:
-        signal.signal(signum, raise_interrupted)
+    STATE.lost.clear()
+    previous = ({signum: signal.signal(signum, raise_interrupted) for signum in SIGNALS}, sys.unraisablehook)
     if not getattr(sys.unraisablehook, "_flux2_interrupts", False):
         sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
+    return previous
+
+
+def restore(previous) -> None:
+    """Put back the handlers and the unraisable hook `install` replaced (a caller of main() in-process)."""
+    handlers, hook = previous
+    for signum, handler in handlers.items():
+        if handler is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signum, handler)
+    sys.unraisablehook = hook
 
 
 def raise_interrupted(signum, frame):
@@ -128,9 +142,13 @@ def _redeliver(signum: int) -> None:
 
 
 def _redeliver_until_stopping() -> None:
+    """The re-delivery thread: from another thread, since interrupt_main() in the main thread runs the handler
+    right there (inside the very callback that ignored it)."""
     signum = STATE.received
     while not STATE.stopping:
-        time.sleep(REDELIVER_S)
+        if STATE.lost.wait(REDELIVER_S):
+            STATE.lost.clear()
+            time.sleep(LOST_DELAY_S)
         if not STATE.stopping:
             _redeliver(signum)
 
@@ -141,8 +159,7 @@ def _unraisable_hook(previous):
 
     def hook(unraisable):
         if isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)) and STATE.received is not None:
-            if not STATE.stopping:
-                _redeliver(STATE.received)
+            STATE.lost.set()  # the re-delivery thread raises it again in the main thread
             return
         previous(unraisable)
 

@@ -546,9 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log_filters.quiet_replaced_row_files()  # a rerun replaces the row files under their fixed names: no warning
-    interrupts.install()
+    previous = interrupts.install()
     try:
-        result, summary = run(argv)
+        return _run_to_status(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -558,6 +558,14 @@ def main(argv: list[str] | None = None) -> int:
         if signum is None:
             raise
         return _stop_after_signal(argv, signum)
+    finally:
+        if interrupts.STATE.received is None:  # after a signal the process leaves at once (interrupts.exit_process)
+            interrupts.restore(previous)
+
+
+def _run_to_status(argv: list[str]) -> int:
+    """Run the job; 0, or 1 with one line when a finished run generated nothing (unless --allow_empty)."""
+    _, summary = run(argv)
     reason = empty_run_reason(summary)
     if reason and not PipelineOptions(argv).view_as(Flux2KleinOptions).allow_empty:
         print(f"error: {reason} (--allow_empty accepts such a run)", file=sys.stderr)
@@ -569,7 +577,10 @@ def _stop_after_signal(argv: list[str], signum: int) -> int:
     """One line on what was written and how to resume; Beam's temporary folders removed; 128 + the signal."""
     logging.disable(logging.CRITICAL)  # Beam's threads report the interrupt at length: the line below says it
     output = PipelineOptions(argv).view_as(Flux2KleinOptions).output or DEFAULT_OUTPUT
-    removed = remove_beam_temp(output)
+    try:
+        removed = remove_beam_temp(output)
+    except Exception:  # noqa: BLE001 - the line below is said in any case
+        removed = 0
     try:
         written = len(FileSystems.match([layout.join(output, layout.IMAGES_DIR + "/*")])[0].metadata_list)
     except Exception:  # noqa: BLE001 - nothing listable: say nothing was written

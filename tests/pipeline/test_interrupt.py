@@ -96,3 +96,42 @@ def test_ctrl_c_at_any_moment_exits_130_with_the_line_and_never_aborts(ckpt32, t
         if status != 130 or not last.startswith("interrupted (SIGINT)") or found:
             bad.append((moment, status, found, last[:200]))
     assert not bad, "\n".join(map(repr, bad))
+
+
+def test_an_interrupt_raised_where_python_ignores_it_is_raised_again():
+    """A signal handler may run inside a __del__ or a garbage collector callback (JAX registers one), where Python
+    only prints 'Exception ignored' and goes on: the job then ran to its end. The interrupt is handed back to the
+    main thread, and nothing is printed for it."""
+    import io
+    import logging
+
+    from pipeline import interrupts
+
+    class RaisesInItsDel:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler runs at the next bytecode: inside __del__
+            for _ in range(100):
+                pass
+
+    previous = interrupts.install()
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            RaisesInItsDel()
+            for _ in range(10 ** 7):  # the interrupt, raised again, lands here
+                pass
+        printed = sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+        interrupts.STATE.stopping = True  # the re-delivery thread stops
+        interrupts.restore(previous)
+        logging.disable(logging.NOTSET)
+    assert interrupts.STATE.received == signal.SIGINT and "Exception ignored" not in printed, printed
+
+
+def test_main_in_process_puts_the_signal_handlers_back(tmp_path, capsys):
+    from pipeline.run import main
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    assert main(["--model=/no/such/checkpoint", f"--input={tmp_path}/p.txt", f"--output={tmp_path}/out"]) == 2
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook) == before
