@@ -44,6 +44,7 @@ class _State:
     redelivering = False  # an interrupt_main() of ours is pending (not the user's second Ctrl-C)
     watchdog: threading.Thread | None = None
     lost = threading.Event()  # the interrupt was raised where Python ignored it: re-deliver it now
+    installed = False  # install() ran: the job's own handling began (what is left after it is the exit)
 
 
 STATE = _State()
@@ -69,10 +70,12 @@ def leave(code: int) -> None:
 
 
 def install_while_starting() -> None:
-    """Until `install`: a signal prints one line and ends the process (the job's modules are still importing)."""
+    """Until `install` (and again once main() is done, the process exiting): a signal prints one line and ends the
+    process at once (the job's modules are still importing, or nothing is left to do)."""
 
     def interrupted(signum, frame):
-        print(f"interrupted ({signal_name(signum)}) while starting: nothing was written", file=sys.stderr)
+        when = "while exiting" if STATE.installed else "while starting: nothing was written"
+        print(f"interrupted ({signal_name(signum)}) {when}", file=sys.stderr)
         leave(status(signum))
 
     for signum in SIGNALS:
@@ -82,7 +85,7 @@ def install_while_starting() -> None:
 def install():
     """Raise KeyboardInterrupt (SIGINT) or Terminated (SIGTERM) in the main thread, and keep it from being lost.
     Returns what `restore` puts back (the handlers and unraisable hook before)."""
-    STATE.received, STATE.stopping, STATE.redelivering = None, False, False
+    STATE.received, STATE.stopping, STATE.redelivering, STATE.installed = None, False, False, True
     STATE.lost.clear()
     previous = ({signum: signal.signal(signum, raise_interrupted) for signum in SIGNALS}, sys.unraisablehook)
     if not getattr(sys.unraisablehook, "_flux2_interrupts", False):
