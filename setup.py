@@ -58,7 +58,9 @@ setup(
     name="flux2-klein-beam",
     version="0.1.0",
     description=__doc__,
-    python_requires=">=3.11,<3.12",
+    # Tested on 3.11, the Python of the Dataflow images (templates/Dockerfile); no pin caps it (each resolves on
+    # 3.12 and 3.13 too), so no upper bound keeps a newer Python from installing it.
+    python_requires=">=3.11",
     packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
                                     "benchmarks", "benchmarks.*", "tiny_klein", "tiny_klein.*"]),
     include_package_data=True,

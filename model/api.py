@@ -11,8 +11,9 @@ imports from here only (tests/model checks it). Importing this module does not l
 - The request contract (model.contract): `validate`, `count`, `optional_count`, `is_integer`, `Limits` and the DEFAULT_*
   limits; `MIN_REFERENCE_SIDE`, the smallest side a reference image may have.
 - Checkpoints: `read_config`, `read_config_and_digest` (configs only; `check_weights=True` checks each weight
-  file the loader reads from its header and size, no weight read), `is_hub_id`, `resolve_hub`, `HubSnapshot`,
-  `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
+  file the loader reads from its header and size, no weight read), `is_hub_id`, `resolve_hub`, `with_revision`,
+  `HubSnapshot`, `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`,
+  `is_preset`,
   `preset_config`.
 - Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
 - TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
@@ -32,7 +33,7 @@ from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFini
                      RequestError, UnsafeWeightsError)
 from .estimate import V5E_CALIBRATION, ProgramStats
 from .fit_report import Report, format_bytes
-from .hub import HubSnapshot, is_hub_id, resolve_hub
+from .hub import HubSnapshot, is_hub_id, resolve_hub, with_revision
 from .mesh import ShardCountError, shard_counts
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
@@ -56,7 +57,7 @@ __all__ = sorted([
     "V5E_CALIBRATION", "ProgramStats", "Report", "format_bytes", "HubSnapshot", "is_hub_id", "resolve_hub",
     "shard_counts", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES",
     "QUANTIZE_MODES", "EngineOptions", "LoadSettings", "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config",
-    "CHIPS", "GiB", "Topology", "load_topology", "attached_topology", "ATTACHED", "validate_variant", *_LAZY,
+    "CHIPS", "GiB", "Topology", "load_topology", "attached_topology", "ATTACHED", "validate_variant", "with_revision", *_LAZY,
 ])
 
 

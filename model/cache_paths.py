@@ -3,7 +3,6 @@
 `cache_root()` is `$FLUX2_KLEIN_CACHE` when set, else `$XDG_CACHE_HOME/flux2-klein-beam`, else
 `~/.cache/flux2-klein-beam` (an empty variable counts as unset). Below it:
 - `checkpoints/`: the copies of `gs://` checkpoints (model/checkpoint.py);
-- `huggingface/`: the snapshots of Hugging Face Hub ids, in huggingface_hub's cache layout (model/hub.py);
 - `demo-<spec hash>/`: the bundled demo's tiny random-weight checkpoint (tiny_klein.ensure_demo_checkpoint);
 - `bench/`: the benchmarks' random-weight checkpoints (benchmarks/presets.py).
 """

@@ -1,8 +1,10 @@
 """Hugging Face Hub model ids as checkpoints: `owner/name` or `owner/name@revision` -> a local snapshot folder.
 
 An existing local path always wins; otherwise a string of the Hub id grammar (HUB_ID: no leading `./`, no scheme) is
-a Hub id. Its snapshot is downloaded with huggingface_hub's `snapshot_download` into `huggingface/` under the
-project's cache folder (model/cache_paths.py), and only the files the pipeline reads: `model_index.json`, and in the
+a Hub id; `with_revision` adds a revision given on its own (the job's --model_revision). Its snapshot is downloaded
+with huggingface_hub's `snapshot_download` into the standard Hub cache (`hub_cache_dir`: $HF_HUB_CACHE, else
+$HF_HOME/hub, else ~/.cache/huggingface/hub, as huggingface_hub, diffusers and `hf download` use it: a model fetched
+by any of them is not fetched again), and only the files the pipeline reads: `model_index.json`, and in the
 component folders their configs, the tokenizer files and the safetensors of the chosen variant (the same choice as a
 local folder's, `model.weight_files.select_weight_files`); root-level single-file checkpoints, other variants,
 pickle weights, images and cards are never fetched.
@@ -21,7 +23,6 @@ import os
 import posixpath
 import re
 
-from .cache_paths import cache_root
 from .errors import (CheckpointError, HubDependencyError, HubError, HubGatedRepoError, HubNetworkError,
                      HubOfflineError, HubRepoNotFoundError, HubRevisionNotFoundError, UnsafeWeightsError)
 from .weight_files import select_weight_files, weight_file_variant
@@ -29,7 +30,7 @@ from .weight_files import select_weight_files, weight_file_variant
 logger = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
-HUB_CACHE_FOLDER = "huggingface"
+REVISION = re.compile(r"[\w./-]+")  # a branch, tag or commit, as HUB_ID allows after '@'
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
 HUB_PACKAGE = "huggingface_hub==2.4.0"
@@ -82,9 +83,38 @@ def is_hub_id(value) -> bool:
     return parse_hub_id(value) is not None
 
 
+def with_revision(model: str | None, revision: str | None, name: str = "--model_revision") -> str | None:
+    """`model` with the revision given on its own (`name`, as the caller calls it): `owner/name@revision`. Unchanged
+    when `revision` is None, or names the revision `model` already has; ValueError when `model` is not a Hub id or
+    names another revision, or `revision` is not one a Hub id can hold."""
+    if revision is None:
+        return model
+    if not isinstance(revision, str) or not REVISION.fullmatch(revision):
+        raise ValueError(f"{name} must be a branch, tag or commit (letters, digits, _ . / -), got {revision!r}")
+    ref = parse_hub_id(model)
+    if ref is None:
+        given = "no --model is given" if model is None else f"--model={model!r} is not one"
+        raise ValueError(f"{name}={revision!r} is the revision of a Hugging Face Hub id (--model=owner/name), and "
+                         f"{given}")
+    if ref.revision is not None and ref.revision != revision:
+        raise ValueError(f"--model={model!r} asks for revision {ref.revision!r} and {name}={revision!r} for another; "
+                         f"give one")
+    return f"{ref.repo_id}@{revision}"
+
+
 def hub_cache_dir() -> str:
-    """Where Hub snapshots are kept: `huggingface/` in the project's cache folder (huggingface_hub's own layout)."""
-    return os.path.join(cache_root(), HUB_CACHE_FOLDER)
+    """The standard Hugging Face Hub cache, as the environment says now (huggingface_hub reads it once, at import):
+    $HF_HUB_CACHE (or the older $HUGGINGFACE_HUB_CACHE), else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub,
+    else ~/.cache/huggingface/hub."""
+    def expand(path: str) -> str:
+        return os.path.expandvars(os.path.expanduser(path))
+
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return expand(cache)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return os.path.join(expand(home), "hub")
 
 
 def hub_endpoint() -> str:

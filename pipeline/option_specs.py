@@ -171,6 +171,8 @@ OPTIONS = (
     Option("demo_checkpoint", "model", "Run --input on the bundled tiny random-weight demo checkpoint (noise "
                                        "images): try an input without a real model.",
            switch=True, default=False),
+    Option("model_revision", "model", "Branch, tag or commit of a Hugging Face Hub --model (as owner/name@REV).",
+           metavar="REV", shown_default="the repository's default branch"),
     Option("model_variant", "model", "Weight-file variant of the checkpoint, as diffusers' variant= (fp16 for "
                                      "*.fp16.safetensors).", metavar="VARIANT",
            shown_default="the files without a variant"),

@@ -23,6 +23,11 @@ The graph (every step a transform from `transforms/`):
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all: a signal while the modules below import is one line and exit 130
+    from pipeline.interrupts import install_while_starting
+
+    install_while_starting()
+
 import contextlib
 import dataclasses
 import enum
@@ -31,7 +36,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -63,7 +67,7 @@ from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxIm
 
 from model.api import LoadSettings, ModelError
 
-from . import launch_check, probes
+from . import interrupts, launch_check, log_filters, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
 from .errors import UsageError
 from .option_specs import DEFAULT_OUTPUT
@@ -422,11 +426,10 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir)
     if not wait:
         result = p.run()
-        if dry_run:
-            print(f"translated (dry run) for {runner_name(options)}: nothing submitted or written; the output "
-                  f"{job.output} was not checked for a previous run's results", flush=True)
-        else:
-            print(f"submitted to {runner_name(options)}; outputs will be under {job.output}", flush=True)
+        cloud = options.view_as(GoogleCloudOptions)
+        for line in submitted_lines(runner_name(options), job.output, dry_run=dry_run,
+                                    job_id=submitted_job_id(result), region=cloud.region, project=cloud.project):
+            print(line, flush=True)
         return result, None
     # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
     try:
@@ -512,6 +515,34 @@ def closing_lines(job: JobConfig, summary: dict) -> list[str]:
                      f"with the reason)")
     lines.append(f"summary: {layout.summary_path(out)}")
     return lines
+
+
+DATAFLOW_CONSOLE = "https://console.cloud.google.com/dataflow/jobs/{region}/{job_id}?project={project}"
+
+
+def submitted_lines(runner: str, output: str, *, dry_run: bool, job_id: str | None = None, region: str | None = None,
+                    project: str | None = None) -> list[str]:
+    """What a launch that does not wait prints: where the outputs go, and for a submitted job its id and the
+    Dataflow console page that follows it (Beam logs them at INFO, which the command line does not show)."""
+    if dry_run:
+        return [f"translated (dry run) for {runner}: nothing submitted or written; the output {output} was not "
+                f"checked for a previous run's results"]
+    lines = [f"submitted to {runner}; outputs will be under {output}"]
+    if job_id:
+        lines.append(f"job id: {job_id}")
+        if region and project:
+            lines.append(f"console: {DATAFLOW_CONSOLE.format(region=region, job_id=job_id, project=project)}")
+    return lines
+
+
+def submitted_job_id(result) -> str | None:
+    """The id of the job `result` stands for (a DataflowPipelineResult's job_id()); None for a dry run's result
+    or a runner without job ids."""
+    try:
+        job_id = result.job_id()
+    except Exception:  # noqa: BLE001 - no job: nothing to say
+        return None
+    return job_id if isinstance(job_id, str) and job_id else None
 
 
 def _tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> JobConfig:
@@ -620,18 +651,27 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for name in _WORKER_ERROR_LOGGERS:
         logging.getLogger(name).addFilter(_WithoutModelLoadTraceback())
-    signal.signal(signal.SIGINT, _raise_interrupted)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
+    log_filters.quiet_replaced_row_files()  # a rerun replaces the row files under their fixed names: no warning
+    previous = interrupts.install()
     try:
-        result, summary = run(argv)
+        return _run_to_status(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # noqa: BLE001 - a signal however Beam wrapped it; anything else re-raised
-        signum = _interrupting_signal(e)
+        interrupts.STATE.stopping = True  # first, before any call: a re-delivered interrupt must not raise in here
+        signum = interrupts.STATE.received or interrupts.interrupting_signal(e)
         if signum is None:
             raise
         return _stop_after_signal(argv, signum)
+    finally:
+        if interrupts.STATE.received is None:  # after a signal the process leaves at once (interrupts.exit_process)
+            interrupts.restore(previous)
+
+
+def _run_to_status(argv: list[str]) -> int:
+    """Run the job; 0, or 1 with one line when a finished run generated nothing (unless --allow_empty)."""
+    _, summary = run(argv)
     reason = empty_run_reason(summary)
     if reason and not PipelineOptions(argv).view_as(Flux2KleinOptions).allow_empty:
         print(f"error: {reason} (--allow_empty accepts such a run)", file=sys.stderr)
@@ -639,44 +679,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT."""
-
-
-def _raise_interrupted(signum, frame):
-    """Stop the run where it is: Beam's own reports of the interrupt (tracebacks from its threads) are silenced, the
-    one line of `_stop_after_signal` says what happened."""
-    logging.disable(logging.CRITICAL)
-    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
-
-
-def _interrupting_signal(error: BaseException) -> int | None:
-    """SIGINT or SIGTERM when `error` is the interrupt (or Beam's RuntimeError wrapping one), else None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, KeyboardInterrupt) or "KeyboardInterrupt" in str(error):
-            return signal.SIGINT
-        if isinstance(error, Terminated) or "Terminated" in type(error).__name__:
-            return signal.SIGTERM
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def _stop_after_signal(argv: list[str], signum: int) -> int:
     """One line on what was written and how to resume; Beam's temporary folders removed; 128 + the signal."""
     logging.disable(logging.CRITICAL)  # Beam's threads report the interrupt at length: the line below says it
     output = PipelineOptions(argv).view_as(Flux2KleinOptions).output or DEFAULT_OUTPUT
-    removed = remove_beam_temp(output)
+    try:
+        removed = remove_beam_temp(output)
+    except Exception:  # noqa: BLE001 - the line below is said in any case
+        removed = 0
     try:
         written = len(FileSystems.match([layout.join(output, layout.IMAGES_DIR + "/*")])[0].metadata_list)
     except Exception:  # noqa: BLE001 - nothing listable: say nothing was written
         written = 0
-    name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
-    print(f"interrupted ({name}): {written} image(s) written under {output}"
+    print(f"interrupted ({interrupts.signal_name(signum)}): {written} image(s) written under {output}"
           f"{f', {removed} temporary folder(s) removed' if removed else ''}; to resume, run the same command with "
           f"--skip_existing", file=sys.stderr, flush=True)
-    return 128 + signum
+    return interrupts.status(signum)
 
 
 def remove_beam_temp(output: str) -> int:
@@ -716,4 +734,4 @@ def empty_run_reason(summary: dict | None) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    interrupts.exit_process(main())

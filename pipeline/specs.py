@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from model.api import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
-                       EngineOptions, LoadSettings, count, is_integer, optional_count, validate_variant)
+                       EngineOptions, LoadSettings, count, is_integer, optional_count, validate_variant, with_revision)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
@@ -192,8 +192,9 @@ class OutputSpec:
 class ModelSpec:
     """Which checkpoint, which of its files, and how it is loaded."""
 
-    model: str | None  # as given: a folder, a gs:// prefix or a Hub id; None: the demo's checkpoint
+    model: str | None  # as given: a folder, a gs:// prefix or a Hub id (with --model_revision's @rev); None: the demo's
     demo_checkpoint: bool
+    model_revision: str | None  # a Hub id's branch, tag or commit, also in `model` as owner/name@rev
     model_variant: str | None
     dtype: Dtype
     quantize: Quantize
@@ -202,6 +203,7 @@ class ModelSpec:
     checkpoint_cache_dir: str | None
 
     def __post_init__(self):
+        _set(self, model=with_revision(self.model, self.model_revision))
         validate_variant(self.model_variant, name="--model_variant")
         count("--max_sequence_length", self.max_sequence_length)
         _set(self, dtype=Dtype(self.dtype), quantize=Quantize(self.quantize),

@@ -120,7 +120,12 @@ run gcloud dataflow flex-template build "$TEMPLATE" \
   --sdk-language PYTHON \
   --metadata-file "$HERE/metadata.json"
 
-echo "Built $WORKER_IMAGE (worker, $VARIANT), $LAUNCHER_IMAGE (launcher) and the template spec $TEMPLATE" \
-  "(region $REGION)." >&2
-echo "Launch: templates/run.sh $PROJECT $REGION $BUCKET $WORKER_IMAGE SETTINGS INPUT OUTPUT [MODEL]" >&2
+if [ "$DRY_RUN" = 1 ]; then
+  echo "Dry run: nothing was built or pushed; the commands above would build $WORKER_IMAGE (worker, $VARIANT)," \
+    "$LAUNCHER_IMAGE (launcher) and the template spec $TEMPLATE (region $REGION)." >&2
+else
+  echo "Built $WORKER_IMAGE (worker, $VARIANT), $LAUNCHER_IMAGE (launcher) and the template spec $TEMPLATE" \
+    "(region $REGION)." >&2
+  echo "Launch: templates/run.sh $PROJECT $REGION $BUCKET $WORKER_IMAGE SETTINGS INPUT OUTPUT [MODEL]" >&2
+fi
 echo "$WORKER_IMAGE"

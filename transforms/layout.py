@@ -1,7 +1,9 @@
 """The job's output layout and row shapes, in one place (held-out checks read exactly this layout).
 
-    {output}/images/{id}.png                 one image per request (num_images == 1)
-    {output}/images/{id}-{j}.png             image j of a request with num_images > 1
+    {output}/images/{stem}.png               one image per request (num_images == 1); `stem` is the id itself when
+                                             it is [A-Za-z0-9._-]{1,128} not starting with a dot, else a safe
+                                             form of it with a short hash (`image_stem`)
+    {output}/images/{stem}-{j}.png           image j of a request with num_images > 1
                                              (.webp / .jpg instead of .png with --image_format webp / jpeg)
     {output}/manifest/manifest-*.jsonl       one row per image written by this run
     {output}/manifest/existing-*.jsonl       one row per image this run found already there (--skip_existing);
@@ -18,7 +20,10 @@ Pure functions only: no Beam, no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import unicodedata
 from typing import Any
 
 IMAGES_DIR = "images"
@@ -66,11 +71,36 @@ MANIFEST_FIELDS = (
 )
 
 
+# An id of this form is its images' file stem unchanged: the ids earlier versions accepted, whose outputs resume
+# under the same names.
+PLAIN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+STEM_SLUG_CHARS = 64  # readable part of the stem of any other id
+STEM_HASH_HEX = 12  # 48 bits of the id's sha256: two ids share a stem only by choice (a collision row says so)
+
+
+def image_stem(request_id: str) -> str:
+    """The file stem of a request's images: the id itself when it is a plain id (PLAIN_ID), else a safe readable
+    form of it plus a hash of the exact id: letters and digits kept (accents dropped: 'café 1' -> 'cafe_1-<hash>'),
+    every other run of characters one '_' (none at
+    either end), no leading dot, at most 64 characters, then '-' and 12 hex digits of its
+    sha256. Only [A-Za-z0-9._-] ever reaches a file name: no separator, no '..', no leading dot, no control
+    character, no case-only difference between two ids' hashes, under 100 bytes; the same on every file system
+    and on gs://."""
+    if PLAIN_ID.match(request_id):
+        return request_id
+    ascii_text = unicodedata.normalize("NFKD", request_id).encode("ascii", "ignore").decode("ascii")
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ascii_text).lstrip("._")[:STEM_SLUG_CHARS].rstrip("_")
+    digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()[:STEM_HASH_HEX]
+    return f"{slug}-{digest}" if slug else digest
+
+
 def image_file_name(request_id: str, index: int, num_images: int) -> str:
-    """The image's path relative to `{output}`: `images/{id}.png`, or `images/{id}-{j}.png` when num_images > 1."""
+    """The image's path relative to `{output}`: `images/{stem}.png`, or `images/{stem}-{j}.png` when
+    num_images > 1 (`image_stem`: the id itself for a plain id)."""
+    stem = image_stem(request_id)
     if num_images == 1:
-        return f"{IMAGES_DIR}/{request_id}.png"
-    return f"{IMAGES_DIR}/{request_id}-{index}.png"
+        return f"{IMAGES_DIR}/{stem}.png"
+    return f"{IMAGES_DIR}/{stem}-{index}.png"
 
 
 # --image_format -> the extension of the stored image files.

@@ -165,17 +165,32 @@ class _DeduplicateFn(beam.DoFn):
 
 
 def _name_collisions(element):
-    """(file name, [requests that would write it]) -> (id, (file name, kept request)) for every request but the
-    first (by source, line) when several different requests claim the name."""
-    file_name, claimants = element
-    ordered = sorted(claimants, key=GenerationRequest.position)
-    for other in ordered[1:]:
-        yield other.id, (file_name, ordered[0])
+    """(file name as the output folder compares it, [(file name, request that would write it)]) -> (id, (its file
+    name, the kept request's file name, kept request)) for every request but the first (by source, line) when
+    several different requests claim the name."""
+    _, claimants = element
+    ordered = sorted(claimants, key=lambda c: c[1].position())
+    kept_name, kept = ordered[0]
+    for name, other in ordered[1:]:
+        yield other.id, (name, kept_name, kept)
+
+
+def collision_cause(request: GenerationRequest, file_name: str, kept: GenerationRequest, kept_name: str) -> str:
+    """Why `request`'s image `file_name` is the kept request's image `kept_name`, for the error row: an image number,
+    a case difference the output folder does not keep, or an id that is the other one's safe file name."""
+    if file_name != kept_name:
+        return f"the output folder does not tell upper from lower case, and {kept_name!r} is that file"
+    if kept.num_images > 1 or request.num_images > 1:
+        return ("{stem}-{j}.png names the images of a request with num_images > 1, so an id such as 'x-1' collides "
+                "with request 'x'")
+    return ("an id outside [A-Za-z0-9._-] is stored under a safe form of it with a hash, and the other id is that "
+            "very name")
 
 
 class _DropCollidingFn(beam.DoFn):
-    """(id, {'request': [request], 'collisions': [(file name, kept request)]}) -> the request, or one error row
-    when one of its image names is another request's (`{id}-{j}.png` of a multi-image request vs an id `x-1`)."""
+    """(id, {'request': [request], 'collisions': [(file name, kept file name, kept request)]}) -> the request, or
+    one error row when one of its image names is another request's (`{id}-{j}.png` of a multi-image request vs an
+    id `x-1`; names differing in case only, in a case-insensitive output folder)."""
 
     def __init__(self):
         self._collisions = Metrics.counter(METRICS_NAMESPACE, "records_file_name_collision")
@@ -187,16 +202,16 @@ class _DropCollidingFn(beam.DoFn):
             if not joined["collisions"]:
                 yield request
                 continue
-            file_name, kept = min(joined["collisions"], key=lambda c: (c[1].position(), c[0]))
+            file_name, kept_name, kept = min(joined["collisions"], key=lambda c: (c[2].position(), c[0]))
             self._collisions.inc()
             self._invalid.inc()
             yield beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
                 source=request.source, line=request.line, id=request_id, kind=layout.FILE_NAME_COLLISION,
                 reason=(f"its image {file_name!r} would overwrite an image of request {kept.id!r} ({kept.source}:"
-                        f"{kept.line}), which is kept: {{id}}-{{j}}.png names the images of a request with "
-                        f"num_images > 1, so an id such as 'x-1' collides with request 'x'; choose another id"),
+                        f"{kept.line}), which is kept: {collision_cause(request, file_name, kept, kept_name)}; "
+                        f"choose another id"),
                 record=_request_fields(request),
-                field="id", value=request_id))
+                field="id", value=request_id, file_name=file_name))
 
 
 class DeduplicateRequests(beam.PTransform):
@@ -219,7 +234,8 @@ class DeduplicateRequests(beam.PTransform):
         # Different ids can still name the same file ("x" with 2 images writes x-1.png, as does id "x-1"): the
         # later request (by source, line) is rejected whole, so no image is overwritten by another request's.
         collisions = (out.requests
-                      | "KeyByFileName" >> beam.FlatMap(lambda r: [(fold(t.file_name), r) for t in r.tasks()])
+                      | "KeyByFileName" >> beam.FlatMap(lambda r: [(fold(t.file_name), (t.file_name, r))
+                                                                   for t in r.tasks()])
                       | "GroupByFileName" >> beam.GroupByKey()
                       | "Collisions" >> beam.FlatMap(_name_collisions))
         checked = ({"request": out.requests | "KeyKeptById" >> beam.Map(lambda r: (r.id, r)),

@@ -39,8 +39,8 @@ RECORDS = [
     "this line is not json",                                              # invalid: takes no position
     {"id": "d", "prompt": "a dog"},
     {"id": "tall", "prompt": "a tall view", "height": 64, "width": 32},   # FaultyHandler's doomed bucket
-    {"id": "e", "prompt": "an eel"},                                      # shard 2: e, f, g
-    {"id": "f", "prompt": "a frog"},
+    {"id": "eel café 1", "prompt": "an eel"},                             # shard 2: eel..., frog/2, g
+    {"id": "frog/2", "prompt": "a frog"},                                 # natural ids: kept as given
     {"id": "g", "prompt": "a goat"},
 ]
 GOOD_IMAGES = 8  # a, b-0, b-1, c, d, e, f, g
@@ -133,7 +133,7 @@ def _check_webdataset(outs: JobOutputs, tmp_path) -> dict[int, bytes]:
             assert members[f"{key}.txt"].decode() == meta["prompt"] == by_key[key]["prompt"]
             assert meta["key"] == key and meta["uri"] == shards.shard_relpath(shard)
             ids.append(meta["id"])
-    assert sorted(ids) == ["a", "b", "b", "c", "d", "e", "f", "g"]  # the failed image is in no tar
+    assert sorted(ids) == ["a", "b", "b", "c", "d", "eel café 1", "frog/2", "g"]  # the failed image is in no tar
     errors = outs.rows("errors")
     assert sorted(e["kind"] for e in errors) == ["inference_failed", "invalid_record"]
     sidecar = shards.read_sidecar(outs.emulator.read_bytes(f"{outs.output}/shards/00001.parquet"))
@@ -236,8 +236,9 @@ def _check_imagefolder(out, manifest: dict, cache) -> None:
     assert set(layout.MANIFEST_FIELDS) - {"file_name"} <= set(ds.column_names)
     prompts = sorted(ds["prompt"])
     assert prompts == sorted(r["prompt"] for r in manifest.values()) and HOSTILE in prompts
+    assert {"eel café 1", "frog/2"} <= set(ds["id"])  # natural ids as given, their files under safe names
     for row in ds:
-        name = f"images/{row['id']}.png" if row["id"] != "b" else None
+        name = layout.image_file_name(row["id"], 0, 1) if row["id"] != "b" else None
         if name:
             assert row["sha256"] == manifest[name]["sha256"] == _sha((out / name).read_bytes())
             assert row["image"].size == (row["width"], row["height"])

@@ -78,7 +78,8 @@ def test_exit_statuses_are_documented():
 
 
 def test_closing_lines_name_every_result(ckpt32, tmp_path):
-    """The run's last lines say where the images, manifest, metadata.jsonl, preview, errors and summary are."""
+    """The run's last lines say where the images, manifest, metadata.jsonl, preview, errors and summary are; a
+    --skip_existing rerun says so without Beam's warnings about the files it replaces."""
     source = tmp_path / "prompts.jsonl"
     source.write_text('{"prompt": "a fox"}\n{"prompt": ""}\n')
     out = _cli(ckpt32, source, tmp_path / "out", "--preview=4")
@@ -88,3 +89,9 @@ def test_closing_lines_name_every_result(ckpt32, tmp_path):
                  "preview/index.html", "errors: ", "summary: "):
         assert line in text, (line, text[-2000:])
     assert os.path.isfile(tmp_path / "out" / "preview" / "index.html")
+    # A rerun replaces the row files under their fixed names: Beam's "Deleting 1 existing files in target path"
+    # warnings say nothing the user needs and are not shown.
+    again = _cli(ckpt32, source, tmp_path / "out", "--preview=4", "--skip_existing")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "existing files in target path" not in again.stderr, again.stderr[-2000:]
+    assert "errors: " in again.stdout

@@ -26,11 +26,13 @@ NOT_FETCHED = ("flux-2-klein-tiny.safetensors", "README.md", "transformer/diffus
 
 
 def use_hub(monkeypatch, endpoint: str, cache: str) -> None:
-    """huggingface_hub talks to `endpoint` (read at each call by model/hub.py) and keeps snapshots under `cache`."""
+    """huggingface_hub talks to `endpoint` (read at each call by model/hub.py) and keeps snapshots in the standard
+    Hub cache of HF_HOME=`cache`/hf-home (no token saved by `hf auth login` there either)."""
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("FLUX2_KLEIN_CACHE", cache)
-    monkeypatch.setenv("HF_HOME", os.path.join(cache, "hf-home"))  # no token saved by `hf auth login` here
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    monkeypatch.setenv("HF_HOME", os.path.join(cache, "hf-home"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE",
+                 "HUGGINGFACE_HUB_CACHE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -97,6 +99,51 @@ def test_job_takes_a_hub_id_and_its_revision(hub_cache, stand_in_hub, monkeypatc
     assert ("GET", "/api/models/tiny/klein/revision/v1", None) in stand_in_hub.requests
 
 
+def test_model_revision_option_and_its_conflict_with_the_id(hub_cache, stand_in_hub, monkeypatch, prompts, tmp_path,
+                                                            capsys):
+    """--model_revision is the revision of a Hub id, as @rev is; both given and different is a usage error (exit 2)
+    before any request; a revision without a Hub id too."""
+    cache, _, _ = hub_cache
+    use_hub(monkeypatch, stand_in_hub.endpoint, cache)
+    base = [f"--input={prompts}", f"--output={tmp_path}/out"]
+    for model in (["--model=tiny/klein", "--model_revision=v1"], ["--model=tiny/klein@v1", "--model_revision=v1"]):
+        job = resolve_job(PipelineOptions([*model, *base]))
+        assert os.path.basename(job.model) == HUB_COMMITS["v1"] and job.spec.model.model == "tiny/klein@v1"
+    stand_in_hub.clear()
+    capsys.readouterr()
+    for argv, words in ((["--model=tiny/klein@v1", "--model_revision=main"], "asks for revision 'v1' and "
+                         "--model_revision='main' for another"),
+                        ([f"--model={tmp_path}", "--model_revision=v1"], "is not one"),
+                        (["--model=tiny/klein", "--model_revision=a b"], "must be a branch, tag or commit")):
+        assert main([*argv, *base]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and "Traceback" not in err, err
+    assert stand_in_hub.requests == []
+
+
+def test_the_standard_hub_cache_is_used_and_a_model_fetched_by_hf_download_is_not_fetched_again(
+        stand_in_hub, monkeypatch, tmp_path):
+    """Snapshots live in huggingface_hub's own cache ($HF_HUB_CACHE, else $HF_HOME/hub): `hf download` fills it,
+    and the launch then only asks the Hub which commit the revision is, downloading no file."""
+    import subprocess
+
+    home = tmp_path / "hf-home"
+    use_hub(monkeypatch, stand_in_hub.endpoint, str(tmp_path / "project-cache"))
+    monkeypatch.setenv("HF_HOME", str(home))
+    hf = os.path.join(os.path.dirname(sys.executable), "hf")
+    done = subprocess.run([hf, "download", "tiny/klein"], env=dict(os.environ), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stand_in_hub.clear()
+    snapshot = resolve_hub("tiny/klein")
+    assert snapshot.path == str(home / "hub" / "models--tiny--klein" / "snapshots" / HUB_COMMITS["main"])
+    assert stand_in_hub.requests and not [p for _, p, _ in stand_in_hub.requests if "/resolve/" in p]
+    assert not (tmp_path / "project-cache").exists()
+    # HF_HUB_CACHE wins over HF_HOME
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    assert resolve_hub("tiny/klein").path.startswith(str(tmp_path / "hub-cache") + os.sep)
+
+
 def test_gated_repository_stops_the_launch(stand_in_hub, monkeypatch, prompts, tmp_path, capsys):
     use_hub(monkeypatch, stand_in_hub.endpoint, str(tmp_path / "cache"))
     assert main(["--model=tiny/gated", f"--input={prompts}", f"--output={tmp_path}/out"]) == 2
@@ -140,7 +187,7 @@ def test_offline_mode(hub_cache, stand_in_hub, monkeypatch, prompts, tmp_path, c
     assert job.model == snapshot.path and stand_in_hub.requests == []
     with pytest.raises(HubOfflineError, match="no cached snapshot of tiny/klein@v9"):
         resolve_hub("tiny/klein@v9")
-    monkeypatch.setenv("FLUX2_KLEIN_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     assert main(["--model=tiny/klein", f"--input={prompts}", f"--output={tmp_path}/out"]) == 2
     err = capsys.readouterr().err
     assert "offline mode (HF_HUB_OFFLINE)" in err and "no cached snapshot of tiny/klein" in err

@@ -45,3 +45,93 @@ def test_a_signal_stops_the_job_with_one_line_and_a_resume_finishes_it(ckpt32, t
     resumed = subprocess.run(argv + ["--skip_existing"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert len(os.listdir(out / "images")) == N and not _leftovers(out)
+
+
+# Moments of the 20 interrupts, as (images written first, then seconds): 0 images and a delay from the start (the
+# modules importing, the launch's checks, the model's load and compile: whichever this machine has reached), or
+# once the first image is written, a delay into the generating.
+MOMENTS = [(0, 0.2), (0, 0.7), (0, 1.5), (0, 2.5), (0, 3.5), (0, 4.5), (0, 5.5), (0, 6.5), (0, 8.0), (0, 10.0),
+           (0, 12.0), (0, 14.0), (1, 0.0), (1, 0.1), (1, 0.3), (1, 0.5), (1, 0.8), (1, 1.2), (1, 1.7), (1, 2.5)]
+PROMPTS = 3000  # far more than a run generates before its signal: every job is still running when interrupted
+
+
+def _interrupt_at(argv, out, moment) -> tuple[object, int | str, str]:
+    """Start the job, wait for `moment` (see MOMENTS), send SIGINT; (moment, exit status, stderr)."""
+    job = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    images, delay = moment
+    started = time.time()
+    while images and job.poll() is None and time.time() - started < 240:
+        if os.path.isdir(out / "images") and len(os.listdir(out / "images")) >= images:
+            break
+        time.sleep(0.05)
+    time.sleep(delay)
+    running = job.poll() is None
+    job.send_signal(signal.SIGINT)
+    _, stderr = job.communicate(timeout=120)
+    return moment, job.returncode if running else f"ended before the signal ({job.returncode})", stderr
+
+
+def test_ctrl_c_at_any_moment_exits_130_with_the_line_and_never_aborts(ckpt32, tmp_path):
+    """Twenty Ctrl-Cs at moments spread over the whole run (importing, launching, loading and compiling the model,
+    generating), two jobs at a time: each exits 130 with the one `interrupted (SIGINT)` line, no traceback, no
+    'Exception ignored', no abort of the runtime (`Check failed: PyGILState_Check()`, exit 134)."""
+    import concurrent.futures
+
+    source = tmp_path / "prompts.txt"
+    source.write_text("".join(f"prompt number {i}\n" for i in range(PROMPTS)))
+
+    def one(i):
+        out = tmp_path / f"out{i}"
+        argv = [sys.executable, "-m", "pipeline.run", f"--model={ckpt32}", f"--input={source}", f"--output={out}",
+                *MODEL_ARGS, "--runner=FnApiRunner", *(["--no_progress"] if i % 2 else [])]
+        return _interrupt_at(argv, out, MOMENTS[i])
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(one, range(len(MOMENTS))))
+    bad = []
+    for moment, status, stderr in runs:
+        lines = stderr.strip().splitlines()
+        last = lines[-1] if lines else ""
+        found = [w for w in ("Check failed", "Traceback", "Exception ignored", "FATAL", "core dumped") if w in stderr]
+        if status != 130 or not last.startswith("interrupted (SIGINT)") or found:
+            bad.append((moment, status, found, last[:200]))
+    assert not bad, "\n".join(map(repr, bad))
+
+
+def test_an_interrupt_raised_where_python_ignores_it_is_raised_again():
+    """A signal handler may run inside a __del__ or a garbage collector callback (JAX registers one), where Python
+    only prints 'Exception ignored' and goes on: the job then ran to its end. The interrupt is handed back to the
+    main thread, and nothing is printed for it."""
+    import io
+    import logging
+
+    from pipeline import interrupts
+
+    class RaisesInItsDel:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler runs at the next bytecode: inside __del__
+            for _ in range(100):
+                pass
+
+    previous = interrupts.install()
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            RaisesInItsDel()
+            for _ in range(10 ** 7):  # the interrupt, raised again, lands here
+                pass
+        printed = sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+        interrupts.STATE.stopping = True  # the re-delivery thread stops
+        interrupts.restore(previous)
+        logging.disable(logging.NOTSET)
+    assert interrupts.STATE.received == signal.SIGINT and "Exception ignored" not in printed, printed
+
+
+def test_main_in_process_puts_the_signal_handlers_back(tmp_path, capsys):
+    from pipeline.run import main
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    assert main(["--model=/no/such/checkpoint", f"--input={tmp_path}/p.txt", f"--output={tmp_path}/out"]) == 2
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook) == before

@@ -141,7 +141,7 @@ def test_command_line_reports_usage_errors(tmp_path):
     assert "error: --model is required" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket, tiny_ckpt):
+def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket, tiny_ckpt, capsys):
     """The job translates for Dataflow (runner v2 proto, everything pickles) without any network access."""
     b = f"gs://{gcs_bucket}"
     gcs_emulator.upload_dir(tiny_ckpt, f"{b}/models/klein")  # the launcher reads its configs
@@ -152,6 +152,8 @@ def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket, tiny_ckpt):
                            "--sdk_container_image=example.com/flux2-klein:test",
                            "--experiments=no_use_multiple_sdk_containers", "--large_model"])
     assert summary is None and str(result.state) == "DONE"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == \
+        f"translated (dry run) for DataflowRunner; outputs will be under {b}/out"
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
     for name in ("ReadRequests", "Deduplicate", "PlanOutput", "Generate/BatchByShape", "Generate/RunInference",
                  "WriteOutput/WriteImages", "WriteManifest", "WriteErrors", "Summary"):
@@ -225,6 +227,32 @@ def test_a_dry_run_that_needs_gcs_offline_fails_in_seconds_with_one_line(tmp_pat
         assert main([*DRY_RUN, *argv, f"--input={prompts}", "--output=gs://flux2-dry/out"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_a_submitted_dataflow_job_prints_its_id_and_console_link():
+    """Beam logs the job id and the console link at INFO, which the command line does not show: the launch prints
+    them (a dry run has no job and says so)."""
+    from apache_beam.runners.runner import PipelineResult, PipelineState
+
+    from pipeline.run import submitted_job_id, submitted_lines
+
+    job = "2026-01-02_03_04_05-1234567890123456789"
+    assert submitted_lines("DataflowRunner", "gs://b/out", dry_run=False, job_id=job, region="us-central1",
+                           project="my-project") == [
+        "submitted to DataflowRunner; outputs will be under gs://b/out",
+        f"job id: {job}",
+        f"console: https://console.cloud.google.com/dataflow/jobs/us-central1/{job}?project=my-project"]
+    assert submitted_lines("DataflowRunner", "gs://b/out", dry_run=True, job_id=None, region="us-central1",
+                           project="p") == ["translated (dry run) for DataflowRunner: nothing submitted or written; "
+                                            "the output gs://b/out was not checked for a previous run's results"]
+    assert submitted_lines("DataflowRunner", "gs://b/out", dry_run=False, job_id=job)[1:] == [f"job id: {job}"]
+
+    class Submitted(PipelineResult):  # a DataflowPipelineResult's part the launch reads
+        def job_id(self):
+            return job
+
+    assert submitted_job_id(Submitted(PipelineState.RUNNING)) == job
+    assert submitted_job_id(PipelineResult(PipelineState.DONE)) is None  # what a dry run returns
 
 
 def test_readme_demo_command(tmp_path):

@@ -21,6 +21,7 @@ from pipeline_helpers import (  # noqa: F401 - ckpt32 and xla_cache are fixtures
     HEIGHT, MODEL_ARGS, WIDTH, check_manifest_matches_images, ckpt32, counters, decode, image_names, read, rows,
     xla_cache,
 )
+from transforms import layout
 from transforms.inputs.identity import derive_id, derive_seed
 from transforms.inputs.validation import RequestDefaults
 
@@ -36,7 +37,7 @@ JSONL = "\n".join([
     '{"id": "nop"}',                                                           # 9 missing prompt
     '{"prompt": "p", "height": 100}',                                          # 10 not a multiple of 32
     '{"prompt": "p", "seed": -3}',                                             # 11 negative seed
-    '{"prompt": "p", "id": ".hidden"}',                                        # 12 id starting with a dot
+    '{"prompt": "p", "id": "tab\\there"}',                                     # 12 id with a control character
     '{"prompt": "p", "num_inference_steps": 0}',                               # 13 steps out of range
     '{"prompt": "p", "width": "32"}',                                          # 14 wrong type
 ]).encode() + b'\n{"prompt": "bad \xff byte"}\n'                               # 15 not UTF-8
@@ -46,7 +47,7 @@ JSONL += b'{"id": "dog-1", "prompt": "names the file of dog\'s image 1"}\n'  # 1
 # A gzip file cut short (an incomplete upload): its complete first line is a record, the rest one error row.
 CUT_GZ = gzip.compress(b'{"id": "gz-a", "prompt": "a kept record", "seed": 8}\n{"id": "gz-b", "prompt": "cut off"}\n')[:-12]
 
-CSV = b"id,prompt,seed\ncsv-ok,a red fox in snow,9\ncsv-bad,a red fox,abc\n"
+CSV = "id,prompt,seed\ncsv ok/é,a red fox in snow,9\ncsv-bad,a red fox,abc\n".encode()  # a natural id on gs://
 TEXT = b"a lighthouse at dusk\n\na mountain lake\n"
 
 EXPECTED_ERRORS = {  # (file, line) -> words in the reason
@@ -56,7 +57,7 @@ EXPECTED_ERRORS = {  # (file, line) -> words in the reason
     ("prompts.jsonl", 9): "missing prompt",
     ("prompts.jsonl", 10): "multiple of 32",
     ("prompts.jsonl", 11): "seed must be a non-negative integer",
-    ("prompts.jsonl", 12): "must not start with a dot",
+    ("prompts.jsonl", 12): "U+0009 (Cc, not printable)",
     ("prompts.jsonl", 13): "num_inference_steps must be in",
     ("prompts.jsonl", 14): "width must be an integer",
     ("prompts.jsonl", 15): "not valid UTF-8",
@@ -85,7 +86,9 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_
     defaults = RequestDefaults(height=HEIGHT, width=WIDTH, seed=3)
     derived = derive_id("no id given", HEIGHT, WIDTH, None, None, 1, None)
     text_ids = [derive_id(p, HEIGHT, WIDTH, None, None, 1, None) for p in ("a lighthouse at dusk", "a mountain lake")]
-    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "sized.png", "csv-ok.png", "long.png",
+    natural = f"{layout.image_stem('csv ok/é')}.png"
+    assert natural.startswith("csv_ok_e-")
+    expected = {"cat.png", "dog-0.png", "dog-1.png", f"{derived}.png", "sized.png", natural, "long.png",
                 "gz-a.png"} | \
         {f"{i}.png" for i in text_ids}
     assert image_names(out) == expected
@@ -95,6 +98,7 @@ def test_job_on_gcs_end_to_end(gcs_emulator, gcs_bucket, ckpt32, xla_cache, tmp_
     check_manifest_matches_images(out, manifest, {"sized": (32, WIDTH), "cat": (HEIGHT, WIDTH)})
     by_file = {r["file_name"]: r for r in manifest}
     assert by_file["images/dog-1.png"]["seed"] == 6
+    assert by_file[f"images/{natural}"]["id"] == "csv ok/é" and by_file[f"images/{natural}"]["seed"] == 9
     assert by_file[f"images/{derived}.png"]["seed"] == derive_seed(defaults.seed, derived)
     assert all(r["num_inference_steps"] == 4 and r["model"] == f"{b}/models/klein-tiny" for r in manifest)
     # Longer than --max_sequence_length=32 tokens: truncated (as the reference does), flagged, counted.

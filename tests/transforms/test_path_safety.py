@@ -1,11 +1,14 @@
 """Ids and prompts can never choose where a file goes, prompt text is never executed or logged in full at INFO, and
 weights are read only from safetensors.
 
-- Hostile ids (path traversal `../`, absolute paths, `%2e%2e`, backslashes, NUL, a leading dot, drive letters,
-  shell metacharacters, bidi/zero-width characters) are rejected by the parser with a reason.
-- For every id the parser accepts (property-tested), the image's object name is `images/<id>.png` (or
-  `-<j>.png`) and, joined to the output, stays inside `{output}/images/` for gs:// and local outputs alike; a
-  request without an id gets a hex id, whatever its prompt says.
+- Ids with NUL, control, bidi/zero-width (format) characters, blank or longer than 256 characters are rejected by
+  the parser with a reason; hostile but printable ids (path traversal `../`, absolute paths, `%2e%2e`,
+  backslashes, a leading dot, drive letters, shell metacharacters) are accepted as ids, kept exactly, and their
+  images get a safe name (transforms/layout.py image_stem).
+- For every id the parser accepts (property-tested), the image's object name is `images/<stem>.png` (or
+  `-<j>.png`) with only [A-Za-z0-9._-] in the stem, never a leading dot, and, joined to the output, stays inside
+  `{output}/images/` for gs:// and local outputs alike; a request without an id gets a hex id, whatever its prompt
+  says.
 - Requests are only ever constructed by the validator (checked on the source), so object names are built only
   from validated ids.
 - The runtime code (model/, transforms/, pipeline/) never starts a process or a shell, never evaluates text and
@@ -29,7 +32,7 @@ from hypothesis import strategies as st
 
 from transforms import layout
 from transforms.inputs.coercion import InvalidRecord
-from transforms.inputs.identity import ID_PATTERN, validate_id
+from transforms.inputs.identity import validate_id
 from transforms.inputs.readers import parse_lines
 from transforms.inputs.validation import RequestDefaults
 from transforms.requests import GenerationRequest
@@ -37,16 +40,22 @@ from transforms.requests import GenerationRequest
 from paths import REPO  # noqa: E402
 RUNTIME_PACKAGES = ("model", "transforms", "pipeline")
 D = RequestDefaults(height=32, width=32, seed=1)
-SAFE_FILE = re.compile(r"images/[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}(-\d{1,2})?\.png\Z")
 PROPS = settings(max_examples=150, deadline=None, derandomize=True, database=None)
 
+# Not printable, blank or too long: an error row.
+REFUSED_IDS = [
+    "a\x00b", "\x00", "a\tb", "a\nb", "a\r", "x\n", "", "   ", "a" * 257, "\u202egnp.exe", "x\u200b",
+    "a\x7fb", "a\x85b", "a\u2028b", "\ud800", "\ue000",
+]
+# Printable: accepted, kept as given, stored under a safe name.
 HOSTILE_IDS = [
     "../x", "../../etc/passwd", "..", ".", "./x", "x/..", "a/b", "/abs", "/", "//server/share", "a\\b", "..\\x",
-    "\\\\server\\share", "C:\\Windows", "C:x", "%2e%2e", "%2e%2e%2fx", "..%2f", "%2fetc", "%00", "a\x00b", "\x00",
-    ".hidden", ".png", "..png", "~", "~root", "$(reboot)", "`id`", "a;rm -rf", "a|b", "a b", "a\tb", "a\nb", "a\r",
-    "x\n", "", "a" * 129, "\u202egnp.exe", "x\u200b", "caf\u00e9", "\uff0e\uff0e", "*", "?", "[a]", "{a}", "a:b",
-    "a@b", "a+b", "a'b", 'a"b', "a<b", "a>b", "a&b", "a#b", "a=b", "a,b",
+    "\\\\server\\share", "C:\\Windows", "C:x", "%2e%2e", "%2e%2e%2fx", "..%2f", "%2fetc", "%00", ".hidden",
+    ".png", "..png", "~", "~root", "$(reboot)", "`id`", "a;rm -rf", "a|b", "a b", "a" * 129, "caf\u00e9",
+    "\uff0e\uff0e", "*", "?", "[a]", "{a}", "a:b", "a@b", "a+b", "a'b", 'a"b', "a<b", "a>b", "a&b", "a#b", "a=b",
+    "a,b", "CON", "nul.txt", "\u65e5\u672c", "\U0001f98a fox", "\u00a0nbsp",
 ]
+SAFE_FILE = re.compile(r"images/[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}(-\d{1,2})?\.png\Z")
 
 
 def _csv(rows) -> bytes:
@@ -58,19 +67,31 @@ def _csv(rows) -> bytes:
     return buf.getvalue().encode("utf-8")
 
 
-@pytest.mark.parametrize("bad", HOSTILE_IDS)
-def test_hostile_ids_are_rejected_with_a_reason(bad):
+@pytest.mark.parametrize("bad", REFUSED_IDS)
+def test_unprintable_blank_or_long_ids_are_rejected_with_a_reason(bad):
     with pytest.raises(InvalidRecord) as e:
         validate_id(bad)
-    assert e.value.field == "id" and e.value.reason
+    assert e.value.field == "id" and "1-256 printable characters" in e.value.reason
     # ... and the same through every input format: an error row naming the id field, never a request.
-    for fmt, data in (("jsonl", json.dumps({"id": bad, "prompt": "p"}).encode()),
-                      ("csv", _csv([["id", "prompt"], [bad, "p"]]))):
+    for fmt in ("jsonl", "csv"):
+        if fmt == "csv" and (bad.strip() == "" or "\n" in bad or "\r" in bad or "\ud800" in bad
+                             or "\x85" in bad or "\u2028" in bad):
+            continue  # blank after the CSV reader's stripping, spans rows, or no UTF-8: covered by the JSONL case
+        data = json.dumps({"id": bad, "prompt": "p"}).encode() if fmt == "jsonl" else _csv([["id", "prompt"], [bad, "p"]])
         out = parse_lines(data, "x." + fmt, fmt, D)
-        if fmt == "csv" and (bad.strip() == "" or "\n" in bad or "\r" in bad):
-            continue  # blank after the CSV reader's stripping, or spans rows: covered by the JSONL case
         assert len(out) == 1 and isinstance(out[0], dict), (fmt, bad, out)
-        assert out[0]["field"] == "id" and out[0]["id"] is None
+        assert out[0]["field"] == "id"
+        json.dumps(out[0], ensure_ascii=False).encode("utf-8")  # the row can be written, whatever the id holds
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_IDS)
+def test_hostile_printable_ids_are_kept_and_stored_under_a_safe_name(hostile):
+    out = parse_lines(json.dumps({"id": hostile, "prompt": "p", "num_images": 2}).encode(), "x.jsonl", "jsonl", D)
+    assert len(out) == 1 and isinstance(out[0], GenerationRequest), out
+    assert out[0].id == hostile  # exactly as given
+    names = [t.file_name for t in out[0].tasks()]
+    assert all(SAFE_FILE.match(n) for n in names), names
+    assert len(set(names)) == 2 and all(len(n.encode()) < 120 for n in names)
 
 
 @PROPS
@@ -81,8 +102,7 @@ def test_every_accepted_id_names_a_file_inside_images(candidate):
         rid = validate_id(candidate)
     except InvalidRecord:
         return
-    assert ID_PATTERN.match(rid) and not rid.startswith(".")
-    assert not set(rid) & set("/\\\x00%:~")
+    assert rid == (str(candidate) if not isinstance(candidate, str) else candidate)  # kept exactly
     for n, j in ((1, 0), (3, 2), (64, 63)):
         name = layout.image_file_name(rid, j, n)
         assert SAFE_FILE.match(name), name
@@ -94,6 +114,25 @@ def test_every_accepted_id_names_a_file_inside_images(candidate):
             folder = posixpath.normpath(posixpath.join(output.replace("gs://", "/gs/"), "images"))
             resolved = posixpath.normpath(full.replace("gs://", "/gs/"))
             assert posixpath.dirname(resolved) == folder, (rid, full)
+
+
+@PROPS
+@given(a=st.text(min_size=1, max_size=300), b=st.text(min_size=1, max_size=300))
+def test_image_stems_are_safe_and_tell_ids_apart_even_without_case(a, b):
+    import hashlib
+
+    for rid in (a, b):
+        stem = layout.image_stem(rid)
+        assert re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", stem) and len(stem.encode()) <= 128, (rid, stem)
+        if layout.PLAIN_ID.match(rid):
+            assert stem == rid  # the earlier rule's ids keep their names: old outputs resume
+        else:
+            digest = hashlib.sha256(rid.encode("utf-8", "surrogatepass")).hexdigest()[:layout.STEM_HASH_HEX]
+            assert stem == digest or stem.endswith("-" + digest), (rid, stem)
+    if a != b and not (layout.PLAIN_ID.match(a) and layout.PLAIN_ID.match(b)):
+        assert layout.image_stem(a) != layout.image_stem(b)
+        if not (layout.PLAIN_ID.match(a) or layout.PLAIN_ID.match(b)):  # hashes are lower case: folding keeps them apart
+            assert layout.image_stem(a).lower() != layout.image_stem(b).lower()
 
 
 @PROPS

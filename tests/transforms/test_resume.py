@@ -147,6 +147,25 @@ def test_a_recorded_row_of_another_size_than_the_listed_image_is_read(tmp_path, 
     assert len(image_reads) == 1 and got["tasks"] == ["images/a.png"] and rows[0]["bytes"] > 0
 
 
+def test_natural_ids_resume_under_their_safe_names(tmp_path, image_reads):
+    """Images of ids outside [A-Za-z0-9._-] are stored as <slug>-<hash>.png: a rerun finds them there, recorded or
+    (a killed run's) read and checked against the id their text carries, and its rows keep the ids as given."""
+    out = str(tmp_path / "out")
+    done = [task("img 0001"), task("café 2", prompt="a hen"), task("a/b")]
+    _write_run(out, done[:1])  # recorded in a manifest
+    _write_run(out, done[1:], manifest=False)  # a killed run's: read and checked
+    new = task("img 0003")
+    got = _skip(out, done + [new])
+    names = {t.request.id: t.file_name for t in done + [new]}
+    assert names["img 0001"] == f"images/img_0001-{layout.image_stem('img 0001')[-12:]}.png"
+    assert names["café 2"].startswith("images/cafe_2-") and names["a/b"].startswith("images/a_b-")
+    assert got["tasks"] == [names["img 0003"]] and got["stale"] == []
+    assert sorted((r["id"], r["file_name"]) for r in got["existing"]) == \
+        sorted((t.request.id, t.file_name) for t in done)
+    assert sorted(os.path.basename(p) for p in image_reads) == sorted(
+        os.path.basename(names[i]) for i in ("café 2", "a/b"))
+
+
 # --------------------------------------------------------------------------------------------- webdataset
 def _pixels(t) -> np.ndarray:
     r = t.request

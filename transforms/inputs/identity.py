@@ -1,20 +1,26 @@
-"""Request ids and seeds: a given id is checked (it names the request's image files), a missing one derived from the
-request's content, a missing seed from the job's `--seed` and the id; so a rerun of the same input gives the same
-names and the same pixels.
+"""Request ids and seeds: a given id is checked (1-256 printable characters, kept exactly as given; its image files
+get a safe form of it, transforms/layout.py `image_stem`), a missing one derived from the request's content, a
+missing seed from the job's `--seed` and the id; so a rerun of the same input gives the same names and the same
+pixels.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
+import unicodedata
 from typing import Any, Mapping
 
 from model.contract import show
 
 from .coercion import InvalidRecord, type_name
 
-ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+MAX_ID_CHARS = 256
+# Unicode categories an id may not hold: controls (NUL, tab, newline, DEL, C1), format characters (zero-width,
+# bidirectional controls), lone surrogates (no UTF-8 form), private use, unassigned, line and paragraph separators.
+# Everything else is printable: letters, marks, digits, punctuation, symbols and spaces.
+UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+ID_RULE = f"1-{MAX_ID_CHARS} printable characters"
 
 
 def _canonical(params: Mapping[str, Any]) -> bytes:
@@ -40,12 +46,30 @@ def derive_seed(base_seed: int, request_id: str) -> int:
     return int.from_bytes(digest[:4], "big")
 
 
+def unprintable(text: str) -> str | None:
+    """The first character of `text` an id may not hold, or None."""
+    for ch in text:
+        if unicodedata.category(ch) in UNPRINTABLE_CATEGORIES:
+            return ch
+    return None
+
+
 def validate_id(value: Any) -> str:
+    """A record's id as the request's id: a string (or an integer, as its decimal text) of 1-256 printable
+    characters, not blank; kept exactly as given. InvalidRecord naming what is wrong otherwise."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise InvalidRecord(f"id must be a string, got {type_name(value)} {show(value)}", field="id", value=value)
+    if isinstance(value, int) and abs(value) >= 10 ** MAX_ID_CHARS:
+        raise InvalidRecord(f"id must be {ID_RULE}, got {show(value)}", field="id", value=value)
     text = str(value)
-    if not ID_PATTERN.match(text):
-        raise InvalidRecord(f"id must match [A-Za-z0-9._-]{{1,128}}, got {show(text)}", field="id", value=value)
-    if text.startswith("."):
-        raise InvalidRecord(f"id must not start with a dot, got {text!r}", field="id", value=value)
+    if not text.strip():
+        raise InvalidRecord(f"id must be {ID_RULE}, got {'an empty' if not text else 'a blank'} id {show(text)}",
+                            field="id", value=value)
+    if len(text) > MAX_ID_CHARS:
+        raise InvalidRecord(f"id must be {ID_RULE}, got {len(text)} characters: {show(text, 60)}", field="id",
+                            value=value)
+    bad = unprintable(text)
+    if bad is not None:
+        raise InvalidRecord(f"id must be {ID_RULE}, got U+{ord(bad):04X} ({unicodedata.category(bad)}, not "
+                            f"printable) in {show(text)}", field="id", value=value)
     return text

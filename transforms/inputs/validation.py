@@ -23,7 +23,7 @@ from ..defaults import DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES, DEFAULT_S
 from ..requests import GenerationRequest
 from .coercion import InvalidRecord, absent, as_float, as_int, as_references, contract_or_invalid, metadata_json
 from .columns import ColumnError, ColumnMap, ColumnResolver
-from .identity import derive_id, derive_seed, validate_id
+from .identity import MAX_ID_CHARS, derive_id, derive_seed, validate_id
 from .json_values import to_json_value
 from .records import RawRecord
 
@@ -128,20 +128,21 @@ def parse_raw(raw: RawRecord, defaults: RequestDefaults, resolver: ColumnResolve
                                extra=extra)
     except InvalidRecord as e:
         return layout.error_row(source=raw.source, line=raw.line, reason=e.reason, record=_record_text(raw),
-                                id=_valid_id_or_none(fields, raw.text_values), field=e.field, value=e.value)
+                                id=_given_id(fields, raw.text_values), field=e.field, value=e.value)
 
 
-def _valid_id_or_none(fields: Mapping[str, Any], text_values: bool) -> str | None:
-    """The record's id, if it has a valid one (so an error row can name it)."""
+def _given_id(fields: Mapping[str, Any], text_values: bool) -> str | None:
+    """The record's id as given (a string or an integer, as text; cut and escaped to be writable when it is too
+    long or not valid Unicode), so that an error row names the record by it; None when the record has none. The
+    row's source and line say where the record is either way."""
     rid = fields.get("id")
     if isinstance(rid, str) and text_values:
         rid = rid.strip()
-    if rid is None or rid == "":
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
         return None
-    try:
-        return validate_id(rid)
-    except InvalidRecord:
+    if isinstance(rid, int) and abs(rid) >= 10 ** MAX_ID_CHARS:
         return None
+    return layout.truncate_record(str(rid), MAX_ID_CHARS)
 
 
 def _record_text(raw: RawRecord):
