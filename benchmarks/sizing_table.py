@@ -25,23 +25,47 @@ SIZING_END = "<!-- sizing:end -->"
 GiB = 1024**3
 
 
+# List prices per chip-hour (Dataflow bills TPU jobs by the chip-hour); v6e's is assumed (docs/performance.md).
+PRICES = {"TPU v5e": 1.20, "TPU v6e": 2.70}
+
+
+def estimate(report: dict) -> float:
+    """Seconds per image per worker by the current calibration (model.estimate) from the report's compiled figures,
+    so a recalibration reaches every row that has them without compiling again (older rows keep their estimate)."""
+    from model.estimate import V5E_CALIBRATION, ProgramStats
+    from model.tpu_topology import CHIPS
+
+    chip = next(spec for spec in CHIPS.values() if spec.name == report["chip"])
+    flash = report["devices"] == 1 and report["chip"] == "TPU v5e"  # model.attention.FLASH_KERNEL_CHIPS
+    seconds = 0.0
+    for name, p in report["programs"].items():
+        xla = p["flops"] * report["batch"] / report["devices"] - p["kernel_flops"]  # the report's FLOPs are per image
+        stats = ProgramStats(name, 0, 0, 0, 0, 0, xla, p["bytes_accessed"], 0.0, p["kernel_flops"], 0.0, 0, 1)
+        seconds += stats.est_seconds(chip, report["devices_per_chip"], int8=report.get("quantize") == "int8",
+                                     flash=flash)
+    return seconds / report["batch"] + V5E_CALIBRATION.host_seconds_per_image
+
+
 def _cell(row: dict) -> list[str]:
     r = row["report"]
-    machine = f"{r['topology']} ({r['chips']} x {r['chip']})"
+    weights = "int8" if r.get("quantize") == "int8" else r.get("dtype", "bfloat16").replace("bfloat16", "bf16")
+    machine = f"{r['chip'].replace('TPU ', '')} ({r['chips']})"
+    memory = f"{r['peak_bytes_per_chip'] / GiB:.1f} of {r['hbm_bytes_per_chip'] / GiB:.0f}"
     if not r["fits"]:
-        return [r["model"], machine, "-", "-", f"{r['peak_bytes_per_chip'] / GiB:.2f} / "
-                f"{r['hbm_bytes_per_chip'] / GiB:.2f}", "does not fit", "-", row["compiled_on"], row.get("note", "")]
+        return [r["model"], machine, weights, "-", memory, "does not fit", "-", "estimated"]
+    measured = row.get("measured_s_per_image")
+    seconds = measured or (estimate(r) if "programs" in r else r["est_seconds_per_image"])
+    price = PRICES.get(r["chip"])
+    cost = f"{1000 * seconds * r['chips'] * price / 3600:.2f}" if price else "-"
     batch = f"{r['batch']}" + (" (auto)" if r.get("batch_picked") else "")
-    per_hour = 3600 / r["est_seconds_per_image"]
-    return [r["model"], machine, batch, str(r["model_shards"]),
-            f"{r['peak_bytes_per_chip'] / GiB:.2f} / {r['hbm_bytes_per_chip'] / GiB:.2f}",
-            f"{r['est_seconds_per_image']:.3f}", f"{per_hour:,.0f}", row["compiled_on"], row.get("note", "")]
+    figure = f"measured ({r['chip'].replace('TPU ', '')})" if measured else "estimated"
+    return [r["model"], machine, weights, batch, memory, f"{seconds:.3f}", cost, figure]
 
 
 def table(data: dict) -> str:
     """The markdown table of `data` (the JSON's contents), between its markers."""
-    head = ["model", "machine (chips per worker)", "batch", "model shards", "peak / HBM GiB per chip",
-            "est. s/image (per worker)", "images/h per worker", "compiled with", "note"]
+    head = ["model", "TPU (chips per worker)", "weights", "batch", "peak of HBM, GiB per chip",
+            "s per image per worker", "$ per 1,000 images", "figure"]
     lines = [SIZING_BEGIN, "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_cell(row)) + " |" for row in data["rows"]]
     return "\n".join(lines + [SIZING_END]) + "\n"
@@ -65,11 +89,11 @@ def preflight_report(path: str) -> dict:
 
 
 def add(data: dict, report: dict, compiled_on: str, note: str = "") -> dict:
-    """`data` with `report` as a row, in place of a row of the same model, topology, size and batch choice (else
-    last)."""
+    """`data` with `report` as a row, in place of a row of the same model, topology, size, quantization and batch
+    choice (else last)."""
     def key(r: dict) -> tuple:
-        return (r["model"], r["topology"], r.get("height"), r.get("width"), bool(r.get("batch_picked")),
-                None if r.get("batch_picked") else r["batch"])
+        return (r["model"], r["topology"], r.get("height"), r.get("width"), r.get("quantize", "none"),
+                bool(r.get("batch_picked")), None if r.get("batch_picked") else r["batch"])
 
     new = {"compiled_on": compiled_on, "note": note, "report": report}
     rows = [new if key(row["report"]) == key(report) else row for row in data["rows"]]

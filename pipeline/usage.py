@@ -318,6 +318,8 @@ EXIT_STATUSES = (
         "errors file names each); or the job itself failed"),
     (2, "a usage error: an unknown option, a bad value, an input or model that cannot be used, an output holding a "
         "previous run's results without --skip_existing or --overwrite; nothing ran"),
+    (130, "interrupted by Ctrl-C (SIGINT) at any moment: one line says how many images were written; run the same "
+          "command with --skip_existing to finish (SIGTERM: 143)"),
 )
 
 

@@ -34,9 +34,29 @@ def test_every_row_is_a_preflight_report_with_its_compiler():
     for row, line in zip(rows, lines[3:-1]):
         r = row["report"]
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[0] == r["model"] and cells[1].startswith(r["topology"])
-        assert cells[4] == f"{r['peak_bytes_per_chip'] / 2**30:.2f} / {r['hbm_bytes_per_chip'] / 2**30:.2f}"
-        assert cells[5] == (f"{r['est_seconds_per_image']:.3f}" if r["fits"] else "does not fit")
+        assert cells[0] == r["model"] and cells[1] == f"{r['chip'].replace('TPU ', '')} ({r['chips']})"
+        assert cells[4] == f"{r['peak_bytes_per_chip'] / 2**30:.1f} of {r['hbm_bytes_per_chip'] / 2**30:.0f}"
+        if not r["fits"]:
+            assert cells[5] == "does not fit"
+            continue
+        measured = row.get("measured_s_per_image")
+        seconds = measured or (sizing_table.estimate(r) if "programs" in r else r["est_seconds_per_image"])
+        assert cells[5] == f"{seconds:.3f}" and cells[7] == ("measured (v5e)" if measured else "estimated")
+        price = sizing_table.PRICES.get(r["chip"])
+        assert cells[6] == (f"{1000 * seconds * r['chips'] * price / 3600:.2f}" if price else "-")
+
+
+def test_estimates_follow_the_current_calibration():
+    """A row with the compiled figures is priced by today's calibration: its stored estimate (made when it was
+    compiled) is not what the table shows once the calibration moved, the recomputed one is."""
+    rows = [row for row in _data()["rows"] if "programs" in row["report"] and row["report"]["fits"]]
+    assert rows
+    for row in rows:
+        seconds = sizing_table.estimate(row["report"])
+        assert 0.05 < seconds < 2.0, seconds
+    int8 = next(row for row in rows if row["report"].get("quantize") == "int8")
+    bf16 = next(row for row in rows if row["report"]["topology"] == "v5e:1x1" and row["report"].get("quantize") != "int8")
+    assert sizing_table.estimate(int8["report"]) < 0.8 * sizing_table.estimate(bf16["report"])
 
 
 def test_a_preflight_run_becomes_a_row(tmp_path, capsys):
@@ -52,8 +72,8 @@ def test_a_preflight_run_becomes_a_row(tmp_path, capsys):
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == len(_data()["rows"]) + 1 and rows[-1]["report"] == report  # auto: not the batch-1 row
     hbm = report["hbm_bytes_per_chip"] / 2**30
-    assert (f"| {report['batch']} (auto) | {report['model_shards']} | 15.00 / {hbm:.2f} | 0.500 | 7,200 | "
-            f"a test, libtpu x |") in capsys.readouterr().out
+    seconds = sizing_table.estimate(report)
+    assert (f"| {report['batch']} (auto) | 15.0 of {hbm:.0f} | {seconds:.3f} |") in capsys.readouterr().out
     assert sizing_table.main(["--json", str(path), "--add", str(out), "--compiled-on", "again, libtpu y"]) == 0
     again = json.loads(path.read_text())["rows"]
     assert len(again) == len(rows) and again[-1]["compiled_on"] == "again, libtpu y"  # replaced, not added
