@@ -302,7 +302,7 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
 def _sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     """The sink of --output_format: the one place the job chooses how its images are stored."""
     settings = sinks.SinkSettings(job.output, job.encoding, job.model_fingerprint or None, job.skip_existing,
-                                  job.encode_threads, progress_dir)
+                                  job.encode_threads, progress_dir, quantize=job.load.engine.quantize)
     if job.output_format == sinks.WebDatasetSink.output_format:
         return sinks.WebDatasetSink(settings, job.samples_per_shard)
     return sinks.FilesSink(settings)

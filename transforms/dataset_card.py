@@ -38,8 +38,14 @@ def brace_range(infos: list[dict]) -> str:
     return f"{shards.SHARDS_DIR}/{{{numbers[0]:05d}..{numbers[-1]:05d}}}.tar"
 
 
-def card(output: str, infos: list[dict], samples_per_shard: int, image_extension: str) -> str:
-    """README.md: the `configs:` block `datasets` reads, then how to load the shards with each reader."""
+def card(output: str, infos: list[dict], samples_per_shard: int, image_extension: str,
+         quantize: str = "none") -> str:
+    """README.md: the `configs:` block `datasets` reads, what made the images (with the model's quantization), then
+    how to load the shards with each reader."""
+    made = ("The model ran with int8 weights and activations in its projections (`--quantize int8`): the images "
+            "differ from the unquantized model's pixel by pixel; every sample's `quantize` field says so."
+            if quantize == "int8" else
+            "The model ran unquantized (`--quantize none`, every sample's `quantize` field).")
     total = sum(int(i["nsamples"]) for i in infos)
     pattern = brace_range(infos)
     base = output.rstrip("/")
@@ -59,6 +65,7 @@ configs:
 model, sha256, ... and `key`) and `KEY.txt` (the prompt). Next to each `shards/NNNNN.tar`: `NNNNN_stats.json`
 (written last: the shard is complete) and `NNNNN.parquet` (every sample of the shard, failed ones included).
 `dataset.json` is a `wids` index, `sizes.json` open_clip's. Failed images are never in a tar; see `errors/`.
+{made}
 
 ## Read the shards
 

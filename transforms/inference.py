@@ -260,6 +260,7 @@ class GeneratedImage:
     model: str
     generation_ms: float  # this image's share of its batch's generate() wall time
     nonfinite: str | None = None  # why its values are not an image (NaN or inf: stage and share), else None
+    quantize: str = "none"  # the model's quantization (EngineOptions.quantize): recorded with the image
 
 
 class LoadedGenerator:
@@ -441,7 +442,8 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
             image = GeneratedImage(task=task, pixels=images[i], num_inference_steps=out["num_inference_steps"],
                                    guidance_scale=out["guidance_scale"], prompt_truncated=bool(out["truncated"][i]),
                                    model=out["model"], generation_ms=per_image_ms,
-                                   nonfinite=out.get("nonfinite", [None] * len(tasks))[i])
+                                   nonfinite=out.get("nonfinite", [None] * len(tasks))[i],
+                                   quantize=self.settings.engine.quantize)
             results.append(PredictionResult(task, image, model_id=out["model"]))
         return results
 

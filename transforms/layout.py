@@ -62,6 +62,7 @@ MANIFEST_FIELDS = (
     "num_inference_steps",
     "guidance_scale",
     "model",
+    "quantize",  # none | int8: the model's quantization (EngineOptions.quantize)
     "sha256",
     "bytes",
     "generation_ms",
@@ -262,15 +263,16 @@ def manifest_row(
     generation_ms: float | None,
     model_fingerprint: str | None,
     key: str | None = None,
+    quantize: str = "none",
 ) -> dict:
     """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
     metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
     record's extra columns, typed as read; {} when it had none), `reference_images` ([{uri, sha256}] in the
     record's order; the row has the key only when there are any), the request fingerprint and `source`/`line`; the
     caller gives where the image is (`file_name`, `uri`), its bytes' sha256 and size, what its generate call
-    reported (steps, guidance, truncation, model, `generation_ms`: None for an image found already written, whose
-    time was not measured) and the model fingerprint (None where an older image does not record it). `key`: the
-    sample's key in a WebDataset shard, last."""
+    reported (steps, guidance, truncation, model and its `quantize`, `generation_ms`: None for an image found
+    already written, whose time was not measured) and the model fingerprint (None where an older image does not
+    record it). `key`: the sample's key in a WebDataset shard, last."""
     from .fingerprints import request_fingerprint
 
     r = task.request
@@ -286,6 +288,7 @@ def manifest_row(
         "num_inference_steps": int(num_inference_steps),
         "guidance_scale": float(guidance_scale),
         "model": model,
+        "quantize": quantize,
         "sha256": sha256,
         "bytes": int(num_bytes),
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),

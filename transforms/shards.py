@@ -194,7 +194,7 @@ def is_complete(stats: dict, planned: int) -> bool:
 
 # --------------------------------------------------------------------------------------------- sidecar rows
 SIDECAR_COLUMNS = ("key", "status", "error_message", "id", "file_name", "uri", "prompt", "prompt_truncated", "seed",
-                   "height", "width", "num_inference_steps", "guidance_scale", "model", "sha256", "bytes",
+                   "height", "width", "num_inference_steps", "guidance_scale", "model", "quantize", "sha256", "bytes",
                    "generation_ms", "metadata", "source", "line", "request_fingerprint", "model_fingerprint")
 
 
@@ -204,7 +204,8 @@ def sidecar_schema():
     types = {"key": pa.string(), "status": pa.string(), "error_message": pa.string(), "id": pa.string(),
              "file_name": pa.string(), "uri": pa.string(), "prompt": pa.string(), "prompt_truncated": pa.bool_(),
              "seed": pa.int64(), "height": pa.int64(), "width": pa.int64(), "num_inference_steps": pa.int64(),
-             "guidance_scale": pa.float64(), "model": pa.string(), "sha256": pa.string(), "bytes": pa.int64(),
+             "guidance_scale": pa.float64(), "model": pa.string(), "quantize": pa.string(), "sha256": pa.string(),
+             "bytes": pa.int64(),
              "generation_ms": pa.float64(), "metadata": pa.string(), "source": pa.string(), "line": pa.int64(),
              "request_fingerprint": pa.string(), "model_fingerprint": pa.string()}
     return pa.schema([(name, types[name]) for name in SIDECAR_COLUMNS])

@@ -47,6 +47,7 @@ class SinkSettings:
     skip_existing: bool = False
     encode_threads: int | None = None
     progress_dir: str | None = None
+    quantize: str = "none"  # the model's quantization, which the dataset card states
 
 
 class Sink(beam.PTransform):

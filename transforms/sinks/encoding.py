@@ -29,10 +29,11 @@ JPEG_MAX_EXIF_BYTES = 65_000  # a JPEG APP1 segment holds at most 65,533 bytes o
 
 
 def png_text(task, *, num_inference_steps: int, guidance_scale: float, model: str,
-             prompt_truncated: bool | None = None, model_fingerprint: str | None = None) -> dict[str, str]:
+             prompt_truncated: bool | None = None, model_fingerprint: str | None = None,
+             quantize: str = "none") -> dict[str, str]:
     """The text an image of `task` carries (PNG text chunks; WebP/JPEG EXIF): prompt, seed, steps, guidance and
-    model (plus the id, size, whether the prompt was truncated and the request's and the model's fingerprints), all
-    as strings; a resumed job rebuilds an image's manifest row from them."""
+    model with its quantization (plus the id, size, whether the prompt was truncated and the request's and the
+    model's fingerprints), all as strings; a resumed job rebuilds an image's manifest row from them."""
     r = task.request
     text = {
         "prompt": r.prompt,
@@ -42,6 +43,7 @@ def png_text(task, *, num_inference_steps: int, guidance_scale: float, model: st
         "guidance_scale": repr(float(guidance_scale)),
         "guidance": repr(float(guidance_scale)),
         "model": model,
+        "quantize": quantize,
         "id": r.id,
         "height": str(r.height),
         "width": str(r.width),
@@ -66,7 +68,8 @@ def generated_text(generated, model_fingerprint: str | None = None) -> dict[str,
     """The text of a GeneratedImage (transforms/inference.py): what its generate call reported."""
     return png_text(generated.task, num_inference_steps=generated.num_inference_steps,
                     guidance_scale=generated.guidance_scale, model=generated.model,
-                    prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint)
+                    prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint,
+                    quantize=generated.quantize)
 
 
 def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,

@@ -54,6 +54,7 @@ class FoundImage:
     prompt_truncated: bool | None
     model: str
     model_fingerprint: str | None
+    quantize: str = "none"
 
     def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
         """Its manifest row (generation_ms None: its time was not measured by this run)."""
@@ -61,7 +62,7 @@ class FoundImage:
             task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
-            model_fingerprint=self.model_fingerprint, key=key)
+            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize)
 
 
 def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
@@ -123,7 +124,7 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
     truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
     return FoundImage(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data), num_inference_steps=steps,
                       guidance_scale=guidance, prompt_truncated=truncated, model=text.get("model", ""),
-                      model_fingerprint=text.get("model_fingerprint"))
+                      model_fingerprint=text.get("model_fingerprint"), quantize=text.get("quantize", "none"))
 
 
 def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding | None = None,
@@ -240,7 +241,7 @@ class _DecideExistingFn(_SkipExistingFn):
         self._skipped.inc()
         found = FoundImage(sha256=rec["sha256"], num_bytes=size, num_inference_steps=rec["num_inference_steps"],
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
-                           model=rec["model"], model_fingerprint=want[1])
+                           model=rec["model"], model_fingerprint=want[1], quantize=rec.get("quantize", "none"))
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
                                                               uri=layout.join(self._output, file_name)))
 

@@ -242,7 +242,7 @@ class _PlanShardFn(retries.CountingRetriesFn):
             task, file_name=row["file_name"], uri=uri, sha256=row["sha256"], num_bytes=row["bytes"],
             num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
             prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
-            model_fingerprint=row["model_fingerprint"], key=task.key)
+            model_fingerprint=row["model_fingerprint"], key=task.key, quantize=row.get("quantize") or "none")
             for task, row in ((task, by_key[task.key]) for task in tasks)]
 
     def _reuse(self, task: ShardTask) -> dict | None:
@@ -386,10 +386,11 @@ class _PackShardFn(retries.CountingRetriesFn):
 
 # --------------------------------------------------------------------------------------------- indexes
 class _WriteIndexesFn(retries.CountingRetriesFn):
-    def __init__(self, output: str, samples_per_shard: int, image_extension: str):
+    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none"):
         self._output = output
         self._per_shard = samples_per_shard
         self._extension = image_extension
+        self._quantize = quantize
 
     def process(self, infos):
         infos = sorted(infos, key=lambda i: i["shard"])
@@ -400,7 +401,7 @@ class _WriteIndexesFn(retries.CountingRetriesFn):
         for name, value in files.items():
             write_bytes_atomic(layout.join(self._output, name),
                                (json.dumps(value, indent=2) + "\n").encode("utf-8"), mime_type="application/json")
-        card = dataset_card.card(self._output, infos, self._per_shard, self._extension)
+        card = dataset_card.card(self._output, infos, self._per_shard, self._extension, self._quantize)
         write_bytes_atomic(layout.join(self._output, dataset_card.CARD_FILE), card.encode("utf-8"),
                            mime_type="text/markdown")
         yield len(infos)
@@ -409,9 +410,9 @@ class _WriteIndexesFn(retries.CountingRetriesFn):
 class WriteShardIndexes(beam.PTransform):
     """{shard, nsamples} of every shard -> dataset.json (wids), sizes.json (open_clip), README.md (datasets)."""
 
-    def __init__(self, output: str, samples_per_shard: int, image_extension: str):
+    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none"):
         super().__init__()
-        self._fn = _WriteIndexesFn(output, samples_per_shard, image_extension)
+        self._fn = _WriteIndexesFn(output, samples_per_shard, image_extension, quantize)
 
     def expand(self, infos):
         return (infos
@@ -448,7 +449,7 @@ class WebDatasetSink(Sink):
                   | "PackShards" >> beam.ParDo(_PackShardFn(s)).with_outputs(EXISTING, SHARDS_TAG, main=MANIFEST))
         manifest = packed[MANIFEST]
         infos = (inputs[KEPT_SHARDS], packed[SHARDS_TAG]) | "AllShardInfos" >> beam.Flatten()
-        indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension)
+        indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize)
         cleaned = (after(manifest.pipeline | "StagingDir" >> beam.Create([s.output]), packed[SHARDS_TAG],
                          "AfterPacking")
                    | "RemoveStaging" >> beam.Map(remove_staging))

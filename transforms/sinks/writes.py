@@ -166,6 +166,7 @@ class StoreImagesFn(retries.CountingRetriesFn):
             generated.task, file_name=place.file_name, uri=place.uri, sha256=stored.sha256,
             num_bytes=stored.num_bytes, num_inference_steps=generated.num_inference_steps,
             guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
-            model=generated.model, generation_ms=generated.generation_ms, model_fingerprint=self._model_fingerprint,
+            model=generated.model, quantize=generated.quantize, generation_ms=generated.generation_ms,
+            model_fingerprint=self._model_fingerprint,
             key=place.key)
         return WindowedValue(row, timestamp, [window])
