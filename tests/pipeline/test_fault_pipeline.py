@@ -60,7 +60,8 @@ GOOD = [{"id": f"g{i}", "prompt": f"good prompt number {i}"} for i in range(7)] 
 DOOMED = [{"id": "tall0", "prompt": "a tall view", "height": 64, "width": 32},
           {"id": "tall1", "prompt": "another", "height": 64, "width": 32}]
 DOOMED_SHAPE = "64x32/"
-INVALID = ['{"id": "bad-size", "prompt": "x", "height": 7}', "this line is not json", '{"id": "../evil", "prompt": "x"}']
+INVALID = ['{"id": "bad-size", "prompt": "x", "height": 7}', "this line is not json",
+           '{"id": "evil\\u0000id", "prompt": "x"}']  # an id with NUL: still refused (natural ids allow "../evil")
 
 
 def _jsonl(records, invalid=()) -> bytes:

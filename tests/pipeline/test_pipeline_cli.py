@@ -153,7 +153,8 @@ def test_dataflow_translation_dry_run(gcs_emulator, gcs_bucket, tiny_ckpt, capsy
                            "--experiments=no_use_multiple_sdk_containers", "--large_model"])
     assert summary is None and str(result.state) == "DONE"
     assert capsys.readouterr().out.strip().splitlines()[-1] == \
-        f"translated (dry run) for DataflowRunner; outputs will be under {b}/out"
+        f"translated (dry run) for DataflowRunner: nothing submitted or written; the output {b}/out was not " \
+        f"checked for a previous run's results"
     labels = {t.unique_name for t in result.job.proto_pipeline.components.transforms.values()}
     for name in ("ReadRequests", "Deduplicate", "PlanOutput", "Generate/BatchByShape", "Generate/RunInference",
                  "WriteOutput/WriteImages", "WriteManifest", "WriteErrors", "Summary"):
