@@ -293,7 +293,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     summary = counted | "Summary" >> WriteSummary(job.output, started_at, extra={
         "model": job.model, "output": job.output, "input": list(job.patterns) + [b.source for b in job.bigquery],
         "demo": job.demo, "batch_size": job.batch_size, "batch_size_auto": job.batch_choice is not None,
-        "batch_size_chosen": job.batch_choice, "dtype": job.dtype, "output_format": job.output_format},
+        "batch_size_chosen": job.batch_choice, "dtype": job.dtype, "quantize": job.load.engine.quantize,
+        "output_format": job.output_format},
         after=after, rows={"warnings": read[WARNING_TAG]},
         tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}

@@ -27,6 +27,7 @@ def test_int8_images_record_it_and_a_resume_over_bf16_images_makes_them_again(tm
     assert first["images_generated"] == 2 and {r["quantize"] for r in bf16_rows.values()} == {"none"}
     second = _job(tmp_path, out, ckpt32, xla_cache, "--quantize=int8", "--skip_existing")
     assert second["images_generated"] == 2 and second["stale"] == 2 and second["skipped"] == 0
+    assert (first["quantize"], second["quantize"]) == ("none", "int8")  # summary.json says which
     int8_rows = {r["id"]: r for r in rows(str(out), "manifest")}
     for key, row in int8_rows.items():
         assert row["quantize"] == "int8"
