@@ -57,7 +57,7 @@ from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.sinks.writes import read_bytes, write_bytes_atomic
 from transforms.summary import WriteSummary, format_summary
 from transforms.preview import WritePreview
-from transforms.progress import ProgressReporter, ReportTotal
+from transforms.progress import ProgressReporter, ReportTotal, read_progress
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
 
@@ -65,6 +65,7 @@ from model.api import LoadSettings, ModelError
 
 from . import launch_check, output_lease, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
+from .disk_full import DiskFull, disk_full_error, disk_full_line
 from .errors import UsageError
 from .option_specs import DEFAULT_OUTPUT
 from .options import Flux2KleinOptions
@@ -450,7 +451,7 @@ def _run_holding(options: PipelineOptions, job: JobConfig, lease, *, local: bool
 
     progress_dir = None
     show_progress = wait and local and not options.view_as(Flux2KleinOptions).no_progress
-    if show_progress:
+    if wait and local:  # the workers' counts: the progress line, and what is left when a disk fills
         progress_dir = tempfile.mkdtemp(prefix="flux2-progress-")
     started_at = time.time()
     try:
@@ -472,13 +473,17 @@ def _run_holding(options: PipelineOptions, job: JobConfig, lease, *, local: bool
         return result, None
     # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
     try:
-        with ProgressReporter(progress_dir) if progress_dir else contextlib.nullcontext():
+        with ProgressReporter(progress_dir) if show_progress else contextlib.nullcontext():
             result = p.run()
             result.wait_until_finish()
     except Exception as e:
         limit = _max_images_error(e)
         if limit:
             raise UsageError(limit) from e
+        full = disk_full_error(e)
+        if full:
+            total = read_progress(progress_dir)[1] if progress_dir else None
+            raise DiskFull(disk_full_line(full, job.output, total, started_at)) from e
         failed_load = model_load_error(e)
         if failed_load:  # the launch checked the checkpoint; it changed since, or its copy failed on a worker
             raise UsageError(f"--model={job.model!r} could not be loaded, so no image was generated: "
@@ -629,12 +634,14 @@ def model_load_error(error: BaseException) -> str | None:
 
 
 class _WithoutModelLoadTraceback(logging.Filter):
-    """Drops Beam's reports (tracebacks) of a worker's failed model load: `main` says it in one line."""
+    """Drops Beam's reports (tracebacks) of a worker's failed model load or of a full disk: `main` says it in one
+    line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], ModelError):
+        if record.exc_info and (isinstance(record.exc_info[1], ModelError) or disk_full_error(record.exc_info[1])):
             return False
-        return "model.errors." not in record.getMessage()
+        message = record.getMessage()
+        return "model.errors." not in message and disk_full_error(Exception(message)) is None
 
 
 def _use_emulator_credentials() -> None:
@@ -668,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DiskFull as e:  # the job ran and stopped: what it wrote stays, the line says how to resume
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except BaseException as e:  # noqa: BLE001 - a signal however Beam wrapped it; anything else re-raised
         signum = _interrupting_signal(e)
         if signum is None:
