@@ -404,9 +404,9 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     submitted = False
     CLEANUP.update(temp_removed=0, output=job.output)
     try:
+        lease.clear_leftovers()  # what stopped or killed runs left behind (never a result: before the check)
         replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
                                  demo_default_output=job.demo and o.output is None)
-        lease.clear_leftovers()  # what stopped or killed runs left behind
         lease.start_heartbeat()
         result, summary = _run_holding(options, job, lease, local=local, dry_run=False, replacing=replacing,
                                        wait=wait)

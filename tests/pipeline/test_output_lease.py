@@ -199,6 +199,21 @@ def test_two_jobs_on_one_output(ckpt32, tmp_path):
     assert not leftover.exists() and not os.path.exists(out / ".flux2-job.lease")
 
 
+def test_a_run_killed_before_its_first_image_leaves_nothing_that_blocks_the_next(ckpt32, tmp_path):
+    """All such a run left is an atomic write's `.tmp` file: the next run removes it, and needs no --skip_existing
+    (the output holds no result)."""
+    from pipeline.run import run
+
+    source = tmp_path / "p.txt"
+    source.write_text("a prompt\n")
+    out = tmp_path / "out"
+    (out / "images").mkdir(parents=True)
+    leftover = out / "images" / ".x.png.abcd_123.tmp"
+    leftover.write_bytes(b"half an image")
+    _, summary = run(_argv(ckpt32, source, out)[3:])
+    assert summary["images_generated"] == 1 and not leftover.exists()
+
+
 def test_a_failed_run_releases_its_lease_and_removes_its_temporary_folders(ckpt32, tmp_path, monkeypatch):
     """A model that cannot be loaded on the worker (its weights cut after the launch checked them): exit 2, no lease,
     no temporary folder left."""
