@@ -111,6 +111,25 @@ def test_a_dataflow_jobs_lease_lasts_while_dataflow_says_it_runs(output):
     assert taken.previous_gone and taken.release()
 
 
+def test_a_remote_jobs_last_step_releases_its_lease(tiny_ckpt, tmp_path):
+    """The step a submitted job runs after its summary (the launcher does not wait for the end): wired after the
+    summary and picklable for the workers."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from pipeline.run import build_pipeline, resolve_job
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    job = resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", f"--output={tmp_path / 'out'}"]))
+    labels = {}
+    for token in (None, "the-token"):
+        p = beam.Pipeline(options=PipelineOptions([]))
+        build_pipeline(p, job, started_at=0.0, release_lease=token)
+        labels[token] = {t.unique_name for t in p.to_runner_api().components.transforms.values()}
+    assert "ReleaseOutputLease" in labels["the-token"] and "ReleaseOutputLease" not in labels[None]
+
+
 def _make(path: str, data: bytes = b"x") -> None:
     from apache_beam.io.filesystems import FileSystems
 
