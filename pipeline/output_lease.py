@@ -207,6 +207,7 @@ class OutputLease:
         limit = self.previous_stale_after
         temp = _temp_folders(self.output)
         old = [f for f, changed in temp.items() if self.previous_gone or now - changed >= limit]
+        self.temp_before = frozenset(temp) - frozenset(old)  # first: a failed removal must not make them this run's
         removed = _remove_temp_folders(old)
         for path, changed in _atomic_temp_files(self.output).items():
             if self.previous_gone or now - changed >= limit:
@@ -215,7 +216,6 @@ class OutputLease:
                     removed += 1
                 except OSError:
                     pass
-        self.temp_before = frozenset(f for f in temp if f not in old)
         self.removed = removed
         if removed:
             logger.info("removed %d leftover(s) of earlier runs under %s", removed, self.output)
