@@ -114,21 +114,28 @@ CONFIG_FILES = ("model_index.json", "transformer/config.json", "text_encoder/con
 def read_config(uri: str, variant: str | None = None) -> PipelineConfig:
     """The checkpoint's configs alone, local or gs:// (no weight is read or copied; each config object is checked
     against its GCS checksums): what a launcher needs to check requests before any worker starts."""
+    if not (isinstance(uri, str) and uri.startswith("gs://")):
+        return PipelineConfig.from_folder(resolve_checkpoint(uri, variant=variant))
     return read_config_and_digest(uri, variant)[0]
 
 
-def read_config_and_digest(uri: str, variant: str | None = None, *,
-                           check_weights: bool = False) -> tuple[PipelineConfig, str]:
+def read_config_and_digest(uri: str, variant: str | None = None, *, check_weights: bool = False,
+                           configs_only: bool = False) -> tuple[PipelineConfig, str]:
     """`read_config`, and the checkpoint's content digest (`checkpoint_digest`) from the same listing and config
-    reads: the launcher learns both at once, without reading a weight. `check_weights`: also check every weight
-    file the loader would read (`check_weight_files`) from its size and header alone: CheckpointError naming the
-    first that is missing, is no safetensors file, is cut short or lacks a tensor of the model."""
+    reads: the launcher learns both at once. On gs:// no weight is read (GCS lists each object's crc32c); a local
+    folder's files are read once per machine (model/content_ids.py caches their crc32c). `check_weights`: also check
+    every weight file the loader would read (`check_weight_files`) from its size and header alone: CheckpointError
+    naming the first that is missing, is no safetensors file, is cut short or lacks a tensor of the model.
+    `configs_only`: the local folder holds a checkpoint's JSON files without its weights (a Flex Template launcher):
+    its digest is the whole checkpoint's when the build recorded every file's crc32c there (RECORD_FILE), else that
+    of what the folder holds (the weights do not count)."""
     if not (isinstance(uri, str) and uri.startswith("gs://")):
         folder = resolve_checkpoint(uri, variant=variant)
         config = PipelineConfig.from_folder(folder)
         if check_weights:
             check_weight_files(config, lambda name: os.path.join(folder, name), variant)
-        return config, checkpoint_digest(_local_listing(folder, variant), folder)
+        recorded = _recorded_contents(folder, variant) if configs_only else None
+        return config, checkpoint_digest(recorded or _local_contents(folder, variant), folder)
     uri = uri.rstrip("/")
     bucket, prefix = split_gs_uri(uri)
     blobs = {_relative(b.name, prefix): b for b in _list_objects(_client(), uri, variant)}
@@ -144,7 +151,7 @@ def read_config_and_digest(uri: str, variant: str | None = None, *,
             check_weight_files(config, lambda name: GcsFolder(f"{uri}/{name}", {
                 rel[len(name) + 1:]: b for rel, b in blobs.items()
                 if rel.startswith(name + "/") and "/" not in rel[len(name) + 1:]}, os.path.join(tmp, name)), variant)
-        return config, checkpoint_digest({rel: int(b.size or 0) for rel, b in blobs.items()}, tmp)
+        return config, checkpoint_digest({rel: (int(b.size or 0), _content_id(b)) for rel, b in blobs.items()}, tmp)
 
 
 def check_weight_files(config: PipelineConfig, folder_of, variant: str | None = None) -> None:
@@ -247,17 +254,65 @@ def _local_listing(folder: str, variant: str | None) -> dict[str, int]:
     return listing
 
 
-def checkpoint_digest(listing: dict[str, int], config_folder: str) -> str:
-    """sha256 (hex) of what a checkpoint is, cheaply: the bytes of its config files (CONFIG_FILES, read from
-    `config_folder`) and the name and size of every other file in `listing` ({relative path: size}: weights and
-    their index, tokenizer files). The weights' bytes are never read; where the checkpoint lives does not count."""
+def _local_contents(folder: str, variant: str | None) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, crc32c)} of `_local_listing`'s files (their crc32c read once, then cached)."""
+    from .content_ids import file_crc32c
+
+    listing = _local_listing(folder, variant)
+    paths = {rel: os.path.join(folder, *rel.split("/")) for rel in listing if rel not in CONFIG_FILES}
+    crcs = file_crc32c(list(paths.values()))
+    return {rel: (size, crcs.get(paths.get(rel), "")) for rel, size in listing.items()}
+
+
+def _recorded_contents(folder: str, variant: str | None) -> dict[str, tuple[int, str]] | None:
+    """What a build recorded of the whole checkpoint beside its configs (model.content_ids.RECORD_FILE:
+    {relative path: [size, crc32c]}), narrowed to the files a load of `variant` reads; None without a record."""
+    from .content_ids import RECORD_FILE
+
+    try:
+        with open(os.path.join(folder, RECORD_FILE), "rb") as f:
+            recorded = json.loads(f.read())
+        entries = {str(rel): (int(size), str(crc)) for rel, (size, crc) in recorded.items()}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"the record of the checkpoint's files cannot be read: {e}",
+                              path=os.path.join(folder, RECORD_FILE)) from e
+    kept = {}
+    by_folder: dict[str, list[str]] = {}
+    for rel in entries:
+        parts = rel.split("/")
+        if rel.lower().endswith(UNSAFE_SUFFIXES) or any(p.startswith(".") for p in parts):
+            continue
+        by_folder.setdefault(posixpath.dirname(rel), []).append(parts[-1])
+    for top, names in by_folder.items():
+        chosen = set(select_weight_files(names, variant, os.path.join(folder, top)))
+        for name in names:
+            if name in chosen or weight_file_variant(name) is None:
+                rel = posixpath.join(top, name) if top else name
+                kept[rel] = entries[rel]
+    return kept
+
+
+def _content_id(blob) -> str:
+    """What GCS lists of an object's bytes: its crc32c (every object has one), else its md5, else its generation."""
+    if blob.crc32c:
+        return str(blob.crc32c)
+    return f"md5:{blob.md5_hash}" if blob.md5_hash else f"generation:{blob.generation}"
+
+
+def checkpoint_digest(listing: dict[str, tuple[int, str]], config_folder: str) -> str:
+    """sha256 (hex) of what a checkpoint holds: the bytes of its config files (CONFIG_FILES, read from
+    `config_folder`) and the name, size and crc32c of every other file in `listing` ({relative path: (size,
+    crc32c)}: weights and their index, tokenizer files): any changed tensor changes it. Where the checkpoint lives
+    does not count (a local file's crc32c is the one GCS lists for its upload)."""
     configs = {}
     for rel in CONFIG_FILES:
         path = os.path.join(config_folder, *rel.split("/"))
         if os.path.exists(path):
             with open(path, "rb") as f:
                 configs[rel] = hashlib.sha256(f.read()).hexdigest()
-    files = sorted((rel, int(size)) for rel, size in listing.items() if rel not in CONFIG_FILES)
+    files = sorted((rel, int(size), str(crc)) for rel, (size, crc) in listing.items() if rel not in CONFIG_FILES)
     return hashlib.sha256(json.dumps({"configs": configs, "files": files}, sort_keys=True).encode()).hexdigest()
 
 

@@ -9,6 +9,8 @@ the others wait until it is gone and then compile, which JAX answers from the ca
 and a wait longer than `max_wait` compiles anyway with a warning: a lease never deadlocks a worker.
 
 The key and the decision are pure functions; only `compile_lowered` reads JAX (its versions, config and devices).
+The stores (`LocalLeases`, `GcsLeases`) and the holder are also what a job's lease on its output is made of
+(pipeline/output_lease.py): created only if absent, refreshed by its holder (`refresh`, its heartbeat), removed by tag.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ LEASES = "leases"  # the folder of the leases, inside the cache folder
 TAKE, WAIT, TAKE_OVER, GIVE_UP = "take", "wait", "take_over", "give_up"
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace (Linux), so that a pid is only ever looked up where it means the same process
+    (two containers can share a host name, never a PID namespace); "" where it cannot be told."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Holder:
     """Who holds a lease: written into it so a waiting worker can say whom it waits for."""
@@ -43,10 +54,14 @@ class Holder:
     pid: int
     time: float  # when it took the lease (seconds since the epoch)
     token: str = ""  # unique per take, so a holder only ever removes its own lease
+    job: str = ""  # the job holding it (an output's lease: this run, or the Dataflow job id)
+    stale_after: float = 0.0  # seconds without a refresh after which the holder is presumed gone (0: the reader's)
+    runner: str = ""  # where the job runs: "" on this machine, "dataflow:PROJECT/REGION" for a Dataflow job
+    pid_ns: str = ""  # pid_namespace() of the holder
 
     @classmethod
-    def me(cls) -> "Holder":
-        return cls(socket.gethostname(), os.getpid(), time.time(), uuid.uuid4().hex)
+    def me(cls, **fields) -> "Holder":
+        return cls(socket.gethostname(), os.getpid(), time.time(), uuid.uuid4().hex, pid_ns=pid_namespace(), **fields)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -56,13 +71,35 @@ class Holder:
         """The holder a lease names, or None when its content is unreadable (a half-written or foreign file)."""
         try:
             d = json.loads(text)
-            return cls(str(d["host"]), int(d["pid"]), float(d["time"]), str(d.get("token", "")))
-        except (ValueError, TypeError, KeyError):
+            return cls(str(d["host"]), int(d["pid"]), float(d["time"]), str(d.get("token", "")),
+                       str(d.get("job", "")), float(d.get("stale_after", 0.0)), str(d.get("runner", "")),
+                       str(d.get("pid_ns", "")))
+        except (ValueError, TypeError, KeyError, AttributeError):
             return None
 
     def describe(self) -> str:
         since = datetime.datetime.fromtimestamp(self.time, datetime.timezone.utc).strftime("%H:%M:%S UTC")
-        return f"pid {self.pid} on {self.host} (since {since})"
+        if self.runner.startswith("dataflow:"):
+            return f"Dataflow job {self.job or '(not yet submitted)'} in {self.runner[len('dataflow:'):]} " \
+                   f"(launched from {self.host} at {since})"
+        job = f"job {self.job}, " if self.job else ""
+        return f"{job}pid {self.pid} on {self.host} (since {since})"
+
+
+def process_alive(holder: Holder | None) -> bool | None:
+    """False for a holder process on this host (and in this PID namespace, when the holder says its own) that is
+    gone; True when it runs; None when it cannot be told (another host or container)."""
+    if holder is None or holder.host != socket.gethostname():
+        return None
+    if holder.pid_ns and holder.pid_ns != pid_namespace():
+        return None
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
 
 
 class Lease(NamedTuple):
@@ -98,13 +135,17 @@ def decide(lease_age_s: float | None, waited_s: float, *, holder_alive: bool | N
 
 # --------------------------------------------------------------------------------------------- where leases live
 class LocalLeases:
-    """Leases as files in `{cache}/leases/`, created with O_CREAT|O_EXCL (atomic on a local file system)."""
+    """Leases as files in `{cache}/leases/` (`{folder}/{subfolder}/`), created with a hard link that fails when the
+    name exists (atomic on a local file system)."""
 
-    def __init__(self, cache_dir: str):
-        self.folder = os.path.join(cache_dir, LEASES)
+    def __init__(self, cache_dir: str, subfolder: str = LEASES):
+        self.folder = os.path.join(cache_dir, subfolder) if subfolder else cache_dir
 
     def _path(self, key: str) -> str:
         return os.path.join(self.folder, key + ".lease")
+
+    def path(self, key: str) -> str:
+        return self._path(key)
 
     def create(self, key: str, holder: Holder):
         """The new lease's tag, or None when the lease exists. The holder is written to a private file first, which
@@ -147,34 +188,54 @@ class LocalLeases:
         except FileNotFoundError:
             return False
 
+    def refresh(self, key: str, tag, holder: Holder | None = None):
+        """The lease's new tag after its holder refreshed it (its age starts again; with `holder`, its content is
+        replaced), or None when it is no longer the one `tag` names (taken over, or removed)."""
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+            if (st.st_ino, st.st_mtime_ns) != tag:
+                return None
+            if holder is None:
+                os.utime(path)
+            else:
+                fd, temp = tempfile.mkstemp(dir=self.folder, prefix=".new-", suffix=".lease")
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(holder.to_json())
+                    os.chmod(temp, 0o644)
+                    os.replace(temp, path)
+                except BaseException:
+                    os.unlink(temp)
+                    raise
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
     @staticmethod
     def holder_alive(holder: Holder | None) -> bool | None:
         """False for a holder on this host whose process is gone; None when it cannot be told."""
-        if holder is None or holder.host != socket.gethostname():
-            return None
-        try:
-            os.kill(holder.pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:  # exists, owned by another user
-            return True
-        return True
+        return process_alive(holder)
 
 
 class GcsLeases:
     """Leases as objects under `{cache}/leases/`, created with `if_generation_match=0` (GCS answers 412 if the
     object exists) and removed by generation."""
 
-    def __init__(self, cache_dir: str, client=None):
+    def __init__(self, cache_dir: str, client=None, subfolder: str = LEASES):
         from .checkpoint import _client, split_gs_uri
 
-        self._bucket_name, prefix = split_gs_uri(cache_dir.rstrip("/") + "/" + LEASES)
+        self._bucket_name, prefix = split_gs_uri(cache_dir.rstrip("/") + ("/" + subfolder if subfolder else ""))
         self._prefix = prefix
         self._client = client or _client()
         self._bucket = self._client.bucket(self._bucket_name)
 
     def _blob(self, key: str):
-        return self._bucket.blob(f"{self._prefix}/{key}.lease")
+        return self._bucket.blob(f"{self._prefix}/{key}.lease" if self._prefix else f"{key}.lease")
+
+    def path(self, key: str) -> str:
+        return f"gs://{self._bucket_name}/{self._blob(key).name}"
 
     def create(self, key: str, holder: Holder):
         from google.api_core import exceptions
@@ -208,6 +269,22 @@ class GcsLeases:
             return True
         except (exceptions.NotFound, exceptions.PreconditionFailed):
             return False
+
+    def refresh(self, key: str, tag, holder: Holder | None = None):
+        """The lease's new generation after its holder rewrote it (same content unless `holder`: a new generation
+        is created now, so its age starts again), or None when it is no longer generation `tag`."""
+        from google.api_core import exceptions
+
+        blob = self._blob(key)
+        try:
+            if holder is None:
+                text = blob.download_as_text(if_generation_match=tag)
+            else:
+                text = holder.to_json()
+            blob.upload_from_string(text, content_type="application/json", if_generation_match=tag)
+        except (exceptions.NotFound, exceptions.PreconditionFailed):
+            return None
+        return blob.generation
 
     @staticmethod
     def holder_alive(holder: Holder | None) -> bool | None:

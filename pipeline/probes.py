@@ -40,7 +40,7 @@ class Checkpoint:
 
     location: str  # a local folder or a gs:// prefix
     size_multiple: int  # heights and widths are multiples of it (the job accepts what generate() accepts)
-    digest: str  # what the checkpoint holds (model.checkpoint.checkpoint_digest): part of the model fingerprint
+    digest: str  # what the checkpoint holds, by content (model.checkpoint.checkpoint_digest): in the model fingerprint
 
 
 def gcs_paths_read(spec: JobSpec, *, output_checked: bool) -> list[tuple[str, str]]:
@@ -112,9 +112,11 @@ def read_checkpoint(location: str, variant: str | None) -> Checkpoint:
     configs_only = os.environ.get(CONFIGS_ONLY_ENV) == location
     if configs_only:
         logger.info("--model=%s holds the checkpoint's configs only (a Flex Template launcher): its weights are in the "
-                    "worker image, where the loader checks them", location)
+                    "worker image, where the loader checks them; the model is identified by the build's record of "
+                    "their crc32c when the image has one, else by the configs alone", location)
     try:
-        config, digest = read_config_and_digest(location, variant, check_weights=not configs_only)
+        config, digest = read_config_and_digest(location, variant, check_weights=not configs_only,
+                                                configs_only=configs_only)
     except ModelError as e:
         raise UsageError(f"--model={location!r} cannot be read as a FLUX.2 [klein] checkpoint: "
                          f"{type(e).__name__}: {e}") from e

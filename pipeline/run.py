@@ -61,14 +61,15 @@ from transforms.metrics import NAMESPACE as METRICS_NAMESPACE
 from transforms.sinks.writes import read_bytes, write_bytes_atomic
 from transforms.summary import WriteSummary, format_summary
 from transforms.preview import WritePreview
-from transforms.progress import ProgressReporter, ReportTotal
+from transforms.progress import ProgressReporter, ReportTotal, read_progress
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages, MaxImagesExceeded
 
 from model.api import LoadSettings, ModelError
 
-from . import interrupts, launch_check, log_filters, probes
+from . import interrupts, launch_check, log_filters, output_lease, probes
 from .demo import DEMO_CHECKPOINT_NOTICE, DEMO_DONE, demo_notice
+from .disk_full import DiskFull, disk_full_error, disk_full_line
 from .errors import UsageError
 from .option_specs import DEFAULT_OUTPUT
 from .options import Flux2KleinOptions
@@ -227,8 +228,10 @@ def make_handler(job: JobConfig, handler_cls=Flux2KleinModelHandler, **extra) ->
                        inference_timeout_s=job.inference_timeout_s, **extra)
 
 
-def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None) -> dict:
-    """Add the job's transforms to `p`; returns its main PCollections by name."""
+def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progress_dir: str | None = None,
+                   release_lease: str | None = None) -> dict:
+    """Add the job's transforms to `p`; returns its main PCollections by name. `release_lease`: the token of the
+    output's lease, which the job's last step removes (a remote job, whose launcher does not wait for its end)."""
     read = _read_inputs(p, job)
     dedup = read["requests"] | "Deduplicate" >> DeduplicateRequests(fold_case=job.case_insensitive_output)
     # Reference images are read (bounded, cached per process) before any image is planned: a bad one is one error
@@ -297,6 +300,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         "output_format": job.output_format},
         after=after, rows={"warnings": read[WARNING_TAG]},
         tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
+    if release_lease:
+        summary | "ReleaseOutputLease" >> beam.Map(output_lease.release_from_job, job.output, release_lease)
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
 
 
@@ -395,13 +400,50 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         check_dry_run_locations(options)
     job = resolve_job(options)
     o = options.view_as(Flux2KleinOptions)
-    replacing = None
-    if not dry_run:  # a dry run writes nothing: what the output holds does not matter to it
+    wait = local if wait is None else wait
+    if dry_run:  # a dry run writes nothing: what the output holds does not matter to it, nor who writes there
+        return _run_holding(options, job, None, local=local, dry_run=True, replacing=None, wait=wait)
+    # First the output's lease: a job running there is named, and nothing of it is touched (exit 2). This process
+    # holds it (refreshing it) while it launches, and runs, a local job; a remote job's last step removes it.
+    lease = output_lease.take_output_lease(job.output, job=job.run_token[:12])
+    submitted = False
+    CLEANUP.update(temp_removed=0, output=job.output)
+    try:
+        lease.clear_leftovers()  # what stopped or killed runs left behind (never a result: before the check)
         replacing = check_output(job.output, skip_existing=job.skip_existing, overwrite=bool(o.overwrite),
                                  demo_default_output=job.demo and o.output is None)
-    if local:  # what a stopped or killed run left behind
-        remove_beam_temp(job.output)
-    wait = local if wait is None else wait
+        lease.start_heartbeat()
+        result, summary = _run_holding(options, job, lease, local=local, dry_run=False, replacing=replacing,
+                                       wait=wait)
+        submitted = not wait
+        if submitted:
+            cloud = options.view_as(GoogleCloudOptions)
+            lease.hand_to_job(_job_id(result) or cloud.job_name or "",
+                              output_lease.dataflow_runner(cloud.project, cloud.region))
+        return result, summary
+    except BaseException:
+        CLEANUP["temp_removed"] = lease.remove_own_temp()
+        raise
+    finally:
+        if not submitted:  # a submitted job holds the lease until its last step
+            lease.release()
+
+
+# What the last run() cleaned up when it stopped (main's line after a signal says it).
+CLEANUP: dict = {"temp_removed": 0, "output": None}
+
+
+def _job_id(result) -> str:
+    """The submitted job's id (Dataflow's), or "" when the runner has none."""
+    try:
+        return str(result.job_id() or "")
+    except Exception:  # noqa: BLE001 - a runner without job ids
+        return ""
+
+
+def _run_holding(options: PipelineOptions, job: JobConfig, lease, *, local: bool, dry_run: bool, replacing, wait):
+    """The rest of `run`, once the output's lease is held (`lease`; None for a dry run, which writes nothing)."""
+    o = options.view_as(Flux2KleinOptions)
     job = _tpu_preflight(options, job, local=local)
     if local:
         start_local_runtime(options, job)
@@ -414,7 +456,7 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
 
     progress_dir = None
     show_progress = wait and local and not options.view_as(Flux2KleinOptions).no_progress
-    if show_progress:
+    if wait and local:  # the workers' counts: the progress line, and what is left when a disk fills
         progress_dir = tempfile.mkdtemp(prefix="flux2-progress-")
     started_at = time.time()
     try:
@@ -424,7 +466,8 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
             raise
         found = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         raise UsageError(f"Beam's check of the options failed: {' '.join(found)}") from None
-    build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir)
+    release = lease.holder.token if lease is not None and lease.tag is not None and not wait else None
+    build_pipeline(p, job, started_at=started_at, progress_dir=progress_dir, release_lease=release)
     if not wait:
         result = p.run()
         cloud = options.view_as(GoogleCloudOptions)
@@ -434,16 +477,19 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
         return result, None
     # FnApiRunner runs the whole job inside p.run(): the progress reporter has to be polling before it starts.
     try:
-        with ProgressReporter(progress_dir) if progress_dir else contextlib.nullcontext():
+        with ProgressReporter(progress_dir) if show_progress else contextlib.nullcontext():
             result = p.run()
             result.wait_until_finish()
     except Exception as e:
         limit = _max_images_error(e)
         if limit:
             raise UsageError(limit) from e
+        full = disk_full_error(e)
+        if full:
+            total = read_progress(progress_dir)[1] if progress_dir else None
+            raise DiskFull(disk_full_line(full, job.output, total, started_at)) from e
         failed_load = model_load_error(e)
         if failed_load:  # the launch checked the checkpoint; it changed since, or its copy failed on a worker
-            remove_beam_temp(job.output)
             raise UsageError(f"--model={job.model!r} could not be loaded, so no image was generated: "
                              f"{failed_load}") from e
         raise
@@ -620,12 +666,14 @@ def model_load_error(error: BaseException) -> str | None:
 
 
 class _WithoutModelLoadTraceback(logging.Filter):
-    """Drops Beam's reports (tracebacks) of a worker's failed model load: `main` says it in one line."""
+    """Drops Beam's reports (tracebacks) of a worker's failed model load or of a full disk: `main` says it in one
+    line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], ModelError):
+        if record.exc_info and (isinstance(record.exc_info[1], ModelError) or disk_full_error(record.exc_info[1])):
             return False
-        return "model.errors." not in record.getMessage()
+        message = record.getMessage()
+        return "model.errors." not in message and disk_full_error(Exception(message)) is None
 
 
 def _use_emulator_credentials() -> None:
@@ -659,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DiskFull as e:  # the job ran and stopped: what it wrote stays, the line says how to resume
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except BaseException as e:  # noqa: BLE001 - a signal however Beam wrapped it; anything else re-raised
         interrupts.STATE.stopping = True  # first, before any call: a re-delivered interrupt must not raise in here
         signum = interrupts.STATE.received or interrupts.interrupting_signal(e)
@@ -684,10 +735,7 @@ def _stop_after_signal(argv: list[str], signum: int) -> int:
     """One line on what was written and how to resume; Beam's temporary folders removed; 128 + the signal."""
     logging.disable(logging.CRITICAL)  # Beam's threads report the interrupt at length: the line below says it
     output = PipelineOptions(argv).view_as(Flux2KleinOptions).output or DEFAULT_OUTPUT
-    try:
-        removed = remove_beam_temp(output)
-    except Exception:  # noqa: BLE001 - the line below is said in any case
-        removed = 0
+    removed = CLEANUP["temp_removed"] if CLEANUP["output"] == output else 0  # this run's own, removed by run()
     try:
         written = len(FileSystems.match([layout.join(output, layout.IMAGES_DIR + "/*")])[0].metadata_list)
     except Exception:  # noqa: BLE001 - nothing listable: say nothing was written
@@ -696,29 +744,6 @@ def _stop_after_signal(argv: list[str], signum: int) -> int:
           f"{f', {removed} temporary folder(s) removed' if removed else ''}; to resume, run the same command with "
           f"--skip_existing", file=sys.stderr, flush=True)
     return interrupts.status(signum)
-
-
-def remove_beam_temp(output: str) -> int:
-    """Remove the `beam-temp-*` folders Beam's file sinks leave under `output` when a run is stopped (a killed run's
-    too); returns how many. Only runs of this job write under `output`."""
-    import glob
-
-    count = 0
-    for folder in ("", layout.MANIFEST_DIR, layout.ERRORS_DIR):
-        if layout.is_local_path(output):
-            for top in glob.glob(os.path.join(output, folder, "beam-temp-*")):
-                shutil.rmtree(top, ignore_errors=True)
-                count += 1
-            continue
-        try:
-            objects = [m.path for m in FileSystems.match([layout.join(output, (folder + "/" if folder else "")
-                                                                      + "beam-temp-*/**")])[0].metadata_list]
-        except Exception:  # noqa: BLE001 - nothing there
-            continue
-        if objects:
-            FileSystems.delete(objects)
-            count += len({p.split("beam-temp-", 1)[1].split("/", 1)[0] for p in objects})
-    return count
 
 
 def empty_run_reason(summary: dict | None) -> str | None:

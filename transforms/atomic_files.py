@@ -8,6 +8,7 @@ upload with what it buffered when it is closed, or garbage-collected, after a fa
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from typing import BinaryIO, Callable
@@ -40,11 +41,13 @@ def write_local_atomic(path: str, fill: Callable[[BinaryIO], None]) -> None:
             os.fchmod(out.fileno(), 0o666 & ~umask())  # mkstemp makes 0600 whatever the umask
             os.fsync(out.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) and not e.filename:
+            raise OSError(e.errno, os.strerror(e.errno), path) from e  # a full disk: say which file did not fit
         raise
     sync_folder(folder)
 

@@ -3,9 +3,9 @@ that `--skip_existing` can tell a kept image from a stale one without reading th
 
     request fingerprint   the generation fields of one image task that decide its pixels: prompt, seed, size,
                           steps, guidance, the references' sha256 and processed sizes
-    model fingerprint     the checkpoint (its configs' bytes, the names and sizes of its other files, never the
-                          weights' bytes: `model.checkpoint.checkpoint_digest`), dtype, max_sequence_length and
-                          the text encoder's output layers
+    model fingerprint     the checkpoint by content (its configs' bytes, the name, size and crc32c of each other
+                          file: `model.checkpoint.checkpoint_digest`, so any changed tensor changes it), dtype,
+                          max_sequence_length and the text encoder's output layers
 
 Each is the sha256 of a canonical JSON object, cut to FINGERPRINT_HEX hex digits. Pure functions: no Beam, no I/O.
 """

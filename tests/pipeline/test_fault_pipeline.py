@@ -103,9 +103,12 @@ JOB_FILES = ("manifest/manifest-00000-of-00001.jsonl", "manifest/existing-00000-
              "preview/index.html", "preview/contact_sheet.jpg")
 
 
-def _check_no_partial_objects(outs: JobOutputs, allowed_images: set[str]):
+def _check_no_partial_objects(outs: JobOutputs, allowed_images: set[str], killed: bool = False):
+    """`killed`: a run killed outright leaves its lease on the output (pipeline/output_lease.py), for the next
+    launch to take over."""
     names = outs.relnames()
-    extra = {n for n in names if not (n in allowed_images or n in JOB_FILES)}
+    assert (".flux2-job.lease" in names) == killed
+    extra = {n for n in names if not (n in allowed_images or n in JOB_FILES or n == ".flux2-job.lease")}
     assert not extra, f"unexpected objects under the output (partial or temporary): {sorted(extra)}"
 
 
@@ -350,7 +353,7 @@ def test_sigkill_half_way_then_skip_existing_rerun_is_complete_and_identical(gcs
         assert total // 3 <= len(killed) < total, (len(killed), total)
         for name, data in killed.items():  # whatever the killed run left is complete and final
             assert data == oracle[name], name
-        _check_no_partial_objects(outs, set(killed))
+        _check_no_partial_objects(outs, set(killed), killed=True)
         assert outs.summary() is None and not outs.rows("manifest")
         before = outs.generations()
 

@@ -1,5 +1,6 @@
 """Ctrl-C (SIGINT) or SIGTERM mid-run: one line saying what was written and how to resume, exit 130 / 143, no
-beam-temp-* folder left behind; the resume with --skip_existing completes the job. A real signal, a real job."""
+beam-temp-* folder left behind, the output's lease released; the resume with --skip_existing completes the job.
+A real signal, a real job."""
 
 import os
 import signal
@@ -39,6 +40,7 @@ def test_a_signal_stops_the_job_with_one_line_and_a_resume_finishes_it(ckpt32, t
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted (") and "image(s) written under" in last and "--skip_existing" in last, last
     assert not _leftovers(out), _leftovers(out)
+    assert not os.path.exists(out / ".flux2-job.lease")  # the output's lease is released: a resume may start now
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     if signum != signal.SIGINT:  # the resume is the same after either signal: run once (CI time)
         return

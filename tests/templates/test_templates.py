@@ -368,6 +368,11 @@ def test_dockerfile_launcher_and_worker_wiring():
     assert re.search(r"FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main\.py", launcher)
     assert "jax_req" not in launcher and "COPY weights/" not in launcher and "beam_sdk" not in launcher
     assert "COPY --from=weight_configs /configs/ /opt/flux2-klein/weights/" in launcher
+    # and the record of every baked-in file's size and crc32c, which the launch's model fingerprint reads
+    from model.content_ids import RECORD_FILE
+
+    assert re.search(r"python -m model\.content_ids /weights \\\n\s+> /opt/flux2-klein/weights/"
+                     + re.escape(RECORD_FILE), launcher)
     configs = stages["weight_configs"]
     assert "-name '*.json'" in configs and "--mount=type=bind,source=weights" in configs
     assert "pip check" in launcher

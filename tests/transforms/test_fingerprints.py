@@ -1,10 +1,12 @@
 """Request and model fingerprints: what changes them, what does not, and that every output row carries them."""
 
 import dataclasses
+import glob
 import os
 import shutil
 
 import numpy as np
+import pytest
 
 from model import checkpoint
 from transforms import layout, shards
@@ -12,6 +14,12 @@ from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.requests import GenerationRequest, ImageTask
 from transforms.sinks.encoding import encode_png, png_text
 from transforms.sinks.existing import existing_manifest_row
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """The crc32c records of the files these tests hash go to a cache of their own."""
+    monkeypatch.setenv("FLUX2_KLEIN_CACHE", str(tmp_path / "cache"))
 
 
 def task(**kw) -> ImageTask:
@@ -61,20 +69,58 @@ def _fake_checkpoint(folder, weights=b"w" * 100):
 
 
 def _digest(folder, variant=None):
-    return checkpoint.checkpoint_digest(checkpoint._local_listing(folder, variant), folder)
+    return checkpoint.checkpoint_digest(checkpoint._local_contents(folder, variant), folder)
 
 
-def test_checkpoint_digest_reads_configs_and_weight_sizes_not_weight_bytes(tmp_path):
+def _edit_in_place(path, offset=0):
+    """Flip one byte of `path` where it is, keeping its size and its mtime (as a tool that edits weights in place
+    and restores the time would): only the bytes differ."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_checkpoint_digest_changes_with_any_weight_byte(tmp_path):
     a = _fake_checkpoint(tmp_path / "a")
     digest = _digest(a)
+    assert digest == _digest(a)  # the second time from the cache of crc32c
     assert digest == _digest(shutil.copytree(a, tmp_path / "elsewhere"))  # the location does not count
-    # Same size, other bytes: the weights' bytes are never read, so the digest stays (by design: cheap).
-    assert _digest(_fake_checkpoint(tmp_path / "same_size", b"x" * 100)) == digest
+    # Same size, other bytes: another checkpoint (a fine-tune saved the same way).
+    assert _digest(_fake_checkpoint(tmp_path / "same_size", b"x" * 100)) != digest
     assert _digest(_fake_checkpoint(tmp_path / "resized", b"w" * 101)) != digest
     b = _fake_checkpoint(tmp_path / "b")
     with open(os.path.join(b, "transformer", "config.json"), "wb") as f:
         f.write(b'{"num_layers": 2}')
     assert _digest(b) != digest
+    # One byte edited in place, size and mtime kept: the cached crc32c is not trusted, the digest changes.
+    _edit_in_place(os.path.join(a, "transformer", "diffusion_pytorch_model.safetensors"), offset=37)
+    assert _digest(a) != digest
+
+
+def _weight_file(folder):
+    return sorted(glob.glob(os.path.join(folder, "transformer", "*.safetensors")))[-1]
+
+
+def test_a_checkpoint_edited_in_place_has_another_digest_locally_and_on_gcs(tiny_ckpt, tmp_path, gcs_emulator,
+                                                                             gcs_bucket):
+    local = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    _, before = checkpoint.read_config_and_digest(str(local))
+    weights = _weight_file(local)
+    uri = f"gs://{gcs_bucket}/ckpt/" + os.path.relpath(weights, local).replace(os.sep, "/")
+    gcs_emulator.upload_dir(str(local), f"gs://{gcs_bucket}/ckpt")
+    assert checkpoint.read_config_and_digest(f"gs://{gcs_bucket}/ckpt")[1] == before
+    size = os.path.getsize(weights)
+    _edit_in_place(weights, offset=size - 1)  # the last byte: a tensor's, never the header's
+    assert os.path.getsize(weights) == size
+    _, after = checkpoint.read_config_and_digest(str(local))
+    assert after != before
+    with open(weights, "rb") as f:
+        gcs_emulator.upload_bytes(uri, f.read())  # the same edit, uploaded over the object
+    assert checkpoint.read_config_and_digest(f"gs://{gcs_bucket}/ckpt")[1] == after
 
 
 def test_local_and_gcs_copies_of_a_checkpoint_have_one_digest(tiny_ckpt, gcs_emulator, gcs_bucket):
