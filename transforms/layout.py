@@ -64,6 +64,7 @@ MANIFEST_FIELDS = (
     "model",
     "sha256",
     "bytes",
+    "crc32c",  # of the stored bytes, as GCS lists it: --skip_existing keeps an image only when the object has it
     "generation_ms",
     "metadata",
     "request_fingerprint",  # transforms/fingerprints.py: what --skip_existing compares, without reading the image
@@ -272,12 +273,14 @@ def manifest_row(
     generation_ms: float | None,
     model_fingerprint: str | None,
     key: str | None = None,
+    crc32c: str | None = None,
 ) -> dict:
     """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
     metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
     record's extra columns, typed as read; {} when it had none), `reference_images` ([{uri, sha256}] in the
     record's order; the row has the key only when there are any), the request fingerprint and `source`/`line`; the
-    caller gives where the image is (`file_name`, `uri`), its bytes' sha256 and size, what its generate call
+    caller gives where the image is (`file_name`, `uri`), its bytes' sha256, size and CRC32C (transforms/checksums.py;
+    None only where an older row did not record it), what its generate call
     reported (steps, guidance, truncation, model, `generation_ms`: None for an image found already written, whose
     time was not measured) and the model fingerprint (None where an older image does not record it). `key`: the
     sample's key in a WebDataset shard, last."""
@@ -298,6 +301,7 @@ def manifest_row(
         "model": model,
         "sha256": sha256,
         "bytes": int(num_bytes),
+        "crc32c": crc32c,
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
         "metadata": dict(r.metadata_values()),
         "request_fingerprint": request_fingerprint(task),

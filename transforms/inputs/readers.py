@@ -133,8 +133,10 @@ class _ReadRequestsFn(ParseRecordsFn):
             # Parquet seeks in the file as stored; the line formats read its bytes with compression undone.
             stream = raw_file if fmt == "parquet" else open_decompressed(raw_file, path)
             first = fmt == "text"
+            last = 0  # the line of the last record taken from the file
             try:
                 for raw in iter_raw_records(stream, path, fmt, self._csv_field_limit, self._columns):
+                    last = raw.line if raw.line is not None else last
                     if first and raw.text is not None:
                         first = False
                         warning = self._header_warning(raw)
@@ -142,13 +144,12 @@ class _ReadRequestsFn(ParseRecordsFn):
                             yield beam.pvalue.TaggedOutput(WARNING_TAG, warning)
                     yield self._parsed(raw)
             except Exception as e:  # noqa: BLE001 - InputReadError (cut, corrupt), a timed-out or failed read, ...
-                # The records of the complete lines before the damage are kept; the cut last line is not a record.
+                # The records before the damage are kept. A damaged stream says where its complete lines end (the
+                # cut last line is not a record); any other failure stops after the last record taken.
                 done = getattr(stream, "complete_lines", None)
-                where = done + 1 if done is not None else None
-                rest = f"the records from line {where} on were not read" if where is not None else \
-                    "the records after the last one read were not read"
+                where = done + 1 if isinstance(e, InputReadError) and done is not None else last + 1
                 yield self._parsed(unreadable(path, where, f"input file cannot be read to its end: {_cause(e)}; "
-                                                           f"{rest}"))
+                                                           f"the records from line {where} on were not read"))
 
     def _header_warning(self, raw: RawRecord) -> dict | None:
         """A warning row when a text file's first line looks like a table's header (the file is still read as
