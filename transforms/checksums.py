@@ -48,18 +48,12 @@ def local_digests(path: str) -> tuple[int, str, str]:
     return size, sha.hexdigest(), base64.b64encode(crc.digest()).decode("ascii")
 
 
-_gcs = None
-
-
 def _gcs_client():
-    """One google-cloud-storage client per process, made as Beam's GCS filesystem makes its own (the job's
-    credentials; anonymous against the emulator)."""
-    global _gcs
-    if _gcs is None:
-        from apache_beam.io.gcp import gcsio
+    """A google-cloud-storage client made as Beam's GCS filesystem makes its own for each call (the job's
+    credentials, anonymous against the emulator; the endpoint as the environment says now)."""
+    from apache_beam.io.gcp import gcsio
 
-        _gcs = gcsio.GcsIO().client
-    return _gcs
+    return gcsio.GcsIO().client
 
 
 def _retry():
