@@ -172,21 +172,27 @@ def remove_marker(output: str, shard: int) -> None:
         LOGGER.warning("could not remove the old marker %s before packing its shard again: %s", path, e)
 
 
-def tar_rows_mismatch(tar_data: bytes, rows: list[dict], extension: str) -> str | None:
-    """Why the images of a tar are not those its sidecar rows record (their sha256), or None when they are."""
+def tar_rows_mismatch(path: str, rows: list[dict], extension: str) -> str | None:
+    """Why the images of the tar at `path` are not those its sidecar rows record (their sha256), or None when they
+    are; the tar is streamed (one member at a time), never held whole."""
     import hashlib
-    import io
     import tarfile
+
+    from apache_beam.io.filesystem import CompressionTypes
 
     want = {r["key"]: r.get("sha256") for r in rows if r.get("status") == "success"}
     found = {}
     try:
-        with tarfile.open(fileobj=io.BytesIO(tar_data), mode="r:") as tar:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f, \
+                tarfile.open(fileobj=f, mode="r|") as tar:
             for member in tar:
                 key, _, ext = member.name.partition(".")
                 if ext == extension and member.isfile():
-                    found[key] = hashlib.sha256(tar.extractfile(member).read()).hexdigest()
-    except tarfile.TarError as e:
+                    digest, data = hashlib.sha256(), tar.extractfile(member)
+                    while chunk := data.read(2**20):
+                        digest.update(chunk)
+                    found[key] = digest.hexdigest()
+    except (tarfile.TarError, OSError) as e:
         return f"its tar cannot be read ({e})"
     if found != want:
         return "its tar does not hold the images its sidecar records"
@@ -301,7 +307,7 @@ class _PlanShardFn(retries.CountingRetriesFn):
         output = self._s.output
         named = shards.marker_digests(stats)
         if named is None:
-            return tar_rows_mismatch(read_bytes(shards.shard_path(output, shard)), rows, self._s.encoding.extension)
+            return tar_rows_mismatch(shards.shard_path(output, shard), rows, self._s.encoding.extension)
         tar, sidecar = named
         if shards.Digest(len(sidecar_data), crc32c(sidecar_data)) != sidecar:
             return "its sidecar is not the one its marker names"
