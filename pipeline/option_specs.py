@@ -24,7 +24,7 @@ from model.api import (
 from model.api import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, EngineOptions, LoadSettings
 from transforms.defaults import (
     DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
-    DEFAULT_PREVIEW, DEFAULT_SEED,
+    DEFAULT_PREVIEW, DEFAULT_READ_TIMEOUT_S, DEFAULT_SEED,
 )
 from transforms.inputs.columns import ColumnMap
 from transforms.inputs.formats import FORMATS
@@ -249,6 +249,9 @@ OPTIONS = (
     Option("inference_timeout_s", "reliability", "Seconds one batch's generate call may take (first batch of a shape "
                                                  "compiles within it); then error rows. 0: no limit.", type=int,
            default=DEFAULT_INFERENCE_TIMEOUT_S, metavar="SECONDS"),
+    Option("read_timeout_s", "reliability", "Seconds one read of an input file or reference image may stall; then "
+                                            "that file's or record's error row.",
+           type=int, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS"),
     Option("require_accelerator", "reliability", "Stop at model load when JAX on a worker finds another platform "
                                                  "(CPU: no libtpu or NVIDIA driver).",
            choices=ACCELERATORS, shown_default="none: any platform"),

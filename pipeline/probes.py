@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import tempfile
 
 from apache_beam.io.filesystems import FileSystems
 
 from model.api import ModelError, is_hub_id, read_config_and_digest
+from transforms.bounded_reads import file_kind
+from transforms.defaults import DEFAULT_READ_TIMEOUT_S
 from transforms.inputs.bigquery import dataset_reference
 from transforms.inputs.check import InputCheckError, check_input_files
 from transforms.inputs.delimited import field_limit_for
@@ -150,15 +153,36 @@ def match_inputs(patterns: tuple[str, ...]) -> list[str]:
         if all("://" not in m.path and os.path.isdir(m.path) for m in matched):
             raise UsageError(f"--input {pattern!r} is a folder, not a file; give the files in it, e.g. "
                              f"{os.path.join(pattern, '*.jsonl')!r}")
+        odd = [m.path for m in matched if "://" not in m.path and not _regular_or_folder(m.path)]
+        if odd and len(odd) == len(matched):  # a FIFO or device would block the read: only regular files are read
+            raise UsageError(f"--input {pattern!r} is not a regular file ({_kind(odd[0])}); give a file")
         files.update((m.path, None) for m in matched)
     return list(files)
 
 
-def check_inputs(files: list[str], spec: InputSpec, max_prompt_bytes: int) -> tuple[str, ...]:
-    """Each table's header (and the first JSONL records) must give the prompt column: said now, not in one error
-    row per record. Returns the warnings (logged), such as a --column_map column a table lacks."""
+def _regular_or_folder(path: str) -> bool:
     try:
-        warnings = check_input_files(files, str(spec.input_format), spec.columns, field_limit_for(max_prompt_bytes))
+        mode = os.stat(path).st_mode
+    except OSError:
+        return True  # gone since the match: the job reports it
+    return stat.S_ISREG(mode) or stat.S_ISDIR(mode)
+
+
+def _kind(path: str) -> str:
+    try:
+        return file_kind(os.stat(path).st_mode)
+    except OSError as e:
+        return str(e)
+
+
+def check_inputs(files: list[str], spec: InputSpec, max_prompt_bytes: int,
+                 read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> tuple[str, ...]:
+    """Each table's header (and the first JSONL records) must give the prompt column: said now, not in one error
+    row per record. Returns the warnings (logged), such as a --column_map column a table lacks. Each read returns
+    within `read_timeout_s` (a file that cannot be read in time is left to the job's error rows)."""
+    try:
+        warnings = check_input_files(files, str(spec.input_format), spec.columns, field_limit_for(max_prompt_bytes),
+                                     read_timeout_s)
     except InputCheckError as e:
         raise UsageError(str(e)) from None
     for warning in warnings:

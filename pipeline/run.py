@@ -129,6 +129,7 @@ class JobConfig:
     max_images = _from_spec("limits", "max_images")  # most images the job may generate; None: no limit
     inference_retries = _from_spec("reliability", "inference_retries")
     inference_timeout_s = _from_spec("reliability", "inference_timeout_s")  # 0: no limit
+    read_timeout_s = _from_spec("reliability", "read_timeout_s")  # each read of an input or reference
     require_accelerator = _from_spec("reliability", "require_accelerator")  # a worker on another platform stops
     worker_env = _from_spec("reliability", "worker_env")  # (NAME, value) set on each worker before the model loads
 
@@ -145,7 +146,7 @@ class JobConfig:
         """--max_reference_images/--max_reference_pixels and --reference_root, with this run's scope for the
         reference cache."""
         return dataclasses.replace(self.defaults.reference_limits, cache_scope=self.run_token,
-                                   roots=self.reference_roots)
+                                   roots=self.reference_roots, read_timeout_s=self.read_timeout_s)
 
     @property
     def model(self) -> str:
@@ -213,7 +214,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
     return JobConfig(spec=spec, load=load, defaults=defaults,
-                     input_warnings=probes.check_inputs(files, spec.input, spec.limits.max_prompt_bytes),
+                     input_warnings=probes.check_inputs(files, spec.input, spec.limits.max_prompt_bytes,
+                                                        spec.reliability.read_timeout_s),
                      case_insensitive_output=probes.case_insensitive_output(spec.output.output),
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
@@ -320,7 +322,8 @@ def _read_inputs(p: beam.Pipeline, job: JobConfig) -> dict:
     reads = []
     if job.patterns:
         patterns = p | "InputPatterns" >> beam.Create(list(job.patterns))
-        reads.append(patterns | "ReadRequests" >> ReadRequests(job.input_format, job.defaults, job.columns))
+        reads.append(patterns | "ReadRequests" >> ReadRequests(job.input_format, job.defaults, job.columns,
+                                                               job.read_timeout_s))
     temp_dataset = None
     if job.bigquery_temp_dataset is not None:
         temp_dataset = dataset_reference(job.bigquery_temp_dataset,

@@ -271,6 +271,7 @@ class ReliabilitySpec:
 
     inference_retries: int
     inference_timeout_s: int  # 0: no limit
+    read_timeout_s: int  # each open or read of an input or reference (transforms/bounded_reads.py)
     require_accelerator: Accelerator | None
     skip_preflight: bool
     worker_env: tuple[tuple[str, str], ...]  # (NAME, value) set on each worker before the model loads
@@ -278,6 +279,7 @@ class ReliabilitySpec:
     def __post_init__(self):
         _at_least("inference_retries", self.inference_retries, 0)
         _at_least("inference_timeout_s", self.inference_timeout_s, 0, " (0: no limit)")
+        _at_least("read_timeout_s", self.read_timeout_s, 1)
         env = self.worker_env
         _set(self, worker_env=parse_worker_env(env) if env is None or isinstance(env, str) else tuple(env),
              require_accelerator=None if self.require_accelerator is None else Accelerator(self.require_accelerator))

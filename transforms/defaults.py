@@ -18,3 +18,7 @@ DEFAULT_INFERENCE_RETRIES = 2  # extra attempts for a failed inference batch (--
 # each shape compiles within it (minutes for klein-4B on a TPU chip) and a 50-step base-model batch at 2048x2048 takes
 # minutes too.
 DEFAULT_INFERENCE_TIMEOUT_S = 1800
+# Seconds one read of an input file or a reference image may take (--read_timeout_s; transforms.bounded_reads): a
+# stall, not a file's size (reads are cut into 8 MiB pieces), so far above any healthy store's latency; a whole
+# reference read (at most 4 bytes per --max_reference_pixels pixel plus 1 MiB, retries included) ends within it too.
+DEFAULT_READ_TIMEOUT_S = 120

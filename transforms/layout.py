@@ -65,6 +65,7 @@ MANIFEST_FIELDS = (
     "quantize",  # none | int8: the model's quantization (EngineOptions.quantize)
     "sha256",
     "bytes",
+    "crc32c",  # of the stored bytes, as GCS lists it: --skip_existing keeps an image only when the object has it
     "generation_ms",
     "metadata",
     "request_fingerprint",  # transforms/fingerprints.py: what --skip_existing compares, without reading the image
@@ -206,6 +207,15 @@ def _jsonable(value: Any, limit: int = 200) -> Any:
     return value if not isinstance(value, str) else truncate_record(value, limit)
 
 
+def writable_text(text: Any) -> Any:
+    """`text` with a UTF-8 form: a lone surrogate (JSON can spell one; a local file name that is not UTF-8 has
+    them) shown escaped, so that every row that names it can be encoded and written; anything not a string as
+    it is."""
+    if isinstance(text, str) and not utf8_encodable(text):
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def utf8_encodable(text: str) -> bool:
     """Whether `text` has a UTF-8 form (no lone surrogates, which JSON can spell): what every row file needs."""
     try:
@@ -231,21 +241,22 @@ def error_row(
     file_name: str | None = None,
 ) -> dict:
     """One errors-*.jsonl row. `source`, `line`, `id`, `reason`, `record` are the fixed fields; `kind`, `field`,
-    `value` (the offending value) and `file_name` (for a failed image) are extra detail."""
+    `value` (the offending value) and `file_name` (for a failed image) are extra detail. Every text is made
+    writable (`writable_text`), so that a row about a bad record can always be encoded and written."""
     row: dict[str, Any] = {
-        "source": source,
-        "line": line,
-        "id": id,
-        "reason": reason,
+        "source": writable_text(source),
+        "line": line if line is None or isinstance(line, int) else writable_text(str(line)),
+        "id": writable_text(id) if id is None or isinstance(id, str) else truncate_record(id, 300),
+        "reason": writable_text(reason),
         "record": None if record is None else truncate_record(record),
         "kind": kind,
     }
     if field is not None:
-        row["field"] = field
+        row["field"] = writable_text(field) if isinstance(field, str) else truncate_record(field, 200)
     if value is not _NO_VALUE:
         row["value"] = _jsonable(value) if not isinstance(value, (str, bytes)) else truncate_record(value, 200)
     if file_name is not None:
-        row["file_name"] = file_name
+        row["file_name"] = writable_text(file_name)
     return row
 
 
@@ -264,15 +275,17 @@ def manifest_row(
     model_fingerprint: str | None,
     key: str | None = None,
     quantize: str = "none",
+    crc32c: str | None = None,
 ) -> dict:
     """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
     metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
     record's extra columns, typed as read; {} when it had none), `reference_images` ([{uri, sha256}] in the
     record's order; the row has the key only when there are any), the request fingerprint and `source`/`line`; the
-    caller gives where the image is (`file_name`, `uri`), its bytes' sha256 and size, what its generate call
-    reported (steps, guidance, truncation, model and its `quantize`, `generation_ms`: None for an image found
-    already written, whose time was not measured) and the model fingerprint (None where an older image does not
-    record it). `key`: the sample's key in a WebDataset shard, last."""
+    caller gives where the image is (`file_name`, `uri`), its bytes' sha256, size and CRC32C (transforms/checksums.py;
+    None only where an older row did not record it), what its generate call reported (steps, guidance, truncation,
+    model and its `quantize`, `generation_ms`: None for an image found already written, whose time was not
+    measured) and the model fingerprint (None where an older image does not record it). `key`: the sample's key in a
+    WebDataset shard, last."""
     from .fingerprints import request_fingerprint
 
     r = task.request
@@ -291,6 +304,7 @@ def manifest_row(
         "quantize": quantize,
         "sha256": sha256,
         "bytes": int(num_bytes),
+        "crc32c": crc32c,
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
         "metadata": dict(r.metadata_values()),
         "request_fingerprint": request_fingerprint(task),
@@ -299,7 +313,7 @@ def manifest_row(
     if r.reference_images:
         row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in r.reference_entries()]
     if r.source is not None:
-        row["source"] = r.source
+        row["source"] = writable_text(r.source)  # a local file name that is not UTF-8, escaped
         row["line"] = r.line
     if key is not None:
         row["key"] = key
@@ -307,5 +321,7 @@ def manifest_row(
 
 
 def to_json_line(row: dict) -> str:
-    """A row as one JSON line (UTF-8 kept readable; NaN never written)."""
-    return json.dumps(row, ensure_ascii=False, sort_keys=False, allow_nan=False)
+    """A row as one JSON line (UTF-8 kept readable; NaN never written). A text without a UTF-8 form, which no
+    row should hold, is written \\u-escaped (valid JSON) rather than failing the file it goes to."""
+    text = json.dumps(row, ensure_ascii=False, sort_keys=False, allow_nan=False)
+    return text if utf8_encodable(text) else json.dumps(row, ensure_ascii=True, sort_keys=False, allow_nan=False)

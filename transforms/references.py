@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import hashlib
 import io
 import logging
@@ -32,8 +33,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import apache_beam as beam
-from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from model import references as model_references  # JAX-free: the model's checks and processed sizes
@@ -41,6 +40,8 @@ from model.contract import DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_P
 from model.errors import ReferenceImageError
 
 from . import layout, retries
+from .bounded_reads import NotARegularFile, ReadTimeout, open_timed
+from .defaults import DEFAULT_READ_TIMEOUT_S
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 
 LOGGER = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class ReferenceLimits:
     # --reference_root: the folders / gs:// prefixes references may be read from (normalised, `normalise_root`);
     # () allows none; None allows any path (library use only: the job always sets them).
     roots: tuple[str, ...] | None = None
+    # --read_timeout_s: a reference's whole read (open, bytes, retries) ends within it; None: no limit.
+    read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S
 
     @property
     def max_bytes(self) -> int:
@@ -102,10 +105,17 @@ class Reference:
 def resolve_path(path: str, source: str) -> str:
     """A record's reference path as the URI the job reads: gs:// and absolute local paths as given (normalised);
     a relative path against the folder of `source`, the input file holding the record. ValueError for another
-    scheme, or a relative path in a record that comes from no file (a BigQuery row)."""
+    scheme, a relative path in a record that comes from no file (a BigQuery row), or a path no file can have: a NUL
+    character, or text without a UTF-8 form (a lone surrogate, which JSON can spell; neither GCS nor the manifest
+    could name it)."""
     path = path.strip()
     if not path:
         raise ValueError("an empty path")
+    if "\x00" in path:
+        raise ValueError(f"{path!r} contains a NUL character, which no file name can hold")
+    if not layout.utf8_encodable(path):
+        raise ValueError(f"{path!r} is not valid Unicode text (a lone surrogate): no file "
+                         f"name the job can read or record")
     if "://" in path:
         scheme, rest = path.split("://", 1)
         if scheme != "gs":
@@ -121,7 +131,11 @@ def resolve_path(path: str, source: str) -> str:
     if not os.path.isabs(source):  # a BigQuery table (bq://...) or query (bq-query): no folder to resolve in
         raise ValueError(f"{path!r} is relative, but the record comes from no input file ({source or 'no source'}); "
                          f"give a gs:// URI or an absolute path")
-    return os.path.normpath(os.path.join(os.path.dirname(source), path))
+    resolved = os.path.normpath(os.path.join(os.path.dirname(source), path))
+    if not layout.utf8_encodable(resolved):  # the input file's folder has a name that is not UTF-8
+        raise ValueError(f"{path!r} resolves to {resolved!r}, which is not valid Unicode text "
+                         f"(the input file's folder name is not UTF-8); give a gs:// URI or an absolute path")
+    return resolved
 
 
 # --------------------------------------------------------------------------------------------- allowed roots
@@ -192,7 +206,10 @@ def check_allowed(uri: str, roots: Sequence[str] | None) -> None:
     path = os.path.normpath(uri)
     if not any(_inside(path, r) for r in local):
         raise ReferenceError(uri, f"is outside every reference root; {hint}")
-    real = os.path.realpath(path)
+    try:
+        real = os.path.realpath(path)
+    except (ValueError, UnicodeError, OSError) as e:  # a NUL, a lone surrogate: no file has such a path
+        raise ReferenceError(uri, f"cannot be opened as a path ({type(e).__name__}: {e})") from None
     if not any(_inside(real, os.path.realpath(r)) for r in local):
         raise ReferenceError(uri, f"resolves (through a symlink) to {real!r}, outside every reference root; {hint}")
 
@@ -202,22 +219,34 @@ READ_ATTEMPTS = 3  # reads of a reference whose failure may be transient (a drop
 READ_BACKOFF_S = 0.5
 
 
-def _read_bounded(uri: str, max_bytes: int) -> bytes:
-    """The reference's bytes; a read that fails for a reason that may pass is tried READ_ATTEMPTS times."""
+def _read_bounded(uri: str, max_bytes: int, timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> bytes:
+    """The reference's bytes; a read that fails for a reason that may pass is tried READ_ATTEMPTS times, all within
+    `timeout_s` (--read_timeout_s) from the first open: a read that stalls past it is a ReferenceError."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for attempt in range(READ_ATTEMPTS):
         try:
-            return _read_bounded_once(uri, max_bytes)
+            return _read_bounded_once(uri, max_bytes, timeout_s, deadline)
         except ReferenceError as e:
-            if not e.transient or attempt == READ_ATTEMPTS - 1:
+            left = None if deadline is None else deadline - time.monotonic()
+            if not e.transient or attempt == READ_ATTEMPTS - 1 or (left is not None and left <= 0):
                 raise
-            time.sleep(READ_BACKOFF_S * 2 ** attempt)
+            time.sleep(READ_BACKOFF_S * 2 ** attempt if left is None else min(READ_BACKOFF_S * 2 ** attempt, left))
     raise AssertionError("unreachable")
 
 
-def _read_bounded_once(uri: str, max_bytes: int) -> bytes:
+def _read_bounded_once(uri: str, max_bytes: int, timeout_s: float | None = DEFAULT_READ_TIMEOUT_S,
+                       deadline: float | None = None) -> bytes:
+    """One attempt: a local file only if it is a regular file (a FIFO, device or folder is refused before any
+    read, so it cannot block), every open and read within the limit (transforms/bounded_reads.py)."""
     try:
-        with FileSystems.open(uri, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        with open_timed(uri, timeout_s, deadline, what=f"reading reference {layout.writable_text(uri)!r}") as f:
             data = f.read(max_bytes + 1)
+    except NotARegularFile as e:
+        raise ReferenceError(uri, "is a folder, not a file" if e.kind == "a folder" else
+                             f"is {e.kind}, not a regular file (only regular files and gs:// objects are read)") \
+            from None
+    except ReadTimeout as e:
+        raise ReferenceError(uri, f"could not be read: {e}", transient=True) from None
     except Exception as e:  # noqa: BLE001 - Beam wraps the store's errors; the cause is what the row shows
         cause = e
         while getattr(cause, "__cause__", None) is not None:
@@ -229,11 +258,18 @@ def _read_bounded_once(uri: str, max_bytes: int) -> bytes:
             raise ReferenceError(uri, "does not exist") from None
         if isinstance(e, IsADirectoryError):
             raise ReferenceError(uri, "is a folder, not a file") from None
-        raise ReferenceError(uri, f"cannot be read: {text[:300]}", transient=True) from None
+        if isinstance(e, (ValueError, UnicodeError)) or (isinstance(e, OSError) and e.errno in _NOT_A_PATH):
+            raise ReferenceError(uri, f"cannot be opened as a path: {layout.truncate_record(text, 300)}") from None
+        raise ReferenceError(uri, f"cannot be read: {layout.truncate_record(text, 300)}", transient=True) from None
     if len(data) > max_bytes:
         raise ReferenceError(uri, f"is larger than {max_bytes} bytes, the most a reference of "
                                   f"--max_reference_pixels may take (refused before decoding)")
     return data
+
+
+# Errors of a path no retry can open (a name too long, a folder on the way that is a file, a loop of links).
+_NOT_A_PATH = frozenset(getattr(errno, name) for name in ("ENAMETOOLONG", "ENOTDIR", "ELOOP", "EINVAL")
+                        if hasattr(errno, name))
 
 
 def decode_reference(uri: str, data: bytes, limits: ReferenceLimits) -> Reference:
@@ -267,8 +303,9 @@ def decode_reference(uri: str, data: bytes, limits: ReferenceLimits) -> Referenc
 
 
 def read_reference(uri: str, limits: ReferenceLimits = ReferenceLimits()) -> Reference:
-    """Read and decode one reference (local or gs://) within `limits`; ReferenceError saying why not."""
-    return decode_reference(uri, _read_bounded(uri, limits.max_bytes), limits)
+    """Read and decode one reference (local or gs://) within `limits` (its bytes within --read_timeout_s);
+    ReferenceError saying why not."""
+    return decode_reference(uri, _read_bounded(uri, limits.max_bytes, limits.read_timeout_s), limits)
 
 
 # --------------------------------------------------------------------------------------------- signature
@@ -393,20 +430,39 @@ class _ResolveReferencesFn(retries.CountingRetriesFn):
         self._bad = Metrics.counter(METRICS_NAMESPACE, "references_invalid")
 
     def process(self, request):
+        """The per-record boundary of references: whatever checking, reading or decoding one of this request's
+        references raises, the request becomes one invalid_reference row naming it, and the job goes on."""
         if not request.reference_images:
             yield request
             return
+        uri = request.reference_images[0]
         try:
-            refs = read_all(request.reference_images, self._limits)
+            for uri in request.reference_images:
+                check_allowed(uri, self._limits.roots)
+            cache = process_cache()
+            refs = []
+            for uri in request.reference_images:
+                refs.append(cache.get(uri, self._limits))
+            uri = None
+            resolved = request.with_references_read(
+                tuple(r.sha256 for r in refs), reference_signature([r.image for r in refs], self._size_multiple))
         except ReferenceError as e:
-            self._invalid.inc()
-            self._bad.inc()
-            yield beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
-                source=request.source, line=request.line, id=request.id, kind=layout.INVALID_REFERENCE,
-                reason=str(e), record=_request_record(request), field=FIELD, value=e.uri))
+            yield self._invalid_row(request, str(e), e.uri)
             return
-        yield request.with_references_read(tuple(r.sha256 for r in refs),
-                                           reference_signature([r.image for r in refs], self._size_multiple))
+        except Exception as e:  # noqa: BLE001 - every exception type: this request's reference data caused it
+            LOGGER.warning("reading the references of request %r raised %s; it is an error row and the job goes on",
+                           layout.writable_text(request.id), type(e).__name__, exc_info=True)
+            which = f"reference image {layout.writable_text(uri)!r}" if uri is not None else "its reference images"
+            yield self._invalid_row(request, f"{which} could not be used: {type(e).__name__}: {e}", uri)
+            return
+        yield resolved
+
+    def _invalid_row(self, request, reason: str, uri: str | None):
+        self._invalid.inc()
+        self._bad.inc()
+        return beam.pvalue.TaggedOutput(INVALID_TAG, layout.error_row(
+            source=request.source, line=request.line, id=request.id, kind=layout.INVALID_REFERENCE,
+            reason=layout.truncate_record(reason, 600), record=_request_record(request), field=FIELD, value=uri))
 
 
 class ResolveReferences(beam.PTransform):

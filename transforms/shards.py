@@ -5,6 +5,13 @@
     {output}/shards/{shard:05d}_stats.json     count, successes, failures, duration: written LAST, the shard's
                                                completion marker (img2dataset's incremental mode reads it so)
 
+Publication order (transforms/sinks/webdataset.py packs): the old marker is removed, then the tar is written, then
+the sidecar, which names the tar's size and CRC32C (Parquet key-value metadata `tar_bytes`, `tar_crc32c`), then the
+marker, which names both the tar's and the sidecar's size and CRC32C. `--skip_existing` keeps a shard only when
+the objects now there are the ones its marker names (on gs:// the tar's CRC32C from its metadata, nothing
+downloaded; locally the tar is hashed): a run stopped between any two of these writes leaves no marker, or one that
+names other bytes, and the shard is packed again.
+
 A sample's key is `shard * 10**ceil(log10(samples_per_shard)) + index`, zero-padded to 9 digits: digits only,
 because WebDataset cuts a member name at its FIRST dot into key and extension. The tar bytes depend only on the
 samples (fixed mtime, uid, gid, owner names; ustar headers; members sorted) and the umask (members get the mode the
@@ -170,9 +177,17 @@ def tar_bytes(samples: Iterable[Sample], shard: int) -> bytes:
 
 
 def shard_stats(shard: int, *, count: int, successes: int, failures: int, duration_s: float, start_time: float,
-                end_time: float, failures_by_kind: dict | None = None) -> dict:
-    """`{shard:05d}_stats.json`, with img2dataset's fields (count, successes, failed_to_generate, duration, ...)."""
+                end_time: float, failures_by_kind: dict | None = None, tar: "Digest | None" = None,
+                sidecar: "Digest | None" = None) -> dict:
+    """`{shard:05d}_stats.json`, with img2dataset's fields (count, successes, failed_to_generate, duration, ...),
+    and the size and CRC32C of the tar and the sidecar it vouches for."""
+    digests = {}
+    if tar is not None:
+        digests.update({TAR_BYTES: tar.size, TAR_CRC32C: tar.crc32c})
+    if sidecar is not None:
+        digests.update({SIDECAR_BYTES: sidecar.size, SIDECAR_CRC32C: sidecar.crc32c})
     return {
+        **digests,
         "shard": shard,
         "tar": shard_name(shard),
         "count": int(count),
@@ -195,6 +210,7 @@ def is_complete(stats: dict, planned: int) -> bool:
 # --------------------------------------------------------------------------------------------- sidecar rows
 SIDECAR_COLUMNS = ("key", "status", "error_message", "id", "file_name", "uri", "prompt", "prompt_truncated", "seed",
                    "height", "width", "num_inference_steps", "guidance_scale", "model", "quantize", "sha256", "bytes",
+                   "crc32c",
                    "generation_ms", "metadata", "source", "line", "request_fingerprint", "model_fingerprint")
 
 
@@ -205,8 +221,8 @@ def sidecar_schema():
              "file_name": pa.string(), "uri": pa.string(), "prompt": pa.string(), "prompt_truncated": pa.bool_(),
              "seed": pa.int64(), "height": pa.int64(), "width": pa.int64(), "num_inference_steps": pa.int64(),
              "guidance_scale": pa.float64(), "model": pa.string(), "quantize": pa.string(), "sha256": pa.string(),
-             "bytes": pa.int64(),
-             "generation_ms": pa.float64(), "metadata": pa.string(), "source": pa.string(), "line": pa.int64(),
+             "bytes": pa.int64(), "crc32c": pa.string(), "generation_ms": pa.float64(), "metadata": pa.string(),
+             "source": pa.string(), "line": pa.int64(),
              "request_fingerprint": pa.string(), "model_fingerprint": pa.string()}
     return pa.schema([(name, types[name]) for name in SIDECAR_COLUMNS])
 
@@ -229,16 +245,34 @@ def failed_sidecar_row(key: str, task, error: dict, model_fingerprint: str | Non
     out.update(key=key, status="failed", error_message=f"{error.get('kind')}: {error.get('reason')}", id=r.id,
                prompt=r.prompt, seed=task.seed, height=r.height, width=r.width,
                num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale,
-               metadata=json.dumps(r.metadata_values(), ensure_ascii=False, sort_keys=True), source=r.source,
+               metadata=json.dumps(r.metadata_values(), ensure_ascii=False, sort_keys=True),
+               source=layout.writable_text(r.source),
                line=r.line, request_fingerprint=request_fingerprint(task), model_fingerprint=model_fingerprint)
     return out
 
 
-def sidecar_bytes(rows: list[dict]) -> bytes:
+# What the sidecar (Parquet key-value metadata) and the marker record of the objects they vouch for.
+TAR_BYTES, TAR_CRC32C = "tar_bytes", "tar_crc32c"
+SIDECAR_BYTES, SIDECAR_CRC32C = "sidecar_bytes", "sidecar_crc32c"
+
+
+@dataclasses.dataclass(frozen=True)
+class Digest:
+    """An object's size and CRC32C (base64, as GCS lists it)."""
+
+    size: int
+    crc32c: str
+
+
+def sidecar_bytes(rows: list[dict], tar: Digest | None = None) -> bytes:
+    """The sidecar Parquet of `rows`; with `tar`, naming the tar it describes (its size and CRC32C)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist(sorted(rows, key=lambda r: r["key"]), schema=sidecar_schema())
+    schema = sidecar_schema()
+    if tar is not None:
+        schema = schema.with_metadata({TAR_BYTES: str(tar.size), TAR_CRC32C: tar.crc32c})
+    table = pa.Table.from_pylist(sorted(rows, key=lambda r: r["key"]), schema=schema)
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
@@ -248,6 +282,48 @@ def read_sidecar(data: bytes) -> list[dict]:
     import pyarrow.parquet as pq
 
     return pq.read_table(io.BytesIO(data)).to_pylist()
+
+
+def sidecar_tar(data: bytes) -> Digest | None:
+    """The tar a sidecar names (None: a sidecar written before it named one)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(io.BytesIO(data)).metadata or {}
+    size, crc = meta.get(TAR_BYTES.encode()), meta.get(TAR_CRC32C.encode())
+    if size is None or crc is None:
+        return None
+    return Digest(int(size), crc.decode("ascii"))
+
+
+def marker_digests(stats: dict) -> tuple[Digest, Digest] | None:
+    """(tar, sidecar) as a marker names them (None: a marker written before it named them)."""
+    try:
+        return (Digest(int(stats[TAR_BYTES]), str(stats[TAR_CRC32C])),
+                Digest(int(stats[SIDECAR_BYTES]), str(stats[SIDECAR_CRC32C])))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class DigestingWriter:
+    """A binary writer that passes bytes on to `out` and keeps their size and CRC32C (for a tar being spooled)."""
+
+    def __init__(self, out):
+        import google_crc32c
+
+        self._out = out
+        self._crc = google_crc32c.Checksum()
+        self.size = 0
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self._crc.update(data)
+        self.size += len(data)
+        return self._out.write(data)
+
+    def digest(self) -> Digest:
+        import base64
+
+        return Digest(self.size, base64.b64encode(self._crc.digest()).decode("ascii"))
 
 
 def sidecar_row_matches(row: dict, task, model_fingerprint: str | None) -> bool:

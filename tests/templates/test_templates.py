@@ -716,6 +716,7 @@ BAD_VALUES = {
     "model_copies": INT_BAD + ["100"],
     "inference_retries": ["-1", "abc", "1.5", "10", "1e3"],
     "inference_timeout_s": ["-1", "abc", "1.5", "01800", "1e3", "10000000"],
+    "read_timeout_s": ["0", "-1", "abc", "1.5", "0120", "1e3", "100000"],
     "checkpoint_cache_dir": ["relative/dir", "gs://b/cache", "~/cache"],
     "compilation_cache_dir": ["relative/dir", "s3://b/cache", "gs://", "~/cache"],
     "input_format": ["json", "JSONL", "TSV", "xlsx"],

@@ -206,8 +206,10 @@ def test_reference_field_in_bigquery_rows_needs_full_paths():
 def test_transient_read_errors_are_retried_and_never_cached(tmp_path, monkeypatch):
     """A reference read that fails for a reason that may pass (a dropped connection) is tried again; one that still
     fails is an error for this request only: the next request reads the file again instead of a cached failure."""
+    from transforms import bounded_reads
+
     monkeypatch.setattr(references, "READ_BACKOFF_S", 0.0)
-    real_open = references.FileSystems.open
+    real_open = bounded_reads.open_local_regular
     failures = {"left": 0}
 
     def flaky_open(path, *args, **kwargs):
@@ -216,7 +218,7 @@ def test_transient_read_errors_are_retried_and_never_cached(tmp_path, monkeypatc
             raise ConnectionError("connection reset by peer")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(references.FileSystems, "open", flaky_open)
+    monkeypatch.setattr(bounded_reads, "open_local_regular", flaky_open)
     a = write(tmp_path, "a.png", png(64, 64, seed=1))
     cache = ReferenceCache()
     failures["left"] = references.READ_ATTEMPTS - 1

@@ -1,6 +1,10 @@
-"""--skip_existing decides from the listing and the earlier manifest rows' fingerprints: kept images are never read,
-stale ones (another prompt, another model) are generated again and counted, unrecorded ones are read and checked."""
+"""--skip_existing decides from the listing and the earlier manifest rows' fingerprints: kept images are never read
+for their text (on gs:// never downloaded: the listing's CRC32C says which bytes are there; a local file is hashed),
+stale ones (another prompt, another model) are generated again and counted, unrecorded ones are read and checked.
+Rows vouch only for the bytes they name: an image a later, stopped run replaced is read and decided by its own
+text, and a WebDataset shard is kept only when its tar and sidecar are the ones its marker names."""
 
+import hashlib
 import json
 import os
 
@@ -10,6 +14,7 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from transforms import layout, shards, sinks
+from transforms.checksums import crc32c
 from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.inference import GeneratedImage
 from transforms.requests import GenerationRequest, ImageTask
@@ -25,6 +30,10 @@ OTHER_LENGTH = model_fingerprint("ckpt", dtype="float32", max_sequence_length=32
 INT8 = model_fingerprint("ckpt", dtype="float32", max_sequence_length=64, quantize="int8")
 
 
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def task(id, prompt="a fox", **kw) -> ImageTask:
     base = dict(id=id, prompt=prompt, seed=3, height=32, width=32, num_inference_steps=None, guidance_scale=None,
                 num_images=1, source="p.jsonl", line=1)
@@ -32,17 +41,17 @@ def task(id, prompt="a fox", **kw) -> ImageTask:
     return ImageTask(GenerationRequest(**base), 0)
 
 
-def _png(t: ImageTask, model_fp=MODEL) -> bytes:
+def _png(t: ImageTask, model_fp=MODEL, level=None) -> bytes:
     pixels = np.random.default_rng(t.seed).integers(0, 256, (t.request.height, t.request.width, 3), dtype=np.uint8)
     return encode_png(pixels, png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m",
-                                       model_fingerprint=model_fp))
+                                       model_fingerprint=model_fp), compress_level=level)
 
 
-def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00000-of-00001.jsonl"):
+def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00000-of-00001.jsonl", level=None):
     """What an earlier run left: each task's image, and (unless killed first) its manifest rows."""
     rows = []
     for t in tasks:
-        data = _png(t, model_fp)
+        data = _png(t, model_fp, level)
         uri = layout.join(out, t.file_name)
         write_bytes_atomic(uri, data)
         rows.append(existing_manifest_row(t, data, uri, model_fingerprint=model_fp))
@@ -50,6 +59,15 @@ def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00
         write_bytes_atomic(layout.join(out, f"manifest/{name}"),
                            "".join(layout.to_json_line(r) + "\n" for r in rows).encode())
     return rows
+
+
+@pytest.fixture(params=["local", "gcs"])
+def output(request, tmp_path):
+    """An output folder: local, or a gs:// prefix on the GCS emulator."""
+    if request.param == "local":
+        return str(tmp_path / "out")
+    emulator = request.getfixturevalue("gcs_emulator")
+    return f"gs://{emulator.new_bucket()}/out"
 
 
 @pytest.fixture
@@ -166,6 +184,41 @@ def test_natural_ids_resume_under_their_safe_names(tmp_path, image_reads):
         os.path.basename(names[i]) for i in ("café 2", "a/b"))
 
 
+def test_images_a_stopped_run_replaced_are_not_kept_by_the_rows_it_left(output, image_reads):
+    """Run A completes; run B, another prompt over the same ids, replaces two images and is stopped before its
+    manifest; run A again: the rows A left name bytes that are no longer there (PNG level 0: every image has the
+    same size, so the size cannot tell), so the two images are read, found to be B's and made again."""
+    out = output
+    done = [task(f"i{n}", prompt="a fox") for n in range(4)]
+    rows = _write_run(out, done, level=0)
+    replaced = [task(f"i{n}", prompt="a cat") for n in range(2)]  # run B's, same length: same size at level 0
+    for t in replaced:
+        data = _png(t, level=0)
+        assert len(data) == rows[0]["bytes"]
+        write_bytes_atomic(layout.join(out, t.file_name), data)
+    got = _skip(out, done)
+    assert got["tasks"] == ["images/i0.png", "images/i1.png"] and got["stale"] == ["images/i0.png", "images/i1.png"]
+    assert sorted(r["file_name"] for r in got["existing"]) == ["images/i2.png", "images/i3.png"]
+    assert sorted(os.path.basename(p) for p in image_reads) == ["i0.png", "i1.png"]  # only those: their text decides
+    for row in got["existing"]:
+        data = writes.read_bytes(row["uri"])
+        assert (row["sha256"], row["bytes"], row["crc32c"]) == (sha256(data), len(data), crc32c(data))
+
+
+def test_rows_without_a_checksum_are_checked_against_the_image(output, image_reads):
+    """Rows of a run before the CRC32C was recorded: locally the file's sha256 is compared; on gs:// the image is
+    read and checked (its rows cannot say which bytes they name without reading it), and kept."""
+    out = output
+    done = [task("a"), task("b")]
+    rows = _write_run(out, done, manifest=False)
+    old = "".join(layout.to_json_line({k: v for k, v in r.items() if k != "crc32c"}) + "\n" for r in rows)
+    write_bytes_atomic(layout.join(out, "manifest/manifest-00000-of-00001.jsonl"), old.encode())
+    got = _skip(out, done)
+    assert got["tasks"] == [] and sorted(r["file_name"] for r in got["existing"]) == ["images/a.png", "images/b.png"]
+    assert len(image_reads) == (0 if layout.is_local_path(out) else 2)
+    assert all(r["crc32c"] for r in got["existing"])
+
+
 # --------------------------------------------------------------------------------------------- webdataset
 def _pixels(t) -> np.ndarray:
     r = t.request
@@ -255,3 +308,113 @@ def test_webdataset_rerun_reuses_the_images_a_killed_run_staged(tmp_path):
                 open(shards.shard_path(str(tmp_path / "reference"), shard), "rb") as g:
             assert f.read() == g.read()
     assert len(reference["manifest"]) == 5
+
+
+def _read(path: str) -> bytes:
+    return writes.read_bytes(path)
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_shard_whose_sidecar_write_failed_after_its_tar_is_packed_again(where, tmp_path, monkeypatch, request):
+    """Run A packs a shard; run B, another prompt for one of its samples, replaces the tar and fails writing the
+    sidecar (on gs:// the fault proxy refuses the sidecar's upload; locally the write raises): run A's command
+    again with --skip_existing must not keep the tar B left under A's sidecar: it packs the shard again, and the
+    tar is A's, byte for byte."""
+    import contextlib
+
+    from transforms.sinks import webdataset
+
+    tasks = [task("a", line=1), task("b", line=2), task("c", line=3)]
+    edited = [tasks[0], task("b", prompt="a hen", line=2), tasks[2]]
+    reference = str(tmp_path / "reference")
+    _wds(reference, tasks, skip_existing=False)
+    with contextlib.ExitStack() as stack:
+        if where == "local":
+            out, proxy = str(tmp_path / "out"), None
+        else:
+            from fault_jobs import fast_gcs_retries
+            from fault_proxy import in_front_of
+
+            emulator = request.getfixturevalue("gcs_emulator")
+            out = f"gs://{emulator.new_bucket()}/out"
+            # Every request of the three runs goes through the proxy (objects written through it are read back
+            # through it: their media links name it).
+            proxy = stack.enter_context(in_front_of(emulator, monkeypatch))
+        _wds(out, tasks, skip_existing=False)
+        assert _read(shards.shard_path(out, 0)) == _read(shards.shard_path(reference, 0))
+
+        if proxy is None:
+            real = webdataset.write_bytes_atomic
+
+            def failing(path, data, mime_type="application/octet-stream"):
+                if path.endswith(shards.SIDECAR_SUFFIX):
+                    raise OSError("injected: the sidecar's write failed (the run was stopped here)")
+                return real(path, data, mime_type)
+
+            with monkeypatch.context() as m:
+                m.setattr(webdataset, "write_bytes_atomic", failing)
+                with pytest.raises(Exception, match="injected"):
+                    _wds(out, edited, skip_existing=True)
+        else:
+            from fault_proxy import FaultRule
+
+            with monkeypatch.context() as m:
+                fast_gcs_retries(m, timeout=2.0)
+                proxy.add_rule(FaultRule(fraction=1.0, kinds={"upload"}, name=r"shards/00000\.parquet",
+                                         actions=("503",)))
+                with pytest.raises(Exception):
+                    _wds(out, edited, skip_existing=True)
+                proxy.clear_rules()
+            assert proxy.stats()["injected_by_kind"].get("upload", 0) >= 1
+        assert _read(shards.shard_path(out, 0)) != _read(shards.shard_path(reference, 0))  # B's tar is there
+
+        again = _wds(out, tasks, skip_existing=True)  # packed again; B's staged images of A's requests are reused
+        assert "000000001" in again["generated"] and \
+            sorted(again["generated"] + [r["key"] for r in again["existing"]]) == ["000000000", "000000001",
+                                                                                  "000000002"]
+        assert _read(shards.shard_path(out, 0)) == _read(shards.shard_path(reference, 0))
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_shard_is_kept_only_when_its_tar_is_the_one_its_marker_names(where, tmp_path, request):
+    """A tar replaced under a complete marker and sidecar (by hand, or a run whose marker could not be removed) is
+    told by its CRC32C (gs://: its metadata; locally hashed) and packed again; with the tar the marker names, the
+    shard is kept without generating anything."""
+    tasks = [task("a", line=1), task("b", line=2)]
+    other = str(tmp_path / "other")
+    _wds(other, [tasks[0], task("b", prompt="a hen", line=2)], skip_existing=False)
+    if where == "local":
+        out = str(tmp_path / "out")
+    else:
+        out = f"gs://{request.getfixturevalue('gcs_emulator').new_bucket()}/out"
+    first = _wds(out, tasks, skip_existing=False)
+    stats = json.loads(_read(shards.stats_path(out, 0)))
+    tar = _read(shards.shard_path(out, 0))
+    assert (stats[shards.TAR_BYTES], stats[shards.TAR_CRC32C]) == (len(tar), crc32c(tar))
+    assert shards.sidecar_tar(_read(shards.sidecar_path(out, 0))) == shards.Digest(len(tar), crc32c(tar))
+    kept = _wds(out, tasks, skip_existing=True)
+    assert kept["generated"] == [] and len(kept["existing"]) == 2
+    assert [r["crc32c"] for r in kept["existing"]] == [r["crc32c"] for r in first["manifest"]]
+
+    write_bytes_atomic(shards.shard_path(out, 0), _read(shards.shard_path(other, 0)))
+    again = _wds(out, tasks, skip_existing=True)
+    assert again["generated"] == ["000000000", "000000001"]
+    assert _read(shards.shard_path(out, 0)) == tar
+
+
+def test_a_marker_from_before_the_checksums_is_checked_against_the_tars_images(tmp_path):
+    """A marker without the tar's CRC32C (an older run's): the tar is read and each image's sha256 compared with its
+    sidecar row; kept when they agree, packed again when they do not."""
+    out = str(tmp_path / "out")
+    tasks = [task("a", line=1), task("b", line=2)]
+    _wds(out, tasks, skip_existing=False)
+    stats = json.loads(_read(shards.stats_path(out, 0)))
+    old = {k: v for k, v in stats.items() if k not in (shards.TAR_BYTES, shards.TAR_CRC32C, shards.SIDECAR_BYTES,
+                                                         shards.SIDECAR_CRC32C)}
+    write_bytes_atomic(shards.stats_path(out, 0), json.dumps(old).encode())
+    assert _wds(out, tasks, skip_existing=True)["generated"] == []
+    other = str(tmp_path / "other")
+    _wds(other, [tasks[0], task("b", prompt="a hen", line=2)], skip_existing=False)
+    write_bytes_atomic(shards.shard_path(out, 0), _read(shards.shard_path(other, 0)))
+    write_bytes_atomic(shards.stats_path(out, 0), json.dumps(old).encode())
+    assert _wds(out, tasks, skip_existing=True)["generated"] == ["000000000", "000000001"]

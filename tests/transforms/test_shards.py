@@ -89,10 +89,17 @@ def test_stats_completeness_and_sidecar_round_trip():
     assert not shards.is_complete(dict(stats, failures=1, successes=2), 3)
     row = {"id": "a", "file_name": "000000000.png", "uri": "u", "prompt": "p", "prompt_truncated": False,
            "seed": 1, "height": 32, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "model": "m",
-           "sha256": "s", "bytes": 3, "generation_ms": 1.5, "metadata": {"lang": "en"}, "source": "f", "line": 2,
-           "key": "000000000", "request_fingerprint": "rfp", "model_fingerprint": "mfp"}
-    back = shards.read_sidecar(shards.sidecar_bytes([shards.success_sidecar_row(row)]))
+           "sha256": "s", "bytes": 3, "crc32c": "AAAAAA==", "generation_ms": 1.5, "metadata": {"lang": "en"},
+           "source": "f", "line": 2, "key": "000000000", "request_fingerprint": "rfp", "model_fingerprint": "mfp"}
+    data = shards.sidecar_bytes([shards.success_sidecar_row(row)], shards.Digest(10240, "mnG7TA=="))
+    back = shards.read_sidecar(data)
     assert back[0] == dict(row, status="success", error_message=None, metadata='{"lang": "en"}')
+    assert shards.sidecar_tar(data) == shards.Digest(10240, "mnG7TA==")  # the sidecar names its tar
+    assert shards.sidecar_tar(shards.sidecar_bytes([])) is None  # as one written before it did
+    marked = shards.shard_stats(4, count=3, successes=3, failures=0, duration_s=1.0, start_time=0, end_time=1,
+                                tar=shards.Digest(10240, "mnG7TA=="), sidecar=shards.Digest(7, "AAAAAA=="))
+    assert shards.marker_digests(marked) == (shards.Digest(10240, "mnG7TA=="), shards.Digest(7, "AAAAAA=="))
+    assert shards.marker_digests(stats) is None
 
 
 def test_indexes_and_card():

@@ -84,7 +84,12 @@ class _ParseRowsFn(ParseRecordsFn):
         self._source = source
 
     def process(self, row):
-        yield self._parsed(row_record(row, self._source))
+        try:
+            raw = row_record(row, self._source)
+        except Exception as e:  # noqa: BLE001 - the per-record boundary: this row's data could not be converted
+            yield self._unparsed(self._source, None, e, row)
+            return
+        yield self._parsed(raw)
 
 
 class ReadBigQueryRequests(beam.PTransform):

@@ -7,7 +7,8 @@ launcher calls `check_input_files` on the files it matched and stops with the co
 a first file none of whose first JSONL_RECORDS records has the prompt column stops the launch (a `--prompt_column`
 typo); a later record without it is still an error row. So does a first file none of whose first JSONL_RECORDS lines
 is a JSON object at all (not JSONL, or every line malformed), naming the first such line and the parser's message.
-A file that cannot be read at all is left to the job, which reports it as an error row like any damaged file.
+A file that cannot be read at all (not a regular file, or a read that does not return within --read_timeout_s) is
+left to the job, which reports it as an error row like any damaged file.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import difflib
 import itertools
 import logging
 
-from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.io.filesystems import FileSystems
-
+from ..bounded_reads import open_timed
+from ..defaults import DEFAULT_READ_TIMEOUT_S
 from ..layout import UNREADABLE_INPUT
 from .columns import ColumnError, ColumnMap, MissingPromptColumn
 from .delimited import DEFAULT_FIELD_LIMIT, table_header
@@ -44,12 +44,12 @@ class InputCheckError(ValueError):
         self.reason = reason
 
 
-def table_columns(path: str, fmt: str, field_limit: int = DEFAULT_FIELD_LIMIT) -> list[str] | None:
+def table_columns(path: str, fmt: str, field_limit: int = DEFAULT_FIELD_LIMIT,
+                  read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> list[str] | None:
     """The column names of one table file (None: not a table format, or unreadable, which the job reports)."""
     if fmt not in ("csv", "tsv", "parquet"):
         return None
-    with FileSystems.open(path, mime_type="application/octet-stream",
-                          compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+    with open_timed(path, read_timeout_s) as raw:
         if fmt == "parquet":
             return parquet_columns(raw, path)
         try:
@@ -58,14 +58,15 @@ def table_columns(path: str, fmt: str, field_limit: int = DEFAULT_FIELD_LIMIT) -
             return None
 
 
-def _check_one(path: str, input_format: str | None, columns: ColumnMap, field_limit: int) -> list[str]:
+def _check_one(path: str, input_format: str | None, columns: ColumnMap, field_limit: int,
+               read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> list[str]:
     try:
         fmt = detect_format(path, input_format)
     except InputFormatError as e:
         raise InputCheckError(path, str(e)) from None
     try:
-        header = table_columns(path, fmt, field_limit)
-    except OSError as e:  # gone since the match, or a folder: the job reports it as an error row
+        header = table_columns(path, fmt, field_limit, read_timeout_s)
+    except OSError as e:  # gone since the match, a folder or FIFO, a read timed out: the job reports it as a row
         logger.info("cannot read the header of %s at launch (%s); the job reports it", path, e)
         return []
     if header is None:
@@ -92,7 +93,8 @@ class JsonlSample:
     unreadable: bool = False
 
 
-def jsonl_sample(path: str, most: int = JSONL_RECORDS) -> JsonlSample:
+def jsonl_sample(path: str, most: int = JSONL_RECORDS,
+                 read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> JsonlSample:
     """The first `most` non-empty lines of a JSONL file, read within the readers' size bound and parsed as the job
     parses them. Nothing when the file cannot be read at all: the job reports that."""
     found: dict[tuple[str, ...], None] = {}
@@ -100,8 +102,7 @@ def jsonl_sample(path: str, most: int = JSONL_RECORDS) -> JsonlSample:
     first_error = None
     unreadable = False
     try:
-        with FileSystems.open(path, mime_type="application/octet-stream",
-                              compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+        with open_timed(path, read_timeout_s) as raw:
             for record in itertools.islice(iter_jsonl(open_decompressed(raw, path), path), most):
                 lines += 1
                 if record.fields is not None:
@@ -151,7 +152,8 @@ def missing_prompt_reason(key_sets: list[tuple[str, ...]], lines: int, columns: 
             f"their keys are: {shown or '(none)'}{hint}")
 
 
-def _check_first_jsonl(paths: list[str], input_format: str | None, columns: ColumnMap) -> None:
+def _check_first_jsonl(paths: list[str], input_format: str | None, columns: ColumnMap,
+                       read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> None:
     """InputCheckError when the first JSONL file among `paths` starts with lines none of which is a JSON object, or
     with records none of which has a prompt."""
     for path in paths:
@@ -161,7 +163,7 @@ def _check_first_jsonl(paths: list[str], input_format: str | None, columns: Colu
             continue  # reported by the table check
         if fmt != "jsonl":
             continue
-        sample = jsonl_sample(path)
+        sample = jsonl_sample(path, read_timeout_s=read_timeout_s)
         reason = malformed_reason(sample) or missing_prompt_reason(sample.key_sets, sample.lines, columns)
         if reason:
             raise InputCheckError(path, reason)
@@ -169,12 +171,14 @@ def _check_first_jsonl(paths: list[str], input_format: str | None, columns: Colu
 
 
 def check_input_files(paths: list[str], input_format: str | None, columns: ColumnMap,
-                      field_limit: int = DEFAULT_FIELD_LIMIT) -> list[str]:
+                      field_limit: int = DEFAULT_FIELD_LIMIT,
+                      read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> list[str]:
     """Check every table among `paths` and the first JSONL file; raise InputCheckError for the first that cannot
-    give requests. Returns warnings (a --column_map column a table does not have)."""
+    give requests. Returns warnings (a --column_map column a table does not have). Every read of a file returns
+    within `read_timeout_s` (--read_timeout_s), so a stalled one cannot hold the launch."""
     if not paths:
         return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(_PARALLEL, len(paths))) as pool:
-        found = list(pool.map(lambda p: _check_one(p, input_format, columns, field_limit), paths))
-    _check_first_jsonl(paths, input_format, columns)
+        found = list(pool.map(lambda p: _check_one(p, input_format, columns, field_limit, read_timeout_s), paths))
+    _check_first_jsonl(paths, input_format, columns, read_timeout_s)
     return [warning for warnings in found for warning in warnings]

@@ -26,13 +26,16 @@ _MAX_INT_DIGITS = 40
 
 
 class InvalidRecord(ValueError):
-    """A record that cannot become a request; `field`/`value` name the offending part."""
+    """A record that cannot become a request; `field`/`value` name the offending part, `kind` the error row's kind
+    (`invalid_record`; `invalid_reference` for a reference path no file can have)."""
 
-    def __init__(self, reason: str, *, field: str | None = None, value: Any = None):
+    def __init__(self, reason: str, *, field: str | None = None, value: Any = None,
+                 kind: str = layout.INVALID_RECORD):
         super().__init__(reason)
         self.reason = reason
         self.field = field
         self.value = value
+        self.kind = kind
 
 
 def type_name(value: Any) -> str:
@@ -173,5 +176,5 @@ def as_references(fields: Mapping, source: str, limit: int, text_values: bool) -
         try:
             resolved.append(references.resolve_path(path, source))
         except ValueError as e:
-            raise InvalidRecord(f"{name}: {e}", field=name, value=path) from None
+            raise InvalidRecord(f"{name}: {e}", field=name, value=path, kind=layout.INVALID_REFERENCE) from None
     return tuple(resolved)

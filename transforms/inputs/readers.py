@@ -14,10 +14,11 @@ import os
 from typing import Iterator
 
 import apache_beam as beam
-from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.metrics import Metrics
 
 from .. import layout, retries
+from ..bounded_reads import NotARegularFile, open_timed
+from ..defaults import DEFAULT_READ_TIMEOUT_S
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from ..requests import INVALID_TAG, GenerationRequest
 from .columns import ColumnMap, ColumnResolver
@@ -28,7 +29,7 @@ from .files import InputReadError, open_decompressed
 from .formats import InputFormatError, detect_format, header_warning
 from .jsonl import iter_jsonl
 from .parquet import iter_parquet
-from .records import RawRecord, unreadable
+from .records import RawRecord, record_fault, unreadable
 from .text import iter_text
 from .validation import RequestDefaults, parse_raw
 
@@ -78,22 +79,39 @@ class ParseRecordsFn(retries.CountingRetriesFn):
         self._resolver = ColumnResolver(self._columns)
 
     def _parsed(self, raw: RawRecord):
+        """The per-record boundary: whatever interpreting this record's data raises (columns, types, validation,
+        ids, reference paths, metadata), the record becomes its error row and the job goes on."""
         self._read.inc()
-        parsed = parse_raw(raw, self._defaults, self._resolver)
+        try:
+            parsed = parse_raw(raw, self._defaults, self._resolver)
+        except Exception as e:  # noqa: BLE001 - every exception type: the record's data caused it
+            parsed = record_fault(raw.source, raw.line, e, raw.text if raw.text is not None else raw.fields)
         if isinstance(parsed, GenerationRequest):
             return parsed
         self._invalid.inc()
         return beam.pvalue.TaggedOutput(INVALID_TAG, parsed)
 
+    def _unparsed(self, source: str, line: int | None, error: BaseException, record=None):
+        """A record that could not even be taken from its input (a BigQuery row that cannot be converted)."""
+        self._read.inc()
+        self._invalid.inc()
+        return beam.pvalue.TaggedOutput(INVALID_TAG, record_fault(source, line, error, record))
+
 
 class _ReadRequestsFn(ParseRecordsFn):
     """fileio.ReadableFile -> GenerationRequest (main output), error row (INVALID_TAG) or, for a text file whose
-    first line looks like a table's header, a warning row (WARNING_TAG)."""
+    first line looks like a table's header, a warning row (WARNING_TAG).
 
-    def __init__(self, input_format: str | None, defaults: RequestDefaults, columns: ColumnMap = ColumnMap()):
+    A file is opened only if it is a regular file (locally), and every open and read of it returns within
+    `read_timeout_s` (transforms/bounded_reads.py). Whatever opening or reading the file raises becomes one
+    `unreadable_input` row naming where reading stopped; the records before it are kept."""
+
+    def __init__(self, input_format: str | None, defaults: RequestDefaults, columns: ColumnMap = ColumnMap(),
+                 read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S):
         super().__init__(defaults, columns)
         self._input_format = input_format
         self._csv_field_limit = csv_field_limit_for(defaults.max_prompt_bytes)
+        self._read_timeout_s = read_timeout_s
         self._files = Metrics.counter(METRICS_NAMESPACE, "input_files")
 
     def process(self, readable_file):
@@ -105,30 +123,33 @@ class _ReadRequestsFn(ParseRecordsFn):
             yield self._parsed(unreadable(path, None, str(e), field="input_format"))
             return
         try:
-            raw_file = readable_file.open(mime_type="application/octet-stream",
-                                          compression_type=CompressionTypes.UNCOMPRESSED)
-        except (IsADirectoryError, NotADirectoryError, PermissionError, FileNotFoundError, NotImplementedError) as e:
-            # Deterministic: retrying cannot help (a folder matched by a glob, a file removed since the match, a GCS
-            # object Beam refuses to read: Content-Encoding gzip with Content-Type application/gzip).
-            yield self._parsed(unreadable(path, None, f"input file cannot be opened: {e}"))
+            raw_file = open_timed(path, self._read_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a folder or FIFO matched by a glob, a file removed since the match,
+            # an object Beam refuses to read (Content-Encoding gzip with Content-Type application/gzip), a store
+            # that does not answer within --read_timeout_s: this file's one error row
+            yield self._parsed(unreadable(path, None, f"input file cannot be opened: {_cause(e)}"))
             return
         with raw_file:
             # Parquet seeks in the file as stored; the line formats read its bytes with compression undone.
             stream = raw_file if fmt == "parquet" else open_decompressed(raw_file, path)
             first = fmt == "text"
+            last = 0  # the line of the last record taken from the file
             try:
                 for raw in iter_raw_records(stream, path, fmt, self._csv_field_limit, self._columns):
+                    last = raw.line if raw.line is not None else last
                     if first and raw.text is not None:
                         first = False
                         warning = self._header_warning(raw)
                         if warning is not None:
                             yield beam.pvalue.TaggedOutput(WARNING_TAG, warning)
                     yield self._parsed(raw)
-            except InputReadError as e:
-                # The records of the complete lines before the damage are kept; the cut last line is not a record.
-                done = stream.complete_lines
-                yield self._parsed(unreadable(path, done + 1, f"input file cannot be read to its end: {e}; the "
-                                                              f"records from line {done + 1} on were not read"))
+            except Exception as e:  # noqa: BLE001 - InputReadError (cut, corrupt), a timed-out or failed read, ...
+                # The records before the damage are kept. A damaged stream says where its complete lines end (the
+                # cut last line is not a record); any other failure stops after the last record taken.
+                done = getattr(stream, "complete_lines", None)
+                where = done + 1 if isinstance(e, InputReadError) and done is not None else last + 1
+                yield self._parsed(unreadable(path, where, f"input file cannot be read to its end: {_cause(e)}; "
+                                                           f"the records from line {where} on were not read"))
 
     def _header_warning(self, raw: RawRecord) -> dict | None:
         """A warning row when a text file's first line looks like a table's header (the file is still read as
@@ -140,6 +161,15 @@ class _ReadRequestsFn(ParseRecordsFn):
                    f"header of a table: {why}; if it is a table, name it .csv/.tsv or pass --input_format")
         logger.warning("%s (line %s: %r)", warning, raw.line, layout.truncate_record(raw.text, 100))
         return {"source": raw.source, "line": raw.line, "warning": warning}
+
+
+def _cause(error: BaseException) -> str:
+    """What an error row says of an exception: its own words for the typed ones, else its type too."""
+    if isinstance(error, NotARegularFile):
+        return f"it is {error.kind}, not a regular file (only regular files and gs:// objects are read)"
+    if isinstance(error, (InputReadError, OSError, NotImplementedError)):  # ReadTimeout, NotARegularFile too
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def canonical_path(path: str) -> str:
@@ -157,11 +187,13 @@ class ReadRequests(beam.PTransform):
     Every pattern must match at least one file (the pipeline checks that before it starts, with a clear message).
     """
 
-    def __init__(self, input_format: str | None, defaults: RequestDefaults, columns: ColumnMap = ColumnMap()):
+    def __init__(self, input_format: str | None, defaults: RequestDefaults, columns: ColumnMap = ColumnMap(),
+                 read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S):
         super().__init__()
         self._input_format = input_format
         self._defaults = defaults
         self._columns = columns
+        self._read_timeout_s = read_timeout_s  # each open and read of an input file (--read_timeout_s)
 
     def expand(self, patterns):
         from apache_beam.io import fileio
@@ -173,6 +205,6 @@ class ReadRequests(beam.PTransform):
                  | "ReadMatches" >> fileio.ReadMatches()  # opened uncompressed: inputs.files decompresses
                  | "SpreadFiles" >> beam.Reshuffle())
         parsed = files | "ParseRecords" >> beam.ParDo(
-            _ReadRequestsFn(self._input_format, self._defaults, self._columns)).with_outputs(
+            _ReadRequestsFn(self._input_format, self._defaults, self._columns, self._read_timeout_s)).with_outputs(
                 INVALID_TAG, WARNING_TAG, main="requests")
         return {"requests": parsed.requests, "invalid": parsed[INVALID_TAG], WARNING_TAG: parsed[WARNING_TAG]}

@@ -128,7 +128,7 @@ def parse_raw(raw: RawRecord, defaults: RequestDefaults, resolver: ColumnResolve
                                extra=extra)
     except InvalidRecord as e:
         return layout.error_row(source=raw.source, line=raw.line, reason=e.reason, record=_record_text(raw),
-                                id=_given_id(fields, raw.text_values), field=e.field, value=e.value)
+                                id=_given_id(fields, raw.text_values), field=e.field, value=e.value, kind=e.kind)
 
 
 def _given_id(fields: Mapping[str, Any], text_values: bool) -> str | None:

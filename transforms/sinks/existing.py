@@ -1,6 +1,12 @@
 """What an output already holds, for `--skip_existing`: an image written earlier is checked against the task it
 would be made for, from the earlier manifest rows' fingerprints or from the image's own bytes and text.
 
+Rows vouch only for the bytes they name: an image is kept by its rows alone when the object now there has the
+CRC32C they record (gs://: from the listing, nothing downloaded) or, locally, the sha256 (the file is hashed). An
+object whose bytes no row names (a run replaced it and was stopped before writing its manifest, or anything else
+wrote it) is read, and its own text decides: the image carries the request and model fingerprints it was made
+for, so it is authoritative for its own bytes, whatever rows an earlier run left.
+
 The files sink uses `SkipExisting` (every image of `images/`); the WebDataset sink checks whole shards from their
 sidecars and reuses staged images with `check_existing_image` (transforms/sinks/webdataset.py).
 """
@@ -18,6 +24,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from .. import layout, retries
+from ..checksums import Stored, crc32c, list_folder, local_digests
 from ..fingerprints import request_fingerprint
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from . import writes
@@ -55,6 +62,7 @@ class FoundImage:
     model: str
     model_fingerprint: str | None
     quantize: str = "none"
+    crc32c: str | None = None
 
     def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
         """Its manifest row (generation_ms None: its time was not measured by this run)."""
@@ -62,7 +70,7 @@ class FoundImage:
             task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
-            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize)
+            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize, crc32c=self.crc32c)
 
 
 def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
@@ -124,7 +132,8 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
     truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
     return FoundImage(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data), num_inference_steps=steps,
                       guidance_scale=guidance, prompt_truncated=truncated, model=text.get("model", ""),
-                      model_fingerprint=text.get("model_fingerprint"), quantize=text.get("quantize", "none"))
+                      model_fingerprint=text.get("model_fingerprint"), quantize=text.get("quantize", "none"),
+                      crc32c=crc32c(data))
 
 
 def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding | None = None,
@@ -137,7 +146,7 @@ def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding |
 
 
 class _SkipExistingFn(retries.CountingRetriesFn):
-    """Reads and checks each listed image (the listing as a side input {file name: size}): a task whose image
+    """Reads and checks each listed image (the listing as a side input {file name: Stored}): a task whose image
     checks out -> its manifest row (tagged `skipped`); else the task, to be generated (an image made for another
     request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
     does for an image no earlier manifest row describes; alone, the whole check of runs before fingerprints."""
@@ -150,6 +159,8 @@ class _SkipExistingFn(retries.CountingRetriesFn):
         self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
         self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
         self._read = Metrics.counter(METRICS_NAMESPACE, "existing_images_read")
+        self._hashed = Metrics.counter(METRICS_NAMESPACE, "existing_images_hashed")
+        self._changed = Metrics.counter(METRICS_NAMESPACE, "existing_images_changed")
 
     def process(self, task, existing):
         if self._encoding.stored_name(task.file_name) not in existing:
@@ -187,8 +198,8 @@ class _SkipExistingFn(retries.CountingRetriesFn):
 
 
 # What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
-RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "model", "prompt_truncated",
-                   "num_inference_steps", "guidance_scale")
+RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "crc32c", "model",
+                   "prompt_truncated", "num_inference_steps", "guidance_scale")
 
 
 def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
@@ -210,11 +221,12 @@ def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
 
 
 class _DecideExistingFn(_SkipExistingFn):
-    """(file name, {tasks, listed sizes, recorded rows}) -> the same outputs as _SkipExistingFn, from the listing
-    and the earlier manifest rows alone: an image listed at the size its rows record, all of whose rows carry the
-    task's request fingerprint and this model's, is skipped without being read; one whose rows all carry other
-    fingerprints is stale; one with no row (a run killed before its manifest was written), rows that disagree, or
-    another size, is read and checked as _SkipExistingFn does."""
+    """(file name, {tasks, listed: [Stored], recorded rows}) -> the same outputs as _SkipExistingFn, from the listing
+    and the earlier manifest rows: the rows that describe the object now there (the CRC32C the gs:// listing gives,
+    or locally the file's sha256, and the size they record) decide. All of them carrying the task's request
+    fingerprint and this model's: skipped without being read; all carrying others: stale. An object no row
+    describes (a run killed before its manifest was written, or one that replaced the bytes an older row names),
+    or rows that disagree: read and checked as _SkipExistingFn does, its own text deciding."""
 
     def process(self, element, existing=None):
         file_name, found = element
@@ -227,21 +239,45 @@ class _DecideExistingFn(_SkipExistingFn):
             else:
                 yield from self._decide(task, file_name, listed[0], recorded)
 
-    def _decide(self, task, file_name: str, size: int, recorded: list[dict]):
+    def _describing(self, file_name: str, listed: Stored, recorded: list[dict]) -> tuple[list[dict], Stored] | None:
+        """The rows that name the bytes now stored (with the object's figures, CRC32C included); None when a local
+        file is gone since the listing."""
+        if listed.crc32c is not None:  # gs://: the listing says which bytes the object holds
+            return [r for r in recorded if r.get("crc32c") == listed.crc32c and r.get("bytes") == listed.size], listed
+        try:
+            size, sha, crc = local_digests(layout.join(self._output, file_name))
+        except FileNotFoundError:
+            return None
+        self._hashed.inc()
+        return [r for r in recorded if r.get("sha256") == sha and r.get("bytes") == size], Stored(size, crc)
+
+    def _decide(self, task, file_name: str, listed: Stored, recorded: list[dict]):
+        described = self._describing(file_name, listed, recorded)
+        if described is None:
+            yield task
+            return
+        rows, stored = described
+        if not rows:  # the bytes there are not the ones any row names: the image's own text decides
+            self._changed.inc()
+            LOGGER.info("--skip_existing: %s is not the image its manifest rows name (its bytes changed since: a "
+                        "run stopped while replacing it?); reading it", file_name)
+            yield from self._read_and_check(task)
+            return
         want = (request_fingerprint(task), self._model_fingerprint)
-        prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in recorded}
+        prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in rows}
         if want not in prints:
             which = "request" if all(p[1] == want[1] for p in prints) else "model"
             yield from self._stale_task(task, f"{file_name}: its manifest row has another {which} fingerprint")
             return
-        rec = next((r for r in recorded if r.get("bytes") == size), None)
-        if len(prints) > 1 or rec is None:  # rows that disagree, or an object of another size: look at it
+        if len(prints) > 1:  # rows that disagree about these very bytes: look at them
             yield from self._read_and_check(task)
             return
+        rec = rows[0]
         self._skipped.inc()
-        found = FoundImage(sha256=rec["sha256"], num_bytes=size, num_inference_steps=rec["num_inference_steps"],
+        found = FoundImage(sha256=rec["sha256"], num_bytes=stored.size, num_inference_steps=rec["num_inference_steps"],
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
-                           model=rec["model"], model_fingerprint=want[1], quantize=rec.get("quantize", "none"))
+                           model=rec["model"], model_fingerprint=want[1], quantize=rec.get("quantize", "none"),
+                           crc32c=stored.crc32c)
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
                                                               uri=layout.join(self._output, file_name)))
 
@@ -251,12 +287,12 @@ class SkipExisting(beam.PTransform):
     'stale': file names of images already there that were made for another request or model}: the files sink's
     plan (transforms/sinks/files.py) under --skip_existing.
 
-    The existing images are listed once (one match of `{output}/images/*.png`, or the extension of the job's
-    --image_format), and the earlier runs' manifest rows (`manifest/*.jsonl`: manifest-* and existing-*) read once,
-    keeping only their fingerprints and stored figures. Both are joined with the tasks by file name
-    (_DecideExistingFn), so that an image whose rows say it is this request's, made by this model
-    (`model_fingerprint`), is skipped without being read. Only images no row describes are read and checked
-    (`existing_manifest_row`). Every kept image's row goes to manifest/existing-*.jsonl, so a resumed job's
+    The existing images are listed once (`{output}/images/*.png`, or the extension of the job's --image_format;
+    on gs:// with each object's CRC32C), and the earlier runs' manifest rows (`manifest/*.jsonl`: manifest-* and
+    existing-*) read once, keeping only their fingerprints and stored figures. Both are joined with the tasks by
+    file name (_DecideExistingFn), so that an image whose rows name its very bytes (the listed CRC32C; locally the
+    file's sha256) and say it is this request's, made by this model (`model_fingerprint`), is skipped without
+    being read. Images no row describes, bytes included, are read and checked (`existing_manifest_row`). Every kept image's row goes to manifest/existing-*.jsonl, so a resumed job's
     manifests still list every image, including those of a run that was killed before writing its manifest.
     `read_manifest=False`: every listed image is read and checked (the behaviour before fingerprints; benchmarks).
     """
@@ -273,11 +309,11 @@ class SkipExisting(beam.PTransform):
         from apache_beam.io import fileio
 
         output, encoding = self._output, self._encoding
+        suffix = "." + encoding.extension
         listed = (tasks.pipeline
-                  | "ImagesGlob" >> beam.Create([layout.images_glob(output, encoding.format)])
-                  | "ListImages" >> fileio.MatchAll(empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
-                  | "ToFileName" >> beam.Map(lambda m: (f"{layout.IMAGES_DIR}/{m.path.rsplit('/', 1)[-1]}",
-                                                        m.size_in_bytes)))
+                  | "ImagesFolder" >> beam.Create([layout.join(output, layout.IMAGES_DIR)])
+                  | "ListImages" >> beam.FlatMap(lambda folder: ((f"{layout.IMAGES_DIR}/{name}", found)
+                                                                 for name, found in list_folder(folder, suffix))))
         fn_args = (output, encoding, self._model_fingerprint)
         if not self._read_manifest:
             out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(*fn_args), beam.pvalue.AsDict(listed)) \

@@ -38,6 +38,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from .. import dataset_card, layout, retries, shards
+from ..checksums import crc32c, stored
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from ..requests import ImageTask
 from .base import DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, STALE, TASKS, Sink, SinkSettings, after, \
@@ -153,6 +154,51 @@ class InShard:
                          write_to=staged_path(self.output, task.key, extension), key=task.key)
 
 
+def remove_marker(output: str, shard: int) -> None:
+    """Remove a shard's `_stats.json` (none: nothing to do), before its tar is replaced: until the new marker is
+    written, nothing says the shard is complete. A delete that fails is logged: the marker would still name the
+    old tar's CRC32C, which the new tar does not have."""
+    path = shards.stats_path(output, shard)
+    if layout.is_local_path(path):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        return
+    try:
+        if FileSystems.exists(path):
+            FileSystems.delete([path])
+    except Exception as e:  # noqa: BLE001 - see above: the checksums still tell the old marker from the new tar
+        LOGGER.warning("could not remove the old marker %s before packing its shard again: %s", path, e)
+
+
+def tar_rows_mismatch(path: str, rows: list[dict], extension: str) -> str | None:
+    """Why the images of the tar at `path` are not those its sidecar rows record (their sha256), or None when they
+    are; the tar is streamed (one member at a time), never held whole."""
+    import hashlib
+    import tarfile
+
+    from apache_beam.io.filesystem import CompressionTypes
+
+    want = {r["key"]: r.get("sha256") for r in rows if r.get("status") == "success"}
+    found = {}
+    try:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f, \
+                tarfile.open(fileobj=f, mode="r|") as tar:
+            for member in tar:
+                key, _, ext = member.name.partition(".")
+                if ext == extension and member.isfile():
+                    digest, data = hashlib.sha256(), tar.extractfile(member)
+                    while chunk := data.read(2**20):
+                        digest.update(chunk)
+                    found[key] = digest.hexdigest()
+    except (tarfile.TarError, OSError) as e:
+        return f"its tar cannot be read ({e})"
+    if found != want:
+        return "its tar does not hold the images its sidecar records"
+    return None
+
+
 # --------------------------------------------------------------------------------------------- plan
 @dataclasses.dataclass(frozen=True)
 class _Stale:
@@ -173,6 +219,7 @@ class _PlanShardFn(retries.CountingRetriesFn):
         self._kept = Metrics.counter(METRICS_NAMESPACE, "shards_skipped")
         self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
         self._reused = Metrics.counter(METRICS_NAMESPACE, "staged_images_reused")
+        self._changed = Metrics.counter(METRICS_NAMESPACE, "shards_changed")
 
     def process(self, element):
         shard, grouped = element
@@ -214,12 +261,19 @@ class _PlanShardFn(retries.CountingRetriesFn):
         output = self._s.output
         try:
             stats = json.loads(read_bytes(shards.stats_path(output, shard)).decode("utf-8"))
-            rows = shards.read_sidecar(read_bytes(shards.sidecar_path(output, shard)))
+            sidecar_data = read_bytes(shards.sidecar_path(output, shard))
+            rows = shards.read_sidecar(sidecar_data)
+            why = self._not_vouched(shard, stats, sidecar_data, rows)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - a damaged marker or sidecar: generate the shard again
             LOGGER.warning("--skip_existing: shard %05d's marker or sidecar cannot be read (%s); generating it again",
                            shard, e)
+            return None
+        if why is not None:
+            self._changed.inc()
+            LOGGER.warning("--skip_existing: shard %05d: %s (a run stopped while packing it?); packing it again",
+                           shard, why)
             return None
         planned = len(tasks)
         if not shards.is_complete(stats, planned) or len(rows) != planned \
@@ -242,8 +296,31 @@ class _PlanShardFn(retries.CountingRetriesFn):
             task, file_name=row["file_name"], uri=uri, sha256=row["sha256"], num_bytes=row["bytes"],
             num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
             prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
-            model_fingerprint=row["model_fingerprint"], key=task.key, quantize=row.get("quantize") or "none")
+            model_fingerprint=row["model_fingerprint"], key=task.key, quantize=row.get("quantize") or "none",
+            crc32c=row.get("crc32c"))
             for task, row in ((task, by_key[task.key]) for task in tasks)]
+
+    def _not_vouched(self, shard: int, stats: dict, sidecar_data: bytes, rows: list[dict]) -> str | None:
+        """Why the shard's objects are not the ones its marker vouches for, or None when they are: the sidecar has
+        the size and CRC32C the marker names, and so has the tar now stored (gs://: from its metadata; locally the
+        tar is hashed). A marker of a run before these were recorded: each image in the tar must have the sha256
+        its sidecar row records (the tar is read)."""
+        output = self._s.output
+        named = shards.marker_digests(stats)
+        if named is None:
+            return tar_rows_mismatch(shards.shard_path(output, shard), rows, self._s.encoding.extension)
+        tar, sidecar = named
+        if shards.Digest(len(sidecar_data), crc32c(sidecar_data)) != sidecar:
+            return "its sidecar is not the one its marker names"
+        if shards.sidecar_tar(sidecar_data) not in (None, tar):
+            return "its sidecar names another tar than its marker"
+        found = stored(shards.shard_path(output, shard))
+        if found is None:
+            return "its tar is missing"
+        if (found.size, found.crc32c) != (tar.size, tar.crc32c):
+            return (f"its tar ({found.size} bytes, crc32c {found.crc32c}) is not the one its marker names "
+                    f"({tar.size} bytes, crc32c {tar.crc32c})")
+        return None
 
     def _reuse(self, task: ShardTask) -> dict | None:
         """The manifest row of the image a killed run staged at the task's key, if it is that task's (checked as a
@@ -335,15 +412,22 @@ class _PackShardFn(retries.CountingRetriesFn):
         sidecar = [shards.success_sidecar_row(row) for row in rows]
         sidecar += [shards.failed_sidecar_row(key, task, error, self._s.model_fingerprint)
                     for key, task, error in failures]
+        # The order of publication: first the old marker goes (a run stopped from here on leaves no marker), then
+        # the tar, the sidecar naming the tar's size and CRC32C, and last the marker naming both: whatever a stop
+        # between two writes leaves, no marker vouches for bytes it does not name (_complete_shard checks).
+        remove_marker(output, shard)
         spool = tempfile.mkdtemp(prefix=f"flux2-shard-{shard:05d}-")
         try:
             tar_file = os.path.join(spool, "shard.tar")
             with open(tar_file, "wb") as f:
-                shards.write_tar(f, self._samples(rows, extension), shard)
+                digesting = shards.DigestingWriter(f)
+                shards.write_tar(digesting, self._samples(rows, extension), shard)
+            tar = digesting.digest()
             shards.write_file_atomic(shards.shard_path(output, shard), tar_file, "application/x-tar")
         finally:
             shutil.rmtree(spool, ignore_errors=True)
-        write_bytes_atomic(shards.sidecar_path(output, shard), shards.sidecar_bytes(sidecar),
+        sidecar_data = shards.sidecar_bytes(sidecar, tar)
+        write_bytes_atomic(shards.sidecar_path(output, shard), sidecar_data,
                            mime_type="application/vnd.apache.parquet")
         by_kind: dict[str, int] = {}
         for _, _, error in failures:
@@ -351,7 +435,8 @@ class _PackShardFn(retries.CountingRetriesFn):
         finished = time.time()
         stats = shards.shard_stats(shard, count=len(rows) + len(failures), successes=len(rows),
                                    failures=len(failures), duration_s=finished - started, start_time=started,
-                                   end_time=finished, failures_by_kind=by_kind)
+                                   end_time=finished, failures_by_kind=by_kind, tar=tar,
+                                   sidecar=shards.Digest(len(sidecar_data), crc32c(sidecar_data)))
         # Last: the marker says the tar and the sidecar are complete.
         write_bytes_atomic(shards.stats_path(output, shard),
                            (json.dumps(stats, indent=2, sort_keys=True) + "\n").encode("utf-8"),

@@ -23,6 +23,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from .. import layout, retries
 from ..atomic_files import write_local_atomic, write_object_atomic
+from ..checksums import crc32c
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from .encoding import ImageEncoding, generated_text
 
@@ -62,10 +63,11 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class StoredImage:
-    """What an encoder thread reports back for one image: its size and sha256."""
+    """What an encoder thread reports back for one image: its size, sha256 and CRC32C (as GCS lists it)."""
 
     num_bytes: int
     sha256: str
+    crc32c: str
 
 
 def store_image(generated, place: Placement, encoding: ImageEncoding,
@@ -73,7 +75,7 @@ def store_image(generated, place: Placement, encoding: ImageEncoding,
     """Encode one GeneratedImage and write it atomically to `place.write_to`; thread-safe (no Beam state touched)."""
     data = encoding.encode(generated.pixels, generated_text(generated, model_fingerprint))
     write_bytes_atomic(place.write_to, data, mime_type=encoding.mime_type)
-    return StoredImage(len(data), hashlib.sha256(data).hexdigest())
+    return StoredImage(len(data), hashlib.sha256(data).hexdigest(), crc32c(data))
 
 
 class StoreImagesFn(retries.CountingRetriesFn):
@@ -167,6 +169,5 @@ class StoreImagesFn(retries.CountingRetriesFn):
             num_bytes=stored.num_bytes, num_inference_steps=generated.num_inference_steps,
             guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
             model=generated.model, quantize=generated.quantize, generation_ms=generated.generation_ms,
-            model_fingerprint=self._model_fingerprint,
-            key=place.key)
+            model_fingerprint=self._model_fingerprint, key=place.key, crc32c=stored.crc32c)
         return WindowedValue(row, timestamp, [window])
