@@ -169,7 +169,7 @@ ABLATIONS = {
 # batch_size is the workload; max_buckets bounds memory over many sizes (one size here); context parallelism is a
 # layout over several devices, off by default; vae_splash is off by default (measured slower on v5e);
 NOT_ABLATED = ("reference", "batch_size", "compilation_cache_dir", "max_buckets", "context_parallel", "model_shards",
-               "platform", "vae_splash")
+               "platform", "vae_splash", "quantize")  # quantize: another model (benchmarks.drift, benchmarks.quality)
 
 
 def ablation_variants(batch: int, cache_dir: str | None) -> list[Variant]:
