@@ -139,7 +139,7 @@ class CompileCounter:
 def persistent_cache_disabled():
     """Turn JAX's persistent compilation cache off (so first calls really compile), then back on."""
     import jax
-    from jax._src import compilation_cache
+    from jax.experimental.compilation_cache import compilation_cache
 
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)

@@ -48,7 +48,7 @@ def enable_compilation_cache(path: str | None) -> None:
     if not path:
         return
     if jax.config.jax_compilation_cache_dir != path:
-        from jax._src import compilation_cache
+        from jax.experimental.compilation_cache import compilation_cache
 
         jax.config.update("jax_compilation_cache_dir", path)
         # JAX opens its cache once per process: one opened earlier at another folder (an earlier load's, or the

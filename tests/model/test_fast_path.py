@@ -45,9 +45,9 @@ class CompileEvents:
         return self
 
     def __exit__(self, *exc):
-        from jax._src import monitoring
+        import jax.monitoring
 
-        monitoring.unregister_event_duration_listener(self._on)
+        jax.monitoring.unregister_event_duration_listener(self._on)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def default_images(default_gen):
 def restore_compilation_cache():
     """Options with compilation_cache_dir switch JAX's persistent cache on process-wide; switch it back off."""
     import jax
-    from jax._src import compilation_cache
+    from jax.experimental.compilation_cache import compilation_cache
 
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")

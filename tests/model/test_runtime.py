@@ -55,7 +55,7 @@ def test_a_new_compilation_cache_folder_takes_effect_after_another_was_opened(tm
     the job's shared cache, a second load with another --compilation_cache_dir) must still write there."""
     import jax
     import jax.numpy as jnp
-    from jax._src import compilation_cache
+    from jax.experimental.compilation_cache import compilation_cache
 
     from model.engine import enable_compilation_cache
 
