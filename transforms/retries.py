@@ -1,9 +1,9 @@
 """Counts the Google Cloud client's retries in this process, so the job can report how many it rode over.
 
 Every GCS call Beam's GCS filesystem makes (reads, listings, uploads, the renames that finalise the manifest) goes
-through google-api-core's `Retry`, which logs one "Retrying due to ..." debug line per retry through the module's
-logger. `install()` wraps that logger object (messages still reach it unchanged, at the same level) to count those
-lines; `flush_to_metrics()`, called from inside a bundle, moves the count into the Beam counter `gcs_retries`.
+through google-api-core's `Retry`, which logs one "Retrying due to ..." debug line per retry through the logger
+`google.api_core.retry`. `install()` adds a filter to that logger that counts those lines (what reaches the handlers
+is unchanged); `flush_to_metrics()`, called from inside a bundle, moves the count into the Beam counter `gcs_retries`.
 Retries outside any bundle (the launcher's checks) stay pending and are read with `take_pending()`.
 """
 
@@ -18,25 +18,37 @@ from apache_beam.metrics import Metrics
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 
 GCS_RETRIES = "gcs_retries"
+RETRY_LOGGER = "google.api_core.retry"  # the logger google-api-core's Retry reports each retry through, at DEBUG
 _RETRY_MESSAGE = "Retrying due to"
 
 _lock = threading.Lock()
 _pending = 0
 
 
-class _CountingLogger:
-    """Stands in for google-api-core's retry logger: counts retry lines, then logs them exactly as before."""
+# The retry logger's level while counting: below DEBUG, so the retry lines are made, and unlike any level a user
+# sets, so that a level set later (`setLevel`, a test's caplog) is told apart from this one and honoured.
+_COUNTING_LEVEL = logging.DEBUG - 1
 
-    def __init__(self, logger: logging.Logger):
-        self._logger = logger
 
-    def debug(self, msg, *args, **kwargs):
-        if str(msg).startswith(_RETRY_MESSAGE):
+class _RetryCounter(logging.Filter):
+    """Counts the retry logger's "Retrying due to" lines; passes a record on only at the level the logger would have
+    without counting (one set on it since, else the one it had before, else its parent's), so logs read as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.wanted = logging.NOTSET  # the logger's own level before counting began
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.DEBUG and str(record.msg).startswith(_RETRY_MESSAGE):
             _note_retry()
-        self._logger.debug(msg, *args, **kwargs)
+        logger = logging.getLogger(RETRY_LOGGER)
+        level = self.wanted if logger.level == _COUNTING_LEVEL else logger.level
+        if level == logging.NOTSET:
+            level = logger.parent.getEffectiveLevel() if logger.parent else logging.WARNING
+        return record.levelno >= level
 
-    def __getattr__(self, name):
-        return getattr(self._logger, name)
+
+_COUNTER = _RetryCounter()
 
 
 def _note_retry() -> None:
@@ -45,21 +57,16 @@ def _note_retry() -> None:
         _pending += 1
 
 
-def install() -> bool:
-    """Start counting retries in this process (idempotent). False when google-api-core's layout is not the one
-    this knows, in which case nothing is counted and nothing else changes."""
-    try:
-        from google.api_core.retry import retry_base
-    except ImportError:
-        return False
+def install() -> None:
+    """Start counting retries in this process (idempotent). A level someone set on the retry logger since the last
+    call is kept as the level its records are passed on at."""
+    logger = logging.getLogger(RETRY_LOGGER)
     with _lock:
-        current = getattr(retry_base, "_LOGGER", None)
-        if isinstance(current, _CountingLogger):
-            return True
-        if not isinstance(current, logging.Logger):
-            return False
-        retry_base._LOGGER = _CountingLogger(current)
-    return True
+        if _COUNTER not in logger.filters:
+            logger.addFilter(_COUNTER)
+        if logger.level != _COUNTING_LEVEL:
+            _COUNTER.wanted = logger.level
+            logger.setLevel(_COUNTING_LEVEL)
 
 
 def take_pending() -> int:
