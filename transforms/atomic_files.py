@@ -9,9 +9,12 @@ upload with what it buffered when it is closed, or garbage-collected, after a fa
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import tempfile
 from typing import BinaryIO, Callable
+
+logger = logging.getLogger(__name__)
 
 
 def umask() -> int:
@@ -79,16 +82,21 @@ def write_object_atomic(path: str, fill: Callable[[BinaryIO], None], mime_type: 
         fill(out)
         out.close()
     except BaseException:
-        abandon_upload(out)
+        abandon_upload(out, path)
         raise
 
 
-def abandon_upload(writer) -> None:
+def abandon_upload(writer, path: str) -> None:
     """Make an unfinished object writer never finalise its upload: google-cloud-storage's BlobWriter (Beam's GCS
-    writer) uploads what it buffered and completes the object in close(), which garbage collection also calls; with
-    its buffer closed first, close() uploads nothing and the resumable upload is left unfinished (never visible)."""
-    for candidate in (writer, getattr(writer, "_file", None), getattr(writer, "_blob_writer", None)):
-        buffer = getattr(candidate, "_buffer", None)
-        if buffer is not None and hasattr(buffer, "close"):
-            buffer.close()
-            return
+    writer) uploads what it buffered and completes the object in close(), which garbage collection also calls; its
+    public `terminate()` cancels the resumable upload (if one was opened) and closes the buffer, so close() sends
+    nothing. Should the cancel request itself fail (it is logged), an upload cut on the wire still cannot complete
+    (the writer's stream no longer matches what GCS holds); only one abandoned for `fill`'s own error, with the
+    network gone just for the cancel, could be completed by a close() once it is back."""
+    terminate = getattr(writer, "terminate", None)
+    if terminate is None:
+        return
+    try:
+        terminate()
+    except Exception as e:  # noqa: BLE001 - the write's own error is what the caller raises
+        logger.warning("could not cancel the unfinished upload of %s: %s: %s", path, type(e).__name__, e)
