@@ -8,9 +8,10 @@ resolved by model/hub.py. The fingerprint hashes the object listing
 (names, sizes, checksums, generations), so a checkpoint re-uploaded under the same URI gets a fresh copy instead of a
 stale one.
 
-- Objects are fetched in 32 MiB byte ranges, 16 requests in flight, and verified while they are written against the
-  checksums GCS stores for them (crc32c, and md5 when the object has one), with no second read; a mismatch or a short
-  read raises CheckpointError naming the object, and nothing of the copy is kept.
+- Objects are fetched by google-cloud-storage's transfer_manager (`download_chunks_concurrently`): 32 MiB byte ranges,
+  16 requests in flight, each range's crc32c computed as it is written and combined into the object's, which must be
+  the crc32c GCS lists for it (no second read); a mismatch or a short read raises CheckpointError naming the object,
+  and nothing of the copy is kept.
 - An object stored with `Content-Encoding: gzip` (`gsutil cp -Z` / `-z json`, `gcloud storage cp --gzip-local-all`)
   is copied as stored, verified, then decompressed: the cache holds the file that was uploaded.
 - Pickle weight files (.bin/.pt/.pth/.ckpt) are refused while listing, before anything is copied; of default and
@@ -26,8 +27,6 @@ Uses google-cloud-storage, which honours `STORAGE_EMULATOR_HOST` (tests run agai
 
 from __future__ import annotations
 
-import base64
-import collections
 import concurrent.futures
 import contextlib
 import fcntl
@@ -54,8 +53,7 @@ UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 COMPLETE_MARKER = ".flux2-complete.json"
 _DOWNLOAD_THREADS = 4   # objects copied at once
 _SLICE_THREADS = 16     # byte-range requests in flight, shared by those objects
-_SLICE = 32 * 1024 * 1024
-SLICE_WINDOW = 4        # slices of one object fetched ahead of the one being written (memory: 4 x 4 x 32 MiB at most)
+_SLICE = 32 * 1024 * 1024  # one range request (transfer_manager's own default chunk size)
 _CHUNK = 8 * 1024 * 1024
 GZIP_HEAD_CHUNK = 256 * 1024  # stored bytes read at a time for the header of a gzip-encoded weight file
 SUPERSEDED_COPY_AGE_S = 3600.0
@@ -398,68 +396,44 @@ def _file_lock(path: str, wait: bool = True):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode("ascii")
-
-
-def _download_one(blob, dest: str, object_uri: str, slices: concurrent.futures.Executor | None = None) -> int:
-    """Copy one object to `dest` in byte-range slices fetched in parallel (`slices`), written in order while its
-    crc32c and md5 are computed over the same bytes: no second read of the file. At most SLICE_WINDOW slices of an
-    object are in memory at once. A short read, a size or checksum mismatch raises CheckpointError naming the
-    object (the caller removes the partial copy). Without `slices`, the object's own SLICE_WINDOW threads."""
-    if slices is None:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=SLICE_WINDOW) as own:
-            return _download_one(blob, dest, object_uri, own)
-    import google_crc32c
+def _download_one(blob, dest: str, object_uri: str, threads: int = _SLICE_THREADS) -> int:
+    """Copy one object to `dest` as stored (raw: the bytes its checksums cover) with transfer_manager's
+    download_chunks_concurrently: `_SLICE` byte ranges on `threads` threads, each written in place while its crc32c
+    is computed; the combined crc32c must be the one the listing gave. A gzip-encoded object is then decompressed.
+    A short read, a size or checksum mismatch raises CheckpointError naming the object (the caller removes the
+    partial copy). Returns the size of the file written."""
+    from google.cloud.storage import transfer_manager
+    from google.cloud.storage.exceptions import DataCorruption
 
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     # From the listing: a download overwrites the blob's properties with its response headers.
     gzip_encoded = (blob.content_encoding or "").strip().lower() == "gzip"
-    if blob.crc32c is None and blob.md5_hash is None:
-        raise CheckpointError("checkpoint object has no checksum to verify against", path=object_uri)
-    size = blob.size or 0
-    ranges = [(start, min(start + _SLICE, size)) for start in range(0, size, _SLICE)]
-
-    def fetch(byte_range):
-        first, end = byte_range
-        try:
-            # raw: the stored bytes, exactly what the checksums cover; ours is the only verification
-            data = blob.download_as_bytes(start=first, end=end - 1, raw_download=True, checksum=None)
-        except Exception as e:
-            raise CheckpointError(f"cannot download checkpoint object (bytes {first}-{end - 1}): "
-                                  f"{type(e).__name__}: {e}", path=object_uri) from e
-        if len(data) != end - first:
-            raise CheckpointError(f"short read: bytes {first}-{end - 1} of the object came back as {len(data)} "
-                                  f"bytes (the object is shorter than the {size} bytes GCS lists)", path=object_uri)
-        return data
-
-    crc, md5, written = google_crc32c.Checksum(), hashlib.md5(), 0
-    pending: collections.deque = collections.deque()
-    with open(dest, "wb") as out:
-        for byte_range in ranges:
-            pending.append(slices.submit(fetch, byte_range))
-            if len(pending) >= SLICE_WINDOW:
-                written += _write_slice(out, pending.popleft().result(), crc, md5)
-        while pending:
-            written += _write_slice(out, pending.popleft().result(), crc, md5)
+    listed_crc32c, size = blob.crc32c, int(blob.size or 0)
+    if listed_crc32c is None:
+        raise CheckpointError("checkpoint object has no crc32c checksum to verify against", path=object_uri)
+    try:
+        transfer_manager.download_chunks_concurrently(
+            blob, dest, chunk_size=_SLICE, download_kwargs={"raw_download": True},
+            worker_type=transfer_manager.THREAD, max_workers=max(1, threads), crc32c_checksum=True)
+    except Exception as e:
+        written = os.path.getsize(dest) if os.path.exists(dest) else 0
+        if written < size:  # a range read past the stored bytes: an error, or an empty range transfer_manager trips on
+            raise CheckpointError(f"short read: the copy has {written} of the {size} bytes GCS lists "
+                                  f"({type(e).__name__}: {e})", path=object_uri) from e
+        if isinstance(e, DataCorruption):
+            raise CheckpointError(f"checksum mismatch: crc32c of the copy is not the {listed_crc32c} GCS lists "
+                                  f"({e})", path=object_uri) from e
+        raise CheckpointError(f"cannot download checkpoint object: {type(e).__name__}: {e}", path=object_uri) from e
+    written = os.path.getsize(dest)
     if written != size:
-        raise CheckpointError(f"size mismatch: copy has {written} bytes, GCS says {size}", path=object_uri)
-    if blob.crc32c is not None and _b64(crc.digest()) != blob.crc32c:
-        raise CheckpointError(f"checksum mismatch: crc32c of the copy is {_b64(crc.digest())}, GCS says "
-                              f"{blob.crc32c}", path=object_uri)
-    if blob.md5_hash is not None and _b64(md5.digest()) != blob.md5_hash:
-        raise CheckpointError(f"checksum mismatch: md5 of the copy is {_b64(md5.digest())}, GCS says "
-                              f"{blob.md5_hash}", path=object_uri)
+        raise CheckpointError(f"size mismatch: copy has {written} bytes, GCS says {size} (a short read)",
+                              path=object_uri)
+    if size and blob.crc32c not in (None, listed_crc32c):  # transfer_manager checked against a newer object's
+        raise CheckpointError(f"checksum mismatch: the object changed since it was listed (crc32c {blob.crc32c}, "
+                              f"listed {listed_crc32c})", path=object_uri)
     if gzip_encoded:
         _gunzip_in_place(dest, object_uri)
     return os.path.getsize(dest)
-
-
-def _write_slice(out, data: bytes, crc, md5) -> int:
-    out.write(data)
-    crc.update(data)
-    md5.update(data)
-    return len(data)
 
 
 def _gunzip_in_place(path: str, object_uri: str) -> None:
@@ -507,10 +481,12 @@ def _copy_once(uri: str, bucket: str, blobs: list, rels: dict, root: str, finger
         tmp = tempfile.mkdtemp(prefix=partial, dir=root)
         try:
             start = time.monotonic()
-            with concurrent.futures.ThreadPoolExecutor(max_workers=_SLICE_THREADS) as slices, \
-                    concurrent.futures.ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
+            at_once = max(1, min(_DOWNLOAD_THREADS, len(blobs)))
+            threads = max(1, _SLICE_THREADS // at_once)  # the range requests in flight, shared by those objects
+            with concurrent.futures.ThreadPoolExecutor(max_workers=at_once) as pool:
                 futures = [pool.submit(_download_one, b, os.path.join(tmp, *rels[b.name].split("/")),
-                                       f"gs://{bucket}/{b.name}", slices) for b in blobs]
+                                       f"gs://{bucket}/{b.name}", threads)
+                           for b in sorted(blobs, key=lambda b: -int(b.size or 0))]  # the largest first
                 total = 0
                 for fut in concurrent.futures.as_completed(futures):
                     total += fut.result()

@@ -142,6 +142,24 @@ def test_objects_copied_in_slices_are_byte_identical(gcs_emulator, gcs_bucket, t
             assert fh.read() == want, rel
 
 
+def test_range_reads_that_fail_are_retried_and_the_copy_is_whole(gcs_emulator, gcs_bucket, tmp_path, monkeypatch):
+    """A third of the range reads fail (503, 429, a reset connection, a response that never comes back): each is
+    retried by the client and the copy is byte-identical, its checksums verified."""
+    from fault_proxy import FaultRule, in_front_of
+
+    monkeypatch.setattr(checkpoint, "_SLICE", 256 * 1024)  # four ranges per weight file
+    files = dict(FILES, **{f"transformer/diffusion_pytorch_model-0000{i}-of-00002.safetensors":
+                           os.urandom(1_000_000 + 7 * i) for i in (1, 2)})
+    del files["transformer/diffusion_pytorch_model.safetensors"]
+    uri = _upload(gcs_emulator, gcs_bucket, "klein-faults", files)
+    with in_front_of(gcs_emulator, monkeypatch, seed=3) as proxy:
+        proxy.set_rules([FaultRule(fraction=0.3, kinds={"read"}, actions=("503", "429", "reset", "reset_after"))])
+        path = checkpoint.resolve_checkpoint(uri, cache_dir=str(tmp_path / "cache"))
+        stats = proxy.stats()
+    assert stats["injected_by_kind"].get("read", 0) >= 2 and stats["unretried"] == [], stats
+    assert _tree(path) == files
+
+
 def _assert_nothing_left(cache):
     """No usable (or half-copied) checkpoint copy is in the cache."""
     for _root, dirs, files in os.walk(cache):
