@@ -9,7 +9,6 @@ that commit is already complete there, which its marker object, written last, sa
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ logger = logging.getLogger(__name__)
 MODELS_FOLDER = "flux2-klein-models"
 SNAPSHOT_MARKER = ".flux2-hub-snapshot.json"
 _UPLOAD_THREADS = 8
+UPLOAD_RETRY = None  # the retry policy of each file's upload; None: google-cloud-storage's DEFAULT_RETRY
 
 
 def hub_model(model: str, variant: str | None, *, local_runner: bool, model_cache: str | None,
@@ -56,6 +56,9 @@ def hub_model(model: str, variant: str | None, *, local_runner: bool, model_cach
 def copy_snapshot_to_gcs(snapshot: HubSnapshot, base: str) -> str:
     """Copy the snapshot's files under `{base}/flux2-klein-models/{owner}--{name}@{commit}`, the marker last;
     nothing is copied when the marker is already there. Returns that gs:// prefix."""
+    from google.cloud.storage import transfer_manager
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
     from model.api import gcs_client
 
     uri = f"{base.rstrip('/')}/{MODELS_FOLDER}/{snapshot.folder_name}"
@@ -67,16 +70,14 @@ def copy_snapshot_to_gcs(snapshot: HubSnapshot, base: str) -> str:
         return uri
     files = []
     for top, _, names in os.walk(snapshot.path):  # the snapshot's files are links into huggingface_hub's blobs
-        files += [os.path.join(top, name) for name in names]
+        files += sorted(os.path.relpath(os.path.join(top, n), snapshot.path).replace(os.sep, "/") for n in names)
     start = time.monotonic()
-
-    def upload(path: str) -> int:
-        rel = os.path.relpath(path, snapshot.path).replace(os.sep, "/")
-        bucket.blob(f"{prefix}/{rel}").upload_from_filename(path)
-        return os.path.getsize(path)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=_UPLOAD_THREADS) as pool:
-        total = sum(pool.map(upload, sorted(files)))
+    # raise_exception: once every upload has ended, the first failure is raised (the marker is then never written)
+    transfer_manager.upload_many_from_filenames(
+        bucket, files, source_directory=snapshot.path, blob_name_prefix=f"{prefix}/",
+        upload_kwargs={"retry": UPLOAD_RETRY or DEFAULT_RETRY}, worker_type=transfer_manager.THREAD,
+        max_workers=_UPLOAD_THREADS, raise_exception=True)
+    total = sum(os.path.getsize(os.path.join(snapshot.path, rel)) for rel in files)
     marker.upload_from_string(json.dumps({
         "repo_id": snapshot.ref.repo_id, "revision": snapshot.ref.revision, "commit": snapshot.commit,
         "files": len(files), "bytes": total, "copied_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

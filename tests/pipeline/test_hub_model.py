@@ -241,3 +241,30 @@ def test_dataflow_launch_copies_the_snapshot_to_gcs_once(hub_cache, stand_in_hub
     with pytest.raises(UsageError, match="--model_cache='/tmp/models' is not one"):
         resolve_job(PipelineOptions([*argv, "--model_cache=/tmp/models"]))
     assert stand_in_hub.requests == []
+
+
+def test_a_failed_upload_leaves_no_marker_and_the_next_launch_copies_again(hub_cache, gcs_emulator, gcs_bucket,
+                                                                           monkeypatch):
+    """One file of the snapshot cannot be uploaded: the copy fails naming the error and writes no marker (workers
+    would otherwise load an incomplete copy); the next launch copies it whole."""
+    from fault_proxy import FaultRule, in_front_of
+    from pipeline import hub_model
+
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    _, snapshot, _ = hub_cache
+    base = f"gs://{gcs_bucket}/models"
+    monkeypatch.setattr(hub_model, "UPLOAD_RETRY", DEFAULT_RETRY.with_delay(initial=0.02, maximum=0.1).with_timeout(1))
+    with in_front_of(gcs_emulator, monkeypatch, seed=1) as proxy:
+        proxy.set_rules([FaultRule(fraction=1.0, kinds={"upload"}, name=r"/vae/config\.json$", actions=("503",))])
+        with pytest.raises(Exception, match="503"):
+            hub_model.copy_snapshot_to_gcs(snapshot, base)
+        prefix = f"{base}/{hub_model.MODELS_FOLDER}/{snapshot.folder_name}"
+        copied = gcs_emulator.list_blobs(prefix)
+        assert copied and not [n for n in copied if n.endswith(hub_model.SNAPSHOT_MARKER)]
+        proxy.clear_rules()
+        assert hub_model.copy_snapshot_to_gcs(snapshot, base) == prefix
+    names = {n[len(prefix) - len(f"gs://{gcs_bucket}/") + 1:] for n in gcs_emulator.list_blobs(prefix)}
+    expected = {os.path.relpath(os.path.join(top, n), snapshot.path) for top, _, ns in os.walk(snapshot.path)
+                for n in ns}
+    assert names == expected | {hub_model.SNAPSHOT_MARKER}
