@@ -38,7 +38,8 @@ class EngineOptions:
 
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
     attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn | blocked | splash
-    text_encoder_attention: str = "auto"  # text encoder attention (masked): auto = blocked on CPU, xla elsewhere
+    # text encoder attention (masked): auto = blocked on CPU, xla on GPU, splash on TPU (xla for float32 models)
+    text_encoder_attention: str = "auto"
     embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)
     data_parallel: bool = True         # shard the batch over all local devices
     context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
@@ -98,7 +99,8 @@ class LoadSettings:
     engine: EngineOptions = EngineOptions()
     # Text-to-image shapes compiled while the weights load (compiling needs only their shapes), as (height, width,
     # num_inference_steps or None, guidance_scale or None; None = the checkpoint's default): a worker's first batch
-    # of that shape then waits for neither. A shape `generate` would refuse is skipped with a warning.
+    # of that shape then waits for neither. Only on the platforms of model.generator.PRECOMPILE_PLATFORMS (GPUs);
+    # elsewhere the programs compile on first use. A shape `generate` would refuse is skipped with a warning.
     precompile: tuple[tuple[int, int, int | None, float | None], ...] = ()
 
     def __post_init__(self):
