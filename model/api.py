@@ -16,6 +16,8 @@ imports from here only (tests/model checks it). Importing this module does not l
   `is_preset`,
   `preset_config`.
 - Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
+- Leases (JAX-free; model.compile_lease, which the job's output lease uses too): `LocalLeases`, `GcsLeases`,
+  `Holder`, `decide` (with its verdicts `TAKE_OVER`, `WAIT`), `process_alive`.
 - TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
   (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
   `V5E_CALIBRATION`), `format_bytes`, `GiB`.
@@ -34,6 +36,7 @@ from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFini
 from .estimate import V5E_CALIBRATION, ProgramStats
 from .fit_report import Report, format_bytes
 from .hub import HubSnapshot, is_hub_id, resolve_hub, with_revision
+from .compile_lease import TAKE_OVER, WAIT, GcsLeases, Holder, LocalLeases, decide, process_alive
 from .mesh import ShardCountError, shard_counts
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
@@ -57,7 +60,8 @@ __all__ = sorted([
     "V5E_CALIBRATION", "ProgramStats", "Report", "format_bytes", "HubSnapshot", "is_hub_id", "resolve_hub",
     "shard_counts", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES",
     "QUANTIZE_MODES", "EngineOptions", "LoadSettings", "resolve_sampling", "PRESET_NAMES", "is_preset", "preset_config",
-    "CHIPS", "GiB", "Topology", "load_topology", "attached_topology", "ATTACHED", "validate_variant", "with_revision", *_LAZY,
+    "CHIPS", "GiB", "Topology", "load_topology", "attached_topology", "ATTACHED", "validate_variant", "with_revision",
+    "TAKE_OVER", "WAIT", "GcsLeases", "Holder", "LocalLeases", "decide", "process_alive", *_LAZY,
 ])
 
 

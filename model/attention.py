@@ -29,16 +29,14 @@ logger = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("auto", "dot", "xla", "cudnn", "blocked", "splash")
 KEY_BLOCK = 256  # keys per block of the block-wise attention without masks (a whole sequence when it does not divide)
 # Keys per block when a mask is given (the text encoder's causal + padding masks). A block no query may attend is
-# skipped, so smaller blocks skip more of a short prompt's padding: 58 real tokens of 512 measured 74 -> 60 ms per
-# prompt for the small preset's encoder on 2 CPU cores (128 instead of 256), and a 512-token prompt the same; 64 was
-# slower for long prompts. Masked keys longer than a block are padded up to whole blocks (the padding masked too).
+# skipped, so smaller blocks skip more of a short prompt's padding; 128 was the fastest on CPU (docs/performance.md).
+# Masked keys longer than a block are padded up to whole blocks (the padding masked too).
 MASKED_KEY_BLOCK = 128
 SPLASH_BLOCK = 128  # the splash kernel's smallest block; sequences are padded to a multiple of the chosen block
 
-# Splash block triples (block_q, block_kv, block_kv_compute) measured on one TPU v5e chip (2026-12-06,
-# `python -m benchmarks.splash_sweep`, klein-4B's attention at 1024x1024: 24 heads x 4608 tokens x MEASURED_HEAD_DIM,
-# bf16), with
-# the rate each reached in TFLOP/s of the unpadded work. Triples past 1536 do not compile on v5e (scoped VMEM).
+# Splash block triples (block_q, block_kv, block_kv_compute) with the rate each reached in TFLOP/s of the unpadded
+# work on one TPU v5e chip (`python -m benchmarks.splash_sweep`, klein-4B's attention at 1024x1024, head width
+# MEASURED_HEAD_DIM; docs/performance.md). Triples past 1536 do not compile on v5e (scoped VMEM).
 # `splash_blocks` picks the triple with the least padded work per unit of rate for a given pair of lengths.
 MEASURED_HEAD_DIM = 128
 SPLASH_MEASURED = {
@@ -107,7 +105,7 @@ def resolve_implementation(name: str, masked: bool = False, devices: int = 1, pl
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {name!r}; choose one of {IMPLEMENTATIONS}")
     backend = platform or jax.default_backend()
-    if name == "auto":  # on CPU the block-wise form measured ~1.8x faster than XLA's (768 tokens, 4 heads, D 32)
+    if name == "auto":  # on CPU the block-wise form is faster than XLA's (docs/performance.md)
         if backend == "tpu":  # float32 models: XLA's attention at the highest precision (model.layers.precision_scope)
             return "xla" if dtype is not None and jnp.dtype(dtype) == jnp.float32 else "splash"
         return {"gpu": "xla" if masked else "cudnn", "cpu": "blocked"}.get(backend, "xla")
@@ -152,7 +150,7 @@ def _blocked_attention(q, k, v, mask, scale, block: int | None = None, causal: b
 
     The layout is made once, outside the loop: queries grouped by the key/value head they share ([B, Hkv, G*Lq, D],
     so grouped-query attention needs no repeated K/V) and, in float32, already scaled; keys and values as
-    [n, B, Hkv, block, D]. Measured ~15% faster than einsums on [B, L, H, D] blocks (768 tokens, 4 heads, D 32).
+    [n, B, Hkv, block, D], which is faster than einsums on [B, L, H, D] blocks (docs/performance.md).
     `causal` and boolean `key_mask` are applied per block from positions (no [Lq, Lk] mask is read), and are not
     given together with a dense `mask` (`attention` folds such a mix into the dense one)."""
     b, lq, h, d = q.shape

@@ -60,8 +60,8 @@ def enable_compilation_cache(path: str | None) -> None:
 
 def upsample_form(lab: LabSwitches, mesh: Mesh) -> str:
     """The VAE upsampling convs' form (model.vae.UPSAMPLE_FORMS) on the mesh's devices: "plain" when the lab turns
-    the fused forms off; on TPUs the lab's `tpu_upsample`; elsewhere "phases", the fastest on CPU (klein's 128-channel
-    upsample at 128x128 on 2 cores: 100 ms, against 180 plain and 231 dilated)."""
+    the fused forms off; on TPUs the lab's `tpu_upsample`; elsewhere "phases", the fastest on CPU
+    (docs/performance.md)."""
     if not lab.fused_upsample:
         return "plain"
     return lab.tpu_upsample if mesh.devices.flat[0].platform == "tpu" else "phases"
@@ -326,8 +326,7 @@ class CompiledPrograms:
         self.build_seconds[b] = {"lower": lowered_at - start, "encode": encode_s, "denoise": denoise_s,
                                  "decode": decode_s}
         self.compile_count += 3
-        # The compilers free most of the host memory they took, but glibc keeps it: 2.5 GB on a v5e chip for
-        # klein-4B at 1024x1024 (RSS 18.0 -> 15.5 GB once returned, measured).
+        # The compilers free most of the host memory they took, but glibc keeps it unless asked (docs/performance.md).
         release_host_memory()
         logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
 

@@ -27,16 +27,9 @@ class Calibration:
     source: str
 
 
-# Measured on one TPU v5e chip, klein-4B 1024x1024 batch 1 (benchmarks/tpu_measured.json; the figures' history in
-# docs/performance.md). bf16 denoise 838.5 ms: the flash kernel's 100 calls of 1.55 ms (25.98 TFLOP) and 683.5 ms for
-# XLA's 112.87 TFLOP; int8 (--quantize int8) denoise 581.1 ms, 426.1 ms of it for XLA's 113.04 TFLOP, at twice bf16's
-# rate where int8. Splash, which other chips run, reached 0.781 of the peak (168.9 ms) on the same chip. Host 11.1 ms
-# per image (tokenize, copy back).
-# Decode (the upsample as a transposed conv, the GroupNorm statistics in one pass; c7479de, same day): 66.7 ms for
-# XLA's 9.28 TFLOP (71.8 ms with two-pass statistics, a share of 0.656; 90.1 ms for 10.72 TFLOP with the upsampled
-# copy, 0.606): the share folds in the decode's memory-bound passes, which the roofline's bytes leg does not bind
-# (25.4 GB at the nominal bandwidth is 31 ms). The text encoder (20.9 ms) was not used: it is the check (the estimate gives
-# it 26.1 ms, bound by XLA's 21.0 GB of bytes at the nominal bandwidth).
+# Fitted to klein-4B's stage times at 1024x1024, batch 1, on one TPU v5e chip (benchmarks/tpu_measured.json); how each
+# share follows from those times is in docs/performance.md. The convolution share folds in the decode's memory-bound
+# passes, which the roofline's bytes leg does not bind; the text encoder is left out of the fit to check it.
 V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.838, int8_matmul=1.347, attention=0.781, flash_attention=0.851,
                               convolution=0.706, memory=1.0,
                               host_seconds_per_image=0.0111, source="benchmarks/tpu_measured.json")

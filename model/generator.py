@@ -73,17 +73,14 @@ def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
 
 
 # Where LoadSettings.precompile runs during the load; elsewhere the programs compile on first use, after it. On a CPU
-# the programs would compile on the very cores that lay out the weights. On a TPU v5e host (klein-4B, 1024x1024, one
-# machine, 0c557ce) the precompile's lowering, Python like the tokenizer and the loading threads' steps, took 7.4 s
-# beside them against about 2 s alone, and the start was slower with it: first image 21.1 s warm and 52.0 s cold,
-# against 19.3 and 51.1 s compiling after the load (benchmarks/tpu_measured.json: startup_0c557ce). GPUs: unmeasured.
+# the programs would compile on the very cores that lay out the weights; on a TPU host the precompile's lowering,
+# Python like the loading threads' steps, made the start slower, not faster (docs/performance.md). GPUs: unmeasured.
 PRECOMPILE_PLATFORMS = ("gpu",)
 
 
 # Python's GIL switch interval while a precompile traces the model beside the loading threads. At the default 5 ms
-# a loading thread that needs the GIL (after each read, transfer or transpose) may wait 5 ms for the tracing thread:
-# on the 2-core CPU machine, placing the small preset's 609 tensors took 4.5-4.9 s beside a precompile instead of
-# 0.4 s alone; at 0.25 ms it took 1.3 s (at 0.1 ms 0.9 s, but the model's own Python is slower then).
+# a loading thread that needs the GIL (after each read, transfer or transpose) may wait 5 ms for the tracing thread;
+# at 0.25 ms most of that wait is gone (docs/performance.md).
 LOADING_SWITCH_INTERVAL_S = 0.00025
 _switching_lock = threading.Lock()
 _switching = {"users": 0, "before": None}
@@ -133,8 +130,8 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
 
     config = PipelineConfig.from_folder(root)
     te_cfg = config.text_encoder
-    # The tokenizer (with the transformers import it needs: 3 s on a v5e host) loads, and is checked against the text
-    # encoder, on its own thread beside the preparations and the weights' placing.
+    # The tokenizer (with the transformers import it needs, seconds on a TPU host) loads, and is checked against the
+    # text encoder, on its own thread beside the preparations and the weights' placing.
     tokenizing = _TOKENIZER_LOADER.submit(load_tokenizer, os.path.join(root, "tokenizer"),
                                           settings.max_sequence_length, te_cfg.vocab_size)
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
@@ -164,8 +161,8 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
         return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
                                    options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh, **kw)
 
-    # The programs of the shapes asked for compile from the modules' shapes on other threads while the weights load
-    # (reading is bound by the disk, compiling by the host's cores): measured on a v5e chip, klein-4B 1024x1024.
+    # Where PRECOMPILE_PLATFORMS says (GPUs), the programs of the shapes asked for compile from the modules' shapes on
+    # another thread while the weights load (reading is bound by the disk, compiling by the host's cores).
     precompiling = None
     precompile_now = settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
@@ -174,9 +171,8 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     with fine_gil_switching() if precompile_now else contextlib.nullcontext():
         if precompile_now:
             # The precompiler gets copies of the modules the load fills (made here, so no thread reads a module
-            # while another copies it): copying klein-4B's shapes took 0.08 s on the CPU machine, making them again
-            # 0.5-0.7 s, and on a v5e chip's host 4.1 s beside the load, where the precompile is the warm start's
-            # longest path.
+            # while another copies it): copying the shapes is much faster than making them again beside the load
+            # (docs/performance.md).
             modules = tuple(nnx.clone(m) for m in (run_te, transformer_abs, run_vae))
             pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
             shape = TokenizerShape(settings.max_sequence_length)  # LoadSettings checked it
@@ -185,7 +181,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
             pool.shutdown(wait=False)  # the thread ends with its one task
         step("mesh_and_precompile_start")
 
-        # The tokenizer goes on loading beside the weights (on a v5e host it took 4.1-4.4 s more after the runtime
+        # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime
         # had started); a broken one stops the loading threads as soon as it has failed. The device transposes the
         # weights need compile first (model.weights.load_components), before any other program takes the compiler.
         times, placing = LoadTimes(), time.perf_counter()

@@ -2,7 +2,7 @@
 RoPE and the softmax scale applied on the way (a Pallas kernel for TPUs).
 
 Why: XLA splits "norm, rotate, scale, transpose to [B, H, S, D]" into several fusions that write float32 copies of q
-and k (measured on a v5e chip: 72 ms of copies per klein-4B image at 1024x1024, beside the converts). This kernel reads
+and k, which took longer than this kernel's whole work (docs/performance.md). This kernel reads
 each 128-lane head block of the projection's output once, where the projection left it (a column offset into the
 fused [q | k | v | mlp] output, so no slice is copied first), and writes the layout the attention kernel reads.
 

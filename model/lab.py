@@ -24,16 +24,15 @@ class LabSwitches:
     image_only_last_block: bool = True  # last transformer block: outputs for image tokens only (text ones unused)
     fused_upsample: bool = True        # VAE: upsample x2 + 3x3 conv without the upsampled copy (4/9 FLOPs)
     tpu_upsample: str = "dilated"      # its form on TPUs: dilated | phases | plain (model.vae.UPSAMPLE_FORMS)
-    # VAE mid-block attention by the splash kernel: off | tpu | interpret. Off: on a v5e chip it made klein-4B's
-    # 1024x1024 decode slower, 71.8 -> 77.0 ms (512-blocks over one 512-wide head; blocks not swept)
+    # VAE mid-block attention by the splash kernel: off | tpu | interpret. Off by default: it made the decode slower on
+    # a v5e chip (docs/performance.md)
     vae_splash: str = "off"
     vae_one_pass_norm: bool = True     # VAE GroupNorms: both sums in one pass (fused into the producing conv)
     tpu_rope: str = "matmul"           # RoPE's form on TPUs: matmul | roll | pairs (model.transformer._rope_partner)
     heads_kernel: str = "tpu"          # q/k norm, RoPE, head-major layout in one kernel: tpu | off | interpret
     # Identical layers traced and lowered once per program (each a jitted call, which XLA inlines), and the text
-    # encoder's RoPE tables one constant: klein-4B's three programs for a v5e chip lowered in 0.84-0.90 s instead of
-    # 1.81 s on the CPU machine; on a v5e chip (klein-4B, 1024x1024) 952.9 against 970.0 ms per image, and the warm
-    # start's first image 26.9 against 29.4 s (benchmarks/tpu_measured.json: traced_once_15358e1).
+    # encoder's RoPE tables one constant: on by default, it halves the lowering and made images and the warm start
+    # faster on a v5e chip (docs/performance.md).
     layers_traced_once: bool = True
 
     @property

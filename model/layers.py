@@ -58,7 +58,7 @@ ACTIVATIONS = {name: _ACTIVATION_FORMS[form] for name, form in CONFIG_ACTIVATION
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float, axes: tuple[str, ...]):
     """Placeholder values: modules are only ever built abstractly (nnx.eval_shape) and filled from a checkpoint,
-    so a random initialiser would only cost tracing time (about 20 ms per parameter)."""
+    so a random initialiser would only cost tracing time."""
     del rngs, scale
     return param(jnp.zeros(shape, dtype), axes)
 
@@ -110,8 +110,7 @@ def layer_norm(x, eps: float):
 
 
 # Convolutions with fewer output channels (the VAE's RGB conv_out) run with zero channels up to this many: XLA:CPU's
-# convolution measured ~2x faster for 3x3, 16 -> 8 than 16 -> 3 at 256x256; free elsewhere (MXU/tensor-core tiles
-# are wider anyway).
+# convolution is faster with 8 than with 3 (docs/performance.md); free elsewhere (MXU/tensor-core tiles are wider).
 MIN_CONV_OUT_CHANNELS = 8
 
 
@@ -149,9 +148,10 @@ class GroupNorm(nnx.Module):
 
     def __call__(self, x, one_pass: bool = False):
         """`one_pass`: the variance as E[x^2] - E[x]^2 (float32, clamped at 0), both sums taken in the same pass over
-        x, which XLA folds into the producing conv's output (no second read of x); the default centres first (two
-        passes, as torch does). One pass loses log2(1 + mean^2/var) of float32's 24 bits: nothing a bf16 output
-        keeps unless a group's mean is hundreds of its standard deviations."""
+        x, which XLA folds into the producing conv's output (no second read of x); False centres first (two passes,
+        as torch does). The engine passes `LabSwitches.vae_one_pass_norm`: one pass by default, two in the reference
+        mode. One pass loses log2(1 + mean^2/var) of float32's 24 bits: nothing a bf16 output keeps unless a group's
+        mean is hundreds of its standard deviations."""
         dtype = x.dtype
         b, h, w, c = x.shape
         g = self.num_groups
@@ -163,8 +163,8 @@ class GroupNorm(nnx.Module):
             means = sums.reshape(b, g, per_group).sum(-1) / count
             return jnp.repeat(means, per_group, axis=1)[:, None, :]
 
-        # sums over the positions first (a reduction along the major axis, vectorised over the channels; ~25% faster
-        # on CPU than one reduction over (H, W, channels of the group)), then over the group's channels
+        # sums over the positions first (a reduction along the major axis, vectorised over the channels; faster on CPU
+        # than one reduction over (H, W, channels of the group): docs/performance.md), then over the group's channels
         mean = group_mean(jnp.sum(x32, axis=1))
         if one_pass:
             var = jnp.maximum(group_mean(jnp.sum(x32 * x32, axis=1)) - mean * mean, 0.0)
@@ -187,7 +187,8 @@ class Embed(nnx.Module):
 
 
 def called_directly(block, *args, **kwargs):
-    """`block(*args, **kwargs)`: each layer traced where it is called (the default)."""
+    """`block(*args, **kwargs)`: each layer traced where it is called (`LabSwitches.layers_traced_once` off, as in
+    the reference mode; on by default, which calls `traced_once_per_structure` instead)."""
     return block(*args, **kwargs)
 
 

@@ -23,12 +23,10 @@ DEFAULT_BATCH_SIZE = 4
 DEFAULT_MAX_BATCH_SIZE = 8
 
 # XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
-# (YNNPACK dots) for the transformer. Measured on a 2-core AMD EPYC (small preset, 256x256, fp32): Eigen decodes in
-# 97 ms instead of 165; YNNPACK runs the attention dots (contraction over a head dim of 32) about 2x faster than
-# Eigen, one transformer block 4.4 ms instead of 5.3-5.9, and the whole image 786 -> 678 ms at batch 1 and 728 -> 607
-# ms/img at batch 4. Either library's blocking depends on the matrix sizes, so a batched dot may round an image
-# differently with its batch; the job promises the same bytes however requests are batched, which is why these
-# options go together with `per_image` (every program then sees one image at a time, whatever the batch).
+# (YNNPACK dots) for the transformer: each the faster library for that program on CPU (docs/performance.md).
+# Either library's blocking depends on the matrix sizes, so a batched dot may round an image differently with its
+# batch; the job promises the same bytes however requests are batched, which is why these options go together with
+# `per_image` (every program then sees one image at a time, whatever the batch).
 EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
 # (program, options) pairs; a program not listed compiles with XLA's defaults.
 DEFAULT_CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
@@ -40,7 +38,8 @@ class EngineOptions:
 
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
     attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn | blocked | splash
-    text_encoder_attention: str = "auto"  # text encoder attention (masked): auto = blocked on CPU, xla elsewhere
+    # text encoder attention (masked): auto = blocked on CPU, xla on GPU, splash on TPU (xla for float32 models)
+    text_encoder_attention: str = "auto"
     embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)
     data_parallel: bool = True         # shard the batch over all local devices
     context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
@@ -52,15 +51,15 @@ class EngineOptions:
     platform: str | None = None
     compilation_cache_dir: str | None = None  # persistent XLA cache (local path or gs://)
     # Shape buckets whose compiled programs (and RoPE tables, schedules) a process keeps; beyond it the least recently
-    # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. A
-    # bucket's three CPU executables measured ~16 MB of host memory for the small preset (8 sizes, kept vs 2 kept).
+    # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. Each
+    # bucket kept holds its three executables in host memory (docs/performance.md).
     max_buckets: int | None = 16
     # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
     # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
     per_image: bool | None = None
     # Image by image on CPU: how many images of a batch run at once, each an execution of the one-image programs in
     # its own thread. One image leaves the cores partly idle (its many small ops split badly over threads), so two at
-    # once measured 20-30% more images/s at batch 4 on 2 cores; an image's bytes are those of the one-image programs
+    # once make more images per second (docs/performance.md); an image's bytes are those of the one-image programs
     # whatever the batch. None = 2 where `per_image` applies on CPU (else 1); 1 = one after the other (lax.map).
     concurrent_images: int | None = None
     # XLA:CPU compiler options (DebugOptions names) by program (encode / denoise / decode), applied only when the
@@ -100,7 +99,8 @@ class LoadSettings:
     engine: EngineOptions = EngineOptions()
     # Text-to-image shapes compiled while the weights load (compiling needs only their shapes), as (height, width,
     # num_inference_steps or None, guidance_scale or None; None = the checkpoint's default): a worker's first batch
-    # of that shape then waits for neither. A shape `generate` would refuse is skipped with a warning.
+    # of that shape then waits for neither. Only on the platforms of model.generator.PRECOMPILE_PLATFORMS (GPUs);
+    # elsewhere the programs compile on first use. A shape `generate` would refuse is skipped with a warning.
     precompile: tuple[tuple[int, int, int | None, float | None], ...] = ()
 
     def __post_init__(self):

@@ -12,11 +12,9 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-# The TPU runtime maps and pins a host buffer for transfers when it starts: 4 GiB unless this says otherwise. On a
-# v5e host (klein-4B, 1024x1024, warm caches) 1 GiB started the runtime in 2.8-4.0 s instead of 8.6-8.9 s, placed the
-# weights as fast (2.15 GB/s), left 3 GB less host memory, and brought the first image from 26.9 to 20.5 s after the
-# process started (benchmarks/tpu_measured.json: premapped_buffer_15358e1). Below 1 GiB transfers slow sharply
-# (256 MiB: 0.9 GB/s against 11 GB/s). A user's own TPU_PREMAPPED_BUFFER_SIZE is kept.
+# The TPU runtime maps and pins a host buffer for transfers when it starts: 4 GiB unless this says otherwise. 1 GiB
+# starts the runtime faster with less host memory and places the weights as fast; below it transfers slow sharply
+# (docs/performance.md). A user's own TPU_PREMAPPED_BUFFER_SIZE is kept.
 PREMAPPED_BUFFER_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
 DEFAULT_PREMAPPED_BUFFER_BYTES = 1 << 30
 

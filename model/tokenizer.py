@@ -21,8 +21,8 @@ class TokenizedPrompts:
 
 
 # The tokenizer classes FLUX.2 [klein] checkpoints name, taken straight from transformers: AutoTokenizer's import
-# alone costs 1.0 s of transformers' 1.9 s on the CPU machine (about 3 s in all on a v5e host, where the load waits
-# for the tokenizer). For these it resolves to the very same class; any other folder goes through AutoTokenizer.
+# alone is about half of transformers' import time (docs/performance.md), which a load waits for. For these it
+# resolves to the very same class; any other folder goes through AutoTokenizer.
 DIRECT_CLASSES = frozenset({"Qwen2Tokenizer", "Qwen2TokenizerFast"})
 
 
@@ -49,7 +49,7 @@ def tokenizer_class(folder: str):
 @dataclasses.dataclass(frozen=True)
 class TokenizerShape:
     """What compiling needs of a tokenizer, the padded length: stands for it in a generator that only compiles, so
-    that the programs compile while the tokenizer (and the transformers import it needs, 3 s on a v5e host) loads."""
+    that the programs compile while the tokenizer (and the transformers import it needs, seconds) loads."""
 
     max_length: int
 

@@ -132,9 +132,9 @@ class SafetensorsFile:
         return raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
 
 
-# Bytes one positioned read asks for, and how many such reads run at once (for every tensor being loaded). On the
-# v5e chip's host (a 9p root file system, no page cache) 8 threads reading 64 MiB each got 0.80 GB/s, 16 threads
-# reading 16 MiB 4.5 GB/s and 32 threads reading 8 MiB 7.0 GB/s; a whole tensor per read was the 0.8 GB/s case.
+# Bytes one positioned read asks for, and how many such reads run at once (for every tensor being loaded): a file
+# system without a page cache (a TPU host's 9p root) reads many times faster with many small reads in flight than
+# with one large read per tensor (docs/performance.md).
 READ_CHUNK_BYTES = 8 << 20
 READ_THREADS = 32
 _READING_THREADS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights-read")  # threads start on demand
@@ -182,9 +182,8 @@ READ_BUFFER_MAX_BYTES = 512 << 20
 
 class ReadBuffers:
     """One reusable host buffer per loading thread, which each tensor is read into once the device holds a copy of
-    the thread's previous one. On the v5e chip's host (gVisor) pages written for the first time are slow: 8 threads
-    filled fresh 64 MiB buffers at 2.7 GB/s and reused ones at 28 GB/s, and reading klein-4B's transformer into
-    fresh arrays ran at 1.2 GB/s, into reused buffers at 5.4 GB/s."""
+    the thread's previous one: on a TPU host (gVisor) pages written for the first time are several times slower
+    than reused ones (docs/performance.md)."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = READ_BUFFER_MAX_BYTES if max_bytes is None else max_bytes
@@ -224,9 +223,8 @@ TRANSPOSE_BLOCK = 512
 
 
 def _transposed_copy(matrix: np.ndarray) -> np.ndarray:
-    """C-contiguous copy of the 2-D transposed view `matrix` (its .T is C-contiguous), block by block: on the 2-core
-    CPU machine 1.8-2.5x faster than numpy's one strided copy for klein's 13-113 MB weights. (On a TPU v5e host it
-    made no difference, 105.6 against 108 thread-seconds; accelerators transpose on the device instead.)"""
+    """C-contiguous copy of the 2-D transposed view `matrix` (its .T is C-contiguous), block by block: faster on CPU
+    than numpy's one strided copy for klein's weights (docs/performance.md); accelerators transpose on the device."""
     rows, cols = matrix.shape
     out = np.empty((rows, cols), matrix.dtype)
     step = TRANSPOSE_BLOCK
@@ -277,9 +275,9 @@ def _permuted(sharding, order: tuple[int, ...]):
 class DeviceTransposes:
     """Compiled transposes (torch layout -> JAX layout on the device), one per (axes order, stored shape, dtype,
     sharding) and process, compiled on their own threads as soon as the loader knows the shapes: a cold start
-    compiles them before the generator's large programs take the compiler (klein-4B on a v5e chip: 31 s of placing
-    when the loading threads met them during the precompile, against 7.5 s), a warm one reads them from the
-    persistent compilation cache before the weights are read."""
+    compiles them before the generator's large programs take the compiler (placing waited for them behind those
+    programs otherwise: docs/performance.md), a warm one reads them from the persistent compilation cache before the
+    weights are read."""
 
     THREADS = 4
 
@@ -681,7 +679,7 @@ def load_components(components: list[ComponentLoad], *, placement=None, times: L
         # holds at most one tensor per loading thread, whatever the model's size) and each phase is timed.
         if on_device:
             # Sent in torch's layout and transposed by the device, whose memory does it in microseconds; the host
-            # copies it would take instead were 60% of klein-4B's load on a v5e host.
+            # copies it would take instead were most of the load on a TPU host (docs/performance.md).
             stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
             transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
             transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding,

@@ -43,6 +43,7 @@ class _State:
     stopping = False  # the main thread is in the stop path: later signals do not raise
     redelivering = False  # an interrupt_main() of ours is pending (not the user's second Ctrl-C)
     watchdog: threading.Thread | None = None
+    watchdog_done: threading.Event | None = None  # set: that re-delivery thread stops (its run is over)
     lost = threading.Event()  # the interrupt was raised where Python ignored it: re-deliver it now
     installed = False  # install() ran: the job's own handling began (what is left after it is the exit)
 
@@ -85,6 +86,7 @@ def install_while_starting() -> None:
 def install():
     """Raise KeyboardInterrupt (SIGINT) or Terminated (SIGTERM) in the main thread, and keep it from being lost.
     Returns what `restore` puts back (the handlers and unraisable hook before)."""
+    _stop_watchdog()  # one left by an earlier in-process run must not interrupt this one
     STATE.received, STATE.stopping, STATE.redelivering, STATE.installed = None, False, False, True
     STATE.lost.clear()
     previous = ({signum: signal.signal(signum, raise_interrupted) for signum in SIGNALS}, sys.unraisablehook)
@@ -96,6 +98,7 @@ def install():
 def restore(previous) -> None:
     """Put back the handlers and the unraisable hook `install` replaced (a caller of main() in-process)."""
     handlers, hook = previous
+    _stop_watchdog()
     for signum, handler in handlers.items():
         if handler is not None:  # None: a handler not set from Python, which cannot be put back
             signal.signal(signum, handler)
@@ -113,7 +116,9 @@ def raise_interrupted(signum, frame):
         leave(status(STATE.received or signum))
     if STATE.received is None:
         STATE.received = signum
-        STATE.watchdog = threading.Thread(target=_redeliver_until_stopping, name="interrupt-redeliver", daemon=True)
+        STATE.watchdog_done = threading.Event()
+        STATE.watchdog = threading.Thread(target=_redeliver_until_stopping, args=(signum, STATE.watchdog_done),
+                                          name="interrupt-redeliver", daemon=True)
         STATE.watchdog.start()
     logging.disable(logging.CRITICAL)
     raise KeyboardInterrupt() if STATE.received == signal.SIGINT else Terminated()
@@ -144,16 +149,26 @@ def _redeliver(signum: int) -> None:
     _thread.interrupt_main(signum)
 
 
-def _redeliver_until_stopping() -> None:
+def _redeliver_until_stopping(signum: int, done: threading.Event) -> None:
     """The re-delivery thread: from another thread, since interrupt_main() in the main thread runs the handler
-    right there (inside the very callback that ignored it)."""
-    signum = STATE.received
-    while not STATE.stopping:
+    right there (inside the very callback that ignored it). It ends with its run (`done`)."""
+    while not (STATE.stopping or done.is_set()):
         if STATE.lost.wait(REDELIVER_S):
             STATE.lost.clear()
             time.sleep(LOST_DELAY_S)
-        if not STATE.stopping:
+        if not (STATE.stopping or done.is_set()):
             _redeliver(signum)
+
+
+def _stop_watchdog() -> None:
+    """End the re-delivery thread of the run before, if any, and wait for it (a few seconds at most)."""
+    if STATE.watchdog_done is not None:
+        STATE.watchdog_done.set()
+        STATE.lost.set()  # wakes it from its wait
+    if STATE.watchdog is not None and STATE.watchdog is not threading.current_thread():
+        STATE.watchdog.join(REDELIVER_S + 1)
+    STATE.watchdog, STATE.watchdog_done = None, None
+    STATE.lost.clear()
 
 
 def _unraisable_hook(previous):

@@ -521,8 +521,8 @@ def accelerator_device_nodes() -> list[str]:
 def start_local_runtime(options: PipelineOptions, job: JobConfig, device_nodes=accelerator_device_nodes) -> bool:
     """On a local run whose worker is this process (not multi_processing, no model server process: --large_model
     and --model_copies load it elsewhere) on a machine with an accelerator, start the accelerator runtime now, on
-    its own thread beside the launch's checks and the pipeline's start, instead of when the model loads: 2.8-4.4 s
-    of a v5e host's job start (model.runtime.start_runtime; its error, if any, is raised by the load). Skipped when
+    its own thread beside the launch's checks and the pipeline's start, instead of when the model loads: seconds
+    of a TPU host's job start (model.runtime.start_runtime; its error, if any, is raised by the load). Skipped when
     --worker_env sets variables: the worker sets them before its runtime starts. Returns whether it started."""
     mode = options.get_all_options().get("direct_running_mode")
     if mode == "multi_processing" or job.large_model or job.model_copies or job.worker_env:

@@ -338,8 +338,8 @@ class JobSpec:
             raise UsageError(str(e)) from None
 
     def load_settings(self, location: str, defaults: RequestDefaults) -> LoadSettings:
-        """What every worker hands to model.load: the checkpoint at `location`, and the job's default shape compiled
-        while the weights load (model.options.LoadSettings.precompile)."""
+        """What every worker hands to model.load: the checkpoint at `location`, and the job's default shape to compile
+        while the weights load, which happens on GPUs only (model.options.LoadSettings.precompile)."""
         cache = resolve_compilation_cache(self.limits.compilation_cache_dir, local_runner=self.runner.local,
                                           temp_location=self.runner.temp_location)
         limits = self.limits

@@ -108,8 +108,8 @@ def image_file_name(request_id: str, index: int, num_images: int) -> str:
 # --image_format -> the extension of the stored image files.
 IMAGE_EXTENSIONS = {"png": "png", "webp": "webp", "jpeg": "jpg"}
 IMAGE_FORMATS = tuple(IMAGE_EXTENSIONS)  # --image_format choices
-# zlib level 1 rather than Pillow's 6: measured faster in every row of benchmarks.host_path (1024x1024, 1-4
-# threads) for files about 9% larger; the host's encoding time is what keeps the accelerator waiting.
+# zlib level 1 rather than Pillow's 6: faster in every row of benchmarks.host_path for files about 9% larger
+# (docs/developers.md, "Host path"); the host's encoding time is what keeps the accelerator waiting.
 DEFAULT_PNG_COMPRESS_LEVEL = 1
 DEFAULT_QUALITY = 90  # --quality of the lossy formats (WebP, JPEG)
 

@@ -137,3 +137,28 @@ def test_main_in_process_puts_the_signal_handlers_back(tmp_path, capsys):
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
     assert main(["--model=/no/such/checkpoint", f"--input={tmp_path}/p.txt", f"--output={tmp_path}/out"]) == 2
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook) == before
+
+
+def test_an_earlier_runs_redelivery_never_interrupts_the_next_run():
+    """main() called again in the same process (a test, a notebook): the re-delivery thread of an interrupted run
+    ends with it, and never raises its interrupt in the next run."""
+    import time
+
+    from pipeline import interrupts
+
+    previous = interrupts.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(10 ** 7):
+                pass
+    finally:
+        interrupts.STATE.stopping = True
+        interrupts.restore(previous)
+    previous = interrupts.install()  # the next run, at once
+    try:
+        time.sleep(interrupts.REDELIVER_S * 2)  # an old re-delivery thread would interrupt this sleep
+    finally:
+        interrupts.STATE.stopping = True
+        interrupts.restore(previous)
+    assert interrupts.STATE.received is None
