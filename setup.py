@@ -5,6 +5,7 @@ from setuptools import find_packages, setup
 # Runtime: what a worker needs to load a diffusers-layout checkpoint and run the Beam job.
 RUNTIME_REQUIREMENTS = [
     "apache-beam[gcp]==2.77.0",
+    "cachetools==6.2.6",  # the per-shape LRU caches (model/lru.py); the version Beam's gcp extra resolves to
     "jax==0.10.2",
     "jaxlib==0.10.2",
     "flax==0.12.8",

@@ -278,7 +278,7 @@ class CompiledPrograms:
             if self.concurrent_images > 1 and b.batch > 1:  # the one-image programs, run image by image
                 one = self.programs(dataclasses.replace(b, batch=1), in_channels, joint_dim, head_dim)
                 return tuple(self.threads.wrap(name, fn) for name, fn in zip(PROGRAMS, one))
-            return self._compiled.get(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
+            return self._compiled.get_or_make(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
 
     def adopt(self, other: "CompiledPrograms") -> None:
         """Take the programs `other` compiled (e.g. from shapes, while the weights loaded) as this engine's own: the
@@ -286,7 +286,7 @@ class CompiledPrograms:
         with self._lock:
             for bucket in other._compiled:
                 if bucket not in self._compiled:
-                    self._compiled.put(bucket, other._compiled[bucket])
+                    self._compiled[bucket] = other._compiled[bucket]
             self.build_seconds.update(other.build_seconds)
             self.compile_count += other.compile_count
 

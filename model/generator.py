@@ -389,7 +389,7 @@ class Flux2KleinGenerator:
             rep = self.programs.replicated
             return jax.device_put(cos, rep), jax.device_put(sin, rep)
 
-        return self._rope_cache.get((grid_h, grid_w, tuple(reference_grids)), make)
+        return self._rope_cache.get_or_make((grid_h, grid_w, tuple(reference_grids)), make)
 
     def schedule(self, steps: int, grid_h: int, grid_w: int, sigmas=None):
         """Sigmas and timesteps for (steps, image tokens, custom sigmas), on the devices (cached)."""
@@ -399,7 +399,7 @@ class Flux2KleinGenerator:
             return jax.device_put(s, rep), jax.device_put(t, rep)
 
         key = (steps, grid_h * grid_w, None if sigmas is None else tuple(float(s) for s in sigmas))
-        return self._schedule_cache.get(key, make)
+        return self._schedule_cache.get_or_make(key, make)
 
     # ------------------------------------------------------------------------------------------------ stages
 
@@ -501,7 +501,7 @@ class Flux2KleinGenerator:
             rows.append(entry)
         if cache is not None:
             for p, entry in fresh.items():
-                cache.put(p, entry)
+                cache[p] = entry
         embeds = jax.device_put(jnp.stack([e for e, _ in rows]), self.programs.batched)
         return embeds, tuple(t for _, t in rows)
 

@@ -7,9 +7,11 @@ worker. The text-embedding cache of repeated prompts is one too.
 
 from __future__ import annotations
 
-import collections
 import logging
-from typing import Callable, Generic, Hashable, Iterator, TypeVar
+import math
+from typing import Callable, Hashable, TypeVar
+
+import cachetools
 
 from .contract import optional_count
 
@@ -18,48 +20,31 @@ logger = logging.getLogger(__name__)
 V = TypeVar("V")
 
 
-class LRUCache(Generic[V]):
-    """`get(key, make)` returns the cached value or makes, stores and returns it; past `maxsize` entries the least
-    recently used one is dropped. `maxsize=None` keeps everything. `log_drops`: log each dropped key (off for caches
-    whose keys are user text or that drop all the time). Not thread-safe: callers hold their own lock."""
+class LRUCache(cachetools.LRUCache):
+    """cachetools' LRU map (reading a key makes it the most recently used; past `maxsize` entries the least recently
+    used one is dropped) with a name, a count of the entries dropped (`evictions`) and `get_or_make`. `maxsize=None`
+    keeps everything. `log_drops`: log each dropped key (off for caches whose keys are user text or that drop all the
+    time). Not thread-safe: callers hold their own lock."""
 
     def __init__(self, maxsize: int | None, name: str = "cache", *, log_drops: bool = True):
-        self.maxsize = optional_count(f"{name} size", maxsize)
+        bound = optional_count(f"{name} size", maxsize)
+        super().__init__(maxsize=math.inf if bound is None else bound)
         self.name = name
         self.log_drops = log_drops
         self.evictions = 0
-        self._items: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, key: Hashable, make: Callable[[], V]) -> V:
-        if key in self._items:
+    def get_or_make(self, key: Hashable, make: Callable[[], V]) -> V:
+        """The cached value of `key` (now the most recently used), or `make()`'s, stored."""
+        if key in self:
             return self[key]
         value = make()
-        self.put(key, value)
+        self[key] = value
         return value
 
-    def __getitem__(self, key: Hashable) -> V:
-        """The value of a cached key (KeyError otherwise), now the most recently used."""
-        self._items.move_to_end(key)
-        return self._items[key]
-
-    def put(self, key: Hashable, value: V) -> None:
-        """Store `value` as the most recently used, dropping the least recently used past `maxsize`."""
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while self.maxsize is not None and len(self._items) > self.maxsize:
-            old, _ = self._items.popitem(last=False)
-            self.evictions += 1
-            if self.log_drops:
-                logger.info("%s: dropped %s, the least recently used of more than %d", self.name, old, self.maxsize)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator:
-        return iter(self._items)
-
-    def keys(self) -> list:
-        return list(self._items)
+    def popitem(self):
+        """Drop the least recently used entry (cachetools calls this when an insert goes past `maxsize`)."""
+        key, value = super().popitem()
+        self.evictions += 1
+        if self.log_drops:
+            logger.info("%s: dropped %s, the least recently used of more than %d", self.name, key, self.maxsize)
+        return key, value

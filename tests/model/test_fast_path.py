@@ -241,16 +241,16 @@ def test_buckets_beyond_max_buckets_are_dropped_least_recently_used_first(tiny_c
     programs, ropes, schedules = gen.programs._compiled, gen._rope_cache, gen._schedule_cache
     assert len(programs) == len(ropes) == len(schedules) == 2
     grids = [gen.latent_grid(hw["height"], hw["width"]) for hw in sizes]
-    assert [(b.grid_h, b.grid_w) for b in programs.keys()] == grids[1:]  # 32x48 was the least recently used
+    assert [(b.grid_h, b.grid_w) for b in programs] == grids[1:]  # 32x48 was the least recently used
     # RoPE tables are keyed by the target grid and the reference grids (none for text-to-image)
-    assert ropes.keys() == [(*g, ()) for g in grids[1:]] and programs.evictions == ropes.evictions == 1
+    assert list(ropes) == [(*g, ()) for g in grids[1:]] and programs.evictions == ropes.evictions == 1
     assert schedules.evictions == 0  # schedules depend on the token count only: 32x48 and 48x32 share one
     with CompileEvents() as events:
         again = gen.generate(PROMPTS[:1], SEEDS[:1], num_inference_steps=2, **sizes[2])  # kept: no compilation
     assert events.count == 0 and max_diff(again, first[2]) == 0
     back = gen.generate(PROMPTS[:1], SEEDS[:1], num_inference_steps=2, **sizes[0])  # dropped: compiled again
     assert gen.programs.compile_count == 12 and max_diff(back, first[0]) == 0
-    assert [(b.grid_h, b.grid_w) for b in programs.keys()] == [grids[2], grids[0]]
+    assert [(b.grid_h, b.grid_w) for b in programs] == [grids[2], grids[0]]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
@@ -279,13 +279,13 @@ def test_lru_cache_makes_each_value_once_and_drops_the_least_recently_used():
 
     made = []
     cache = LRUCache(2, "test")
-    get = lambda k: cache.get(k, lambda: made.append(k) or k.upper())  # noqa: E731
+    get = lambda k: cache.get_or_make(k, lambda: made.append(k) or k.upper())  # noqa: E731
     assert [get("a"), get("b"), get("a"), get("c")] == ["A", "B", "A", "C"]  # "b" is now the least recent
-    assert made == ["a", "b", "c"] and cache.keys() == ["a", "c"] and "b" not in cache and cache.evictions == 1
-    assert get("b") == "B" and made[-1] == "b" and cache.keys() == ["c", "b"]
+    assert made == ["a", "b", "c"] and list(cache) == ["a", "c"] and "b" not in cache and cache.evictions == 1
+    assert get("b") == "B" and made[-1] == "b" and list(cache) == ["c", "b"]
     unbounded = LRUCache(None)
     for i in range(100):
-        unbounded.get(i, lambda: i)
+        unbounded.get_or_make(i, lambda: i)
     assert len(unbounded) == 100 and unbounded.evictions == 0
     with pytest.raises(ValueError, match="size must be None or an integer >= 1, got 0"):
         LRUCache(0)
