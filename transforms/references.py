@@ -20,7 +20,6 @@ error, not a silent mix of two versions.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import errno
 import hashlib
@@ -33,6 +32,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import apache_beam as beam
+import cachetools
 from apache_beam.metrics import Metrics
 
 from model import references as model_references  # JAX-free: the model's checks and processed sizes
@@ -324,8 +324,9 @@ class ReferenceCache:
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.max_bytes = max_bytes
-        self._items: collections.OrderedDict = collections.OrderedDict()  # uri -> (Reference | ReferenceError, cost)
-        self._bytes = 0
+        # (scope, uri) -> (Reference | ReferenceError, cost); an entry dearer than the bound counts as the bound, so
+        # it is kept alone (everything else dropped) until the next entry comes
+        self._items = cachetools.LRUCache(maxsize=max_bytes, getsizeof=lambda entry: min(entry[1], max_bytes))
         self._lock = threading.Lock()
         self._reading: dict[str, threading.Lock] = {}
         self.reads = 0  # files actually read by this cache (for tests and logs)
@@ -344,9 +345,7 @@ class ReferenceCache:
 
     def forget(self, uri: str, limits: ReferenceLimits = ReferenceLimits()) -> None:
         with self._lock:
-            entry = self._items.pop((limits.cache_scope, uri), None)
-            if entry is not None:
-                self._bytes -= entry[1]
+            self._items.pop((limits.cache_scope, uri), None)
 
     def _lookup(self, uri: str, limits: ReferenceLimits) -> Reference:
         key = (limits.cache_scope, uri)
@@ -354,9 +353,7 @@ class ReferenceCache:
             lock = self._reading.setdefault(key, threading.Lock())
         with lock:
             with self._lock:
-                entry = self._items.get(key)
-                if entry is not None:
-                    self._items.move_to_end(key)
+                entry = self._items.get(key)  # a hit is now the most recently used
             if entry is None:
                 entry = self._read(key, limits)
             value = entry[0]
@@ -378,11 +375,7 @@ class ReferenceCache:
                 return e, 0
             value, cost = e, 1024
         with self._lock:
-            self._items[key] = (value, cost)
-            self._bytes += cost
-            while self._bytes > self.max_bytes and len(self._items) > 1:
-                _old, (_v, old_cost) = self._items.popitem(last=False)
-                self._bytes -= old_cost
+            self._items[key] = (value, cost)  # drops the least recently used past max_bytes
         return value, cost
 
 

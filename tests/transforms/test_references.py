@@ -156,6 +156,26 @@ def test_cache_reads_each_reference_once_and_notices_a_replaced_file(tmp_path):
     assert cache.reads == reads + 1
 
 
+def test_cache_drops_the_least_recently_used_and_keeps_a_reference_larger_than_its_bound_alone(tmp_path):
+    one = 64 * 64 * 3  # the pixel bytes of one 64x64 reference
+    cache = ReferenceCache(max_bytes=2 * one)
+    a, b, c = (write(tmp_path, f"{n}.png", png(64, 64, seed=i)) for i, n in enumerate("abc"))
+    for uri in (a, b, a, c):  # b is the least recently used when c comes: dropped
+        cache.get(uri, LIMITS)
+    assert cache.reads == 3
+    for uri in (a, c):  # both kept
+        cache.get(uri, LIMITS)
+    assert cache.reads == 3
+    cache.get(b, LIMITS)  # read again; drops a
+    assert cache.reads == 4
+    big = write(tmp_path, "big.png", png(128, 128, seed=4))  # 4x the pixels of one: above the whole bound
+    for _ in range(2):
+        assert cache.get(big, LIMITS).size == (128, 128)
+    assert cache.reads == 5  # kept, alone: b and c were dropped for it
+    cache.get(c, LIMITS)
+    assert cache.reads == 6
+
+
 # --------------------------------------------------------------------------------------------- outputs
 def test_manifest_and_image_text_carry_the_references():
     refs = ("gs://b/refs/a.png", "/data/in/b.png")
