@@ -8,7 +8,7 @@ from google.api_core import exceptions, retry as api_retry
 
 from transforms import retries
 
-LOGGER = logging.getLogger(retries.RETRY_LOGGER)
+LOGGER = logging.getLogger("google.api_core.retry")  # the name google-api-core reports retries under
 
 
 class _Seen(logging.Handler):
@@ -71,3 +71,14 @@ def test_a_level_set_on_the_retry_logger_is_honoured(seen):
     retries.install()  # the next job in this process: DEBUG is kept as the level shown
     assert _fails_then_works(1)() == "ok"
     assert retries.take_pending() == 1 and len(seen.lines) == 2
+
+
+def test_retries_are_counted_through_the_logger_name_whatever_object_the_module_holds(seen, monkeypatch):
+    """How google-api-core's retry module holds its logger is its own business (here a LoggerAdapter over the same
+    logger, as a release may change it to): what is counted is what reaches the logger of that name."""
+    from google.api_core.retry import retry_base
+
+    monkeypatch.setattr(retry_base, "_LOGGER", logging.LoggerAdapter(LOGGER, {}))
+    retries.install()
+    assert _fails_then_works(3)() == "ok"
+    assert retries.take_pending() == 3
