@@ -7,7 +7,11 @@ all build their mesh here, so they agree on it.
 
 from __future__ import annotations
 
+import logging
+
 from .errors import ModelError
+
+logger = logging.getLogger(__name__)
 
 DATA, MODEL = "data", "model"
 
@@ -38,10 +42,14 @@ def check_model_shards(model_shards: int, devices) -> None:
 def make_mesh(options, devices=None):
     """The (data, model) mesh of the programs: over `devices` (default: all local devices of `options.platform` for
     data or context parallelism, else the first `options.model_shards`), `options.model_shards` of them holding one
-    copy of the weights. `options`: a model.options.EngineOptions."""
+    copy of the weights. `options`: a model.options.EngineOptions.
+
+    `jax.make_mesh` orders TPU devices by their physical links (on CPU it keeps the given order); its axes are made
+    Auto, the sharding mode the programs are written for (its default is Explicit). A device set it has no physical
+    layout for (a v4 topology's one device per core) keeps the given order."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh
+    from jax.sharding import AxisType, Mesh
 
     if devices is None:  # data_parallel=False: one data replica (the first model_shards devices)
         use_all = options.data_parallel or options.context_parallel
@@ -49,8 +57,12 @@ def make_mesh(options, devices=None):
         devices = local if use_all else local[:options.model_shards]
     devices = list(devices)
     check_model_shards(options.model_shards, devices)
-    shards = options.model_shards
-    return Mesh(np.array(devices).reshape(len(devices) // shards, shards), (DATA, MODEL))
+    shape, names = (len(devices) // options.model_shards, options.model_shards), (DATA, MODEL)
+    try:
+        return jax.make_mesh(shape, names, (AxisType.Auto, AxisType.Auto), devices=devices)
+    except (AssertionError, ValueError) as e:  # mesh_utils asserts one device per chip on TPUs after v3
+        logger.info("devices in the given order for the mesh (%s): %s", devices[0].device_kind, e)
+        return Mesh(np.array(devices).reshape(shape), names)
 
 
 def model_shards(mesh) -> int:

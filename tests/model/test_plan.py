@@ -61,14 +61,36 @@ def test_shard_count_is_checked_in_one_place():
 
 
 def test_make_mesh_over_the_local_devices():
+    from jax.sharding import AxisType
+
     from model.mesh import ShardCountError, data_replicas, make_mesh, model_shards
     from model.options import EngineOptions
 
     mesh = make_mesh(EngineOptions())
     assert mesh.axis_names == ("data", "model") and model_shards(mesh) == 1
+    assert set(mesh.axis_types) == {AxisType.Auto}  # the sharding mode the programs are written for
     assert data_replicas(mesh) == mesh.devices.size
     with pytest.raises(ShardCountError, match="must divide the number of devices"):
         make_mesh(EngineOptions(model_shards=mesh.devices.size + 1))
+
+
+def test_a_topologys_mesh_follows_the_chips_links_and_per_core_devices_keep_their_order():
+    """On a v5e 2x2 the four model shards are a ring of neighbouring chips (jax.make_mesh's physical order; the
+    devices' own order puts chips 1 and 2, diagonal, next to each other); a v4 topology's one device per core, which
+    jax.make_mesh refuses, is laid out in the given order."""
+    pytest.importorskip("libtpu", reason="libtpu (the TPU compiler) is not installed")
+    from model.aot import topology_options
+    from model.mesh import make_mesh
+    from model.tpu_topology import load_topology
+
+    mesh = make_mesh(topology_options(4), devices=list(load_topology("v5e:2x2").devices))
+    chips = [tuple(d.coords) for d in mesh.devices.flat]
+    assert mesh.devices.shape == (1, 4) and sorted(chips) == sorted(set(chips))
+    for a, b in zip(chips, chips[1:] + chips[:1]):
+        assert sum(abs(x - y) for x, y in zip(a, b)) == 1, chips
+    v4 = list(load_topology("v4:2x2x1").devices)
+    mesh = make_mesh(topology_options(2), devices=v4)
+    assert mesh.devices.shape == (len(v4) // 2, 2) and list(mesh.devices.flat) == v4
 
 
 def _model_imports(path):
