@@ -374,7 +374,7 @@ def _print_metrics(metrics: dict | None) -> None:
     counters = _flux2_counters(metrics)
     dists = {d.key.metric.name: d.committed for d in metrics["distributions"] if d.key.metric.namespace == METRICS_NAMESPACE}
     if counters:
-        shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if "_in_process_" not in k)
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()))
         print(f"metrics: {shown}")
     for name in ("batch_size", "generation_ms_per_image"):
         d = dists.get(name)

@@ -199,35 +199,57 @@ def check_accelerator(required: str | None) -> str:
 
 # Loads are counted in a Beam counter, but a model is loaded in DoFn.setup (or in whichever process serves a shared
 # model), where Beam has no metrics context; so loads are noted here and reported from the next bundle of the
-# same process (run_inference, or the fused image writer's finish_bundle).
+# same process (run_inference, or the fused image writer's finish_bundle). Besides `model_loads`, each process counts
+# once in `processes_with_model` (it loaded the model) and in `generating_processes` (it ran a batch): names that
+# are the same in every job, unlike per-process ones. model_loads == processes_with_model: each loaded it once;
+# more generating processes than processes with the model: they share a copy (--large_model).
 _pending_loads = 0
+_loads_here = 0  # every load of this process, reported or not
+_counted = {"processes_with_model": False, "generating_processes": False}  # this process, in this job's counters
 _pending_lock = threading.Lock()
 
 
 def _note_model_load() -> None:
-    global _pending_loads
+    global _pending_loads, _loads_here
     with _pending_lock:
         _pending_loads += 1
+        _loads_here += 1
+
+
+def model_loads_in_this_process() -> int:
+    """How many times this process has loaded the model (since it started, whatever was reported)."""
+    with _pending_lock:
+        return _loads_here
 
 
 def discard_pending_model_loads() -> int:
     """Forget loads noted in this process and not yet reported (returns how many): a job calls it as it starts, so
-    its `model_loads` counts its own loads, not one an earlier job or caller in the same process left unreported."""
+    its `model_loads` counts its own loads, not one an earlier job or caller in the same process left unreported;
+    and this process counts anew in the job's `processes_with_model` and `generating_processes`."""
     global _pending_loads
     with _pending_lock:
         n, _pending_loads = _pending_loads, 0
+        _counted.update(dict.fromkeys(_counted, False))
     return n
 
 
+def _count_this_process(name: str) -> None:
+    """Add this process to the counter `name` once per job."""
+    with _pending_lock:
+        first, _counted[name] = not _counted[name], True
+    if first:
+        Metrics.counter(METRICS_NAMESPACE, name).inc()
+
+
 def flush_model_load_metrics() -> None:
-    """Report loads noted in this process into the `model_loads` counter (call from inside a bundle)."""
+    """Report loads noted in this process into the `model_loads` counter, and this process into
+    `processes_with_model` (call from inside a bundle)."""
     global _pending_loads
     with _pending_lock:
         n, _pending_loads = _pending_loads, 0
     if n:
         Metrics.counter(METRICS_NAMESPACE, "model_loads").inc(n)
-        # Per process too, so "once per worker process" / "once per machine" can be checked from metrics alone.
-        Metrics.counter(METRICS_NAMESPACE, f"model_loads_in_process_{os.getpid()}").inc(n)
+        _count_this_process("processes_with_model")
 
 
 _reported_compiles = {"compiles": 0, "cache_hits": 0, "lease_waits": 0}
@@ -361,7 +383,7 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
         if len(keys) != 1:
             raise ValueError(f"a batch mixes shapes {sorted(keys)}; batches must be grouped by shape first")
         Metrics.counter(METRICS_NAMESPACE, "batches").inc()
-        Metrics.counter(METRICS_NAMESPACE, f"batches_in_process_{os.getpid()}").inc()
+        _count_this_process("generating_processes")
         Metrics.distribution(METRICS_NAMESPACE, "batch_size").update(len(tasks))
         return self._run_in_parts_that_fit(tasks, model)
 

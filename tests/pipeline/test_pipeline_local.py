@@ -11,8 +11,9 @@ import pytest
 
 from pipeline.run import run
 from pipeline_helpers import (  # noqa: F401 - ckpt32 and xla_cache are fixtures
-    MODEL_ARGS, check_manifest_matches_images, ckpt32, counters, image_names, pids, rows, xla_cache,
+    MODEL_ARGS, check_manifest_matches_images, ckpt32, counters, image_names, rows, xla_cache,
 )
+from transforms.inference import model_loads_in_this_process
 
 N_PROMPTS = 12  # 6 batches of 2, spread over both workers
 
@@ -48,23 +49,19 @@ def _job(inputs, out, ckpt, compile_cache, *extra):
 
 def test_large_model_loaded_once_per_machine(inputs, tmp_path, ckpt32, xla_cache):
     c = _job(inputs, tmp_path / "out", ckpt32, xla_cache, "--large_model")
-    loads = pids(c, "model_loads_in_process_")
-    batches = pids(c, "batches_in_process_")
-    assert c["model_loads"] == 1 and list(loads.values()) == [1], loads
+    assert c["model_loads"] == c["processes_with_model"] == 1
     # Both worker processes generated, through the one shared copy.
-    assert len(batches) == 2, batches
-    assert sum(batches.values()) == N_PROMPTS // 2
+    assert c["generating_processes"] == 2, c
+    assert c["batches"] == N_PROMPTS // 2
 
 
 def test_model_loaded_once_per_worker_process(inputs, tmp_path, ckpt32, xla_cache):
+    launcher_loads = model_loads_in_this_process()
     c = _job(inputs, tmp_path / "out", ckpt32, xla_cache)
-    loads = pids(c, "model_loads_in_process_")
-    batches = pids(c, "batches_in_process_")
-    assert os.getpid() not in loads  # the workers loaded it, not the launcher
-    assert set(loads.values()) == {1}, loads  # once per process that loaded it
-    assert c["model_loads"] == len(loads) <= 2
-    assert set(batches) <= set(loads)  # every process that generated had loaded its own copy
-    assert sum(batches.values()) == N_PROMPTS // 2
+    assert model_loads_in_this_process() == launcher_loads  # the workers loaded it, not the launcher
+    assert c["model_loads"] == c["processes_with_model"] <= 2, c  # once per process that loaded it
+    assert 1 <= c["generating_processes"] <= c["processes_with_model"], c  # none generated on another's copy
+    assert c["batches"] == N_PROMPTS // 2
 
 
 @pytest.mark.slow  # CI time: every output goes through the one generation stage test_large_model_loaded_once_per_machine covers
@@ -76,8 +73,7 @@ def test_large_model_is_shared_for_webdataset_output_too(inputs, tmp_path, ckpt3
                                 "--samples_per_shard=5"))
     assert (summary["images_generated"], summary["failed"]) == (N_PROMPTS, 0)
     c = counters(result)
-    loads = pids(c, "model_loads_in_process_")
-    assert c["model_loads"] == 1 and list(loads.values()) == [1], loads
-    assert sum(pids(c, "batches_in_process_").values()) == N_PROMPTS // 2
+    assert c["model_loads"] == c["processes_with_model"] == 1, c
+    assert c["batches"] == N_PROMPTS // 2
     assert sorted(os.listdir(out / "shards")) == [f"{s:05d}{ext}" for s in range(3)
                                                   for ext in (".parquet", ".tar", "_stats.json")]

@@ -61,10 +61,10 @@ def _job(fmt: str, inputs, out, ckpt, xla, monkeypatch):
 
 def _metrics(result) -> dict:
     """Counters of the job's namespace and of RunInference's, but those of the process rather than the job: per
-    process, the model's loads (the cached model's, reported by the first job in this process) and XLA's compiles
-    (an earlier job warmed the cache)."""
+    process, the model's loads and the processes that loaded it (the cached model's, reported by the first job in
+    this process) and XLA's compiles (an earlier job warmed the cache)."""
     got = {f"flux2/{k}": v for k, v in counters(result).items()
-           if "_in_process_" not in k and not k.startswith(("xla_", "model_loads"))}
+           if not k.startswith(("xla_", "model_loads", "processes_with_model"))}
     got.update({f"RunInference/{k}": v for k, v in counters(result, "RunInference_flux2").items()})
     return got
 

@@ -6,7 +6,6 @@ import hashlib
 import io
 import json
 import os
-import re
 
 import numpy as np
 from apache_beam.io.filesystems import FileSystems
@@ -65,16 +64,6 @@ def counters(result, namespace: str = "flux2") -> dict[str, int]:
     for c in result.metrics().query()["counters"]:
         if c.key.metric.namespace == namespace:
             out[c.key.metric.name] = out.get(c.key.metric.name, 0) + c.committed
-    return out
-
-
-def pids(counter_values: dict[str, int], prefix: str) -> dict[int, int]:
-    """{pid: count} from per-process counters such as model_loads_in_process_<pid>."""
-    out = {}
-    for name, value in counter_values.items():
-        m = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
-        if m:
-            out[int(m.group(1))] = value
     return out
 
 
