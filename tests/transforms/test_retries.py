@@ -22,18 +22,20 @@ class _Seen(logging.Handler):
 
 @pytest.fixture
 def seen():
-    """A handler on the root logger at NOTSET (as logging.basicConfig's is): it prints whatever reaches it. The
+    """A handler at NOTSET (as logging.basicConfig's is) on the retry logger itself: what the logger passes on to
+    any handler, whether or not records go on up to the root's (google-api-core's client logging stops the "google"
+    logger propagating once a generated client starts in the process). The root's level is WARNING meanwhile; the
     retry logger's own level and filters are put back afterwards."""
     level, filters = LOGGER.level, list(LOGGER.filters)
     root_level = logging.getLogger().level
     logging.getLogger().setLevel(logging.WARNING)
     handler = _Seen()
-    logging.getLogger().addHandler(handler)
+    LOGGER.addHandler(handler)
     retries.take_pending()
     try:
         yield handler
     finally:
-        logging.getLogger().removeHandler(handler)
+        LOGGER.removeHandler(handler)
         logging.getLogger().setLevel(root_level)
         LOGGER.setLevel(level)
         LOGGER.filters[:] = filters
