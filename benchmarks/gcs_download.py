@@ -99,9 +99,9 @@ def main(argv=None) -> dict:
     finally:
         stop.set()
         server.join(timeout=30)
-    result = {"tree": os.path.dirname(os.path.dirname(os.path.abspath(checkpoint.__file__))), "mib": round(total_mib, 1),
-              "weight_files_mib": sizes, "seconds": [round(s, 3) for s in seconds],
-              "median_s": round(statistics.median(seconds), 3),
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint.__file__)))
+    result = {"tree": tree, "mib": round(total_mib, 1), "weight_files_mib": sizes,
+              "seconds": [round(s, 3) for s in seconds], "median_s": round(statistics.median(seconds), 3),
               "median_mib_per_s": round(total_mib / statistics.median(seconds), 1)}
     print(json.dumps(result))
     return result

@@ -1,6 +1,7 @@
 """transforms/inference.py's per-process counters: names that are the same in every job (no process id in them),
 each process counted once per job in `processes_with_model` and `generating_processes`, on a real in-process Beam
-runner. The multi-process cases (one copy per worker process, one per machine): tests/pipeline/test_pipeline_local.py."""
+runner. The multi-process cases (one copy per worker process, one per machine): tests/pipeline/test_pipeline_local.py.
+"""
 
 import apache_beam as beam
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
