@@ -390,8 +390,6 @@ def run(argv: list[str] | None = None, *, wait: bool | None = None):
     options = PipelineOptions(argv)
     if options.view_as(StandardOptions).runner is None:
         options.view_as(StandardOptions).runner = DEFAULT_RUNNER
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        _use_emulator_credentials()
     retries.install()
     retries.take_pending()  # count only this job's retries (an earlier job in this process may have left some)
     discard_pending_model_loads()  # and only its model loads
@@ -677,18 +675,6 @@ class _WithoutModelLoadTraceback(logging.Filter):
             return False
         message = record.getMessage()
         return "model.errors." not in message and disk_full_error(Exception(message)) is None
-
-
-def _use_emulator_credentials() -> None:
-    """Against a local GCS emulator (STORAGE_EMULATOR_HOST), skip Beam's ~20 s credential lookup: Beam then
-    connects anonymously, which is what the emulator wants. Has no effect on real GCS runs."""
-    try:
-        from apache_beam.internal.gcp import auth
-
-        auth._Credentials._credentials_init = True
-        auth._Credentials._credentials = None
-    except Exception:  # noqa: BLE001 - private Beam API; without it runs are only slower
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
