@@ -50,7 +50,8 @@ import apache_beam as beam  # noqa: E402 - after the command line's own check
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
 
-from transforms import layout, retries, sinks
+from transforms import layout, retries
+from transforms.sinks import base as sinks, registry as sink_registry
 from transforms.fingerprints import model_fingerprint
 from transforms.generation import Generate
 from transforms.inference import Flux2KleinModelHandler, discard_pending_model_loads
@@ -119,7 +120,6 @@ class JobConfig:
     output = _from_spec("output", "output")
     encoding = _from_spec("output", "encoding")  # --image_format, --png_compress_level, --quality
     output_format = _from_spec("output", "output_format")  # files (one object per image) or webdataset (tar shards)
-    webdataset = _from_spec("output", "webdataset")
     samples_per_shard = _from_spec("output", "samples_per_shard")
     preview = _from_spec("output", "preview")  # images in preview/index.html; 0: no preview
     skip_existing = _from_spec("output", "skip_existing")
@@ -311,9 +311,7 @@ def _sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     """The sink of --output_format: the one place the job chooses how its images are stored."""
     settings = sinks.SinkSettings(job.output, job.encoding, job.model_fingerprint or None, job.skip_existing,
                                   job.encode_threads, progress_dir, quantize=job.load.engine.quantize)
-    if job.output_format == sinks.WebDatasetSink.output_format:
-        return sinks.WebDatasetSink(settings, job.samples_per_shard)
-    return sinks.FilesSink(settings)
+    return sink_registry.sink_class(job.output_format).from_options(settings, job.spec.output)
 
 
 def _read_inputs(p: beam.Pipeline, job: JobConfig) -> dict:
@@ -552,10 +550,9 @@ def quiet_tpu_runtime() -> None:
 def closing_lines(job: JobConfig, summary: dict) -> list[str]:
     """Where the results are: the images (or shards), the manifest, metadata.jsonl, the preview, and the errors
     file when the run wrote error rows."""
-    out = job.output
-    lines = [f"images: {layout.join(out, 'shards/*.tar' if job.webdataset else layout.IMAGES_DIR + '/')}",
-             f"manifest: {layout.manifest_prefix(out)}-*.jsonl"
-             + ("" if job.webdataset else f" (and {layout.metadata_path(out)} for Hugging Face imagefolder)")]
+    out, sink = job.output, sink_registry.sink_class(job.output_format)
+    lines = [f"images: {sink.images_where(out)}",
+             f"manifest: {layout.manifest_prefix(out)}-*.jsonl{sink.manifest_note(out)}"]
     if job.preview:
         lines.append(f"preview: {layout.join(out, 'preview/index.html')} (open it in a browser)")
     if summary.get("invalid", 0) + summary.get("failed", 0) + summary.get("duplicates", 0):

@@ -40,7 +40,7 @@ def test_choices_are_enums_that_read_as_their_values():
     s = spec(input=["a.jsonl"], model="ckpt", image_format="webp", output_format="webdataset", dtype="float32",
              require_accelerator="tpu", input_format="csv")
     assert s.input.input_format is InputFormat.CSV and s.output.image_format is ImageFormat.WEBP
-    assert s.output.output_format is OutputFormat.WEBDATASET and s.output.webdataset
+    assert s.output.output_format is OutputFormat.WEBDATASET and s.output.output_format == "webdataset"
     assert s.model.dtype is Dtype.FLOAT32 and s.reliability.require_accelerator is Accelerator.TPU
     assert s.model.dtype == "float32" and f"{s.output.image_format}" == "webp"
     assert s.output.existing is ExistingResults.STOP
