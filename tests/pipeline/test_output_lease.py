@@ -117,7 +117,8 @@ def test_a_remote_jobs_last_step_releases_its_lease(tiny_ckpt, tmp_path):
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from pipeline.run import build_pipeline, resolve_job
+    from pipeline.graph import build_pipeline
+    from pipeline.launch import resolve_job
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')

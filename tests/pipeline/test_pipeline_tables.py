@@ -9,7 +9,8 @@ seeds and sizes; a text file whose first line is a table's header is read as ask
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.run import UsageError, resolve_job, run
+from pipeline.launch import resolve_job
+from pipeline.run import UsageError, run
 from pipeline_helpers import (  # noqa: F401 - ckpt32 and xla_cache are fixtures
     HEIGHT, MODEL_ARGS, check_manifest_matches_images, ckpt32, image_names, rows, xla_cache,
 )
