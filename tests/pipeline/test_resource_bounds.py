@@ -1,6 +1,6 @@
 """Resource bounds: what one request (or one job) may ask for is bounded, with a clear error naming the limit.
 
-Enforced (transforms/inputs/, pipeline/run.py):
+Enforced (transforms/inputs/, pipeline/graph.py):
 - `--max_pixels` (default 4 MP) for every record and for the job's own defaults;
 - images per request (`num_images` <= 64), steps (<= 1000), seed range;
 - a request's images are generated `--batch_size` at a time, never all at once;
