@@ -78,47 +78,20 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     sink = make_sink(job, progress_dir)
     # What the output already holds (--skip_existing) and where each image will go, before anything is generated.
     placed = dict(planned | "PlanOutput" >> sink.plan())
-    tasks = placed.pop(sinks.TASKS)
-    if spec.limits.max_images is not None:
-        # Counts what this run would generate (images kept from an earlier run excluded) and fails before
-        # inference when over.
-        tasks = tasks | "MaxImages" >> EnforceMaxImages(spec.limits.max_images)
-    if progress_dir:
-        total = tasks | "ProgressTotal" >> ReportTotal(progress_dir)
-        # Taking the total as a side input makes the runner finish counting before any batch is generated, so the
-        # progress line knows the total from the first image on.
-        tasks = tasks | "AfterTotal" >> beam.Map(lambda t, _n: t, beam.pvalue.AsSingleton(total))
+    tasks = _limited(placed.pop(sinks.TASKS), spec.limits.max_images, progress_dir)
     generated = tasks | "Generate" >> Generate(make_handler(job), job.load.engine.batch_size)
     written = {**generated, **placed} | "WriteOutput" >> sink
     manifest, existing, failed = written[sinks.MANIFEST], written[sinks.EXISTING], written[sinks.ERRORS]
 
     invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
-    # One shard each, under fixed names: a rerun into the same output replaces the previous run's files instead of
-    # leaving stale shards next to them (so the manifest always lists exactly what the latest run generated, and
-    # existing-* what it found already there). existing-* is written (empty) by every run, so that an earlier run's
-    # file never lingers, and only once this run's images are all written (the sink releases those rows then): a
-    # failed run leaves the previous files as they were, and manifest-* and existing-* of the latest run list every
-    # image of the output exactly once.
-    rows_files = [
-        rows
-        | f"{name}Json" >> beam.Map(layout.to_json_line)
-        | f"Write{name}" >> beam.io.WriteToText(prefix, file_name_suffix=layout.ROWS_SUFFIX, num_shards=1)
-        for name, rows, prefix in (("Manifest", manifest, layout.manifest_prefix(output)),
-                                   ("Existing", existing, layout.existing_prefix(output)),
-                                   ("Errors", errors, layout.errors_prefix(output)))]
-    after = [*rows_files, written[sinks.DONE]]
+    after = [*_row_files(output, manifest, existing, errors), written[sinks.DONE]]
     if spec.output.preview:
         every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
         after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview))
 
-    records = (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten()
-    truncated = (manifest
-                 | "TruncatedRows" >> beam.Filter(lambda row: row["prompt_truncated"])
-                 | "TruncatedIds" >> beam.Map(lambda row: row["id"])
-                 | "DistinctTruncated" >> beam.Distinct())
     counted = {
-        "records_read": records,
+        "records_read": (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten(),
         "requests": resolved["requests"],
         "images_planned": planned,
         "images_generated": manifest,
@@ -127,19 +100,56 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         "invalid": invalid,
         "duplicates": dedup[DUPLICATE_TAG],
         "failed": failed,
-        "prompts_truncated": truncated,
+        "prompts_truncated": (manifest
+                              | "TruncatedRows" >> beam.Filter(lambda row: row["prompt_truncated"])
+                              | "TruncatedIds" >> beam.Map(lambda row: row["id"])
+                              | "DistinctTruncated" >> beam.Distinct()),
     }
-    summary = counted | "Summary" >> WriteSummary(output, started_at, extra={
-        "model": job.load.model, "output": output,
-        "input": list(spec.input.files) + [b.source for b in spec.input.bigquery], "demo": spec.demo,
-        "batch_size": job.load.engine.batch_size, "batch_size_auto": job.batch_choice is not None,
-        "batch_size_chosen": job.batch_choice, "dtype": job.load.dtype, "quantize": job.load.engine.quantize,
-        "output_format": plain(spec.output.output_format)},
-        after=after, rows={"warnings": read[WARNING_TAG]},
+    summary = counted | "Summary" >> WriteSummary(
+        output, started_at, extra=_summary_fields(job), after=after, rows={"warnings": read[WARNING_TAG]},
         tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
     if release_lease:
         summary | "ReleaseOutputLease" >> beam.Map(output_lease.release_from_job, output, release_lease)
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}
+
+
+def _limited(tasks, max_images: int | None, progress_dir: str | None):
+    """The tasks to generate, held to --max_images and counted for the progress line first."""
+    if max_images is not None:
+        # Counts what this run would generate (images kept from an earlier run excluded) and fails before
+        # inference when over.
+        tasks = tasks | "MaxImages" >> EnforceMaxImages(max_images)
+    if progress_dir:
+        total = tasks | "ProgressTotal" >> ReportTotal(progress_dir)
+        # Taking the total as a side input makes the runner finish counting before any batch is generated, so the
+        # progress line knows the total from the first image on.
+        tasks = tasks | "AfterTotal" >> beam.Map(lambda t, _n: t, beam.pvalue.AsSingleton(total))
+    return tasks
+
+
+def _row_files(output: str, manifest, existing, errors) -> list:
+    """manifest-*, existing-* and errors-* written; one shard each, under fixed names: a rerun into the same output
+    replaces the previous run's files instead of leaving stale shards next to them (so the manifest always lists
+    exactly what the latest run generated, and existing-* what it found already there). existing-* is written
+    (empty) by every run, so that an earlier run's file never lingers, and only once this run's images are all
+    written (the sink releases those rows then): a failed run leaves the previous files as they were, and manifest-*
+    and existing-* of the latest run list every image of the output exactly once."""
+    return [rows
+            | f"{name}Json" >> beam.Map(layout.to_json_line)
+            | f"Write{name}" >> beam.io.WriteToText(prefix, file_name_suffix=layout.ROWS_SUFFIX, num_shards=1)
+            for name, rows, prefix in (("Manifest", manifest, layout.manifest_prefix(output)),
+                                       ("Existing", existing, layout.existing_prefix(output)),
+                                       ("Errors", errors, layout.errors_prefix(output)))]
+
+
+def _summary_fields(job: JobConfig) -> dict:
+    """What summary.json says of the job itself, beside the counts."""
+    spec = job.spec
+    return {"model": job.load.model, "output": spec.output.output,
+            "input": list(spec.input.files) + [b.source for b in spec.input.bigquery], "demo": spec.demo,
+            "batch_size": job.load.engine.batch_size, "batch_size_auto": job.batch_choice is not None,
+            "batch_size_chosen": job.batch_choice, "dtype": job.load.dtype, "quantize": job.load.engine.quantize,
+            "output_format": plain(spec.output.output_format)}
 
 
 def _read_inputs(p: beam.Pipeline, job: JobConfig) -> dict:
