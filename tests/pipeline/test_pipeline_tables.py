@@ -118,7 +118,7 @@ def test_table_launch_errors(tmp_path, tiny_ckpt):
     with pytest.raises(UsageError, match=r"t.parquet: its Parquet schema has no prompt column 'prompt'.*'text', "
                                          r"'seed'"):
         job(f"--input={tmp_path}/t.parquet")
-    assert job(f"--input={tmp_path}/t.parquet", "--prompt_column=TEXT").columns.prompt_column == "TEXT"
+    assert job(f"--input={tmp_path}/t.parquet", "--prompt_column=TEXT").spec.input.columns.prompt_column == "TEXT"
     with pytest.raises(UsageError, match="never read as plain text"):
         job(f"--input={tmp_path}/ok.tsv", "--input_format=text")
     with pytest.raises(UsageError, match="not of the form old=new"):
