@@ -95,18 +95,18 @@ def check_fits(job, topology: str):
     do not. Returns the preflight's report (its `batch` is the one to run)."""
     from .preflight import PreflightRequest, format_report, preflight, shortfall_message
 
-    d, limits = job.defaults, job.spec.limits
-    request = PreflightRequest(model=job.model, topology=topology, height=d.height, width=d.width,
-                               batch_size=None if limits.auto_batch else job.batch_size, dtype=job.dtype,
+    d, limits, load = job.defaults, job.spec.limits, job.load
+    request = PreflightRequest(model=load.model, topology=topology, height=d.height, width=d.width,
+                               batch_size=None if limits.auto_batch else load.engine.batch_size, dtype=load.dtype,
                                num_inference_steps=d.num_inference_steps, guidance_scale=d.guidance_scale,
-                               model_shards=job.load.engine.model_shards, max_sequence_length=job.max_sequence_length,
+                               model_shards=load.engine.model_shards, max_sequence_length=load.max_sequence_length,
                                hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size,
-                               quantize=job.load.engine.quantize)
+                               quantize=load.engine.quantize)
     logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %s, %d model shard(s) (--skip_preflight skips)",
-                job.model, topology, d.height, d.width,
-                f"auto (up to {limits.max_batch_size})" if limits.auto_batch else job.batch_size,
+                load.model, topology, d.height, d.width,
+                f"auto (up to {limits.max_batch_size})" if limits.auto_batch else load.engine.batch_size,
                 request.model_shards)
-    cache = job.load.engine.compilation_cache_dir
+    cache = load.engine.compilation_cache_dir
     if cache:  # the workers' shared cache: what the launch compiles for their chips is there when they start
         from model.api import enable_compilation_cache
 
@@ -133,7 +133,7 @@ def local_tpu_topology(job, *, tpu_attached: bool) -> str | None:
     platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     if not tpu_attached or (platforms and "tpu" not in platforms.split(",")):
         return None
-    env = dict(job.worker_env)
+    env = dict(job.spec.reliability.worker_env)
     accelerator = env.get("TPU_ACCELERATOR_TYPE") or os.environ.get("TPU_ACCELERATOR_TYPE")
     return attached_topology(accelerator) or attached_topology() or probe_local_devices(env)
 
@@ -167,18 +167,18 @@ def pick_local_batch(job, topology: str) -> dict:
     not load libtpu before its own runtime starts). Should libtpu refuse to compile for that topology here, the child
     compiles on the chips themselves instead (`--topology=attached`, with the worker's environment; it releases them
     when it ends). Returns the preflight's JSON report; UsageError when nothing fits or the preflight cannot run."""
-    d, limits = job.defaults, job.spec.limits
-    args = {"model": job.model, "height": d.height, "width": d.width, "batch_size": "auto",
-            "max_batch_size": limits.max_batch_size, "dtype": job.dtype, "quantize": job.load.engine.quantize,
-            "model_shards": job.load.engine.model_shards,
-            "max_sequence_length": job.max_sequence_length, "num_inference_steps": d.num_inference_steps,
+    d, limits, load = job.defaults, job.spec.limits, job.load
+    args = {"model": load.model, "height": d.height, "width": d.width, "batch_size": "auto",
+            "max_batch_size": limits.max_batch_size, "dtype": load.dtype, "quantize": load.engine.quantize,
+            "model_shards": load.engine.model_shards,
+            "max_sequence_length": load.max_sequence_length, "num_inference_steps": d.num_inference_steps,
             "guidance_scale": d.guidance_scale, "hbm_bytes": hbm_bytes_override()}
     logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "
                 "skips)", topology)
     report, why = _child_preflight({**args, "topology": topology}, {"JAX_PLATFORMS": "cpu"})
     if report is None:
         logger.warning("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
-        on_chips = {**dict(job.worker_env), "JAX_PLATFORMS": "tpu"}
+        on_chips = {**dict(job.spec.reliability.worker_env), "JAX_PLATFORMS": "tpu"}
         report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
     if report is None:
         raise UsageError(f"TPU preflight for this machine's {topology}: {why} (--skip_preflight, or a --batch_size, "

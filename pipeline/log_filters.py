@@ -1,7 +1,7 @@
 """Beam log lines that the job's own design makes alarming for nothing, dropped from the command line's log.
 
 The manifest, existing and errors row files (and metadata.jsonl) are written under fixed names, one shard each, so
-that a rerun into the same output replaces the previous run's files (pipeline/run.py build_pipeline). Beam's file
+that a rerun into the same output replaces the previous run's files (pipeline/graph.py build_pipeline). Beam's file
 sink then warns `Deleting 1 existing files in target path matching: ...` once per file on every rerun
 (`--skip_existing`, `--overwrite`): that replacement is the intended one, so only that message of that logger is
 dropped; every other warning of Beam's file sinks still shows.

@@ -29,7 +29,8 @@ from transforms.defaults import (
 from transforms.inputs.columns import ColumnMap
 from transforms.inputs.formats import FORMATS
 from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
-from transforms.shards import DEFAULT_SAMPLES_PER_SHARD, OUTPUT_FORMATS
+from transforms.shards import DEFAULT_SAMPLES_PER_SHARD
+from transforms.sinks import registry as sink_registry
 
 from .demo import DEMO_DTYPE, DEMO_SIZE
 
@@ -143,9 +144,8 @@ OPTIONS = (
     Option("image_format", "output", "Format of the stored images (.png, .webp or .jpg); prompt and parameters go "
                                      "in PNG text or WebP/JPEG EXIF.", default="png",
            choices=IMAGE_FORMATS),
-    Option("output_format", "output", "Layout of the outputs: files (one object per image, metadata.jsonl for "
-                                      "datasets) or webdataset (tar shards).", default="files",
-           choices=OUTPUT_FORMATS),
+    Option("output_format", "output", sink_registry.description(), default=sink_registry.DEFAULT_OUTPUT_FORMAT,
+           choices=sink_registry.OUTPUT_FORMATS),  # one row per sink: transforms/sinks/registry.py
     Option("samples_per_shard", "output", "Images per WebDataset shard (--output_format webdataset).", type=int,
            default=DEFAULT_SAMPLES_PER_SHARD, metavar="N"),
     Option("preview", "output", "Images in the preview gallery (preview/index.html and a contact sheet), the first "

@@ -24,9 +24,10 @@ from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
 from transforms.layout import IMAGE_FORMATS
 from transforms.sinks.encoding import ImageEncoding
+from transforms.sinks.registry import OUTPUT_FORMATS
 from transforms.preview import check_preview
 from transforms.references import default_roots, normalise_root
-from transforms.shards import OUTPUT_FORMATS, check_samples_per_shard
+from transforms.shards import check_samples_per_shard
 
 from .compile_cache import resolve_compilation_cache
 from .demo import DEMO_DTYPE, DEMO_PROMPTS, DEMO_SIZE
@@ -176,10 +177,6 @@ class OutputSpec:
                              "give one")
         _set(self, image_format=ImageFormat(self.image_format), output_format=OutputFormat(self.output_format),
              skip_existing=bool(self.skip_existing), overwrite=bool(self.overwrite))
-
-    @property
-    def webdataset(self) -> bool:
-        return self.output_format == OutputFormat.WEBDATASET
 
     @property
     def existing(self) -> ExistingResults:

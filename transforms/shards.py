@@ -36,7 +36,6 @@ from .atomic_files import umask, write_local_atomic, write_object_atomic
 
 SHARDS_DIR = "shards"
 DEFAULT_SAMPLES_PER_SHARD = 1000
-OUTPUT_FORMATS = ("files", "webdataset")  # --output_format choices
 KEY_DIGITS = 9
 TAR_MTIME = 0  # every member's mtime: reproducible bytes (img2dataset and TarWriter take a fixed one too)
 STATS_SUFFIX = "_stats.json"

@@ -2,7 +2,7 @@
 
 Computed inside the pipeline (not from the launcher's metrics query), so it is written on every runner, including
 Dataflow where the launcher exits after submitting; the launcher adds the retry counts once the job is over
-(pipeline/run.py).
+(pipeline/closing.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pipeline.options import Flux2KleinOptions
 
 
 def _job(tmp_path, model: str, *args: str):
-    from pipeline.run import resolve_job
+    from pipeline.launch import resolve_job
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox\n")
@@ -31,11 +31,11 @@ def test_batch_size_is_auto_by_default_and_takes_a_number(tmp_path, tiny_ckpt):
 
     _, job = _job(tmp_path, tiny_ckpt)
     assert job.spec.limits.auto_batch and job.spec.limits.max_batch_size == 8
-    assert job.batch_size == DEFAULT_BATCH_SIZE  # until the launch picks one
+    assert job.load.engine.batch_size == DEFAULT_BATCH_SIZE  # until the launch picks one
     _, job = _job(tmp_path, tiny_ckpt, "--batch_size=AUTO", "--max_batch_size=2")
-    assert job.spec.limits.auto_batch and job.batch_size == 2  # the default, within the cap
+    assert job.spec.limits.auto_batch and job.load.engine.batch_size == 2  # the default, within the cap
     _, job = _job(tmp_path, tiny_ckpt, "--batch_size=3")
-    assert not job.spec.limits.auto_batch and job.batch_size == 3
+    assert not job.spec.limits.auto_batch and job.load.engine.batch_size == 3
     with pytest.raises(UsageError, match="--batch_size=many: expected a whole number or auto"):
         check_arguments(["--batch_size=many"])
     for bad in ("--batch_size=0", "--max_batch_size=0"):
@@ -44,15 +44,15 @@ def test_batch_size_is_auto_by_default_and_takes_a_number(tmp_path, tiny_ckpt):
 
 
 def test_a_local_run_without_a_tpu_keeps_the_default_and_says_so(tmp_path, tiny_ckpt, capsys):
-    from pipeline.run import _tpu_preflight
+    from pipeline.launch import tpu_preflight
 
     options, job = _job(tmp_path, tiny_ckpt)
-    job = _tpu_preflight(options, job, local=True)  # this machine has no TPU (JAX is on the CPU)
-    assert job.batch_size == DEFAULT_BATCH_SIZE and "no TPU topology" in job.batch_choice
+    job = tpu_preflight(options, job, local=True)  # this machine has no TPU (JAX is on the CPU)
+    assert job.load.engine.batch_size == DEFAULT_BATCH_SIZE and "no TPU topology" in job.batch_choice
     assert options.view_as(Flux2KleinOptions).batch_size == DEFAULT_BATCH_SIZE
     assert "TPU preflight" not in capsys.readouterr().out
     options, job = _job(tmp_path, tiny_ckpt, "--batch_size=3")
-    assert _tpu_preflight(options, job, local=True).batch_choice is None  # a number is the user's: not checked
+    assert tpu_preflight(options, job, local=True).batch_choice is None  # a number is the user's: not checked
 
 
 # ------------------------------------------------------------------------------------------------ finding the chips
@@ -98,21 +98,21 @@ def test_a_local_run_on_a_tpu_machine_runs_the_batch_that_fits(tmp_path, tiny_ck
     (which batch the search picks: tests/pipeline/test_preflight.py). Here a v5e chip, named by --worker_env as the
     settings files name it; then one too small for the tiny model, which stops the launch."""
     pytest.importorskip("libtpu", reason="the TPU preflight compiles with libtpu")
-    import pipeline.run as run
+    from pipeline import launch
 
-    monkeypatch.setattr(run, "accelerator_device_nodes", lambda: ["/dev/accel0"])
+    monkeypatch.setattr(launch, "accelerator_device_nodes", lambda: ["/dev/accel0"])
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on the TPU machine (the child keeps to the CPU itself)
     tpu_job = ("--worker_env=TPU_ACCELERATOR_TYPE=v5litepod-1", "--max_sequence_length=32", "--max_batch_size=1")
     options, job = _job(tmp_path, tiny_ckpt, *tpu_job)
-    job = run._tpu_preflight(options, job, local=True)
-    assert job.batch_size == 1 and job.load.engine.batch_size == 1
+    job = launch.tpu_preflight(options, job, local=True)
+    assert job.load.engine.batch_size == 1
     assert "fit v5e:1x1" in job.batch_choice and options.view_as(Flux2KleinOptions).batch_size == 1
     assert "TPU preflight: fits v5e:1x1 with 1 model shard(s) at batch 1 (picked)" in capsys.readouterr().out
 
     monkeypatch.setenv("FLUX2_PREFLIGHT_HBM_BYTES", "1000")  # not even the parameters
     options, job = _job(tmp_path, tiny_ckpt, *tpu_job)
     with pytest.raises(UsageError, match="TPU preflight for this machine's v5e:1x1: .*does not fit"):
-        run._tpu_preflight(options, job, local=True)
+        launch.tpu_preflight(options, job, local=True)
 
 
 def test_a_tpu_machine_whose_libtpu_refuses_the_topology_compiles_on_its_chips(tmp_path, tiny_ckpt, caplog):

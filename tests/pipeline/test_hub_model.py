@@ -17,7 +17,8 @@ from model.errors import (HubDependencyError, HubGatedRepoError, HubNetworkError
                           HubRepoNotFoundError, HubRevisionNotFoundError)
 from model.hub import parse_hub_id, resolve_hub
 from pipeline.errors import UsageError
-from pipeline.run import main, resolve_job
+from pipeline.launch import resolve_job
+from pipeline.run import main
 
 PIPELINE_FILES = {"model_index.json", "scheduler/scheduler_config.json", "transformer/config.json",
                   "text_encoder/config.json", "vae/config.json", "tokenizer/tokenizer.json"}
@@ -92,10 +93,10 @@ def test_job_takes_a_hub_id_and_its_revision(hub_cache, stand_in_hub, monkeypatc
     cache, snapshot, _ = hub_cache
     use_hub(monkeypatch, stand_in_hub.endpoint, cache)
     job = resolve_job(PipelineOptions(["--model=tiny/klein", f"--input={prompts}", f"--output={tmp_path}/out"]))
-    assert job.model == snapshot.path  # local runner: the workers load the snapshot folder
+    assert job.load.model == snapshot.path  # local runner: the workers load the snapshot folder
     stand_in_hub.clear()
     job = resolve_job(PipelineOptions(["--model=tiny/klein@v1", f"--input={prompts}", f"--output={tmp_path}/out"]))
-    assert os.path.basename(job.model) == HUB_COMMITS["v1"]
+    assert os.path.basename(job.load.model) == HUB_COMMITS["v1"]
     assert ("GET", "/api/models/tiny/klein/revision/v1", None) in stand_in_hub.requests
 
 
@@ -108,7 +109,7 @@ def test_model_revision_option_and_its_conflict_with_the_id(hub_cache, stand_in_
     base = [f"--input={prompts}", f"--output={tmp_path}/out"]
     for model in (["--model=tiny/klein", "--model_revision=v1"], ["--model=tiny/klein@v1", "--model_revision=v1"]):
         job = resolve_job(PipelineOptions([*model, *base]))
-        assert os.path.basename(job.model) == HUB_COMMITS["v1"] and job.spec.model.model == "tiny/klein@v1"
+        assert os.path.basename(job.load.model) == HUB_COMMITS["v1"] and job.spec.model.model == "tiny/klein@v1"
     stand_in_hub.clear()
     capsys.readouterr()
     for argv, words in ((["--model=tiny/klein@v1", "--model_revision=main"], "asks for revision 'v1' and "
@@ -184,7 +185,7 @@ def test_offline_mode(hub_cache, stand_in_hub, monkeypatch, prompts, tmp_path, c
     stand_in_hub.clear()
     assert resolve_hub("tiny/klein").path == snapshot.path
     job = resolve_job(PipelineOptions(["--model=tiny/klein", f"--input={prompts}", f"--output={tmp_path}/out"]))
-    assert job.model == snapshot.path and stand_in_hub.requests == []
+    assert job.load.model == snapshot.path and stand_in_hub.requests == []
     with pytest.raises(HubOfflineError, match="no cached snapshot of tiny/klein@v9"):
         resolve_hub("tiny/klein@v9")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
@@ -208,7 +209,7 @@ def test_dataflow_launch_copies_the_snapshot_to_gcs_once(hub_cache, stand_in_hub
     copies nothing. The workers' copy of that prefix is the snapshot, byte for byte."""
     from model.checkpoint import resolve_checkpoint
     from pipeline import hub_model
-    from pipeline.run import make_handler
+    from pipeline.graph import make_handler
 
     cache, snapshot, _ = hub_cache
     use_hub(monkeypatch, stand_in_hub.endpoint, cache)
@@ -218,13 +219,13 @@ def test_dataflow_launch_copies_the_snapshot_to_gcs_once(hub_cache, stand_in_hub
             "--project=test-project", "--region=us-central1", f"--temp_location={b}/tmp"]
     job = resolve_job(PipelineOptions(argv))
     prefix = f"{b}/tmp/flux2-klein-models/tiny--klein@{HUB_COMMITS['main']}"
-    assert job.model == prefix and make_handler(job).settings.model == prefix
+    assert job.load.model == prefix and make_handler(job).settings.model == prefix
     objects = gcs_emulator.list_blobs(prefix)
     marker = f"tmp/flux2-klein-models/tiny--klein@{HUB_COMMITS['main']}/{hub_model.SNAPSHOT_MARKER}"
     assert marker in objects and f"{prefix[len(b) + 1:]}/model_index.json" in objects
     assert max(o.updated for o in objects.values()) == objects[marker].updated  # written last
 
-    assert resolve_job(PipelineOptions(argv)).model == prefix
+    assert resolve_job(PipelineOptions(argv)).load.model == prefix
     assert gcs_emulator.list_blobs(prefix)[marker].generation == objects[marker].generation  # nothing rewritten
 
     worker_copy = resolve_checkpoint(prefix, cache_dir=str(tmp_path / "worker"))
@@ -236,7 +237,7 @@ def test_dataflow_launch_copies_the_snapshot_to_gcs_once(hub_cache, stand_in_hub
 
     # --model_cache wins over --temp_location; a local one is refused before any download
     job = resolve_job(PipelineOptions([*argv, f"--model_cache={b}/models"]))
-    assert job.model == f"{b}/models/flux2-klein-models/tiny--klein@{HUB_COMMITS['main']}"
+    assert job.load.model == f"{b}/models/flux2-klein-models/tiny--klein@{HUB_COMMITS['main']}"
     stand_in_hub.clear()
     with pytest.raises(UsageError, match="--model_cache='/tmp/models' is not one"):
         resolve_job(PipelineOptions([*argv, "--model_cache=/tmp/models"]))

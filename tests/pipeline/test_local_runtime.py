@@ -8,13 +8,13 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from model import runtime
-from pipeline.run import start_local_runtime
+from pipeline.launch import start_local_runtime
 
 
-def _job(**overrides):
-    fields = dict(large_model=False, model_copies=None, worker_env=())
-    fields.update(overrides)
-    return types.SimpleNamespace(**fields)
+def _job(large_model=False, model_copies=None, worker_env=()):
+    """The parts of a job's spec (pipeline/specs.py) that decide it."""
+    return types.SimpleNamespace(limits=types.SimpleNamespace(large_model=large_model, model_copies=model_copies),
+                                 reliability=types.SimpleNamespace(worker_env=worker_env))
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import pipeline.graph as graph
 import pipeline.run as job_run
 from pipeline import probes
 from pipeline.errors import UsageError
@@ -82,7 +83,7 @@ def launch_only(monkeypatch, tiny_ckpt, tmp_path):
     def build(*args, **kwargs):
         raise _Built()
 
-    monkeypatch.setattr(job_run, "build_pipeline", build)
+    monkeypatch.setattr(graph, "build_pipeline", build)
 
 
 def test_running_the_demo_twice_replaces_its_own_output(launch_only, tmp_path, capsys):

@@ -117,7 +117,8 @@ def test_a_remote_jobs_last_step_releases_its_lease(tiny_ckpt, tmp_path):
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from pipeline.run import build_pipeline, resolve_job
+    from pipeline.graph import build_pipeline
+    from pipeline.launch import resolve_job
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
@@ -171,6 +172,44 @@ def test_leftovers_are_removed_only_when_their_maker_is_gone(output):
     again = ol.take_output_lease(output, job="later")
     assert again.previous_gone and again.clear_leftovers() == 1 and _temp_folders(output) == []
     again.release()
+
+
+def test_the_launch_holds_the_output_while_it_runs_and_leaves_it_as_it_ends(tmp_path):
+    """pipeline/launch.py holding_output: the lease is taken before the output is checked and released at the end;
+    a failure (any exception, Ctrl-C included) removes this run's temporary folders and says how many; a submitted
+    job keeps the lease, named by its id, for its last step to remove."""
+    import types
+
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from pipeline import launch
+
+    out = tmp_path / "out"
+    job = types.SimpleNamespace(spec=types.SimpleNamespace(output=types.SimpleNamespace(output=str(out),
+                                                                                        skip_existing=False)),
+                                run_token="0123456789abcdef")
+    hold = dict(overwrite=False, demo_default_output=False)
+    with launch.holding_output(job, **hold) as held:
+        assert _exists(held.lease.path) and held.replacing is None and held.lease.holder.job == "0123456789ab"
+    assert not _exists(held.lease.path)
+
+    (out / "beam-temp-found-aaa").mkdir()  # an earlier run's leftover, removed at launch: not counted as its own
+    with pytest.raises(KeyboardInterrupt):
+        with launch.holding_output(job, **hold) as held:
+            (out / "manifest" / "beam-temp-manifest-bbb").mkdir(parents=True)
+            raise KeyboardInterrupt
+    assert launch.CLEANUP == {"temp_removed": 1, "output": str(out)} and not _exists(held.lease.path)
+    assert _temp_folders(str(out)) == []
+
+    options = PipelineOptions(["--project=proj", "--region=europe-west4", "--job_name=named"])
+    with launch.holding_output(job, **hold) as held:
+        held.hand_to_job("2026-01-01_00_00_00-123", options)
+    holder = ol.lease_store(str(out)).read(ol.LEASE_KEY).holder
+    assert (holder.job, holder.runner) == ("2026-01-01_00_00_00-123", "dataflow:proj/europe-west4")
+    ol.release_from_job(None, str(out), holder.token)
+    with launch.holding_output(job, **hold) as held:
+        held.hand_to_job(None, options)  # no job id from the runner: the job's name
+    assert ol.lease_store(str(out)).read(ol.LEASE_KEY).holder.job == "named"
 
 
 # --------------------------------------------------------------------------------------------- real jobs

@@ -10,7 +10,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.option_specs import OPTION_NAMES
 from pipeline.options import Flux2KleinOptions
-from pipeline.run import UsageError, resolve_job, run
+from pipeline.launch import resolve_job
+from pipeline.run import UsageError, run
 from pipeline.specs import input_list
 
 from paths import REPO  # noqa: E402
@@ -55,32 +56,33 @@ def test_usage_errors(tmp_path, tiny_ckpt):
         resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", f"--output={tmp_path}/run[1]"]))
     with pytest.raises(UsageError, match="--model_variant must be .* got '../fp16'"):
         resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--model_variant=../fp16"]))
-    from pipeline.run import make_handler
+    from pipeline.graph import make_handler
 
     job = resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}", "--model_variant=fp16"]))
-    assert job.model_variant == "fp16" and make_handler(job).settings.variant == "fp16"
+    assert job.load.variant == "fp16" and make_handler(job).settings.variant == "fp16"
     from pipeline.probes import is_case_insensitive_folder
 
     assert is_case_insensitive_folder(str(tmp_path / "new")) is False  # Linux; created, and the probe removed
     assert os.listdir(tmp_path / "new") == []
     job = resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}"]))
-    assert (job.output, job.dtype, job.batch_size, job.max_sequence_length, job.defaults.height, job.demo) == \
+    assert (job.spec.output.output, job.load.dtype, job.load.engine.batch_size, job.load.max_sequence_length,
+            job.defaults.height, job.spec.demo) == \
         ("./output", "bfloat16", 4, 512, 1024, False)
 
 
 def test_accelerator_options(tmp_path, tiny_ckpt):
     """--worker_env and --require_accelerator (set by the Dataflow settings files) reach the job's model handler."""
-    from pipeline.run import make_handler
+    from pipeline.graph import make_handler
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     base = [f"--model={tiny_ckpt}", f"--input={prompts}"]
     job = resolve_job(PipelineOptions([*base, "--require_accelerator=tpu",
                                        "--worker_env=TPU_SKIP_MDS_QUERY=1;TPU_HOST_BOUNDS=1,1,1;EMPTY="]))
-    assert job.require_accelerator == "tpu"
-    assert dict(job.worker_env) == {"TPU_SKIP_MDS_QUERY": "1", "TPU_HOST_BOUNDS": "1,1,1", "EMPTY": ""}
+    assert job.spec.reliability.require_accelerator == "tpu"
+    assert dict(job.spec.reliability.worker_env) == {"TPU_SKIP_MDS_QUERY": "1", "TPU_HOST_BOUNDS": "1,1,1", "EMPTY": ""}
     handler = make_handler(job)
-    assert handler._env_vars == dict(job.worker_env) and handler._require_accelerator == "tpu"
+    assert handler._env_vars == dict(job.spec.reliability.worker_env) and handler._require_accelerator == "tpu"
     plain = make_handler(resolve_job(PipelineOptions(base)))
     assert plain._env_vars == {} and plain._require_accelerator is None
     for bad in ("tpu_skip=1", "A=1;A=2", "A"):
@@ -107,7 +109,7 @@ def test_required_accelerator_stops_a_cpu_job_at_model_load(tmp_path, tiny_ckpt)
 def test_demo_checkpoint_runs_your_input_on_the_demo_checkpoint(monkeypatch, tmp_path, tiny_ckpt, capsys):
     """--demo_checkpoint: the user's --input on the bundled tiny checkpoint at the demo's size and dtype; the refusal
     of --input without --model says so."""
-    import pipeline.run as job_run
+    import pipeline.graph as graph
     from pipeline import probes
 
     monkeypatch.setattr(probes, "demo_checkpoint", lambda: tiny_ckpt)
@@ -116,8 +118,8 @@ def test_demo_checkpoint_runs_your_input_on_the_demo_checkpoint(monkeypatch, tmp
     with pytest.raises(UsageError, match="add --demo_checkpoint"):
         resolve_job(PipelineOptions([f"--input={prompts}"]))
     job = resolve_job(PipelineOptions([f"--input={prompts}", "--demo_checkpoint", f"--output={tmp_path / 'o'}"]))
-    assert (job.model, job.patterns, job.demo) == (tiny_ckpt, (str(prompts),), False)
-    assert (job.defaults.height, job.defaults.width, job.dtype) == (128, 128, "float32")
+    assert (job.load.model, job.spec.input.files, job.spec.demo) == (tiny_ckpt, (str(prompts),), False)
+    assert (job.defaults.height, job.defaults.width, job.load.dtype) == (128, 128, "float32")
     assert resolve_job(PipelineOptions([f"--input={prompts}", "--demo_checkpoint", "--height=64",
                                         f"--output={tmp_path / 'o'}"])).defaults.height == 64
     with pytest.raises(UsageError, match="--demo_checkpoint and --model=.* both name the checkpoint"):
@@ -128,7 +130,7 @@ def test_demo_checkpoint_runs_your_input_on_the_demo_checkpoint(monkeypatch, tmp
     def built(*args, **kwargs):
         raise RuntimeError("graph built")
 
-    monkeypatch.setattr(job_run, "build_pipeline", built)
+    monkeypatch.setattr(graph, "build_pipeline", built)
     with pytest.raises(RuntimeError, match="graph built"):
         run([f"--input={prompts}", "--demo_checkpoint", f"--output={tmp_path / 'o'}", "--no_progress"])
     assert "--demo_checkpoint: your prompts on the bundled tiny RANDOM-WEIGHT checkpoint" in capsys.readouterr().out
@@ -235,7 +237,7 @@ def test_a_submitted_dataflow_job_prints_its_id_and_console_link():
     them (a dry run has no job and says so)."""
     from apache_beam.runners.runner import PipelineResult, PipelineState
 
-    from pipeline.run import submitted_job_id, submitted_lines
+    from pipeline.closing import submitted_job_id, submitted_lines
 
     job = "2026-01-02_03_04_05-1234567890123456789"
     assert submitted_lines("DataflowRunner", "gs://b/out", dry_run=False, job_id=job, region="us-central1",

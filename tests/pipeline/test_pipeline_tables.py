@@ -9,7 +9,8 @@ seeds and sizes; a text file whose first line is a table's header is read as ask
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.run import UsageError, resolve_job, run
+from pipeline.launch import resolve_job
+from pipeline.run import UsageError, run
 from pipeline_helpers import (  # noqa: F401 - ckpt32 and xla_cache are fixtures
     HEIGHT, MODEL_ARGS, check_manifest_matches_images, ckpt32, image_names, rows, xla_cache,
 )
@@ -117,7 +118,7 @@ def test_table_launch_errors(tmp_path, tiny_ckpt):
     with pytest.raises(UsageError, match=r"t.parquet: its Parquet schema has no prompt column 'prompt'.*'text', "
                                          r"'seed'"):
         job(f"--input={tmp_path}/t.parquet")
-    assert job(f"--input={tmp_path}/t.parquet", "--prompt_column=TEXT").columns.prompt_column == "TEXT"
+    assert job(f"--input={tmp_path}/t.parquet", "--prompt_column=TEXT").spec.input.columns.prompt_column == "TEXT"
     with pytest.raises(UsageError, match="never read as plain text"):
         job(f"--input={tmp_path}/ok.tsv", "--input_format=text")
     with pytest.raises(UsageError, match="not of the form old=new"):

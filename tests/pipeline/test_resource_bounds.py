@@ -1,6 +1,6 @@
 """Resource bounds: what one request (or one job) may ask for is bounded, with a clear error naming the limit.
 
-Enforced (transforms/inputs/, pipeline/run.py):
+Enforced (transforms/inputs/, pipeline/graph.py):
 - `--max_pixels` (default 4 MP) for every record and for the job's own defaults;
 - images per request (`num_images` <= 64), steps (<= 1000), seed range;
 - a request's images are generated `--batch_size` at a time, never all at once;
@@ -49,7 +49,8 @@ def test_max_pixels_is_enforced_per_record_with_the_limit_in_the_reason():
 
 
 def test_max_pixels_option_reaches_validation_and_checks_the_defaults(tmp_path, tiny_ckpt):
-    from pipeline.run import UsageError, resolve_job
+    from pipeline.errors import UsageError
+    from pipeline.launch import resolve_job
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
@@ -64,7 +65,8 @@ def test_max_pixels_option_reaches_validation_and_checks_the_defaults(tmp_path, 
 
 
 def test_images_per_request_steps_and_seeds_are_bounded(tmp_path, tiny_ckpt):
-    from pipeline.run import UsageError, resolve_job
+    from pipeline.errors import UsageError
+    from pipeline.launch import resolve_job
 
     d = RequestDefaults(height=32, width=32)
     for record, words in [({"num_images": MAX_IMAGES_PER_REQUEST + 1}, "num_images must be in [1, 64]"),

@@ -23,6 +23,7 @@ from pipeline.run import run
 from pipeline_helpers import HEIGHT, WIDTH, ckpt32, counters, rows, xla_cache  # noqa: F401 - fixtures
 from reference_files import png
 from transforms import shards
+from transforms.sinks.registry import OUTPUT_FORMATS
 
 RECORDS = [
     {"id": "ref-a", "prompt": "the fox, edited", "seed": 1, "reference_images": ["refs/a.png"]},
@@ -76,7 +77,7 @@ def sink_jobs(ckpt32, loaded, xla_cache, inputs, tmp_path_factory):
     WebDataset output (the first run it needs is this very job)."""
     found = {}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        for fmt in ("files", "webdataset"):
+        for fmt in OUTPUT_FORMATS:
             out = tmp_path_factory.mktemp("sinks-out") / fmt
             result, summary = _job(fmt, inputs, out, ckpt32, xla_cache, monkeypatch)
             raised = [kind for kind, _ in fault_jobs.RAISED]

@@ -32,7 +32,7 @@ def _accepted_by_generate(gen, height, width) -> bool:
 
 def test_job_and_generate_accept_the_same_sizes(ckpt_scale4, tmp_path):
     import model
-    from pipeline.run import resolve_job
+    from pipeline.launch import resolve_job
     from transforms.inputs.readers import parse_lines
     from transforms.requests import GenerationRequest
 

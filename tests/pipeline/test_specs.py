@@ -40,7 +40,7 @@ def test_choices_are_enums_that_read_as_their_values():
     s = spec(input=["a.jsonl"], model="ckpt", image_format="webp", output_format="webdataset", dtype="float32",
              require_accelerator="tpu", input_format="csv")
     assert s.input.input_format is InputFormat.CSV and s.output.image_format is ImageFormat.WEBP
-    assert s.output.output_format is OutputFormat.WEBDATASET and s.output.webdataset
+    assert s.output.output_format is OutputFormat.WEBDATASET and s.output.output_format == "webdataset"
     assert s.model.dtype is Dtype.FLOAT32 and s.reliability.require_accelerator is Accelerator.TPU
     assert s.model.dtype == "float32" and f"{s.output.image_format}" == "webp"
     assert s.output.existing is ExistingResults.STOP
@@ -127,3 +127,13 @@ def test_the_checkpoints_size_multiple_checks_the_generation_defaults():
     load = s.load_settings("/ckpt", s.request_defaults(8))
     assert (load.model, load.dtype, load.engine.batch_size, load.precompile) == ("/ckpt", "bfloat16", 4,
                                                                                  ((24, 40, None, None),))
+
+
+def test_the_job_holds_the_spec_and_what_the_launch_resolved_not_copies_of_the_options():
+    """The graph reads the options from the spec's groups (pipeline/graph.py): the launch's JobConfig adds only what
+    it resolved (load settings, request defaults, fingerprint, ...), with no alias of an option beside them."""
+    from pipeline.launch import JobConfig
+
+    fields = {f.name for f in dataclasses.fields(JobConfig)}
+    assert "spec" in fields and not fields & {o.name for o in OPTIONS}
+    assert not [name for name, value in vars(JobConfig).items() if isinstance(value, property)]

@@ -6,7 +6,7 @@
 - `FaultyHandler`: the same, plus injected inference faults: chosen calls (or a fraction of batches) raise a
   transient error ("a bundle that fails"), and every batch of one shape bucket raises an out-of-memory-like error
   ("a bucket that never fits"). Its settings travel with the pickled handler, so they hold in every worker.
-- `install_handler(monkeypatch, cls, **kw)`: makes `pipeline.run.build_pipeline` use one of those handlers.
+- `install_handler(monkeypatch, cls, **kw)`: makes `pipeline.graph.build_pipeline` use one of those handlers.
 - `expected_png(loaded, task)`: the exact PNG bytes the job must write for an image task, computed from one
   `generate` call for that single image (so equal bytes also prove batch composition does not change pixels).
 - `fast_gcs_retries(...)`: Beam's GCS retry policy (same predicate, so the same errors are retried) with short
@@ -97,9 +97,9 @@ class FaultyHandler(CachedHandler):
 
 def install_handler(monkeypatch, cls=CachedHandler, **extra):
     """Make the job build `cls(..., **extra)` where it would build Flux2KleinModelHandler (same arguments)."""
-    import pipeline.run as run_module
+    import pipeline.graph as graph_module
 
-    original = getattr(run_module.make_handler, "original", run_module.make_handler)  # never wrap a wrapper
+    original = getattr(graph_module.make_handler, "original", graph_module.make_handler)  # never wrap a wrapper
 
     def make_handler(job):
         return original(job, handler_cls=cls, **extra)
@@ -107,9 +107,9 @@ def install_handler(monkeypatch, cls=CachedHandler, **extra):
     make_handler.original = original
 
     if monkeypatch is None:
-        run_module.make_handler = make_handler
+        graph_module.make_handler = make_handler
     else:
-        monkeypatch.setattr(run_module, "make_handler", make_handler)
+        monkeypatch.setattr(graph_module, "make_handler", make_handler)
 
 
 def load_cached(model: str, *, dtype="float32", max_sequence_length=32, batch_size=2, compilation_cache_dir=None):
@@ -124,7 +124,7 @@ _FINGERPRINTS: dict[int, str] = {}  # id(loaded generator) -> the model fingerpr
 
 
 def job_model_fingerprint(model: str, *, dtype: str, max_sequence_length: int) -> str:
-    """The model fingerprint a job loading `model` with these settings stores with its images (pipeline.run)."""
+    """The model fingerprint a job loading `model` with these settings stores with its images (pipeline.launch)."""
     from model.checkpoint import read_config_and_digest
     from model.options import DEFAULT_TEXT_ENCODER_OUT_LAYERS
     from transforms.fingerprints import model_fingerprint

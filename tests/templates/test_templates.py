@@ -392,7 +392,7 @@ def test_launcher_checks_a_launch_with_the_checkpoint_configs_alone(tiny_ckpt, t
     from apache_beam.options.pipeline_options import PipelineOptions
     from pipeline.errors import UsageError
     from pipeline.probes import CONFIGS_ONLY_ENV
-    from pipeline.run import resolve_job
+    from pipeline.launch import resolve_job
 
     configs = tmp_path / "weights"
     for path in Path(tiny_ckpt).rglob("*.json"):  # what `find -name '*.json' -exec cp --parents` copies
@@ -410,7 +410,7 @@ def test_launcher_checks_a_launch_with_the_checkpoint_configs_alone(tiny_ckpt, t
     assert f"--model={configs}" in argv and environ[template_main.CONFIGS_ONLY_ENV] == str(configs)
     monkeypatch.setenv(CONFIGS_ONLY_ENV, environ[template_main.CONFIGS_ONLY_ENV])
     job = resolve_job(PipelineOptions(argv))
-    assert job.model == str(configs)
+    assert job.load.model == str(configs)
 
 
 def test_dockerfile_hadolint():
@@ -1043,7 +1043,8 @@ def test_settings_give_the_worker_its_environment(name, dataflow_bucket, monkeyp
     """The model handler that each settings file's job builds sets the settings' variables on a worker before the
     model loads (Beam's RunInference calls set_environment_vars in setup), and requires the accelerator."""
     from apache_beam.options.pipeline_options import PipelineOptions
-    from pipeline.run import make_handler, resolve_job
+    from pipeline.graph import make_handler
+    from pipeline.launch import resolve_job
 
     argv = [*dataflow_argv(dataflow_bucket, name), f"--input=gs://{dataflow_bucket}/prompts/*.jsonl",
             f"--output=gs://{dataflow_bucket}/out/{name}", f"--model=gs://{dataflow_bucket}/models/FLUX.2-klein-4B"]

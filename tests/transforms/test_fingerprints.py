@@ -156,7 +156,7 @@ def test_rows_and_image_text_carry_the_fingerprints():
 def test_job_config_carries_the_model_fingerprint(tiny_ckpt, tmp_path):
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from pipeline.run import resolve_job
+    from pipeline.launch import resolve_job
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from transforms import layout, shards, sinks
+from transforms import layout, shards
 from transforms.checksums import crc32c
 from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.inference import GeneratedImage
 from transforms.requests import GenerationRequest, ImageTask
-from transforms.sinks import writes
+from transforms.sinks import base as sinks, writes
 from transforms.sinks.encoding import ImageEncoding, encode_png, png_text
 from transforms.sinks.existing import SkipExisting, existing_manifest_row
-from transforms.sinks.webdataset import staged_path, staging_dir
+from transforms.sinks.webdataset import WebDatasetSink, staged_path, staging_dir
 from transforms.sinks.writes import write_bytes_atomic
 
 MODEL = model_fingerprint("ckpt", dtype="float32", max_sequence_length=64)
@@ -238,7 +238,7 @@ def _wds(out: str, tasks, skip_existing: bool, model_fp=MODEL, per_shard=4) -> d
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="wds-")
-    sink = sinks.WebDatasetSink(sinks.SinkSettings(out, ImageEncoding(), model_fp, skip_existing, 1), per_shard)
+    sink = WebDatasetSink(sinks.SinkSettings(out, ImageEncoding(), model_fp, skip_existing, 1), per_shard)
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
         planned = dict(p | beam.Create(tasks) | sink.plan())
         todo = planned.pop(sinks.TASKS)

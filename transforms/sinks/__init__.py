@@ -1,5 +1,6 @@
 """Where a job's generated images go: one sink per --output_format, behind one interface (base.Sink).
 
+    registry.py    the output formats: one row per sink (its --output_format value, what it writes, its class)
     base.py        the Sink interface (plan before generation, expand after it), its settings and the keys of the
                    collections it receives and returns
     files.py       --output_format files: one object per image, metadata.jsonl
@@ -9,8 +10,6 @@
     existing.py    what an output already holds (--skip_existing): images checked against their tasks
 
 Every sink's manifest rows come from the one builder, `transforms.layout.manifest_row`.
-"""
 
-from .base import DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, STALE, TASKS, Sink, SinkSettings  # noqa: F401
-from .files import FilesSink  # noqa: F401
-from .webdataset import WebDatasetSink  # noqa: F401
+Nothing is imported here, so that a Beam-free module (such as `registry`, which the option table reads) stays so.
+"""

@@ -51,15 +51,29 @@ class SinkSettings:
 
 
 class Sink(beam.PTransform):
-    """Generated images -> stored, with their manifest rows. Subclasses set `output_format` (the --output_format
-    that selects them), implement `expand` (see the module docstring for what it receives and returns) and, if
-    the output can already hold images or the tasks need placing first, `plan`."""
-
-    output_format: str = ""
+    """Generated images -> stored, with their manifest rows. Subclasses implement `expand` (see the module docstring
+    for what it receives and returns), `images_where` and, if the output can already hold images or the tasks need
+    placing first, `plan`; a row of transforms/sinks/registry.py names the --output_format that selects them."""
 
     def __init__(self, settings: SinkSettings):
         super().__init__()
         self.settings = settings
+
+    @classmethod
+    def from_options(cls, settings: SinkSettings, output) -> "Sink":
+        """The sink for the job's output options (`output`: the --output_format group's values as attributes, e.g.
+        pipeline/specs.py's OutputSpec); a sink with options of its own reads them here."""
+        return cls(settings)
+
+    @classmethod
+    def images_where(cls, output: str) -> str:
+        """Where this sink's images are under `output`, as the job's closing lines name them."""
+        raise NotImplementedError
+
+    @classmethod
+    def manifest_note(cls, output: str) -> str:
+        """What the closing lines add after the manifest's location: the sink's own index of the images ("": none)."""
+        return ""
 
     def plan(self) -> beam.PTransform:
         """Tasks -> {TASKS: those to generate, EXISTING: manifest rows of images already there, STALE: names of

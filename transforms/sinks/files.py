@@ -36,7 +36,13 @@ class FilesSink(Sink):
     already there that were made for the same request and model (SkipExisting). `metadata.jsonl` lists every image
     of the output once all are written."""
 
-    output_format = "files"
+    @classmethod
+    def images_where(cls, output: str) -> str:
+        return layout.join(output, layout.IMAGES_DIR + "/")
+
+    @classmethod
+    def manifest_note(cls, output: str) -> str:
+        return f" (and {layout.metadata_path(output)} for Hugging Face imagefolder)"
 
     def plan(self) -> beam.PTransform:
         s = self.settings

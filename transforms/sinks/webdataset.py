@@ -509,11 +509,17 @@ class WriteShardIndexes(beam.PTransform):
 class WebDatasetSink(Sink):
     """Generated images -> tar shards of `samples_per_shard` samples, with sidecars, markers and indexes."""
 
-    output_format = "webdataset"
-
     def __init__(self, settings: SinkSettings, samples_per_shard: int = shards.DEFAULT_SAMPLES_PER_SHARD):
         super().__init__(settings)
         self.samples_per_shard = shards.check_samples_per_shard(samples_per_shard)
+
+    @classmethod
+    def from_options(cls, settings: SinkSettings, output) -> "WebDatasetSink":
+        return cls(settings, output.samples_per_shard)  # --samples_per_shard
+
+    @classmethod
+    def images_where(cls, output: str) -> str:
+        return layout.join(output, f"{shards.SHARDS_DIR}/*.tar")
 
     def plan(self) -> beam.PTransform:
         return PlanShards(self.settings, self.samples_per_shard)
