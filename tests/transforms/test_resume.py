@@ -102,6 +102,7 @@ def _skip(out: str, tasks, model_fp=MODEL):
         with open(os.path.join(folder, name), "rb") as f:
             got[name] = pickle.load(f)
     got["tasks"] = sorted(t.file_name for t in got["tasks"])
+    got["stale"] = sorted(got["stale"])  # a PCollection has no order
     return got
 
 
