@@ -47,8 +47,6 @@ def parse_args(argv=None):
                     "LOADING_SWITCH_INTERVAL_S; default the library's; 5 = Python's own, as before)")
     ap.add_argument("--runtime-first", action="store_true", help="start the accelerator runtime before the load, "
                     "not beside its preparations (as before model.runtime.start_runtime)")
-    ap.add_argument("--lab", action="append", default=[], metavar="NAME=VALUE",
-                    help="a model.lab.LabSwitches field for the runs, e.g. layers_traced_once=true (repeatable)")
     ap.add_argument("--keep-caches", default=None, metavar="DIR", help="put the runs' caches in DIR (emptied "
                     "first) and leave them there, for a later warm run or a profile")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -97,7 +95,7 @@ def child(args) -> dict:
     precompile = () if args.no_precompile else ((args.height, args.width, None, None),)
     gen = model.load(LoadSettings(model=path, dtype=args.dtype, max_sequence_length=args.max_sequence_length,
                                   engine=EngineOptions(batch_size=1, compilation_cache_dir=args.cache),
-                                  precompile=precompile), lab=lab_switches(args.lab))
+                                  precompile=precompile))
     out["load_s"] = time.perf_counter() - start
     out["backend"] = jax.default_backend()
     from model.runtime import PREMAPPED_BUFFER_ENV
@@ -126,17 +124,6 @@ def child(args) -> dict:
     return out
 
 
-def lab_switches(pairs: list[str]):
-    """`--lab NAME=VALUE` pairs as model.lab.LabSwitches."""
-    from model.lab import LAB_FIELDS, LabSwitches, parse_overrides
-
-    values = parse_overrides(pairs)
-    unknown = sorted(set(values) - LAB_FIELDS)
-    if unknown:
-        raise SystemExit(f"--lab: no switch named {', '.join(unknown)}; choose one of {sorted(LAB_FIELDS)}")
-    return LabSwitches(**values)
-
-
 def _rss_gb() -> float | None:
     """This process's resident memory in GB (None off Linux)."""
     from .runs import host_memory_mb
@@ -150,7 +137,6 @@ def run_child(args, cache: str, checkpoint_cache: str) -> dict:
            f"--checkpoint-cache={checkpoint_cache}", f"--height={args.height}", f"--width={args.width}",
            f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}",
            *(["--no-precompile"] if args.no_precompile else []), *(["--runtime-first"] if args.runtime_first else []),
-           *(f"--lab={pair}" for pair in args.lab),
            *([f"--gil-switch-ms={args.gil_switch_ms}"] if args.gil_switch_ms is not None else [])]
     env = dict(os.environ, STARTUP_T0=repr(time.time()))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -171,7 +157,6 @@ def main(argv=None) -> dict:
         return {}
     from . import presets
 
-    lab_switches(args.lab)  # a wrong --lab fails here, before any run
     if args.model is None:
         args.model = presets.ensure_checkpoint(args.preset)
     if args.max_sequence_length is None:
@@ -215,7 +200,7 @@ def main(argv=None) -> dict:
     # the runtime's and compiler's settings the runs inherited (e.g. TPU_PREMAPPED_BUFFER_SIZE, XLA_FLAGS)
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TPU_", "LIBTPU_", "XLA_", "JAX_"))}
     result = {"model": args.model, "height": args.height, "width": args.width, "dtype": args.dtype,
-              "precompile": not args.no_precompile, "runtime_first": args.runtime_first, "lab": args.lab,
+              "precompile": not args.no_precompile, "runtime_first": args.runtime_first,
               "environment": settings,
               "backend": runs["cold"]["backend"], **runs}
     print(json.dumps(result))
