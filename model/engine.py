@@ -280,16 +280,6 @@ class CompiledPrograms:
                 return tuple(self.threads.wrap(name, fn) for name, fn in zip(PROGRAMS, one))
             return self._compiled.get(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
 
-    def adopt(self, other: "CompiledPrograms") -> None:
-        """Take the programs `other` compiled (e.g. from shapes, while the weights loaded) as this engine's own: the
-        same mesh, options and parameter shardings make the same executables."""
-        with self._lock:
-            for bucket in other._compiled:
-                if bucket not in self._compiled:
-                    self._compiled.put(bucket, other._compiled[bucket])
-            self.build_seconds.update(other.build_seconds)
-            self.compile_count += other.compile_count
-
     def lower(self, b: Bucket, in_channels, joint_dim, head_dim, *, fused: bool):
         """[encode, denoise, decode] lowered for the bucket's shapes; denoise is the whole loop when `fused`, else
         one step."""

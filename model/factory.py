@@ -1,7 +1,7 @@
 """The one recipe for a checkpoint's networks and for the programs that run them on a mesh.
 
 `Networks` builds the text encoder, transformer and VAE a config describes, as shapes only (nnx.eval_shape): as the
-programs run them (for the loader to fill, the precompiler and the preflight to compile) or whole (every tensor a
+programs run them (for the loader to fill and the preflight to compile) or whole (every tensor a
 complete checkpoint holds). `build_programs` makes the generator's compiled programs for a mesh from concrete or
 abstract modules; `model.load` (through the generator) and the preflight (model.aot) both call it.
 """

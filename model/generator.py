@@ -10,11 +10,9 @@ these methods, and read XLA's cost analysis of a bucket's programs through `lowe
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from . import contract, shard_layout
 from . import scheduler as sched
@@ -40,7 +37,7 @@ from .reference_encoder import ReferenceEncoder
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
 from .runtime import start_runtime
 from .sharding import placement
-from .tokenizer import PromptTokenizer, TokenizerShape
+from .tokenizer import PromptTokenizer
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
 from .weights import (ComponentLoad, LoadTimes, load_component, load_components,
                       release_host_memory, validate_component)
@@ -70,38 +67,6 @@ def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
     elif engine_overrides:
         settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
     return _load(settings, lab)
-
-
-# Where LoadSettings.precompile runs during the load; elsewhere the programs compile on first use, after it. On a CPU
-# the programs would compile on the very cores that lay out the weights; on a TPU host the precompile's lowering,
-# Python like the loading threads' steps, made the start slower, not faster (docs/performance.md). GPUs: unmeasured.
-PRECOMPILE_PLATFORMS = ("gpu",)
-
-
-# Python's GIL switch interval while a precompile traces the model beside the loading threads. At the default 5 ms
-# a loading thread that needs the GIL (after each read, transfer or transpose) may wait 5 ms for the tracing thread;
-# at 0.25 ms most of that wait is gone (docs/performance.md).
-LOADING_SWITCH_INTERVAL_S = 0.00025
-_switching_lock = threading.Lock()
-_switching = {"users": 0, "before": None}
-
-
-@contextlib.contextmanager
-def fine_gil_switching():
-    """The process's GIL switch interval at most LOADING_SWITCH_INTERVAL_S inside; the first load to enter saves
-    the interval and the last to leave restores it (loads may overlap in a worker's threads)."""
-    with _switching_lock:
-        if _switching["users"] == 0:
-            _switching["before"] = sys.getswitchinterval()
-        _switching["users"] += 1
-        sys.setswitchinterval(min(_switching["before"], LOADING_SWITCH_INTERVAL_S))
-    try:
-        yield
-    finally:
-        with _switching_lock:
-            _switching["users"] -= 1
-            if _switching["users"] == 0:
-                sys.setswitchinterval(_switching["before"])
 
 
 _TOKENIZER_LOADER = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
@@ -135,7 +100,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     tokenizing = _TOKENIZER_LOADER.submit(load_tokenizer, os.path.join(root, "tokenizer"),
                                           settings.max_sequence_length, te_cfg.vocab_size)
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
-    # The modules the programs run, as shapes: filled here, and copied for the precompiler.
+    # The modules the programs run, as shapes, for the loader to fill.
     networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab, options.quantize)
     run_te, transformer_abs, run_vae = networks.run_modules()
     stored = networks.stored_tensors(transformer_abs)
@@ -157,37 +122,18 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     step("runtime_wait")
     mesh = make_mesh(options)
 
-    def make_generator(tokenizer, text_encoder, transformer, vae, **kw):
-        return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
-                                   options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh, **kw)
-
-    # Where PRECOMPILE_PLATFORMS says (GPUs), the programs of the shapes asked for compile from the modules' shapes on
-    # another thread while the weights load (reading is bound by the disk, compiling by the host's cores).
-    precompiling = None
-    precompile_now = settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
     loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_layout.stored_to_layout(module))
              for (name, module, exp, opt), f in zip(components, files)]
-    with fine_gil_switching() if precompile_now else contextlib.nullcontext():
-        if precompile_now:
-            # The precompiler gets copies of the modules the load fills (made here, so no thread reads a module
-            # while another copies it): copying the shapes is much faster than making them again beside the load
-            # (docs/performance.md).
-            modules = tuple(nnx.clone(m) for m in (run_te, transformer_abs, run_vae))
-            pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
-            shape = TokenizerShape(settings.max_sequence_length)  # LoadSettings checked it
-            precompiling = pool.submit(_precompile, settings.precompile,
-                                       lambda: make_generator(shape, *modules, abstract=True))
-            pool.shutdown(wait=False)  # the thread ends with its one task
-        step("mesh_and_precompile_start")
+    step("mesh")
 
-        # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime
-        # had started); a broken one stops the loading threads as soon as it has failed. The device transposes the
-        # weights need compile first (model.weights.load_components), before any other program takes the compiler.
-        times, placing = LoadTimes(), time.perf_counter()
-        text_encoder, transformer, vae = load_components(
-            loads, placement=placement(mesh), times=times,
-            should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
+    # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime had
+    # started); a broken one stops the loading threads as soon as it has failed. The device transposes the weights
+    # need compile first (model.weights.load_components), before any other program takes the compiler.
+    times, placing = LoadTimes(), time.perf_counter()
+    text_encoder, transformer, vae = load_components(
+        loads, placement=placement(mesh), times=times,
+        should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
     placed = time.perf_counter()
     tokenizer = tokenizing.result()  # its CheckpointError, if it failed after the last tensor was read
     finishing = time.perf_counter()
@@ -209,21 +155,11 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                 time.perf_counter() - start, load_phases["tensors"], load_phases["bytes"] / 1e9, load_phases["wall_s"],
                 load_phases["read_s"], load_phases["host_layout_s"], load_phases["transfer_s"],
                 load_phases["device_layout_s"])
-    generator = make_generator(tokenizer, text_encoder, transformer, vae, vae_encoder_loader=load_vae_encoder)
+    generator = Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
+                                    options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh,
+                                    vae_encoder_loader=load_vae_encoder)
     generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
-    waited = time.perf_counter()
-    load_phases["finish_s"] = waited - finishing  # host memory returned, the generator made
-    if precompiling is not None:
-        compiled, made_s = precompiling.result()
-        if compiled is not None:
-            generator.programs.adopt(compiled)
-            # where the precompile went: making the abstract generator, then per program (summed over the shapes)
-            built = collections.Counter({"make": made_s})
-            for seconds in compiled.build_seconds.values():
-                built.update(seconds)
-            load_phases["precompile_steps_s"] = {name: round(v, 3) for name, v in built.items()}
-        logger.info("waited %.1f s after loading for the programs compiled meanwhile", time.perf_counter() - waited)
-    load_phases["precompile_wait_s"] = time.perf_counter() - waited
+    load_phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
     return generator
 
 
@@ -236,29 +172,6 @@ def load_tokenizer(folder: str, max_length: int, vocab_size: int) -> PromptToken
                               f"table only {vocab_size} rows (vocab_size): tokenizer and text encoder do not belong "
                               f"together", path=folder)
     return tokenizer
-
-
-def _precompile(shapes, make_abstract_generator):
-    """(the programs of `shapes` (LoadSettings.precompile) compiled from shapes alone, or None if that failed (the
-    generator then compiles on first use, as without precompiling); seconds making the abstract generator)."""
-    made_s = 0.0
-    try:
-        start = time.perf_counter()
-        gen = make_abstract_generator()
-        made_s = time.perf_counter() - start
-        for height, width, steps, guidance in shapes:
-            try:
-                inputs = gen.check_inputs(["precompile"], [0], height, width, num_inference_steps=steps,
-                                          guidance_scale=guidance)
-            except ValueError as e:
-                logger.warning("not precompiling %dx%d: %s", height, width, e)
-                continue
-            gen.plan_bucket(inputs)
-        logger.info("precompiled %d shape(s) in %.1f s while loading", len(shapes), time.perf_counter() - start)
-        return gen.programs, made_s
-    except Exception:  # noqa: BLE001 - an optimisation: the generator compiles on first use instead
-        logger.warning("precompiling while loading failed; the programs compile on first use", exc_info=True)
-        return None, made_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,10 +244,9 @@ class Flux2KleinGenerator:
 
     def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
                  dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches(),
-                 vae_encoder_loader=None, abstract: bool = False, mesh=None):
+                 vae_encoder_loader=None, mesh=None):
         """`vae_encoder_loader()`: the concrete `Flux2VAEEncoder`, called on the first image-conditioned call (None:
-        reference images are refused). `abstract`: the modules hold shapes only, and the generator only compiles
-        (`plan_bucket`); it never generates. `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
+        reference images are refused). `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
         self.config = config
         self.tokenizer = tokenizer
         self.load_phases: dict = {}  # model.load's weight-loading phases (model.weights.LoadTimes, plus wall_s)
@@ -351,7 +263,7 @@ class Flux2KleinGenerator:
         self.limits = contract.Limits(size_multiple=config.size_multiple)
         self.mesh = make_mesh(options) if mesh is None else mesh
         self.programs = build_programs((text_encoder, transformer, vae), dtype=dtype, mesh=self.mesh, options=options,
-                                       text_len=tokenizer.max_length, lab=lab, abstract=abstract)
+                                       text_len=tokenizer.max_length, lab=lab)
         # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (
             LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0

@@ -97,26 +97,12 @@ class LoadSettings:
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     cache_dir: str | None = None       # local cache for copies of gs:// checkpoints
     engine: EngineOptions = EngineOptions()
-    # Text-to-image shapes compiled while the weights load (compiling needs only their shapes), as (height, width,
-    # num_inference_steps or None, guidance_scale or None; None = the checkpoint's default): a worker's first batch
-    # of that shape then waits for neither. Only on the platforms of model.generator.PRECOMPILE_PLATFORMS (GPUs);
-    # elsewhere the programs compile on first use. A shape `generate` would refuse is skipped with a warning.
-    precompile: tuple[tuple[int, int, int | None, float | None], ...] = ()
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         validate_variant(self.variant)
         count("max_sequence_length", self.max_sequence_length)
-        shapes = []
-        for shape in self.precompile:
-            if not isinstance(shape, (tuple, list)) or not 2 <= len(shape) <= 4:
-                raise ValueError(f"precompile takes (height, width[, steps[, guidance]]) tuples, got {shape!r}")
-            h, w, steps, guidance = (*shape, None, None)[:4]
-            shapes.append((count("precompile height", h), count("precompile width", w),
-                           None if steps is None else count("precompile steps", steps),
-                           None if guidance is None else float(guidance)))
-        object.__setattr__(self, "precompile", tuple(shapes))
         object.__setattr__(self, "model", str(self.model))
         object.__setattr__(self, "text_encoder_out_layers", tuple(int(k) for k in self.text_encoder_out_layers))
 

@@ -119,7 +119,6 @@ def off_by_default() -> set[str]:
 
 ON = {"on": True, "off": False}
 PASSES = {"one": True, "two": False, "one pass": True, "two passes": False}  # GroupNorm's one_pass
-PLATFORMS = {"GPUs": ("gpu",), "TPUs": ("tpu",), "CPUs": ("cpu",)}
 KERNELS = {"block-wise online softmax": "blocked", "cuDNN": "cudnn", "XLA": "xla", "Pallas splash kernel": "splash",
            "blocked": "blocked", "xla": "xla", "splash": "splash"}
 
@@ -178,13 +177,6 @@ DOCUMENTED = [
     Documented("EngineOptions.concurrent_images's None",
                field_comment("model.options:EngineOptions", "concurrent_images"),
                r"None = (\d+) where `per_image` applies on CPU", lambda m: int(m[1]), cpu_concurrent_images),
-    Documented("LoadSettings.precompile's platforms", field_comment("model.options:LoadSettings", "precompile"),
-               r"PRECOMPILE_PLATFORMS \((\w+)\)", lambda m: PLATFORMS[m[1]],
-               imported("model.generator:PRECOMPILE_PLATFORMS")),
-    Documented("JobSpec.load_settings: compiled while loading on GPUs only",
-               docstring("pipeline.specs:JobSpec.load_settings"),
-               r"while the weights load, which happens on (\w+) only", lambda m: PLATFORMS[m[1]],
-               imported("model.generator:PRECOMPILE_PLATFORMS")),
     Documented("developers.md: the premapped transfer buffer", repo_file("docs/developers.md"),
                r"a (\d+) GiB premapped transfer buffer", lambda m: int(m[1]) << 30,
                imported("model.runtime:DEFAULT_PREMAPPED_BUFFER_BYTES")),
