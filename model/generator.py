@@ -27,7 +27,6 @@ from .config import PipelineConfig
 from .engine import DecodedBatch, enable_compilation_cache
 from .errors import CheckpointError, NonFiniteImageError, RequestError
 from .factory import COMPONENT_FOLDERS, DTYPES, Networks, build_programs, check_text_width
-from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
 from .mesh import data_replicas, make_mesh, model_shards
 from .noise import initial_noise
@@ -48,31 +47,28 @@ logger = logging.getLogger(__name__)
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         lab: LabSwitches | None = None, cache_dir: str | None = None, variant: str | None = None,
-         **overrides) -> "Flux2KleinGenerator":
+         cache_dir: str | None = None, variant: str | None = None, **engine_overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
     layout) in `dtype` and prepare it for generation.
 
     `settings` is a `LoadSettings` (as the job passes it), or the checkpoint's path with the other arguments.
     `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
     `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
-    others. The weights are cast to `dtype` whatever the files hold. `overrides` name fields of
-    `EngineOptions` (deployment) or of `model.lab.LabSwitches` (benchmarks and tests)."""
-    engine_overrides, lab_overrides = split_overrides(overrides)
-    lab = dataclasses.replace(lab or LabSwitches(), **lab_overrides)
+    others. The weights are cast to `dtype` whatever the files hold. `engine_overrides` name fields of
+    `EngineOptions`."""
     if not isinstance(settings, LoadSettings):
         settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
                                        batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
                                        options=options, cache_dir=cache_dir, variant=variant, **engine_overrides)
     elif engine_overrides:
         settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
-    return _load(settings, lab)
+    return _load(settings)
 
 
 _TOKENIZER_LOADER = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
 
 
-def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
+def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
     options, variant = settings.engine, settings.variant
     enable_compilation_cache(options.compilation_cache_dir)
     runtime = start_runtime()  # beside the preparations below, none of which needs a device
@@ -101,7 +97,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                                           settings.max_sequence_length, te_cfg.vocab_size)
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
     # The modules the programs run, as shapes, for the loader to fill.
-    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab, options.quantize)
+    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, options.quantize)
     run_te, transformer_abs, run_vae = networks.run_modules()
     stored = networks.stored_tensors(transformer_abs)
     # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
@@ -156,7 +152,7 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                 load_phases["read_s"], load_phases["host_layout_s"], load_phases["transfer_s"],
                 load_phases["device_layout_s"])
     generator = Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
-                                    options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh,
+                                    options=options, model_id=settings.model, root=root, mesh=mesh,
                                     vae_encoder_loader=load_vae_encoder)
     generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
     load_phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
@@ -243,8 +239,7 @@ class Flux2KleinGenerator:
     """A loaded FLUX.2 [klein] model: text encoder, transformer, VAE decoder, scheduler and tokenizer."""
 
     def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
-                 dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches(),
-                 vae_encoder_loader=None, mesh=None):
+                 dtype: str, options: EngineOptions, model_id: str, root: str, vae_encoder_loader=None, mesh=None):
         """`vae_encoder_loader()`: the concrete `Flux2VAEEncoder`, called on the first image-conditioned call (None:
         reference images are refused). `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
         self.config = config
@@ -252,7 +247,6 @@ class Flux2KleinGenerator:
         self.load_phases: dict = {}  # model.load's weight-loading phases (model.weights.LoadTimes, plus wall_s)
         self.dtype = dtype
         self.options = options
-        self.lab = lab
         self.model_id = model_id
         self.root = root
         self.max_sequence_length = tokenizer.max_length
@@ -263,7 +257,7 @@ class Flux2KleinGenerator:
         self.limits = contract.Limits(size_multiple=config.size_multiple)
         self.mesh = make_mesh(options) if mesh is None else mesh
         self.programs = build_programs((text_encoder, transformer, vae), dtype=dtype, mesh=self.mesh, options=options,
-                                       text_len=tokenizer.max_length, lab=lab)
+                                       text_len=tokenizer.max_length)
         # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (
             LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0
@@ -376,10 +370,8 @@ class Flux2KleinGenerator:
     def tokenize(self, prompts: list[str], plan: BucketPlan):
         """(token ids, attention masks) of at most one batch of prompts on the devices, padded with empty prompts to
         the bucket's batch unless the programs take any number of rows, and whether each prompt was truncated."""
-        tokenizer = self.tokenizer if not self.lab.reference else PromptTokenizer(  # reference: made per call
-            os.path.join(self.root, "tokenizer"), self.max_sequence_length)
         pad = 0 if self.programs.any_batch else plan.batch - len(prompts)
-        tok = tokenizer(list(prompts) + [""] * pad)
+        tok = self.tokenizer(list(prompts) + [""] * pad)
         ids = jax.device_put(tok.input_ids, self.programs.batched)
         mask = jax.device_put(tok.attention_mask, self.programs.batched)
         return ids, mask, tuple(bool(t) for t in tok.truncated[:len(prompts)])
@@ -392,9 +384,9 @@ class Flux2KleinGenerator:
         """(text embeddings [len(prompts), L, J] on the devices, truncated flags per prompt); unique prompts encoded
         once (de-duplication), recent ones taken from the embedding cache."""
         batch = plan.batch
-        unique = list(dict.fromkeys(prompts)) if self.lab.dedupe_prompts else list(prompts)
+        unique = list(dict.fromkeys(prompts))
         cache = self._embed_cache
-        todo = [p for p in unique if cache is None or p not in cache]  # `unique` is de-duplicated only if asked
+        todo = [p for p in unique if cache is None or p not in cache]
         fresh = {}
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
@@ -440,16 +432,10 @@ class Flux2KleinGenerator:
         return tokens
 
     def denoise(self, latents, txt, neg, plan: BucketPlan, refs=None):
-        """Every denoising step: one fused program, or (reference and the fused_loop ablation) one call per step.
-        `refs`: the reference tokens of image-conditioned calls (`reference_tokens`), else None."""
-        if self.lab.fused:
-            return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, plan.sigmas, plan.timesteps,
-                                   plan.cos, plan.sin, plan.guidance)
-        sig_host, ts_host = np.asarray(plan.sigmas), np.asarray(plan.timesteps)
-        for i in range(plan.bucket.steps):
-            latents = plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, sig_host[i], sig_host[i + 1],
-                                      ts_host[i], plan.cos, plan.sin, plan.guidance)
-        return latents
+        """Every denoising step, in one program (a lax.scan over the steps). `refs`: the reference tokens of
+        image-conditioned calls (`reference_tokens`), else None."""
+        return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, plan.sigmas, plan.timesteps,
+                               plan.cos, plan.sin, plan.guidance)
 
     def velocity(self, latents, txt, neg, plan: BucketPlan, step: int, refs=None):
         """The velocity the denoising loop takes at `step` from `latents` (for drift measures: benchmarks.drift)."""
@@ -457,25 +443,20 @@ class Flux2KleinGenerator:
                                       plan.cos, plan.sin, plan.guidance)
 
     def decode(self, latents, plan: BucketPlan) -> DecodedBatch:
-        """Pixels on the devices, uint8 [B, H, W, 3] (float in [-1, 1] with the device_uint8 ablation), with each
-        image's share of non-finite values (`DecodedBatch`)."""
+        """Pixels on the devices, uint8 [B, H, W, 3], with each image's share of non-finite values
+        (`DecodedBatch`)."""
         b = plan.bucket
-        return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w, self.lab.device_uint8)
+        return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w)
 
-    def lower(self, plan: BucketPlan, fused: bool | None = None):
+    def lower(self, plan: BucketPlan):
         """The bucket's (encode, denoise, decode) programs lowered for its shapes, not compiled (jax.stages.Lowered:
-        HLO, XLA's cost analysis). Denoise is the whole loop when `fused`, else one step; default: as this generator
-        runs it."""
+        HLO, XLA's cost analysis); denoise is the whole loop."""
         tr = self.config.transformer
-        return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim,
-                                   fused=self.lab.fused if fused is None else fused)
+        return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
 
     def to_host(self, decoded: DecodedBatch, real: int) -> np.ndarray:
-        """The first `real` images as host uint8 (converted on the host as diffusers does when they are floats)."""
-        host = np.asarray(jax.device_get(decoded.pixels))[:real]
-        if host.dtype != np.uint8:  # reference path: convert on the host like diffusers' postprocess
-            host = np.round(np.clip(host / 2 + 0.5, 0.0, 1.0) * 255.0).astype(np.uint8)
-        return host
+        """The first `real` images as host uint8."""
+        return np.asarray(jax.device_get(decoded.pixels))[:real]
 
     @staticmethod
     def nonfinite(decoded: DecodedBatch, real: int) -> list[NonFinite | None]:
@@ -550,16 +531,12 @@ class Flux2KleinGenerator:
             refs = (self.reference_tokens(inputs.references[start:start + plan.batch], plan, pad, reference_cache)
                     if inputs.references else None)
             pixels = self.decode(self.denoise(latents, txt, neg, plan, refs), plan)
-            # Dispatch is asynchronous: with overlap on, the previous batch's pixels are copied to the host (and
-            # the next batch tokenized) while the device works on this one.
+            # Dispatch is asynchronous: the previous batch's pixels are copied to the host (and the next batch
+            # tokenized) while the device works on this one.
             if pending is not None:
                 outputs.append(self.to_host(*pending))
                 nonfinite.extend(self.nonfinite(*pending))
             pending = (pixels, real)
-            if not self.lab.overlap_host:
-                outputs.append(self.to_host(*pending))
-                nonfinite.extend(self.nonfinite(*pending))
-                pending = None
         if pending is not None:
             outputs.append(self.to_host(*pending))
             nonfinite.extend(self.nonfinite(*pending))

@@ -2,7 +2,8 @@
 
 `LoadSettings` goes unchanged from the job's options (pipeline) through the RunInference handler (transforms) to
 `model.load`; every value is checked when the object is made, so a bad option fails at launch, not on a worker.
-JAX-free, like `model.contract`. The switches that only benchmarks and tests turn off live in `model.lab`.
+JAX-free, like `model.contract`. How the programs compute on each platform is not an option: model.platform_forms
+picks it from the platform.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The fast path: every EngineOptions switch gives the default's images, no compilation in steady state, prompt
-de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices (the benchmark's tools: in
-tests/benchmarks/test_benchmarks.py)."""
+de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices."""
 
 from __future__ import annotations
 
@@ -87,16 +86,12 @@ def restore_compilation_cache():
 
 # ------------------------------------------------------------------------------------------------ every switch
 
-# Each EngineOptions and LabSwitches field -> the options that turn it off (or change it) for the equality test.
+# Each EngineOptions field -> the options that turn it off (or change it) for the equality test. How the programs
+# compute on each platform is not an option (model.platform_forms): tests/model/test_model_parity.py checks each form
+# against diffusers, test_heads_kernel.py the TPU heads kernel (interpreted), tests/pipeline/test_preflight.py and
+# tests/tpu their use on TPUs.
 SWITCHES = {
-    "reference": "reference_mode",
-    "fused_loop": dict(fused_loop=False),
-    "truncated_encoder": dict(truncated_encoder=False),
-    "device_uint8": dict(device_uint8=False),
-    "dedupe_prompts": dict(dedupe_prompts=False),
     "embed_cache_size": dict(embed_cache_size=0),
-    "aot_compile": dict(aot_compile=False),
-    "overlap_host": dict(overlap_host=False, batch_size=2),  # two batches, so there is something to overlap
     "attention": dict(attention="dot"),
     "text_encoder_attention": dict(text_encoder_attention="dot"),
     "data_parallel": dict(data_parallel=False),
@@ -108,20 +103,11 @@ SWITCHES = {
     "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA's defaults (YNNPACK)
     "per_image": dict(per_image=False),  # batched programs
     "concurrent_images": dict(concurrent_images=1),  # a batch's images one after the other (lax.map)
-    "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
-    "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
-    "tpu_upsample": dict(tpu_upsample="plain"),  # a TPU form: CPU runs "phases" whatever it says
-    "vae_splash": dict(vae_splash="tpu"),  # a TPU kernel, off by default: CPU runs XLA's attention whatever it says
-    "vae_one_pass_norm": dict(vae_one_pass_norm=False),  # the VAE's GroupNorms centre first (two passes)
-    "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
-    "heads_kernel": dict(heads_kernel="off"),  # a TPU kernel: tests/model/test_heads_kernel.py runs it interpreted
-    "layers_traced_once": dict(layers_traced_once=False),  # each layer traced where it is called, as inline code
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
 }
 
 # Switches that change the images on purpose, and the test that bounds how much.
 CHANGES_IMAGES = {"quantize": "tests/model/test_quantize.py (int8 within the drift bounds of bf16)"}
-
 
 
 def test_splash_kernel_gives_default_images(tiny_ckpt, default_images):
@@ -132,11 +118,11 @@ def test_splash_kernel_gives_default_images(tiny_ckpt, default_images):
     gen = model.load(tiny_ckpt, options=EngineOptions(attention="splash", text_encoder_attention="splash"), **KW)
     assert max_diff(gen.generate(PROMPTS, SEEDS, **SIZE), default_images) <= 1
 
+
 def _switch_fields():
-    from model.lab import LabSwitches
     from model.options import EngineOptions
 
-    return {f.name for f in dataclasses.fields(EngineOptions) + dataclasses.fields(LabSwitches)}
+    return {f.name for f in dataclasses.fields(EngineOptions)}
 
 
 def test_every_switch_is_covered():
@@ -147,27 +133,19 @@ def test_every_switch_is_covered():
 
 # The slowest switches, each covered elsewhere, run with -m slow (CI time): context_parallel by the four-device test,
 # compilation_cache_dir by tests/pipeline/test_compile_cache.py; per_image, concurrent_images and cpu_compiler_options
-# are lab forms of the same programs that no default path takes. The TPU forms change nothing on CPU (the same
-# programs as the default): their math is checked by tests/model/test_model_parity.py (RoPE forms, upsample forms) and
-# test_heads_kernel.py (interpreted), their use on TPUs by tests/pipeline/test_preflight.py and tests/tpu. The VAE's
-# two-pass GroupNorm is the reference mode's (test_reference_mode_equals_default*), both forms checked against
-# diffusers by test_model_parity.py.
-SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options",
-                 "tpu_rope", "heads_kernel", "tpu_upsample", "vae_splash", "vae_one_pass_norm"}
+# are other forms of the same programs that no default path takes.
+SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options"}
 
 
 @pytest.mark.parametrize("switch", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SWITCHES else s
                                     for s in sorted(SWITCHES)])
 def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path, restore_compilation_cache):
     import model
-    from model.lab import reference_mode
 
     if switch not in _switch_fields():
         pytest.skip(f"EngineOptions has no {switch!r} switch")
     change = SWITCHES[switch]
-    if change == "reference_mode":
-        options = reference_mode()
-    elif change == "tmp_cache_dir":
+    if change == "tmp_cache_dir":
         options = dict(compilation_cache_dir=str(tmp_path / "xla-cache"))
     else:
         options = change
@@ -178,8 +156,8 @@ def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path
         assert os.listdir(tmp_path / "xla-cache"), "the persistent compilation cache folder stayed empty"
 
 
-def test_layers_traced_once_traces_the_text_encoders_identical_layers_once(tiny_ckpt, monkeypatch):
-    """The switch's point: the text encoder's 27 layers run (and lower) as one traced function, called 27 times."""
+def test_the_text_encoders_identical_layers_are_traced_once(tiny_ckpt, monkeypatch):
+    """The text encoder's 27 layers run (and lower) as one traced function, called 27 times."""
     import collections
 
     import model
@@ -193,21 +171,10 @@ def test_layers_traced_once_traces_the_text_encoders_identical_layers_once(tiny_
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "__call__", counting)
-    gen = model.load(tiny_ckpt, layers_traced_once=True, **KW)
+    gen = model.load(tiny_ckpt, **KW)
     gen.generate(PROMPTS[:1], SEEDS[:1], **SIZE)
     assert traced["layer"] == 1, traced
     assert len(gen.programs.modules()[0].model.layers) > 1
-
-
-def test_reference_mode_equals_default_with_cfg(tiny_base_ckpt, base_gen):
-    """Classifier-free guidance (base checkpoint): fused loop with CFG vs the reference Python loop."""
-    import model
-    from model.lab import reference_mode
-
-    args = dict(prompts=["a red fox", "a lighthouse"], seeds=[5, 6], guidance_scale=4.0, **SIZE)
-    fast = base_gen.generate(**args)
-    ref = model.load(tiny_base_ckpt, **reference_mode(), **KW).generate(**args)
-    assert max_diff(fast, ref) <= 1
 
 
 # ------------------------------------------------------------------------------------------------ steady state
@@ -315,12 +282,8 @@ def test_identical_prompts_are_encoded_once(tiny_ckpt):
     many = gen.generate(["one prompt"], [11], num_images_per_prompt=3, **SIZE)
     assert gen.stats["prompts_encoded"] - n1 == 1
     assert many.shape[0] == 3 and max_diff(many[0], many[1]) > 0  # seeds 11, 12, 13 differ
-
-    off = model.load(tiny_ckpt, embed_cache_size=0, dedupe_prompts=False, **KW)
-    m0 = off.stats["prompts_encoded"]
-    same = off.generate(["same", "same", "other", "same"], [1, 2, 3, 4], **SIZE)
-    assert off.stats["prompts_encoded"] - m0 == 4  # the switch really turns de-duplication off
-    assert max_diff(same, images) <= 1
+    # each row got its own prompt's embedding back: as if generated alone
+    assert max_diff(images[2:], gen.generate(["other", "same"], [3, 4], **SIZE)) == 0
 
 
 def test_embedding_cache_is_bounded_and_reused(tiny_ckpt):
