@@ -34,8 +34,8 @@ _COMPILED: dict = {}
 
 
 def topology_options(model_shards: int) -> EngineOptions:
-    """The engine options a worker of the topology runs with: `model_shards` shards, no CPU compiler options."""
-    return EngineOptions(model_shards=model_shards, cpu_compiler_options=())
+    """The engine options a worker of the topology runs with: `model_shards` shards."""
+    return EngineOptions(model_shards=model_shards)
 
 
 def programs_for_topology(modules, topology: Topology, *, dtype: str, model_shards: int, text_len: int):

@@ -29,7 +29,7 @@ from .layers import precision_scope
 from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
 from . import attention as attention_lib, shard_layout, sharding
-from .mesh import data_replicas, model_shards
+from .mesh import model_shards
 from .plan import Bucket
 from .scheduler import euler_step, guidance_mix, model_timestep
 from .weights import release_host_memory
@@ -76,10 +76,8 @@ class CompiledPrograms:
         self.text_len = text_len
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
-        # Data parallel: the batch axis is split over the mesh. Context parallel: the batch is replicated and the
-        # image-token axis of the latents is split instead; XLA gathers K/V for attention.
-        self.context_parallel = options.context_parallel
-        self.batched = NamedSharding(mesh, P() if options.context_parallel else P("data"))
+        # The batch axis is split over the mesh's data replicas.
+        self.batched = NamedSharding(mesh, P("data"))
         # Fused projections laid out per shard (model.shard_layout); a no-op when the loader did it already.
         shard_layout.lay_out(transformer, model_shards(mesh))
         te_graph, te_state = nnx.split(text_encoder)
@@ -94,9 +92,9 @@ class CompiledPrograms:
         self.build_seconds: dict = {}  # bucket -> seconds lowering, and compiling each program (AOT builds)
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
         self._compiled: LRUCache = LRUCache(options.max_buckets, "compiled programs")
-        self.concurrent_images = concurrent_images_for(mesh, options)
+        self.concurrent_images = concurrent_images_for(mesh)
         self.threads = ImageThreads(self.concurrent_images)  # used when concurrent_images > 1
-        rows = image_by_image(per_image_for(mesh, options))
+        rows = image_by_image(per_image_for(mesh))
 
         def on_mesh(fn):
             """`fn` traced for this mesh: the attention kernels partition themselves over it, and the forms of its
@@ -162,7 +160,7 @@ class CompiledPrograms:
 
         # Compiler options ride on the jitted functions, so AOT `.lower().compile()` and plain jit both get them.
         def copts(program):
-            return compiler_options_for(mesh, options, program)
+            return compiler_options_for(mesh, program)
 
         self._encode = jax.jit(encode, compiler_options=copts("encode"))
         self._denoise = jax.jit(denoise, donate_argnums=(1,), compiler_options=copts("denoise"))
@@ -202,15 +200,8 @@ class CompiledPrograms:
     def _spec(self, shape, dtype, batched=True):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batched if batched else self.replicated)
 
-    def latents_sharding(self, num_tokens: int) -> NamedSharding:
-        """Sharding of latent tokens [B, N, C]: over N in context-parallel mode when N divides evenly."""
-        if self.context_parallel and num_tokens % data_replicas(self.mesh) == 0:
-            return NamedSharding(self.mesh, P(None, "data"))
-        return self.batched
-
     def _latents_spec(self, b: "Bucket", in_channels):
-        n = b.grid_h * b.grid_w
-        return jax.ShapeDtypeStruct((b.batch, n, in_channels), self.dtype, sharding=self.latents_sharding(n))
+        return self._spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype)
 
     def _encode_args(self, batch):
         return (self.te_state, self._spec((batch, self.text_len), jnp.int32),

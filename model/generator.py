@@ -264,8 +264,8 @@ class Flux2KleinGenerator:
             else None)
         self._rope_cache: LRUCache = LRUCache(options.max_buckets, "RoPE tables")
         self._schedule_cache: LRUCache = LRUCache(options.max_buckets, "schedules")
-        self.reference_encoder = (ReferenceEncoder(vae_encoder_loader, mesh=self.mesh, options=options,
-                                                   dtype=DTYPES[dtype]) if vae_encoder_loader else None)
+        self.reference_encoder = (ReferenceEncoder(vae_encoder_loader, mesh=self.mesh, dtype=DTYPES[dtype])
+                                  if vae_encoder_loader else None)
         self.stats = collections.Counter()
         # generate() calls are serialised: they share the embedding cache and the device (which runs one at a time).
         self._generate_lock = threading.Lock()
@@ -353,7 +353,7 @@ class Flux2KleinGenerator:
             self.config, height=inputs.height, width=inputs.width,
             sampling=Sampling(inputs.num_inference_steps, inputs.guidance_scale, inputs.use_cfg),
             batch=batch_size or self.options.batch_size or len(inputs.prompts), data_replicas=data_replicas(self.mesh),
-            context_parallel=self.options.context_parallel, reference_sizes=inputs.reference_sizes)
+            reference_sizes=inputs.reference_sizes)
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(
             bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
@@ -416,8 +416,7 @@ class Flux2KleinGenerator:
         shape = (tr.in_channels, b.grid_h, b.grid_w)
         noise = np.stack([initial_noise(s, shape) for s in seeds] + [np.zeros(shape, np.float32)] * pad)
         tokens = noise.reshape(len(seeds) + pad, tr.in_channels, b.grid_h * b.grid_w).transpose(0, 2, 1)
-        return jax.device_put(tokens.astype(DTYPES[self.dtype]),
-                              self.programs.latents_sharding(b.grid_h * b.grid_w))
+        return jax.device_put(tokens.astype(DTYPES[self.dtype]), self.programs.batched)
 
     def reference_tokens(self, references, plan: BucketPlan, pad: int = 0, cache: dict | None = None):
         """Latent tokens [rows, R, C] of each image's references (VAE encoder; equal references encoded once, and

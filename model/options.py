@@ -23,15 +23,6 @@ DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_MAX_BATCH_SIZE = 8
 
-# XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
-# (YNNPACK dots) for the transformer: each the faster library for that program on CPU (docs/performance.md).
-# Either library's blocking depends on the matrix sizes, so a batched dot may round an image differently with its
-# batch; the job promises the same bytes however requests are batched, which is why these options go together with
-# `per_image` (every program then sees one image at a time, whatever the batch).
-EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
-# (program, options) pairs; a program not listed compiles with XLA's defaults.
-DEFAULT_CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
@@ -42,10 +33,9 @@ class EngineOptions:
     # text encoder attention (masked): auto = blocked on CPU, xla on GPU, splash on TPU (xla for float32 models)
     text_encoder_attention: str = "auto"
     embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)
-    data_parallel: bool = True         # shard the batch over all local devices
-    context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
     # Chips that hold one copy of the weights between them (tensor parallel, model.sharding): the local devices form
-    # a (data, model) mesh of len(devices) / model_shards data replicas. 1 = every chip holds all the weights.
+    # a (data, model) mesh of len(devices) / model_shards data replicas, which split the batch. 1 = every chip holds
+    # all the weights.
     model_shards: int = 1
     # Which JAX backend's devices run the programs ("tpu", "gpu", "cpu"); None = JAX's default backend. Lets one
     # process compare the same checkpoint on a TPU and on its host's CPU (tests/tpu).
@@ -55,18 +45,6 @@ class EngineOptions:
     # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. Each
     # bucket kept holds its three executables in host memory (docs/performance.md).
     max_buckets: int | None = 16
-    # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
-    # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
-    per_image: bool | None = None
-    # Image by image on CPU: how many images of a batch run at once, each an execution of the one-image programs in
-    # its own thread. One image leaves the cores partly idle (its many small ops split badly over threads), so two at
-    # once make more images per second (docs/performance.md); an image's bytes are those of the one-image programs
-    # whatever the batch. None = 2 where `per_image` applies on CPU (else 1); 1 = one after the other (lax.map).
-    concurrent_images: int | None = None
-    # XLA:CPU compiler options (DebugOptions names) by program (encode / denoise / decode), applied only when the
-    # programs run on CPU; a program not listed, and () for all, gets XLA's defaults.
-    cpu_compiler_options: tuple[tuple[str, tuple[tuple[str, str | bool | int], ...]], ...] = \
-        DEFAULT_CPU_COMPILER_OPTIONS
     # "int8": the transformer blocks' projections run W8A8 (int8 weights per output channel, activations per token,
     # int32 accumulation): about half the weight memory; images differ from bf16's pixel by pixel
     # (benchmarks.quality measures by how much on your weights).
@@ -75,12 +53,8 @@ class EngineOptions:
     def __post_init__(self):
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
-        unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
-        if unknown:
-            raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
         count("model_shards", self.model_shards)
         optional_count("max_buckets", self.max_buckets)
-        optional_count("concurrent_images", self.concurrent_images)
         if self.batch_size is not None:
             count("batch_size", self.batch_size)
         if not is_integer(self.embed_cache_size):

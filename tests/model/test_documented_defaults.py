@@ -99,10 +99,10 @@ def tpu_forms() -> tuple[str, str]:
 
 
 def cpu_concurrent_images() -> int:
-    """The images run at once that the engine resolves on a one-device CPU mesh from the default options."""
+    """The images run at once that the engine resolves on a one-device CPU mesh."""
     from model.cpu_images import concurrent_images_for
 
-    return concurrent_images_for(cpu_mesh(), engine_options())
+    return concurrent_images_for(cpu_mesh())
 
 
 FORMS = {"transposed conv": "dilated"}
@@ -141,9 +141,8 @@ DOCUMENTED = [
                         auto_attention(False, "tpu"))),
     Documented("developers.md: max_buckets", repo_file("docs/developers.md"), r"`max_buckets` \((\d+):",
                lambda m: int(m[1]), lambda: engine_options().max_buckets),
-    Documented("EngineOptions.concurrent_images's None",
-               field_comment("model.options:EngineOptions", "concurrent_images"),
-               r"None = (\d+) where `per_image` applies on CPU", lambda m: int(m[1]), cpu_concurrent_images),
+    Documented("cpu_images: images run at once", repo_file("model/cpu_images.py"),
+               r"so (\d+) at once make more images per second", lambda m: int(m[1]), cpu_concurrent_images),
     Documented("developers.md: the premapped transfer buffer", repo_file("docs/developers.md"),
                r"a (\d+) GiB premapped transfer buffer", lambda m: int(m[1]) << 30,
                imported("model.runtime:DEFAULT_PREMAPPED_BUFFER_BYTES")),
