@@ -27,7 +27,7 @@ from .scopes import scoped
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("auto", "dot", "xla", "cudnn", "blocked", "splash")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked", "splash")
 KEY_BLOCK = 256  # keys per block of the block-wise attention without masks (a whole sequence when it does not divide)
 # Keys per block when a mask is given (the text encoder's causal + padding masks). A block no query may attend is
 # skipped, so smaller blocks skip more of a short prompt's padding; 128 was the fastest on CPU (docs/performance.md).
@@ -104,21 +104,6 @@ def dense_mask(mask, causal: bool, key_mask, lq: int, lk: int):
     return mask
 
 
-def _dot_attention(q, k, v, mask, scale):
-    """Plain einsum attention with a float32 softmax; the readable reference implementation."""
-    b, lq, h, d = q.shape
-    hkv = k.shape[2]
-    if hkv != h:
-        k = jnp.repeat(k, h // hkv, axis=2)
-        v = jnp.repeat(v, h // hkv, axis=2)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32, precision=precision) * scale
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=precision)
-
-
 def _blocked_attention(q, k, v, mask, scale, block: int | None = None, causal: bool = False, key_mask=None,
                        skip_masked_blocks: bool = True):
     """Online-softmax attention over key blocks (a lax.scan): logits stay [B, Hkv, G*Lq, block], float32 accumulators.
@@ -152,7 +137,7 @@ def _blocked_attention(q, k, v, mask, scale, block: int | None = None, causal: b
         blocks["mask"] = mask.reshape(b, hkv, g * lq, n, block).transpose(3, 0, 1, 2, 4)
     if key_mask is not None:
         blocks["keys"] = key_mask.reshape(b, n, block).transpose(1, 0, 2)
-    low = jnp.finfo(jnp.float32).min  # masked logits as in `_dot_attention`
+    low = jnp.finfo(jnp.float32).min  # masked logits: exp(low - max) = 0 beside any allowed key
 
     def allowed(blk):
         """[B or 1, Hkv or 1, G*Lq, block] booleans for this key block, or None when every key is allowed."""
@@ -368,8 +353,6 @@ def _attention_rows(q, k, v, mask, causal: bool, key_mask, scale, implementation
         logger.warning("the splash kernel takes causal/key masks only, not a dense mask; using 'xla' attention")
         implementation = "xla"
     mask = dense_mask(mask, causal, key_mask, lq, lk)
-    if implementation == "dot":
-        return _dot_attention(q, k, v, mask, scale).astype(q.dtype)
     if mask is not None:
         mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[2], lq, lk))
     impl = "cudnn" if implementation == "cudnn" else "xla"

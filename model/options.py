@@ -29,7 +29,7 @@ class EngineOptions:
     """How the compiled programs are laid out on the machine: batch, attention kernels, caches, parallelism."""
 
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
-    attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn | blocked | splash
+    attention: str = "auto"            # transformer attention: auto | xla | cudnn | blocked | splash
     # text encoder attention (masked): auto = blocked on CPU, xla on GPU, splash on TPU (xla for float32 models)
     text_encoder_attention: str = "auto"
     embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)

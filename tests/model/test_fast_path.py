@@ -92,8 +92,8 @@ def restore_compilation_cache():
 # tests/tpu their use on TPUs.
 SWITCHES = {
     "embed_cache_size": dict(embed_cache_size=0),
-    "attention": dict(attention="dot"),
-    "text_encoder_attention": dict(text_encoder_attention="dot"),
+    "attention": dict(attention="xla"),  # not CPU's choice (blocked)
+    "text_encoder_attention": dict(text_encoder_attention="xla"),
     "platform": dict(platform="cpu"),  # the backend's devices by name: the same images as the default one here
     "model_shards": dict(model_shards=1),  # one device here; 2 and 4 shards: the four-device tests
     "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
