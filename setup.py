@@ -62,8 +62,9 @@ setup(
     # Tested on 3.11, the Python of the Dataflow images (templates/Dockerfile); no pin caps it (each resolves on
     # 3.12 and 3.13 too), so no upper bound keeps a newer Python from installing it.
     python_requires=">=3.11",
+    # benchmarks/ is not installed (nor in the images): it runs from a checkout, `python -m benchmarks.NAME`.
     packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
-                                    "benchmarks", "benchmarks.*", "tiny_klein", "tiny_klein.*"]),
+                                    "tiny_klein", "tiny_klein.*"]),
     include_package_data=True,
     package_data={"model.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.presets)
     install_requires=RUNTIME_REQUIREMENTS,

@@ -4,11 +4,12 @@
     python -m benchmarks.attention_kernels --small    # anywhere (Pallas interpret mode off TPU): 2 x 512 x 128
 
 Inputs as the transformer makes them: q and k RMS-normed with weights near 1, q scaled by 1/sqrt(D), v normal.
-Times splash (`model.attention._splash_heads` at the blocks `splash_blocks` picks for the chip, as `attention_heads`
-runs it where the flash kernel is not used) and the flash kernel for each (block_q, block_kv) asked for, fitted to
-the length as the kernel fits them (at 4608 tokens 1024 becomes 768; every row gives the blocks that ran). Each row:
-ms per call, TFLOP/s (4 B H L^2 D per call), max |out - splash| and max |out - float32 reference| (NaN for a
-non-finite output); a block pair that does not compile is a row with its error. Prints a table, then one JSON line.
+Times splash (`model.attention._splash_heads` at the blocks model.platform_forms picks for the chip, as
+`attention_heads` runs it where the flash kernel is not used) and the flash kernel for each (block_q, block_kv) asked
+for, fitted to the length as the kernel fits them (at 4608 tokens 1024 becomes 768; every row gives the blocks that
+ran). Each row: ms per call, TFLOP/s (4 B H L^2 D per call), max |out - splash| and max |out - float32 reference|
+(NaN for a non-finite output); a block pair that does not compile is a row with its error. Prints a table, then one
+JSON line.
 The kernel's defaults (model.flash_attention.BLOCK_Q, BLOCK_KV, BLOCK_KV_COMPUTE) are the best row on v5e.
 """
 
@@ -112,9 +113,10 @@ def main(argv=None) -> dict:
 
     from model.attention import _splash_heads
     from model.flash_attention import flash_attention
+    from model.platform_forms import forms_for
 
     interpret = jax.default_backend() != "tpu"
-    kind = None if interpret else jax.devices()[0].device_kind
+    forms = forms_for(jax.devices()[0].platform, jax.devices()[0].device_kind)
     q, k, v = realistic_inputs(args.batch, args.heads, args.seq, args.head_dim)
     flops = 4.0 * args.batch * args.heads * args.seq * args.seq * args.head_dim
     want = reference(q, k, v)
@@ -138,7 +140,7 @@ def main(argv=None) -> dict:
         return row
 
     # splash as attention_heads runs it off the flash kernel's chips: [B, H, L, D] out, laid out as [B, L, H, D]
-    splash = jax.jit(lambda q, k, v: _splash_heads(q, k, v, False, None, interpret, kind).transpose(0, 2, 1, 3))
+    splash = jax.jit(lambda q, k, v: _splash_heads(q, k, v, False, None, interpret, forms).transpose(0, 2, 1, 3))
     splash_out = splash(q, k, v)
     rows = [measure("splash", splash)]
     for bq, bkv, bkvc in flash_pairs(args):

@@ -5,12 +5,9 @@ from the compilation cache), first image. Each run is a fresh process, as a new 
     python -m benchmarks.startup --preset klein-4b --height 1024 --width 1024       # a TPU chip
     python -m benchmarks.startup --model gs://bucket/ckpt ...                        # with the gs:// copy
 
-By default the measured shape is the load's `LoadSettings.precompile`, as in the job: where
-`model.generator.PRECOMPILE_PLATFORMS` says (GPUs) it compiles while the weights load, and the `load` phase then holds
-both and `compile` only what was left; elsewhere, and with `--no-precompile`, it compiles after loading. The load
-also starts the accelerator runtime, beside reading configs, tokenizer and headers (`--runtime-first` starts it
-before the load instead); its rows split the load's wall time (runtime start, preparing, placing the weights,
-finishing, waiting for the programs) and the loading threads' time.
+The load also starts the accelerator runtime, beside reading configs, tokenizer and headers (`--runtime-first` starts
+it before the load instead); its rows split the load's wall time (runtime start, preparing, placing the weights,
+finishing) and the loading threads' time. The measured shape's programs compile after the load, as in the job.
 
 Runs cold (an empty compilation cache and, for gs://, an empty checkpoint cache) and then warm (the same caches, as a
 worker that starts after another of the same job). Prints a table and, last, one JSON line. A measurement tool:
@@ -40,15 +37,8 @@ def parse_args(argv=None):
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-sequence-length", type=int, default=None)
-    ap.add_argument("--no-precompile", action="store_true", help="compile after loading the weights, not meanwhile "
-                    "(as before model.options.LoadSettings.precompile)")
-    ap.add_argument("--gil-switch-ms", type=float, default=None,
-                    help="the GIL switch interval while loading beside a precompile (model.generator."
-                    "LOADING_SWITCH_INTERVAL_S; default the library's; 5 = Python's own, as before)")
     ap.add_argument("--runtime-first", action="store_true", help="start the accelerator runtime before the load, "
                     "not beside its preparations (as before model.runtime.start_runtime)")
-    ap.add_argument("--lab", action="append", default=[], metavar="NAME=VALUE",
-                    help="a model.lab.LabSwitches field for the runs, e.g. layers_traced_once=true (repeatable)")
     ap.add_argument("--keep-caches", default=None, metavar="DIR", help="put the runs' caches in DIR (emptied "
                     "first) and leave them there, for a later warm run or a profile")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -68,12 +58,8 @@ def child(args) -> dict:
     import jax  # noqa: F401
 
     import model
-    import model.generator
     from model.compile_events import counts
     out["imports_s"] = time.perf_counter() - start
-    if args.gil_switch_ms is not None:
-        model.generator.LOADING_SWITCH_INTERVAL_S = args.gil_switch_ms / 1e3
-    out["gil_switch_ms"] = model.generator.LOADING_SWITCH_INTERVAL_S * 1e3
     start = time.perf_counter()
     if args.runtime_first:  # as before the load started the runtime itself, beside its own preparations
         from model.runtime import start_runtime
@@ -94,10 +80,8 @@ def child(args) -> dict:
     start = time.perf_counter()
     from model.options import EngineOptions, LoadSettings
 
-    precompile = () if args.no_precompile else ((args.height, args.width, None, None),)
     gen = model.load(LoadSettings(model=path, dtype=args.dtype, max_sequence_length=args.max_sequence_length,
-                                  engine=EngineOptions(batch_size=1, compilation_cache_dir=args.cache),
-                                  precompile=precompile), lab=lab_switches(args.lab))
+                                  engine=EngineOptions(batch_size=1, compilation_cache_dir=args.cache)))
     out["load_s"] = time.perf_counter() - start
     out["backend"] = jax.default_backend()
     from model.runtime import PREMAPPED_BUFFER_ENV
@@ -110,7 +94,7 @@ def child(args) -> dict:
     out["loaded_gb"] = sum(placed.values()) / 1e9
     out["load_gb_per_s"] = out["loaded_gb"] / out["load_s"]
     # the weights' own rate: read, placed and laid out, over the placing's wall time (the load also holds the
-    # preparations and the wait for programs compiled meanwhile)
+    # preparations)
     out["placing_gb_per_s"] = gen.load_phases["bytes"] / 1e9 / gen.load_phases["wall_s"]
     out["load_phases"] = gen.load_phases  # thread-seconds per phase of placing the weights, and its wall time
     size = dict(height=args.height, width=args.width)
@@ -126,17 +110,6 @@ def child(args) -> dict:
     return out
 
 
-def lab_switches(pairs: list[str]):
-    """`--lab NAME=VALUE` pairs as model.lab.LabSwitches."""
-    from model.lab import LAB_FIELDS, LabSwitches, parse_overrides
-
-    values = parse_overrides(pairs)
-    unknown = sorted(set(values) - LAB_FIELDS)
-    if unknown:
-        raise SystemExit(f"--lab: no switch named {', '.join(unknown)}; choose one of {sorted(LAB_FIELDS)}")
-    return LabSwitches(**values)
-
-
 def _rss_gb() -> float | None:
     """This process's resident memory in GB (None off Linux)."""
     from .runs import host_memory_mb
@@ -149,9 +122,7 @@ def run_child(args, cache: str, checkpoint_cache: str) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", f"--model={args.model}", f"--cache={cache}",
            f"--checkpoint-cache={checkpoint_cache}", f"--height={args.height}", f"--width={args.width}",
            f"--dtype={args.dtype}", f"--max-sequence-length={args.max_sequence_length}",
-           *(["--no-precompile"] if args.no_precompile else []), *(["--runtime-first"] if args.runtime_first else []),
-           *(f"--lab={pair}" for pair in args.lab),
-           *([f"--gil-switch-ms={args.gil_switch_ms}"] if args.gil_switch_ms is not None else [])]
+           *(["--runtime-first"] if args.runtime_first else [])]
     env = dict(os.environ, STARTUP_T0=repr(time.time()))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -171,7 +142,6 @@ def main(argv=None) -> dict:
         return {}
     from . import presets
 
-    lab_switches(args.lab)  # a wrong --lab fails here, before any run
     if args.model is None:
         args.model = presets.ensure_checkpoint(args.preset)
     if args.max_sequence_length is None:
@@ -191,17 +161,13 @@ def main(argv=None) -> dict:
     rows.append(("weights loaded GB", *(f"{runs[r]['loaded_gb']:.2f}" for r in ("cold", "warm"))))
     rows.append(("weights GB/s (of the load)", *(f"{runs[r]['load_gb_per_s']:.2f}" for r in ("cold", "warm"))))
     rows.append(("weights GB/s (of placing)", *(f"{runs[r]['placing_gb_per_s']:.2f}" for r in ("cold", "warm"))))
-    for key in ("runtime_start", "runtime_wait", "prepare", "wall", "finish", "precompile_wait"):
+    for key in ("runtime_start", "runtime_wait", "prepare", "wall", "finish"):
         name = {"wall": "placing weights", "runtime_start": "runtime start (beside prepare)",
                 "prepare": "prepare (with runtime wait)"}.get(key, key)
         rows.append((f"load: {name} s", *(f"{runs[r]['load_phases'][key + '_s']:.2f}" for r in ("cold", "warm"))))
     for key in runs["warm"]["load_phases"].get("prepare_steps_s", {}):  # the preparations' steps, in order
         rows.append((f"prepare: {key} s", *(f"{runs[r]['load_phases']['prepare_steps_s'].get(key, float('nan')):.2f}"
                                             for r in ("cold", "warm"))))
-    for key in runs["warm"]["load_phases"].get("precompile_steps_s", {}):  # the precompile's own steps
-        rows.append((f"precompile: {key} s", *(
-            f"{runs[r]['load_phases'].get('precompile_steps_s', {}).get(key, float('nan')):.2f}"
-            for r in ("cold", "warm"))))
     for key in ("read", "host_layout", "transfer", "device_layout"):
         rows.append((f"placing: {key} thread-s",
                      *(f"{runs[r]['load_phases'][key + '_s']:.1f}" for r in ("cold", "warm"))))
@@ -215,7 +181,7 @@ def main(argv=None) -> dict:
     # the runtime's and compiler's settings the runs inherited (e.g. TPU_PREMAPPED_BUFFER_SIZE, XLA_FLAGS)
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TPU_", "LIBTPU_", "XLA_", "JAX_"))}
     result = {"model": args.model, "height": args.height, "width": args.width, "dtype": args.dtype,
-              "precompile": not args.no_precompile, "runtime_first": args.runtime_first, "lab": args.lab,
+              "runtime_first": args.runtime_first,
               "environment": settings,
               "backend": runs["cold"]["backend"], **runs}
     print(json.dumps(result))

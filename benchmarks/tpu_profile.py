@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 
+from .engines import parse_options
 from .runs import current_rss_mb, device_memory, host_memory_mb, measure_matmul_peak, progress
 
 
@@ -39,17 +40,19 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=60, help="ops kept per program in the JSON file")
     ap.add_argument("--no-trace", action="store_true", help="stage times only")
-    ap.add_argument("--engine", default="", help="EngineOptions overrides as key=value,key=value (ablations)")
+    ap.add_argument("--engine", default="", help="EngineOptions fields as key=value,key=value, e.g. quantize=int8")
     ap.add_argument("--variants", default="",
-                    help="also time these variants over the same weights (no trace): name:key=value,...;name:...")
+                    help="also time these EngineOptions variants (no trace), over the same weights where they fit: "
+                    "name:key=value,...;name:..., e.g. \"b2:batch_size=2;b4:batch_size=4\"")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    return ap.parse_args(argv)
-
-
-def _overrides(text: str) -> dict:
-    from model.lab import parse_overrides
-
-    return parse_overrides(filter(None, text.split(",")))
+    args = ap.parse_args(argv)
+    try:  # a wrong field fails here, before anything loads
+        args.variant_options = [(name, parse_options(text)) for name, _, text in
+                                (item.partition(":") for item in filter(None, args.variants.split(";")))]
+        args.engine_options = parse_options(args.engine)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
 
 
 def staged_times(engine, prompts, seeds, wl) -> dict:
@@ -59,7 +62,7 @@ def staged_times(engine, prompts, seeds, wl) -> dict:
 
 def program_of(name: str) -> str:
     """The generator program a jitted module name belongs to (jit_encode, jit_denoise, jit_decode...)."""
-    for key in ("decode", "denoise", "single_step", "encode"):  # "decode" before "encode", which it contains
+    for key in ("decode", "denoise", "encode"):  # "decode" before "encode", which it contains
         if key in name:
             return key
     return "other"
@@ -162,7 +165,7 @@ def main(argv=None) -> dict:
     jax.devices()  # the runtime's own host memory (13.6 GB on a v5e chip) counts before the load, not in it
     rss_before = current_rss_mb()
     start = time.perf_counter()
-    gen = model.load(path, dtype=args.dtype, batch_size=args.batch, **_overrides(args.engine))
+    gen = model.load(path, dtype=args.dtype, batch_size=args.batch, **args.engine_options)
     load_s = time.perf_counter() - start
     rss_after = current_rss_mb()
     host_after_load = host_memory_mb()
@@ -219,22 +222,18 @@ def main(argv=None) -> dict:
 
 
 def time_variants(gen, path, args) -> dict:
-    """ms per image (end to end and by stage, medians of --repeats) of each variant, sharing the loaded weights."""
+    """ms per image (end to end and by stage, medians of --repeats) of each variant of --variants: the loaded
+    generator's options with the variant's fields changed (model.options.EngineOptions)."""
     import dataclasses
 
-    from model.lab import split_overrides
-
-    from .engines import JaxEngine, Variant, make_variant
+    from .engines import JaxEngine, with_options
 
     out = {}
-    for item in filter(None, args.variants.split(";")):
-        name, _, text = item.partition(":")
-        engine_kw, lab_kw = split_overrides(_overrides(text))
-        variant = Variant(name, name, dataclasses.replace(gen.options, **engine_kw),
-                          dataclasses.replace(gen.lab, **lab_kw))
+    for name, fields in args.variant_options:
+        options = dataclasses.replace(gen.options, **fields)
         try:
-            engine = JaxEngine(name, make_variant(gen, path, args.dtype, gen.max_sequence_length, variant))
-            n = variant.options.batch_size or args.batch
+            engine = JaxEngine(name, with_options(gen, path, options))
+            n = options.batch_size or args.batch
             wl = {"height": args.height, "width": args.width, "steps": args.steps}
             engine.generate([f"{name} warm-up {i}" for i in range(n)], list(range(n)), args.height, args.width,
                             args.steps, 1.0)
@@ -246,7 +245,7 @@ def time_variants(gen, path, args) -> dict:
                 e2e.append((time.perf_counter() - start) * 1e3 / n)
             stages = [staged_times(engine, [f"{name} staged {r} {i}" for i in range(n)], list(range(n)), wl)
                       for r in range(args.repeats)]
-            out[name] = {"batch": n, "ms_per_image": statistics.median(e2e),
+            out[name] = {"batch": n, "options": fields, "ms_per_image": statistics.median(e2e),
                          "stage_ms_per_image": {k: statistics.median(s[k] for s in stages) / n for k in stages[0]},
                          "device_memory": device_memory()}
         except Exception as e:  # noqa: BLE001 - e.g. a batch that does not fit: reported

@@ -34,8 +34,8 @@ _COMPILED: dict = {}
 
 
 def topology_options(model_shards: int) -> EngineOptions:
-    """The engine options a worker of the topology runs with: `model_shards` shards, no CPU compiler options."""
-    return EngineOptions(model_shards=model_shards, cpu_compiler_options=())
+    """The engine options a worker of the topology runs with: `model_shards` shards."""
+    return EngineOptions(model_shards=model_shards)
 
 
 def programs_for_topology(modules, topology: Topology, *, dtype: str, model_shards: int, text_len: int):
@@ -55,7 +55,7 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
     likely largest first)."""
     tr = config.transformer
     lowered = dict(zip(PROGRAMS, programs.lower(bucket, tr.in_channels, tr.joint_attention_dim,
-                                                tr.attention_head_dim, fused=True)))
+                                                tr.attention_head_dim)))
     params = programs.parameter_bytes_per_device()
     modules = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
     stats = {}
@@ -145,8 +145,7 @@ class _Fitting:
                             batch=per_replica * replicas, data_replicas=replicas)
         per_image = attention_flops_per_image(self.config, text_len=self.text_len,
                                               image_tokens=bucket.grid_h * bucket.grid_w, steps=steps, cfg=cfg,
-                                              out_layers=self.out_layers,
-                                              vae_splash=programs.decode_forms.attention == "splash")
+                                              out_layers=self.out_layers)
         split = kernel_split(self.config, shards)
         per_device = {k: v * (bucket.batch // replicas) / split[k] for k, v in per_image.items()}
         logger.info("compiling %s for %s: batch %d, %d model shard(s) x %d data replica(s)", self.model,

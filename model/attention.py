@@ -22,54 +22,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import flash_attention
+from .platform_forms import SPLASH_BLOCK, PlatformForms, forms_for, splash_blocks
 from .scopes import scoped
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("auto", "dot", "xla", "cudnn", "blocked", "splash")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked", "splash")
 KEY_BLOCK = 256  # keys per block of the block-wise attention without masks (a whole sequence when it does not divide)
 # Keys per block when a mask is given (the text encoder's causal + padding masks). A block no query may attend is
 # skipped, so smaller blocks skip more of a short prompt's padding; 128 was the fastest on CPU (docs/performance.md).
 # Masked keys longer than a block are padded up to whole blocks (the padding masked too).
 MASKED_KEY_BLOCK = 128
-SPLASH_BLOCK = 128  # the splash kernel's smallest block; sequences are padded to a multiple of the chosen block
-
-# Splash block triples (block_q, block_kv, block_kv_compute) with the rate each reached in TFLOP/s of the unpadded
-# work on one TPU v5e chip (`python -m benchmarks.splash_sweep`, klein-4B's attention at 1024x1024, head width
-# MEASURED_HEAD_DIM; docs/performance.md). Triples past 1536 do not compile on v5e (scoped VMEM).
-# `splash_blocks` picks the triple with the least padded work per unit of rate for a given pair of lengths.
-MEASURED_HEAD_DIM = 128
-SPLASH_MEASURED = {
-    "TPU v5 lite": {(1536, 1536, 512): 109.8, (1152, 2304, 384): 109.3, (768, 1536, 768): 106.5,
-                    (1024, 1024, 512): 104.5, (512, 512, 512): 92.0, (1152, 1152, 384): 91.8},
-}
-# Other generations, not measured on a chip: the largest power-of-two block up to this size (a multiple of the
-# MXU's width that keeps a block's float32 logits inside VMEM; the preflight compiles it for each generation).
-SPLASH_MAX_BLOCK = {"TPU v5": 512, "TPU v6 lite": 1024, "TPU7x": 1024}
-
-
-def splash_blocks(device_kind: str | None, lq: int, lk: int,
-                  head_dim: int = MEASURED_HEAD_DIM) -> tuple[int, int, int]:
-    """(block_q, block_kv, block_kv_compute) for queries and keys of lengths lq, lk on `device_kind` (the lengths are
-    padded up to the blocks by the caller). Measured generations and head width: the triple with the least padded
-    work per unit of measured rate (ties: the larger block). Others (wider heads take more VMEM per block, e.g. the
-    VAE's 512): the largest power-of-two multiple of SPLASH_BLOCK up to the generation's maximum that divides both
-    lengths after padding them to SPLASH_BLOCK (SPLASH_BLOCK off TPU)."""
-    measured = SPLASH_MEASURED.get(device_kind or "") if head_dim == MEASURED_HEAD_DIM else None
-    if measured:
-        def cost(item):
-            (bq, bkv, _), rate = item
-            return (-(-lq // bq) * bq) * (-(-lk // bkv) * bkv) / rate, -bq * bkv
-
-        return min(measured.items(), key=cost)[0]
-    lq, lk = -(-lq // SPLASH_BLOCK) * SPLASH_BLOCK, -(-lk // SPLASH_BLOCK) * SPLASH_BLOCK
-    block = SPLASH_BLOCK
-    top = SPLASH_MAX_BLOCK.get(device_kind or "", SPLASH_BLOCK if device_kind is None else 512)
-    while block * 2 <= top and lq % (block * 2) == 0 and lk % (block * 2) == 0:
-        block *= 2
-    return block, block, block
-
-
 # The mesh the programs being traced run on (set by the engine around each program body): the splash kernel is
 # partitioned over it with shard_map, and runs compiled (Mosaic) when its devices are TPUs, interpreted elsewhere.
 _MESH: contextvars.ContextVar = contextvars.ContextVar("attention_mesh", default=None)
@@ -90,6 +53,18 @@ def traced_devices() -> int:
     """How many devices the mesh being traced for (`mesh_context`) has (1 without one)."""
     mesh = _MESH.get()
     return 1 if mesh is None else mesh.devices.size
+
+
+def _traced_device():
+    mesh = _MESH.get()
+    return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+
+
+def traced_forms() -> PlatformForms:
+    """The forms (model.platform_forms) of the devices the program being traced runs on: the mesh's
+    (`mesh_context`), else JAX's default device."""
+    device = _traced_device()
+    return forms_for(device.platform, device.device_kind)
 
 
 def resolve_implementation(name: str, masked: bool = False, devices: int = 1, platform: str | None = None,
@@ -129,21 +104,6 @@ def dense_mask(mask, causal: bool, key_mask, lq: int, lk: int):
     return mask
 
 
-def _dot_attention(q, k, v, mask, scale):
-    """Plain einsum attention with a float32 softmax; the readable reference implementation."""
-    b, lq, h, d = q.shape
-    hkv = k.shape[2]
-    if hkv != h:
-        k = jnp.repeat(k, h // hkv, axis=2)
-        v = jnp.repeat(v, h // hkv, axis=2)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32, precision=precision) * scale
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=precision)
-
-
 def _blocked_attention(q, k, v, mask, scale, block: int | None = None, causal: bool = False, key_mask=None,
                        skip_masked_blocks: bool = True):
     """Online-softmax attention over key blocks (a lax.scan): logits stay [B, Hkv, G*Lq, block], float32 accumulators.
@@ -177,7 +137,7 @@ def _blocked_attention(q, k, v, mask, scale, block: int | None = None, causal: b
         blocks["mask"] = mask.reshape(b, hkv, g * lq, n, block).transpose(3, 0, 1, 2, 4)
     if key_mask is not None:
         blocks["keys"] = key_mask.reshape(b, n, block).transpose(1, 0, 2)
-    low = jnp.finfo(jnp.float32).min  # masked logits as in `_dot_attention`
+    low = jnp.finfo(jnp.float32).min  # masked logits: exp(low - max) = 0 beside any allowed key
 
     def allowed(blk):
         """[B or 1, Hkv or 1, G*Lq, block] booleans for this key block, or None when every key is allowed."""
@@ -252,13 +212,10 @@ def _splash_kernel(heads: int, lq: int, lk: int, causal: bool, interpret: bool, 
                     interpret=interpret)
 
 
-def _kernel_device() -> tuple[bool, str | None]:
-    """(interpret, device kind) for the kernels of the traced-for mesh (the default device without one): compiled
-    on TPUs, interpreted elsewhere, with no device kind then."""
-    mesh = _MESH.get()
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    interpret = device.platform != "tpu"
-    return interpret, None if interpret else device.device_kind
+def _kernel_forms() -> tuple[bool, PlatformForms]:
+    """(interpret, forms) for the kernels of the traced-for mesh (the default device without one): compiled on TPUs
+    with their chip's forms, interpreted elsewhere, with that platform's (the smallest splash blocks, no flash)."""
+    return _traced_device().platform != "tpu", traced_forms()
 
 
 def _splash_padding(b: int, lq: int, lk: int, key_mask, blocks: tuple):
@@ -277,28 +234,28 @@ def _splash_attention(q, k, v, scale, causal: bool, key_mask):
     axis, the heads over its model axis (each chip attends with the heads its q/k/v projections computed); an axis
     that does not divide stays whole."""
     mesh = _MESH.get()
-    interpret, kind = _kernel_device()
+    interpret, forms = _kernel_forms()
     if mesh is None or mesh.devices.size == 1:
-        return _splash_local(q, k, v, scale, causal, key_mask, interpret, kind)
+        return _splash_local(q, k, v, scale, causal, key_mask, interpret, forms)
     data = "data" if "data" in mesh.shape and q.shape[0] % mesh.shape["data"] == 0 else None
     shards = mesh.shape.get("model", 1)
     heads = "model" if shards > 1 and q.shape[2] % shards == 0 and k.shape[2] % shards == 0 else None
     keys = jnp.ones(k.shape[:2], bool) if key_mask is None else jnp.broadcast_to(key_mask, k.shape[:2])
     qkv_spec = P(data, None, heads, None)
-    local = functools.partial(_splash_local, scale=scale, causal=causal, interpret=interpret, device_kind=kind)
+    local = functools.partial(_splash_local, scale=scale, causal=causal, interpret=interpret, forms=forms)
     return jax.shard_map(lambda qq, kk, vv, km: local(qq, kk, vv, key_mask=km), mesh=mesh,
                          in_specs=(qkv_spec, qkv_spec, qkv_spec, P(data, None)), out_specs=qkv_spec,
                          check_vma=False)(q, k, v, keys)
 
 
-def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, device_kind: str | None = None):
-    """The multi-head splash kernel on head-major q, k, v [B, H, L, D] (q already scaled), one kernel per batch row;
-    [B, H, Lq, D] out. Padding and segment ids as `_splash_local` describes."""
+def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, forms: PlatformForms):
+    """The multi-head splash kernel on head-major q, k, v [B, H, L, D] (q already scaled), one kernel per batch row,
+    with `forms`' blocks; [B, H, Lq, D] out. Padding and segment ids as `_splash_local` describes."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, h, lq, d = qh.shape
     lk = kh.shape[2]
-    blocks = splash_blocks(None if interpret else device_kind, lq, lk, d)  # interpret mode: the smallest
+    blocks = splash_blocks(forms, lq, lk, d)
     pq, pk, q_segments, kv_segments = _splash_padding(b, lq, lk, key_mask, blocks)
     kernel = _splash_kernel(h, lq + pq, lk + pk, causal, interpret, blocks)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, pq), (0, 0)))
@@ -310,32 +267,27 @@ def _splash_heads(qh, kh, vh, causal: bool, key_mask, interpret: bool, device_ki
     return jax.vmap(one_row)(qh, kh, vh, q_segments, kv_segments)[:, :, :lq]
 
 
-# Chips whose one-device unmasked attention runs the project's flash kernel (model/flash_attention.py: every key of a
-# head in one block, which splash cannot hold in its scoped VMEM) instead of splash: measured faster there
-# (docs/performance.md). Elsewhere, and for lengths the kernel's blocks do not divide, splash.
-FLASH_KERNEL_CHIPS = ("TPU v5 lite",)
-
-
 def attention_heads(qh, kh, vh):
     """Unmasked attention on head-major q, k, v [B, H, L, D] whose q is already scaled by 1/sqrt(D), on one device
-    (`model.heads_kernel` prepares them): the flash kernel on the chips of FLASH_KERNEL_CHIPS, else the splash kernel;
-    compiled on TPUs and interpreted elsewhere. Returns [B, Lq, H, D] in q's dtype."""
-    interpret, kind = _kernel_device()
-    if kind in FLASH_KERNEL_CHIPS and flash_attention.fits(qh.shape[2], kh.shape[2]):
+    (`model.heads_kernel` prepares them): the flash kernel where the platform's forms say (model.platform_forms),
+    else the splash kernel; compiled on TPUs and interpreted elsewhere. Returns [B, Lq, H, D] in q's dtype."""
+    interpret, forms = _kernel_forms()
+    if forms.flash_kernel and flash_attention.fits(qh.shape[2], kh.shape[2]):
         return flash_attention.flash_attention(qh, kh, vh)
-    out = _splash_heads(qh, kh, vh, False, None, interpret, kind)
+    out = _splash_heads(qh, kh, vh, False, None, interpret, forms)
     return out.transpose(0, 2, 1, 3).astype(qh.dtype)
 
 
-def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, device_kind: str | None = None):
+def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, forms: PlatformForms):
     """The Pallas splash (flash) kernel for TPU: the multi-head kernel over all heads when each has its own keys
     (the transformer), the multi-query kernel per key/value head otherwise (the text encoder's grouped queries);
     vmapped over the batch.
 
-    Block sizes come from `splash_blocks` (measured on v5e). Sequences are padded to whole blocks; padded keys and
-    `key_mask`'s masked keys are excluded with kv segment ids (every query is segment 1, allowed keys 1, the others
-    0), which is exactly "causal and key-mask" (the anchor's folding). Without padding or a key mask no segment ids
-    are passed (the kernel then skips their comparison). Rows with no allowed key are zeroed by `attention`."""
+    Block sizes come from `model.platform_forms.splash_blocks` (measured on v5e). Sequences are padded to whole
+    blocks; padded keys and `key_mask`'s masked keys are excluded with kv segment ids (every query is segment 1,
+    allowed keys 1, the others 0), which is exactly "causal and key-mask" (the anchor's folding). Without padding or
+    a key mask no segment ids are passed (the kernel then skips their comparison). Rows with no allowed key are
+    zeroed by `attention`."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, lq, h, d = q.shape
@@ -344,9 +296,9 @@ def _splash_local(q, k, v, scale, causal: bool, key_mask, interpret: bool, devic
     q = q * jnp.asarray(scale, q.dtype)  # the kernel does not scale
     if g == 1:  # [B, H, L, D] into one multi-head kernel per batch row
         out = _splash_heads(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), causal,
-                            key_mask, interpret, device_kind)
+                            key_mask, interpret, forms)
         return out.transpose(0, 2, 1, 3)
-    blocks = splash_blocks(None if interpret else device_kind, lq, lk, d)  # interpret mode: the smallest
+    blocks = splash_blocks(forms, lq, lk, d)
     # causal over the padded lengths is the same triangle (pad queries come after every real key)
     pq, pk, q_segments, kv_segments = _splash_padding(b, lq, lk, key_mask, blocks)
     pad_q = ((0, 0), (0, 0), (0, pq), (0, 0))
@@ -401,8 +353,6 @@ def _attention_rows(q, k, v, mask, causal: bool, key_mask, scale, implementation
         logger.warning("the splash kernel takes causal/key masks only, not a dense mask; using 'xla' attention")
         implementation = "xla"
     mask = dense_mask(mask, causal, key_mask, lq, lk)
-    if implementation == "dot":
-        return _dot_attention(q, k, v, mask, scale).astype(q.dtype)
     if mask is not None:
         mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[2], lq, lk))
     impl = "cudnn" if implementation == "cudnn" else "xla"

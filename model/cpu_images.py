@@ -1,9 +1,9 @@
 """CPU execution: per-program XLA:CPU compiler options, image-by-image programs, and images run side by side.
 
 On one CPU device the programs run image by image (each program sees a batch of one, whatever the batch), which
-keeps an image's bytes independent of how requests are batched; several images of a batch then run at once, each
-an execution of the one-image programs in its own thread. On accelerators and multi-device meshes none of this
-applies: the batch is one program, split over the mesh.
+keeps an image's bytes independent of how requests are batched; CONCURRENT_IMAGES images of a batch then run at
+once, each an execution of the one-image programs in its own thread. On accelerators and multi-device meshes none of
+this applies: the batch is one program, split over the mesh.
 """
 
 from __future__ import annotations
@@ -15,7 +15,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .options import PROGRAMS, EngineOptions
+from .options import PROGRAMS
+
+# XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
+# (YNNPACK dots) for the transformer: each the faster library for that program on CPU (docs/performance.md).
+# Either library's blocking depends on the matrix sizes, so a batched dot may round an image differently with its
+# batch; the job promises the same bytes however requests are batched, which is why these options go together with
+# running image by image (every program then sees one image at a time, whatever the batch).
+EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+# (program, options) pairs; a program not listed compiles with XLA's defaults.
+CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
+# Images of a batch run at once on one CPU device, each an execution of the one-image programs in its own thread:
+# one image leaves the cores partly idle (its many small ops split badly over threads), so 2 at once make more images
+# per second (docs/performance.md); an image's bytes are those of the one-image programs whatever the batch.
+CONCURRENT_IMAGES = 2
 
 # Positions of the per-image arguments of each program (the rest are shared: parameters, schedule, RoPE tables).
 BATCHED_ARGS = {"encode": (1, 2), "denoise": (1, 2, 3, 4), "decode": (1,)}  # denoise: latents, text, neg, refs
@@ -26,34 +39,26 @@ def on_cpu(mesh: Mesh) -> bool:
     return all(d.platform == "cpu" for d in mesh.devices.flat)
 
 
-def compiler_options_for(mesh: Mesh, options: EngineOptions, program: str) -> dict | None:
-    """The XLA compiler options for `program` on `mesh`: its CPU options, only when every device is a CPU."""
+def compiler_options_for(mesh: Mesh, program: str) -> dict | None:
+    """The XLA compiler options for `program` on `mesh`: CPU_COMPILER_OPTIONS, only when every device is a CPU."""
     if program not in PROGRAMS:
         raise ValueError(f"unknown program {program!r}; choose from {PROGRAMS}")
     if not on_cpu(mesh):
         return None
-    chosen = dict(options.cpu_compiler_options).get(program)
+    chosen = dict(CPU_COMPILER_OPTIONS).get(program)
     return dict(chosen) if chosen else None
 
 
-def per_image_for(mesh: Mesh, options: EngineOptions) -> bool:
-    """Whether the programs on `mesh` run image by image: as asked, by default on a one-device CPU mesh; never on
-    a mesh of several devices (the batch is split over them instead)."""
-    if mesh.devices.size != 1:
-        return False
-    if options.per_image is None:
-        return on_cpu(mesh)
-    return bool(options.per_image)
+def per_image_for(mesh: Mesh) -> bool:
+    """Whether the programs on `mesh` run image by image: on a one-device CPU mesh only (a bigger mesh splits the
+    batch over its devices; an accelerator fills its cores with the batch)."""
+    return mesh.devices.size == 1 and on_cpu(mesh)
 
 
-def concurrent_images_for(mesh: Mesh, options: EngineOptions) -> int:
-    """How many images of a batch run at once (threads over the one-image programs): as asked where the programs run
-    image by image, by default 2 there on CPU; 1 (the batch in one program) everywhere else."""
-    if not per_image_for(mesh, options):
-        return 1
-    if options.concurrent_images is None:
-        return 2 if on_cpu(mesh) else 1
-    return int(options.concurrent_images)
+def concurrent_images_for(mesh: Mesh) -> int:
+    """How many images of a batch run at once (threads over the one-image programs): CONCURRENT_IMAGES where the
+    programs run image by image, 1 (the batch in one program) everywhere else."""
+    return CONCURRENT_IMAGES if per_image_for(mesh) else 1
 
 
 def image_by_image(per_image: bool):

@@ -25,17 +25,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .compile_lease import compile_lowered
 from .cpu_images import ImageThreads, compiler_options_for, concurrent_images_for, image_by_image, per_image_for
-from .lab import LabSwitches
 from .layers import precision_scope
 from .lru import LRUCache
 from .options import PROGRAMS, EngineOptions
 from . import attention as attention_lib, shard_layout, sharding
-from .mesh import data_replicas, model_shards
+from .mesh import model_shards
 from .plan import Bucket
 from .scheduler import euler_step, guidance_mix, model_timestep
-from .heads_kernel import heads_kernel_scope
-from .transformer import tpu_rope_scope
-from .vae import DecodeForms
 from .weights import release_host_memory
 
 logger = logging.getLogger(__name__)
@@ -58,27 +54,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def upsample_form(lab: LabSwitches, mesh: Mesh) -> str:
-    """The VAE upsampling convs' form (model.vae.UPSAMPLE_FORMS) on the mesh's devices: "plain" when the lab turns
-    the fused forms off; on TPUs the lab's `tpu_upsample`; elsewhere "phases", the fastest on CPU
-    (docs/performance.md)."""
-    if not lab.fused_upsample:
-        return "plain"
-    return lab.tpu_upsample if mesh.devices.flat[0].platform == "tpu" else "phases"
-
-
-def decode_forms(lab: LabSwitches, mesh: Mesh, dtype, attention_width: int) -> DecodeForms:
-    """How the decode program computes on `mesh` in `dtype` (model.vae.DecodeForms). The mid-block attention (one
-    head `attention_width` wide) runs the splash kernel (lab `vae_splash`) on one-device TPU programs of a
-    low-precision model whose head is whole 128-lane tiles: float32 on TPU means float32 (the kernel's dots would not
-    be), and a sharded program's VAE runs on every device, outside the kernel's partitioning; "interpret" runs it
-    everywhere (tests)."""
-    mode = lab.vae_splash
-    splash = mode == "interpret" or (mode == "tpu" and mesh.devices.size == 1 and jnp.dtype(dtype) != jnp.float32
-                                     and attention_width % 128 == 0 and mesh.devices.flat[0].platform == "tpu")
-    return DecodeForms(upsample_form(lab, mesh), "splash" if splash else "xla", lab.vae_one_pass_norm)
-
-
 class DecodedBatch(NamedTuple):
     """What the decode program returns: the pixels, and per image the share of non-finite values in the denoised
     latents and in the decoded image (float32 [B] each; 0 for a sound image)."""
@@ -92,28 +67,22 @@ class CompiledPrograms:
     """Builds and caches the three jitted/AOT-compiled programs for each bucket."""
 
     def __init__(self, text_encoder, transformer, vae, *, dtype, options: EngineOptions, text_len: int,
-                 attention: str, text_attention: str, mesh: Mesh, lab: LabSwitches = LabSwitches(),
-                 abstract: bool = False):
+                 attention: str, text_attention: str, mesh: Mesh, abstract: bool = False):
         """`abstract`: the modules hold shapes only (nnx.eval_shape) and the programs are only lowered and compiled
         (`lowered`), never run: how the preflight compiles for a TPU topology this machine does not have."""
         self.dtype = dtype
         self.options = options
-        self.lab = lab
         self.attention = attention  # the transformer's attention kernels (model.attention.IMPLEMENTATIONS)
         self.text_len = text_len
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
-        # Data parallel: the batch axis is split over the mesh. Context parallel: the batch is replicated and the
-        # image-token axis of the latents is split instead; XLA gathers K/V for attention.
-        self.context_parallel = options.context_parallel
-        self.batched = NamedSharding(mesh, P() if options.context_parallel else P("data"))
+        # The batch axis is split over the mesh's data replicas.
+        self.batched = NamedSharding(mesh, P("data"))
         # Fused projections laid out per shard (model.shard_layout); a no-op when the loader did it already.
         shard_layout.lay_out(transformer, model_shards(mesh))
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)
-        # how the decode computes here (the mid-block attention is one head of the deepest width)
-        self.decode_forms = forms = decode_forms(lab, mesh, dtype, vae.config.block_out_channels[-1])
         # Parameters are placed on the devices once, split over the model axis as they declare (model.sharding);
         # every program takes them as arguments.
         self.te_state, self.tr_state, self.vae_state = (self._place(state, abstract)
@@ -123,15 +92,15 @@ class CompiledPrograms:
         self.build_seconds: dict = {}  # bucket -> seconds lowering, and compiling each program (AOT builds)
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
         self._compiled: LRUCache = LRUCache(options.max_buckets, "compiled programs")
-        self.concurrent_images = concurrent_images_for(mesh, options)
+        self.concurrent_images = concurrent_images_for(mesh)
         self.threads = ImageThreads(self.concurrent_images)  # used when concurrent_images > 1
-        rows = image_by_image(per_image_for(mesh, options))
+        rows = image_by_image(per_image_for(mesh))
 
         def on_mesh(fn):
-            """`fn` traced for this mesh (the attention kernels partition themselves over it)."""
+            """`fn` traced for this mesh: the attention kernels partition themselves over it, and the forms of its
+            platform are the ones traced (model.platform_forms)."""
             def traced(*args):
-                with attention_lib.mesh_context(mesh), precision_scope(dtype), tpu_rope_scope(lab.tpu_rope), \
-                        heads_kernel_scope(lab.heads_kernel):
+                with attention_lib.mesh_context(mesh), precision_scope(dtype):
                     return fn(*args)
 
             traced.__name__ = traced.__qualname__ = fn.__name__  # programs keep their names (profiles group by them)
@@ -140,16 +109,13 @@ class CompiledPrograms:
         @on_mesh
         def encode(state, ids, mask):
             model = nnx.merge(te_graph, state)
-            return rows(lambda i, m: model(i, m, implementation=text_attention,
-                                           layers_traced_once=lab.layers_traced_once).astype(dtype), ids, mask)
+            return rows(lambda i, m: model(i, m, implementation=text_attention).astype(dtype), ids, mask)
 
         def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs):
             """The target tokens' velocity; `refs` (reference tokens, or None) follow them in the image sequence and
             are the same in both CFG branches, as in diffusers."""
             model = nnx.merge(tr_graph, state)
-            kw = dict(implementation=attention, image_only_last_block=lab.image_only_last_block,
-                      layers_traced_once=lab.layers_traced_once,
-                      target_tokens=x.shape[1])
+            kw = dict(implementation=attention, target_tokens=x.shape[1])
             if refs is not None:
                 x = jnp.concatenate([x, refs.astype(x.dtype)], axis=1)
             if neg_txt is None:
@@ -176,41 +142,30 @@ class CompiledPrograms:
             return out
 
         @on_mesh
-        def single_step(state, x, txt, neg_txt, refs, sigma, sigma_next, timestep, cos, sin, guidance_scale):
-            def one(x, txt, neg_txt, refs):
-                t = model_timestep(timestep, x.dtype, x.shape[0])
-                v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs)
-                return euler_step(x, v, sigma, sigma_next)
-
-            return rows(one, x, txt, neg_txt, refs)
-
-        @on_mesh
         def velocity_at(state, x, txt, neg_txt, refs, timestep, cos, sin, guidance_scale):
             """One step's velocity (as the denoising loop computes it) at latents `x`: drift measures compare it."""
             return rows(lambda x, tx, ntx, r: velocity(state, x, tx, model_timestep(timestep, x.dtype, x.shape[0]),
                                                        cos, sin, ntx, guidance_scale, r), x, txt, neg_txt, refs)
 
         @on_mesh
-        def decode(state, tokens, grid_h, grid_w, to_uint8):
+        def decode(state, tokens, grid_h, grid_w):
             model = nnx.merge(vae_graph, state)
-            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w, forms).astype(jnp.float32), tokens)
+            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w).astype(jnp.float32), tokens)
             # The share of values that are not finite, per image, in what the denoising loop handed over and in the
             # decoded pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
             latents_bad = jnp.mean(~jnp.isfinite(tokens.astype(jnp.float32)), axis=(1, 2))
             image_bad = jnp.mean(~jnp.isfinite(image), axis=(1, 2, 3))
-            if to_uint8:
-                image = jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)
-            return DecodedBatch(image, latents_bad, image_bad)
+            pixels = jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)  # only uint8 to host
+            return DecodedBatch(pixels, latents_bad, image_bad)
 
         # Compiler options ride on the jitted functions, so AOT `.lower().compile()` and plain jit both get them.
         def copts(program):
-            return compiler_options_for(mesh, options, program)
+            return compiler_options_for(mesh, program)
 
         self._encode = jax.jit(encode, compiler_options=copts("encode"))
         self._denoise = jax.jit(denoise, donate_argnums=(1,), compiler_options=copts("denoise"))
-        self._single_step = jax.jit(single_step, donate_argnums=(1,), compiler_options=copts("denoise"))
         self.velocity = jax.jit(velocity_at, compiler_options=copts("denoise"))
-        self._decode = jax.jit(decode, static_argnums=(2, 3, 4), donate_argnums=(1,), compiler_options=copts("decode"))
+        self._decode = jax.jit(decode, static_argnums=(2, 3), donate_argnums=(1,), compiler_options=copts("decode"))
 
     def _place(self, state, abstract: bool):
         """A module's parameters on the mesh, split by model.sharding (shapes with shardings when `abstract`)."""
@@ -245,15 +200,8 @@ class CompiledPrograms:
     def _spec(self, shape, dtype, batched=True):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batched if batched else self.replicated)
 
-    def latents_sharding(self, num_tokens: int) -> NamedSharding:
-        """Sharding of latent tokens [B, N, C]: over N in context-parallel mode when N divides evenly."""
-        if self.context_parallel and num_tokens % data_replicas(self.mesh) == 0:
-            return NamedSharding(self.mesh, P(None, "data"))
-        return self.batched
-
     def _latents_spec(self, b: "Bucket", in_channels):
-        n = b.grid_h * b.grid_w
-        return jax.ShapeDtypeStruct((b.batch, n, in_channels), self.dtype, sharding=self.latents_sharding(n))
+        return self._spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype)
 
     def _encode_args(self, batch):
         return (self.te_state, self._spec((batch, self.text_len), jnp.int32),
@@ -269,7 +217,7 @@ class CompiledPrograms:
                 self._spec((seq, head_dim), jnp.float32, False), self._spec((), jnp.float32, False))
 
     def _decode_args(self, b: Bucket, in_channels):
-        return (self.vae_state, self._latents_spec(b, in_channels), b.grid_h, b.grid_w, self.lab.device_uint8)
+        return (self.vae_state, self._latents_spec(b, in_channels), b.grid_h, b.grid_w)
 
     def programs(self, b: Bucket, in_channels, joint_dim, head_dim):
         """(encode, denoise, decode) callables for a bucket, compiled once (concurrently) and then reused while the
@@ -280,36 +228,16 @@ class CompiledPrograms:
                 return tuple(self.threads.wrap(name, fn) for name, fn in zip(PROGRAMS, one))
             return self._compiled.get_or_make(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
 
-    def adopt(self, other: "CompiledPrograms") -> None:
-        """Take the programs `other` compiled (e.g. from shapes, while the weights loaded) as this engine's own: the
-        same mesh, options and parameter shardings make the same executables."""
-        with self._lock:
-            for bucket in other._compiled:
-                if bucket not in self._compiled:
-                    self._compiled[bucket] = other._compiled[bucket]
-            self.build_seconds.update(other.build_seconds)
-            self.compile_count += other.compile_count
-
-    def lower(self, b: Bucket, in_channels, joint_dim, head_dim, *, fused: bool):
-        """[encode, denoise, decode] lowered for the bucket's shapes; denoise is the whole loop when `fused`, else
-        one step."""
-        denoise_args = self._denoise_args(b, in_channels, joint_dim, head_dim)
-        if fused:
-            denoise_lowered = self._denoise.lower(*denoise_args)
-        else:  # the per-step program: (state, x, txt, neg, refs, sigma, sigma_next, timestep, cos, sin, scale)
-            scalar = self._spec((), jnp.float32, False)
-            state, x, txt, neg, refs, _, _, cos, sin, scale = denoise_args
-            denoise_lowered = self._single_step.lower(state, x, txt, neg, refs, scalar, scalar, scalar, cos, sin,
-                                                      scale)
-        return [self._encode.lower(*self._encode_args(b.batch)), denoise_lowered,
+    def lower(self, b: Bucket, in_channels, joint_dim, head_dim):
+        """[encode, denoise (the whole loop), decode] lowered for the bucket's shapes."""
+        return [self._encode.lower(*self._encode_args(b.batch)),
+                self._denoise.lower(*self._denoise_args(b, in_channels, joint_dim, head_dim)),
                 self._decode.lower(*self._decode_args(b, in_channels))]
 
     def _build(self, b: Bucket, in_channels, joint_dim, head_dim):
-        """The bucket's programs: compiled ahead of time (the three concurrently), or the jitted functions."""
-        if not self.lab.aot_compile:
-            return (self._encode, self._denoise if self.lab.fused else self._single_step, self._decode)
+        """The bucket's programs, compiled ahead of time (the three concurrently)."""
         start = time.perf_counter()
-        lowered = self.lower(b, in_channels, joint_dim, head_dim, fused=self.lab.fused)
+        lowered = self.lower(b, in_channels, joint_dim, head_dim)
         lowered_at = time.perf_counter()
         devices = list(self.mesh.devices.flat)
 
@@ -330,7 +258,7 @@ class CompiledPrograms:
         release_host_memory()
         logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
 
-        def decode_fn(state, tokens, grid_h, grid_w, to_uint8):
+        def decode_fn(state, tokens, grid_h, grid_w):
             return decode_c(state, tokens)
 
         return (encode_c, denoise_c, decode_fn)

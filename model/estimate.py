@@ -20,7 +20,7 @@ class Calibration:
     matmul: float                 # XLA's FLOPs of the transformer and text-encoder programs (fused elementwise included)
     int8_matmul: float            # the same programs' FLOPs with int8 projections (model.quantize): int8 runs 2x bf16
     attention: float              # the splash kernels' FLOPs
-    flash_attention: float        # the flash kernel's FLOPs, on the chips that run it (model.attention.FLASH_KERNEL_CHIPS)
+    flash_attention: float        # the flash kernel's FLOPs, on the chips that run it (model.platform_forms.FLASH_KERNEL_CHIPS)
     convolution: float            # the VAE decode's FLOPs
     memory: float                 # the roofline's bytes leg (not measured apart: no measured program was bytes-bound)
     host_seconds_per_image: float
@@ -37,35 +37,30 @@ V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.838, int8_matmul=1.347, attent
 
 def _padded(n: int) -> int:
     """`n` tokens padded to whole blocks of the splash kernel."""
-    from .attention import SPLASH_BLOCK
+    from .platform_forms import SPLASH_BLOCK
 
     return -(-n // SPLASH_BLOCK) * SPLASH_BLOCK
 
 
 def attention_flops_per_image(config, *, text_len: int, image_tokens: int, steps: int, cfg: bool,
-                              out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, image_only_last_block: bool = True,
-                              vae_splash: bool = False) -> dict:
+                              out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS) -> dict:
     """FLOPs of the attention kernels (q k^T and p v, 2 x 2 x Lq x Lk x width) per image and program, over the
-    lengths the splash kernel runs (padded to its block): what XLA's cost analysis leaves out. `vae_splash`: the
-    decode's mid-block attention runs the kernel too (model.engine.decode_forms), one head over the latent pixels."""
+    lengths the splash kernel runs (padded to its block): what XLA's cost analysis leaves out. The decode's attention
+    is XLA's (counted by XLA): 0 there."""
     from .qwen3 import layers_to_run
 
     tr, te = config.transformer, config.text_encoder
     seq = _padded(text_len + image_tokens)
     blocks = tr.num_layers + tr.num_single_layers
     per_pass = 4 * seq * seq * tr.inner_dim * blocks
-    if image_only_last_block and tr.num_single_layers:  # the last block's queries are the image tokens only
+    if tr.num_single_layers:  # the last block's queries are the image tokens only
         per_pass -= 4 * (seq - _padded(image_tokens)) * seq * tr.inner_dim
     length = _padded(text_len)
     nb = length // 128 if length >= 128 else 1
     causal_share = (nb + 1) / (2 * nb)  # the kernel skips the blocks above the diagonal
     text_layers = layers_to_run(te, out_layers)[0]
     encode = 4 * length * length * te.num_attention_heads * te.head_dim * causal_share * text_layers
-    decode = 0.0
-    if vae_splash and config.vae.mid_block_add_attention:
-        pixels = _padded(image_tokens * config.vae.patch_size[0] * config.vae.patch_size[1])
-        decode = 4 * pixels * pixels * config.vae.block_out_channels[-1]
-    return {"encode": float(encode), "denoise": float(per_pass * steps * (2 if cfg else 1)), "decode": float(decode)}
+    return {"encode": float(encode), "denoise": float(per_pass * steps * (2 if cfg else 1)), "decode": 0.0}
 
 
 def kernel_split(config, shards: int) -> dict:

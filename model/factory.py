@@ -1,7 +1,7 @@
 """The one recipe for a checkpoint's networks and for the programs that run them on a mesh.
 
 `Networks` builds the text encoder, transformer and VAE a config describes, as shapes only (nnx.eval_shape): as the
-programs run them (for the loader to fill, the precompiler and the preflight to compile) or whole (every tensor a
+programs run them (for the loader to fill and the preflight to compile) or whole (every tensor a
 complete checkpoint holds). `build_programs` makes the generator's compiled programs for a mesh from concrete or
 abstract modules; `model.load` (through the generator) and the preflight (model.aot) both call it.
 """
@@ -17,7 +17,6 @@ from .attention import resolve_implementation
 from .config import PipelineConfig
 from .engine import CompiledPrograms
 from .errors import ConfigError
-from .lab import LabSwitches
 from .options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions
 from .qwen3 import Qwen3TextEncoder
 from .transformer import Flux2Transformer
@@ -43,13 +42,12 @@ def check_text_width(config: PipelineConfig, out_layers, path: str | None = None
 class Networks:
     """The networks of one checkpoint config in one dtype, as shapes (`nnx.eval_shape`: no memory, no weights).
 
-    `out_layers`: the text-encoder hidden states the transformer reads; `lab`: the fast path's switches (a truncated
-    text encoder unless the lab turns it off); `quantize`: as EngineOptions.quantize."""
+    `out_layers`: the text-encoder hidden states the transformer reads (the programs run the encoder up to the deepest
+    of them); `quantize`: as EngineOptions.quantize."""
 
     config: PipelineConfig
     dtype: str = "bfloat16"
     out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
-    lab: LabSwitches = LabSwitches()
     quantize: str = "none"  # EngineOptions.quantize: the transformer's block projections int8 (model.quantize)
 
     @property
@@ -59,10 +57,8 @@ class Networks:
     def _abstract(self, build):
         return nnx.eval_shape(lambda: build(dtype=self.jax_dtype, rngs=nnx.Rngs(0)))
 
-    def text_encoder(self, *, full_depth: bool | None = None):
-        """Qwen3 up to the deepest state read (None: as the programs run it) or, `full_depth`, every layer."""
-        if full_depth is None:
-            full_depth = not self.lab.truncated_encoder or self.lab.reference
+    def text_encoder(self, *, full_depth: bool = False):
+        """Qwen3 up to the deepest state read (as the programs run it) or, `full_depth`, every layer."""
         return self._abstract(lambda **kw: Qwen3TextEncoder(self.config.text_encoder, self.out_layers,
                                                             full_depth=full_depth, quantize=self.quantize, **kw))
 
@@ -97,7 +93,7 @@ class Networks:
 
 
 def build_programs(modules, *, dtype: str, mesh, options: EngineOptions, text_len: int,
-                   lab: LabSwitches = LabSwitches(), abstract: bool = False) -> CompiledPrograms:
+                   abstract: bool = False) -> CompiledPrograms:
     """The generator's programs (encode, denoise, decode) over `mesh` for `modules` = (text encoder, transformer, VAE
     decoder): loaded ones, or `abstract` ones (shapes: the programs are only lowered and compiled), with the attention
     kernels `options` ask for as available on the mesh's platform."""
@@ -108,4 +104,4 @@ def build_programs(modules, *, dtype: str, mesh, options: EngineOptions, text_le
         attention=resolve_implementation(options.attention, platform=platform, dtype=jdtype),
         text_attention=resolve_implementation(options.text_encoder_attention, masked=True, platform=platform,
                                               dtype=jdtype),
-        mesh=mesh, lab=lab, abstract=abstract)
+        mesh=mesh, abstract=abstract)

@@ -72,11 +72,12 @@ class Report:
 
     @property
     def flash_attention(self) -> bool:
-        """Whether the attention runs the flash kernel: one-device programs on the chips of FLASH_KERNEL_CHIPS."""
-        from .attention import FLASH_KERNEL_CHIPS
+        """Whether the attention runs the flash kernel: one-device programs on a chip whose forms say so
+        (model.platform_forms)."""
+        from .platform_forms import forms_for
 
-        return len(self.topology.devices) == 1 and any(CHIPS.get(kind) is self.topology.chip
-                                                     for kind in FLASH_KERNEL_CHIPS)
+        return len(self.topology.devices) == 1 and any(
+            chip is self.topology.chip and forms_for("tpu", kind).flash_kernel for kind, chip in CHIPS.items())
 
     @property
     def seconds_at_peak_per_image(self) -> float:

@@ -10,11 +10,9 @@ these methods, and read XLA's cost analysis of a bucket's programs through `lowe
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from . import contract, shard_layout
 from . import scheduler as sched
@@ -30,7 +27,6 @@ from .config import PipelineConfig
 from .engine import DecodedBatch, enable_compilation_cache
 from .errors import CheckpointError, NonFiniteImageError, RequestError
 from .factory import COMPONENT_FOLDERS, DTYPES, Networks, build_programs, check_text_width
-from .lab import LabSwitches, split_overrides
 from .lru import LRUCache
 from .mesh import data_replicas, make_mesh, model_shards
 from .noise import initial_noise
@@ -40,7 +36,7 @@ from .reference_encoder import ReferenceEncoder
 from .references import ProcessedReference, preprocess_all, reference_signature as _reference_signature
 from .runtime import start_runtime
 from .sharding import placement
-from .tokenizer import PromptTokenizer, TokenizerShape
+from .tokenizer import PromptTokenizer
 from .transformer import image_ids, reference_ids, rope_tables, text_ids
 from .weights import (ComponentLoad, LoadTimes, load_component, load_components,
                       release_host_memory, validate_component)
@@ -51,63 +47,28 @@ logger = logging.getLogger(__name__)
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         lab: LabSwitches | None = None, cache_dir: str | None = None, variant: str | None = None,
-         **overrides) -> "Flux2KleinGenerator":
+         cache_dir: str | None = None, variant: str | None = None, **engine_overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
     layout) in `dtype` and prepare it for generation.
 
     `settings` is a `LoadSettings` (as the job passes it), or the checkpoint's path with the other arguments.
     `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
     `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
-    others. The weights are cast to `dtype` whatever the files hold. `overrides` name fields of
-    `EngineOptions` (deployment) or of `model.lab.LabSwitches` (benchmarks and tests)."""
-    engine_overrides, lab_overrides = split_overrides(overrides)
-    lab = dataclasses.replace(lab or LabSwitches(), **lab_overrides)
+    others. The weights are cast to `dtype` whatever the files hold. `engine_overrides` name fields of
+    `EngineOptions`."""
     if not isinstance(settings, LoadSettings):
         settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
                                        batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
                                        options=options, cache_dir=cache_dir, variant=variant, **engine_overrides)
     elif engine_overrides:
         settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
-    return _load(settings, lab)
-
-
-# Where LoadSettings.precompile runs during the load; elsewhere the programs compile on first use, after it. On a CPU
-# the programs would compile on the very cores that lay out the weights; on a TPU host the precompile's lowering,
-# Python like the loading threads' steps, made the start slower, not faster (docs/performance.md). GPUs: unmeasured.
-PRECOMPILE_PLATFORMS = ("gpu",)
-
-
-# Python's GIL switch interval while a precompile traces the model beside the loading threads. At the default 5 ms
-# a loading thread that needs the GIL (after each read, transfer or transpose) may wait 5 ms for the tracing thread;
-# at 0.25 ms most of that wait is gone (docs/performance.md).
-LOADING_SWITCH_INTERVAL_S = 0.00025
-_switching_lock = threading.Lock()
-_switching = {"users": 0, "before": None}
-
-
-@contextlib.contextmanager
-def fine_gil_switching():
-    """The process's GIL switch interval at most LOADING_SWITCH_INTERVAL_S inside; the first load to enter saves
-    the interval and the last to leave restores it (loads may overlap in a worker's threads)."""
-    with _switching_lock:
-        if _switching["users"] == 0:
-            _switching["before"] = sys.getswitchinterval()
-        _switching["users"] += 1
-        sys.setswitchinterval(min(_switching["before"], LOADING_SWITCH_INTERVAL_S))
-    try:
-        yield
-    finally:
-        with _switching_lock:
-            _switching["users"] -= 1
-            if _switching["users"] == 0:
-                sys.setswitchinterval(_switching["before"])
+    return _load(settings)
 
 
 _TOKENIZER_LOADER = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
 
 
-def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
+def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
     options, variant = settings.engine, settings.variant
     enable_compilation_cache(options.compilation_cache_dir)
     runtime = start_runtime()  # beside the preparations below, none of which needs a device
@@ -135,8 +96,8 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     tokenizing = _TOKENIZER_LOADER.submit(load_tokenizer, os.path.join(root, "tokenizer"),
                                           settings.max_sequence_length, te_cfg.vocab_size)
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
-    # The modules the programs run, as shapes: filled here, and copied for the precompiler.
-    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, lab, options.quantize)
+    # The modules the programs run, as shapes, for the loader to fill.
+    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, options.quantize)
     run_te, transformer_abs, run_vae = networks.run_modules()
     stored = networks.stored_tensors(transformer_abs)
     # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
@@ -157,37 +118,18 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
     step("runtime_wait")
     mesh = make_mesh(options)
 
-    def make_generator(tokenizer, text_encoder, transformer, vae, **kw):
-        return Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
-                                   options=options, model_id=settings.model, root=root, lab=lab, mesh=mesh, **kw)
-
-    # Where PRECOMPILE_PLATFORMS says (GPUs), the programs of the shapes asked for compile from the modules' shapes on
-    # another thread while the weights load (reading is bound by the disk, compiling by the host's cores).
-    precompiling = None
-    precompile_now = settings.precompile and lab.aot_compile and mesh.devices.flat[0].platform in PRECOMPILE_PLATFORMS
     shard_layout.lay_out(transformer_abs, model_shards(mesh))
     loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_layout.stored_to_layout(module))
              for (name, module, exp, opt), f in zip(components, files)]
-    with fine_gil_switching() if precompile_now else contextlib.nullcontext():
-        if precompile_now:
-            # The precompiler gets copies of the modules the load fills (made here, so no thread reads a module
-            # while another copies it): copying the shapes is much faster than making them again beside the load
-            # (docs/performance.md).
-            modules = tuple(nnx.clone(m) for m in (run_te, transformer_abs, run_vae))
-            pool = ThreadPoolExecutor(1, thread_name_prefix="precompile")
-            shape = TokenizerShape(settings.max_sequence_length)  # LoadSettings checked it
-            precompiling = pool.submit(_precompile, settings.precompile,
-                                       lambda: make_generator(shape, *modules, abstract=True))
-            pool.shutdown(wait=False)  # the thread ends with its one task
-        step("mesh_and_precompile_start")
+    step("mesh")
 
-        # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime
-        # had started); a broken one stops the loading threads as soon as it has failed. The device transposes the
-        # weights need compile first (model.weights.load_components), before any other program takes the compiler.
-        times, placing = LoadTimes(), time.perf_counter()
-        text_encoder, transformer, vae = load_components(
-            loads, placement=placement(mesh), times=times,
-            should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
+    # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime had
+    # started); a broken one stops the loading threads as soon as it has failed. The device transposes the weights
+    # need compile first (model.weights.load_components), before any other program takes the compiler.
+    times, placing = LoadTimes(), time.perf_counter()
+    text_encoder, transformer, vae = load_components(
+        loads, placement=placement(mesh), times=times,
+        should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
     placed = time.perf_counter()
     tokenizer = tokenizing.result()  # its CheckpointError, if it failed after the last tensor was read
     finishing = time.perf_counter()
@@ -209,21 +151,11 @@ def _load(settings: LoadSettings, lab: LabSwitches) -> "Flux2KleinGenerator":
                 time.perf_counter() - start, load_phases["tensors"], load_phases["bytes"] / 1e9, load_phases["wall_s"],
                 load_phases["read_s"], load_phases["host_layout_s"], load_phases["transfer_s"],
                 load_phases["device_layout_s"])
-    generator = make_generator(tokenizer, text_encoder, transformer, vae, vae_encoder_loader=load_vae_encoder)
+    generator = Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
+                                    options=options, model_id=settings.model, root=root, mesh=mesh,
+                                    vae_encoder_loader=load_vae_encoder)
     generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
-    waited = time.perf_counter()
-    load_phases["finish_s"] = waited - finishing  # host memory returned, the generator made
-    if precompiling is not None:
-        compiled, made_s = precompiling.result()
-        if compiled is not None:
-            generator.programs.adopt(compiled)
-            # where the precompile went: making the abstract generator, then per program (summed over the shapes)
-            built = collections.Counter({"make": made_s})
-            for seconds in compiled.build_seconds.values():
-                built.update(seconds)
-            load_phases["precompile_steps_s"] = {name: round(v, 3) for name, v in built.items()}
-        logger.info("waited %.1f s after loading for the programs compiled meanwhile", time.perf_counter() - waited)
-    load_phases["precompile_wait_s"] = time.perf_counter() - waited
+    load_phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
     return generator
 
 
@@ -236,29 +168,6 @@ def load_tokenizer(folder: str, max_length: int, vocab_size: int) -> PromptToken
                               f"table only {vocab_size} rows (vocab_size): tokenizer and text encoder do not belong "
                               f"together", path=folder)
     return tokenizer
-
-
-def _precompile(shapes, make_abstract_generator):
-    """(the programs of `shapes` (LoadSettings.precompile) compiled from shapes alone, or None if that failed (the
-    generator then compiles on first use, as without precompiling); seconds making the abstract generator)."""
-    made_s = 0.0
-    try:
-        start = time.perf_counter()
-        gen = make_abstract_generator()
-        made_s = time.perf_counter() - start
-        for height, width, steps, guidance in shapes:
-            try:
-                inputs = gen.check_inputs(["precompile"], [0], height, width, num_inference_steps=steps,
-                                          guidance_scale=guidance)
-            except ValueError as e:
-                logger.warning("not precompiling %dx%d: %s", height, width, e)
-                continue
-            gen.plan_bucket(inputs)
-        logger.info("precompiled %d shape(s) in %.1f s while loading", len(shapes), time.perf_counter() - start)
-        return gen.programs, made_s
-    except Exception:  # noqa: BLE001 - an optimisation: the generator compiles on first use instead
-        logger.warning("precompiling while loading failed; the programs compile on first use", exc_info=True)
-        return None, made_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,17 +239,14 @@ class Flux2KleinGenerator:
     """A loaded FLUX.2 [klein] model: text encoder, transformer, VAE decoder, scheduler and tokenizer."""
 
     def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
-                 dtype: str, options: EngineOptions, model_id: str, root: str, lab: LabSwitches = LabSwitches(),
-                 vae_encoder_loader=None, abstract: bool = False, mesh=None):
+                 dtype: str, options: EngineOptions, model_id: str, root: str, vae_encoder_loader=None, mesh=None):
         """`vae_encoder_loader()`: the concrete `Flux2VAEEncoder`, called on the first image-conditioned call (None:
-        reference images are refused). `abstract`: the modules hold shapes only, and the generator only compiles
-        (`plan_bucket`); it never generates. `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
+        reference images are refused). `mesh`: the devices (None: `model.mesh.make_mesh(options)`)."""
         self.config = config
         self.tokenizer = tokenizer
         self.load_phases: dict = {}  # model.load's weight-loading phases (model.weights.LoadTimes, plus wall_s)
         self.dtype = dtype
         self.options = options
-        self.lab = lab
         self.model_id = model_id
         self.root = root
         self.max_sequence_length = tokenizer.max_length
@@ -351,15 +257,15 @@ class Flux2KleinGenerator:
         self.limits = contract.Limits(size_multiple=config.size_multiple)
         self.mesh = make_mesh(options) if mesh is None else mesh
         self.programs = build_programs((text_encoder, transformer, vae), dtype=dtype, mesh=self.mesh, options=options,
-                                       text_len=tokenizer.max_length, lab=lab, abstract=abstract)
+                                       text_len=tokenizer.max_length)
         # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
         self._embed_cache: LRUCache | None = (
             LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0
             else None)
         self._rope_cache: LRUCache = LRUCache(options.max_buckets, "RoPE tables")
         self._schedule_cache: LRUCache = LRUCache(options.max_buckets, "schedules")
-        self.reference_encoder = (ReferenceEncoder(vae_encoder_loader, mesh=self.mesh, options=options,
-                                                   dtype=DTYPES[dtype]) if vae_encoder_loader else None)
+        self.reference_encoder = (ReferenceEncoder(vae_encoder_loader, mesh=self.mesh, dtype=DTYPES[dtype])
+                                  if vae_encoder_loader else None)
         self.stats = collections.Counter()
         # generate() calls are serialised: they share the embedding cache and the device (which runs one at a time).
         self._generate_lock = threading.Lock()
@@ -447,7 +353,7 @@ class Flux2KleinGenerator:
             self.config, height=inputs.height, width=inputs.width,
             sampling=Sampling(inputs.num_inference_steps, inputs.guidance_scale, inputs.use_cfg),
             batch=batch_size or self.options.batch_size or len(inputs.prompts), data_replicas=data_replicas(self.mesh),
-            context_parallel=self.options.context_parallel, reference_sizes=inputs.reference_sizes)
+            reference_sizes=inputs.reference_sizes)
         tr = self.config.transformer
         encode_fn, denoise_fn, decode_fn = self.programs.programs(
             bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
@@ -464,10 +370,8 @@ class Flux2KleinGenerator:
     def tokenize(self, prompts: list[str], plan: BucketPlan):
         """(token ids, attention masks) of at most one batch of prompts on the devices, padded with empty prompts to
         the bucket's batch unless the programs take any number of rows, and whether each prompt was truncated."""
-        tokenizer = self.tokenizer if not self.lab.reference else PromptTokenizer(  # reference: made per call
-            os.path.join(self.root, "tokenizer"), self.max_sequence_length)
         pad = 0 if self.programs.any_batch else plan.batch - len(prompts)
-        tok = tokenizer(list(prompts) + [""] * pad)
+        tok = self.tokenizer(list(prompts) + [""] * pad)
         ids = jax.device_put(tok.input_ids, self.programs.batched)
         mask = jax.device_put(tok.attention_mask, self.programs.batched)
         return ids, mask, tuple(bool(t) for t in tok.truncated[:len(prompts)])
@@ -480,9 +384,9 @@ class Flux2KleinGenerator:
         """(text embeddings [len(prompts), L, J] on the devices, truncated flags per prompt); unique prompts encoded
         once (de-duplication), recent ones taken from the embedding cache."""
         batch = plan.batch
-        unique = list(dict.fromkeys(prompts)) if self.lab.dedupe_prompts else list(prompts)
+        unique = list(dict.fromkeys(prompts))
         cache = self._embed_cache
-        todo = [p for p in unique if cache is None or p not in cache]  # `unique` is de-duplicated only if asked
+        todo = [p for p in unique if cache is None or p not in cache]
         fresh = {}
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
@@ -512,8 +416,7 @@ class Flux2KleinGenerator:
         shape = (tr.in_channels, b.grid_h, b.grid_w)
         noise = np.stack([initial_noise(s, shape) for s in seeds] + [np.zeros(shape, np.float32)] * pad)
         tokens = noise.reshape(len(seeds) + pad, tr.in_channels, b.grid_h * b.grid_w).transpose(0, 2, 1)
-        return jax.device_put(tokens.astype(DTYPES[self.dtype]),
-                              self.programs.latents_sharding(b.grid_h * b.grid_w))
+        return jax.device_put(tokens.astype(DTYPES[self.dtype]), self.programs.batched)
 
     def reference_tokens(self, references, plan: BucketPlan, pad: int = 0, cache: dict | None = None):
         """Latent tokens [rows, R, C] of each image's references (VAE encoder; equal references encoded once, and
@@ -528,16 +431,10 @@ class Flux2KleinGenerator:
         return tokens
 
     def denoise(self, latents, txt, neg, plan: BucketPlan, refs=None):
-        """Every denoising step: one fused program, or (reference and the fused_loop ablation) one call per step.
-        `refs`: the reference tokens of image-conditioned calls (`reference_tokens`), else None."""
-        if self.lab.fused:
-            return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, plan.sigmas, plan.timesteps,
-                                   plan.cos, plan.sin, plan.guidance)
-        sig_host, ts_host = np.asarray(plan.sigmas), np.asarray(plan.timesteps)
-        for i in range(plan.bucket.steps):
-            latents = plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, sig_host[i], sig_host[i + 1],
-                                      ts_host[i], plan.cos, plan.sin, plan.guidance)
-        return latents
+        """Every denoising step, in one program (a lax.scan over the steps). `refs`: the reference tokens of
+        image-conditioned calls (`reference_tokens`), else None."""
+        return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, plan.sigmas, plan.timesteps,
+                               plan.cos, plan.sin, plan.guidance)
 
     def velocity(self, latents, txt, neg, plan: BucketPlan, step: int, refs=None):
         """The velocity the denoising loop takes at `step` from `latents` (for drift measures: benchmarks.drift)."""
@@ -545,25 +442,20 @@ class Flux2KleinGenerator:
                                       plan.cos, plan.sin, plan.guidance)
 
     def decode(self, latents, plan: BucketPlan) -> DecodedBatch:
-        """Pixels on the devices, uint8 [B, H, W, 3] (float in [-1, 1] with the device_uint8 ablation), with each
-        image's share of non-finite values (`DecodedBatch`)."""
+        """Pixels on the devices, uint8 [B, H, W, 3], with each image's share of non-finite values
+        (`DecodedBatch`)."""
         b = plan.bucket
-        return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w, self.lab.device_uint8)
+        return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w)
 
-    def lower(self, plan: BucketPlan, fused: bool | None = None):
+    def lower(self, plan: BucketPlan):
         """The bucket's (encode, denoise, decode) programs lowered for its shapes, not compiled (jax.stages.Lowered:
-        HLO, XLA's cost analysis). Denoise is the whole loop when `fused`, else one step; default: as this generator
-        runs it."""
+        HLO, XLA's cost analysis); denoise is the whole loop."""
         tr = self.config.transformer
-        return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim,
-                                   fused=self.lab.fused if fused is None else fused)
+        return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
 
     def to_host(self, decoded: DecodedBatch, real: int) -> np.ndarray:
-        """The first `real` images as host uint8 (converted on the host as diffusers does when they are floats)."""
-        host = np.asarray(jax.device_get(decoded.pixels))[:real]
-        if host.dtype != np.uint8:  # reference path: convert on the host like diffusers' postprocess
-            host = np.round(np.clip(host / 2 + 0.5, 0.0, 1.0) * 255.0).astype(np.uint8)
-        return host
+        """The first `real` images as host uint8."""
+        return np.asarray(jax.device_get(decoded.pixels))[:real]
 
     @staticmethod
     def nonfinite(decoded: DecodedBatch, real: int) -> list[NonFinite | None]:
@@ -638,16 +530,12 @@ class Flux2KleinGenerator:
             refs = (self.reference_tokens(inputs.references[start:start + plan.batch], plan, pad, reference_cache)
                     if inputs.references else None)
             pixels = self.decode(self.denoise(latents, txt, neg, plan, refs), plan)
-            # Dispatch is asynchronous: with overlap on, the previous batch's pixels are copied to the host (and
-            # the next batch tokenized) while the device works on this one.
+            # Dispatch is asynchronous: the previous batch's pixels are copied to the host (and the next batch
+            # tokenized) while the device works on this one.
             if pending is not None:
                 outputs.append(self.to_host(*pending))
                 nonfinite.extend(self.nonfinite(*pending))
             pending = (pixels, real)
-            if not self.lab.overlap_host:
-                outputs.append(self.to_host(*pending))
-                nonfinite.extend(self.nonfinite(*pending))
-                pending = None
         if pending is not None:
             outputs.append(self.to_host(*pending))
             nonfinite.extend(self.nonfinite(*pending))

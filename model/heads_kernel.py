@@ -12,32 +12,12 @@ model's dtype, times the weight; RoPE in float32, rounded; times the scale in th
 
 from __future__ import annotations
 
-import contextvars
-
 import jax
 import jax.numpy as jnp
 
-from .scopes import scoped
-
-# Where the kernel runs, set by the engine around each program it traces (lab switch `heads_kernel`): "tpu" (the
-# default: on TPU programs of one device with splash attention), "off" (the XLA path everywhere) or "interpret"
-# (everywhere, in Pallas interpret mode: for tests on CPU).
-HEADS_KERNEL_MODES = ("tpu", "off", "interpret")
-_MODE: contextvars.ContextVar = contextvars.ContextVar("heads_kernel", default="tpu")
 # Tokens per grid step: the largest of these dividing the sequence (v5e: blocks of 1536 x 128 keep a step's buffers,
 # double-buffered in and out with the float32 cos/sin, near 8 MiB of the 16 MiB scoped VMEM).
 TOKEN_BLOCKS = (1536, 1024, 512, 256, 128, 64, 32, 16)
-
-
-def heads_kernel_scope(mode: str):
-    """Trace `head_major` with the kernel `mode` (one of HEADS_KERNEL_MODES)."""
-    if mode not in HEADS_KERNEL_MODES:
-        raise ValueError(f"unknown heads kernel mode {mode!r}; choose one of {HEADS_KERNEL_MODES}")
-    return scoped(_MODE, mode)
-
-
-def kernel_mode() -> str:
-    return _MODE.get()
 
 
 def token_block(length: int) -> int | None:
@@ -140,14 +120,15 @@ def head_major(x, column: int, heads: int, head_dim: int, *, weight=None, eps: f
         name="heads_norm_rope" if with_norm else "heads_layout")(*inputs)
 
 
-def applies(implementation: str, mesh_devices: int, platform: str, head_dim: int, *lengths: int) -> bool | str:
-    """Whether attention's inputs go through the kernel, for splash attention on one device over sequences of these
-    lengths: False, "compiled" (on TPUs, heads of whole 128-lane tiles) or "interpret" (the test mode)."""
-    mode = kernel_mode()
-    if mode == "off" or implementation != "splash" or mesh_devices > 1:
+def applies(implementation: str, mesh_devices: int, enabled: bool, platform: str, head_dim: int,
+            *lengths: int) -> bool | str:
+    """Whether attention's inputs go through the kernel, where the platform's forms enable it
+    (model.platform_forms), for splash attention on one device over sequences of these lengths: False, "compiled"
+    (on TPUs, heads of whole 128-lane tiles) or "interpret" (elsewhere: the tests' way to check it on CPU)."""
+    if not enabled or implementation != "splash" or mesh_devices > 1:
         return False
     if any(token_block(n) is None for n in lengths):
         return False
-    if mode == "interpret":
+    if platform != "tpu":
         return "interpret"
-    return "compiled" if platform == "tpu" and head_dim % 128 == 0 else False
+    return "compiled" if head_dim % 128 == 0 else False

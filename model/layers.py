@@ -149,9 +149,8 @@ class GroupNorm(nnx.Module):
     def __call__(self, x, one_pass: bool = False):
         """`one_pass`: the variance as E[x^2] - E[x]^2 (float32, clamped at 0), both sums taken in the same pass over
         x, which XLA folds into the producing conv's output (no second read of x); False centres first (two passes,
-        as torch does). The engine passes `LabSwitches.vae_one_pass_norm`: one pass by default, two in the reference
-        mode. One pass loses log2(1 + mean^2/var) of float32's 24 bits: nothing a bf16 output keeps unless a group's
-        mean is hundreds of its standard deviations."""
+        as torch does). The VAE decoder takes one pass, its encoder two. One pass loses log2(1 + mean^2/var) of
+        float32's 24 bits: nothing a bf16 output keeps unless a group's mean is hundreds of its standard deviations."""
         dtype = x.dtype
         b, h, w, c = x.shape
         g = self.num_groups
@@ -184,12 +183,6 @@ class Embed(nnx.Module):
 
     def __call__(self, ids):
         return jnp.take(self.weight[...], ids, axis=0)
-
-
-def called_directly(block, *args, **kwargs):
-    """`block(*args, **kwargs)`: each layer traced where it is called (`LabSwitches.layers_traced_once` off, as in
-    the reference mode; on by default, which calls `traced_once_per_structure` instead)."""
-    return block(*args, **kwargs)
 
 
 def traced_once_per_structure():

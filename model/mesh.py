@@ -40,9 +40,8 @@ def check_model_shards(model_shards: int, devices) -> None:
 
 
 def make_mesh(options, devices=None):
-    """The (data, model) mesh of the programs: over `devices` (default: all local devices of `options.platform` for
-    data or context parallelism, else the first `options.model_shards`), `options.model_shards` of them holding one
-    copy of the weights. `options`: a model.options.EngineOptions.
+    """The (data, model) mesh of the programs: over `devices` (default: all local devices of `options.platform`),
+    `options.model_shards` of them holding one copy of the weights. `options`: a model.options.EngineOptions.
 
     `jax.make_mesh` orders TPU devices by their physical links (on CPU it keeps the given order); its axes are made
     Auto, the sharding mode the programs are written for (its default is Explicit). A device set it has no physical
@@ -51,10 +50,8 @@ def make_mesh(options, devices=None):
     import numpy as np
     from jax.sharding import AxisType, Mesh
 
-    if devices is None:  # data_parallel=False: one data replica (the first model_shards devices)
-        use_all = options.data_parallel or options.context_parallel
-        local = jax.local_devices(backend=options.platform)
-        devices = local if use_all else local[:options.model_shards]
+    if devices is None:
+        devices = jax.local_devices(backend=options.platform)
     devices = list(devices)
     check_model_shards(options.model_shards, devices)
     shape, names = (len(devices) // options.model_shards, options.model_shards), (DATA, MODEL)

@@ -2,7 +2,8 @@
 
 `LoadSettings` goes unchanged from the job's options (pipeline) through the RunInference handler (transforms) to
 `model.load`; every value is checked when the object is made, so a bad option fails at launch, not on a worker.
-JAX-free, like `model.contract`. The switches that only benchmarks and tests turn off live in `model.lab`.
+JAX-free, like `model.contract`. How the programs compute on each platform is not an option: model.platform_forms
+picks it from the platform.
 """
 
 from __future__ import annotations
@@ -22,29 +23,19 @@ DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_MAX_BATCH_SIZE = 8
 
-# XLA:CPU options per program. Eigen (YNNPACK's fusions off) for the text encoder and the VAE decode, XLA's defaults
-# (YNNPACK dots) for the transformer: each the faster library for that program on CPU (docs/performance.md).
-# Either library's blocking depends on the matrix sizes, so a batched dot may round an image differently with its
-# batch; the job promises the same bytes however requests are batched, which is why these options go together with
-# `per_image` (every program then sees one image at a time, whatever the batch).
-EIGEN_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
-# (program, options) pairs; a program not listed compiles with XLA's defaults.
-DEFAULT_CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """How the compiled programs are laid out on the machine: batch, attention kernels, caches, parallelism."""
 
     batch_size: int | None = None      # compiled batch size; None = the number of images asked for
-    attention: str = "auto"            # transformer attention: auto | dot | xla | cudnn | blocked | splash
+    attention: str = "auto"            # transformer attention: auto | xla | cudnn | blocked | splash
     # text encoder attention (masked): auto = blocked on CPU, xla on GPU, splash on TPU (xla for float32 models)
     text_encoder_attention: str = "auto"
     embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)
-    data_parallel: bool = True         # shard the batch over all local devices
-    context_parallel: bool = False     # instead shard the image-token sequence over all local devices (latency)
     # Chips that hold one copy of the weights between them (tensor parallel, model.sharding): the local devices form
-    # a (data, model) mesh of len(devices) / model_shards data replicas. 1 = every chip holds all the weights.
+    # a (data, model) mesh of len(devices) / model_shards data replicas, which split the batch. 1 = every chip holds
+    # all the weights.
     model_shards: int = 1
     # Which JAX backend's devices run the programs ("tpu", "gpu", "cpu"); None = JAX's default backend. Lets one
     # process compare the same checkpoint on a TPU and on its host's CPU (tests/tpu).
@@ -54,18 +45,6 @@ class EngineOptions:
     # used is dropped (compiled again, from the persistent cache when set, if it comes back). None = keep all. Each
     # bucket kept holds its three executables in host memory (docs/performance.md).
     max_buckets: int | None = 16
-    # Run each program image by image inside (lax.map): None = on a one-device CPU mesh, where it keeps an image's
-    # bytes independent of its batch and costs nothing (one image already fills the CPU); never on a bigger mesh.
-    per_image: bool | None = None
-    # Image by image on CPU: how many images of a batch run at once, each an execution of the one-image programs in
-    # its own thread. One image leaves the cores partly idle (its many small ops split badly over threads), so two at
-    # once make more images per second (docs/performance.md); an image's bytes are those of the one-image programs
-    # whatever the batch. None = 2 where `per_image` applies on CPU (else 1); 1 = one after the other (lax.map).
-    concurrent_images: int | None = None
-    # XLA:CPU compiler options (DebugOptions names) by program (encode / denoise / decode), applied only when the
-    # programs run on CPU; a program not listed, and () for all, gets XLA's defaults.
-    cpu_compiler_options: tuple[tuple[str, tuple[tuple[str, str | bool | int], ...]], ...] = \
-        DEFAULT_CPU_COMPILER_OPTIONS
     # "int8": the transformer blocks' projections run W8A8 (int8 weights per output channel, activations per token,
     # int32 accumulation): about half the weight memory; images differ from bf16's pixel by pixel
     # (benchmarks.quality measures by how much on your weights).
@@ -74,12 +53,8 @@ class EngineOptions:
     def __post_init__(self):
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
-        unknown = [p for p, _ in self.cpu_compiler_options if p not in PROGRAMS]
-        if unknown:
-            raise ValueError(f"cpu_compiler_options names unknown programs {unknown}; choose from {PROGRAMS}")
         count("model_shards", self.model_shards)
         optional_count("max_buckets", self.max_buckets)
-        optional_count("concurrent_images", self.concurrent_images)
         if self.batch_size is not None:
             count("batch_size", self.batch_size)
         if not is_integer(self.embed_cache_size):
@@ -97,26 +72,12 @@ class LoadSettings:
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     cache_dir: str | None = None       # local cache for copies of gs:// checkpoints
     engine: EngineOptions = EngineOptions()
-    # Text-to-image shapes compiled while the weights load (compiling needs only their shapes), as (height, width,
-    # num_inference_steps or None, guidance_scale or None; None = the checkpoint's default): a worker's first batch
-    # of that shape then waits for neither. Only on the platforms of model.generator.PRECOMPILE_PLATFORMS (GPUs);
-    # elsewhere the programs compile on first use. A shape `generate` would refuse is skipped with a warning.
-    precompile: tuple[tuple[int, int, int | None, float | None], ...] = ()
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         validate_variant(self.variant)
         count("max_sequence_length", self.max_sequence_length)
-        shapes = []
-        for shape in self.precompile:
-            if not isinstance(shape, (tuple, list)) or not 2 <= len(shape) <= 4:
-                raise ValueError(f"precompile takes (height, width[, steps[, guidance]]) tuples, got {shape!r}")
-            h, w, steps, guidance = (*shape, None, None)[:4]
-            shapes.append((count("precompile height", h), count("precompile width", w),
-                           None if steps is None else count("precompile steps", steps),
-                           None if guidance is None else float(guidance)))
-        object.__setattr__(self, "precompile", tuple(shapes))
         object.__setattr__(self, "model", str(self.model))
         object.__setattr__(self, "text_encoder_out_layers", tuple(int(k) for k in self.text_encoder_out_layers))
 

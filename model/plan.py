@@ -67,11 +67,10 @@ def compiled_batch(batch: int, data_replicas: int) -> int:
 
 
 def bucket_for(config: PipelineConfig, *, height: int, width: int, sampling: Sampling, batch: int,
-                data_replicas: int, context_parallel: bool = False,
-                reference_sizes: tuple[tuple[int, int], ...] = ()) -> Bucket:
-    """The bucket of a call: its latent grid, `batch` rounded to whole data replicas (kept as is in context-parallel
-    mode, where the replicas split the image tokens instead), and its references' token count."""
+                data_replicas: int, reference_sizes: tuple[tuple[int, int], ...] = ()) -> Bucket:
+    """The bucket of a call: its latent grid, `batch` rounded to whole data replicas, and its references' token
+    count."""
     grid_h, grid_w = latent_grid(config, height, width)
-    rows = batch if context_parallel else compiled_batch(batch, data_replicas)
+    rows = compiled_batch(batch, data_replicas)
     ref_tokens = sum(h * w for h, w in (latent_grid(config, *size) for size in reference_sizes))
     return Bucket(rows, grid_h, grid_w, sampling.num_inference_steps, sampling.use_cfg, ref_tokens)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from .attention import attention
 from .config import TextEncoderConfig
-from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, called_directly, traced_once_per_structure
+from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, traced_once_per_structure
 from .quantize import Int8Linear
 
 
@@ -138,24 +138,22 @@ class Qwen3TextEncoder(nnx.Module):
         self.config = cfg
         self.out_layers = normalize_out_layers(cfg, out_layers)
         num_layers, with_norm = layers_to_run(cfg, self.out_layers)
-        if full_depth:  # reference mode: run the whole stack like transformers does
+        if full_depth:  # the whole stack, as transformers has it (every tensor of the checkpoint)
             num_layers, with_norm = cfg.num_hidden_layers, True
         self.model = Qwen3Body(cfg, num_layers, with_norm, dtype=dtype, rngs=rngs,
                                linear=Int8Linear if quantize == "int8" else Linear)
 
-    def __call__(self, input_ids, attention_mask, *, implementation: str = "xla", layers_traced_once: bool = False):
-        """`layers_traced_once`: identical layers traced once (model.layers.traced_once_per_structure), and the RoPE
-        tables one constant each (as numpy arrays every layer's q and k embed their own copy: 108 constants, 28.7 MB
-        of klein-4B's lowered encode program)."""
+    def __call__(self, input_ids, attention_mask, *, implementation: str = "xla"):
+        """Identical layers are traced once (model.layers.traced_once_per_structure), and the RoPE tables are one
+        constant each (as numpy arrays every layer's q and k would embed their own copy: 108 constants, 28.7 MB of
+        klein-4B's lowered encode program)."""
         cfg = self.config
         length = input_ids.shape[1]
-        cos, sin = rope_tables(np.arange(length), cfg.head_dim, cfg.rope_theta)
-        if layers_traced_once:
-            cos, sin = jnp.asarray(cos), jnp.asarray(sin)
+        cos, sin = (jnp.asarray(t) for t in rope_tables(np.arange(length), cfg.head_dim, cfg.rope_theta))
         key_mask = attention_mask.astype(bool)  # causal and key-padding masks, applied by `attention`
         x = self.model.embed_tokens(input_ids)
         states = [x]
-        call = traced_once_per_structure() if layers_traced_once else called_directly
+        call = traced_once_per_structure()
         for i, layer in enumerate(self.model.layers):
             x = call(layer, x, cos, sin, key_mask, implementation=implementation)
             if i + 1 == cfg.num_hidden_layers:

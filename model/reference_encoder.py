@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 class ReferenceEncoder:
     """Encodes processed reference images to normalised latent tokens [h * w, C] with the VAE encoder.
 
-    `loader()` returns the concrete `model.vae.Flux2VAEEncoder` (called once, on first use); `mesh` and `options`
-    place its parameters (replicated, as the VAE's declare) and pick the CPU compiler options."""
+    `loader()` returns the concrete `model.vae.Flux2VAEEncoder` (called once, on first use); `mesh` places its
+    parameters (replicated, as the VAE's declare) and picks the CPU compiler options."""
 
-    def __init__(self, loader, *, mesh, options, dtype):
+    def __init__(self, loader, *, mesh, dtype):
         self._loader = loader
         self._mesh = mesh
         self._dtype = dtype
@@ -48,7 +48,7 @@ class ReferenceEncoder:
                 return module.encode_tokens(pixels.astype(dtype)).astype(dtype)
 
         # a convolution network like the decoder: the decoder's CPU compiler options
-        self._encode = jax.jit(encode, compiler_options=compiler_options_for(mesh, options, "decode"))
+        self._encode = jax.jit(encode, compiler_options=compiler_options_for(mesh, "decode"))
 
     @property
     def loader(self):

@@ -46,14 +46,6 @@ def tokenizer_class(folder: str):
     return AutoTokenizer
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenizerShape:
-    """What compiling needs of a tokenizer, the padded length: stands for it in a generator that only compiles, so
-    that the programs compile while the tokenizer (and the transformers import it needs, seconds) loads."""
-
-    max_length: int
-
-
 class PromptTokenizer:
     """Chat-template + tokenize exactly like Flux2KleinPipeline._get_qwen3_prompt_embeds, padded to max_length."""
 

@@ -8,7 +8,6 @@ sigma (= t / 1000) [B], and RoPE cos/sin tables [T + N, head_dim] for the [text 
 
 from __future__ import annotations
 
-import contextvars
 import math
 
 import jax
@@ -17,12 +16,10 @@ import numpy as np
 from flax import nnx
 
 from . import heads_kernel
-from .attention import attention, attention_heads, traced_devices, traced_platform
+from .attention import attention, attention_heads, traced_devices, traced_forms, traced_platform
 from .config import TransformerConfig
-from .layers import (Linear, RMSNorm, called_directly, layer_norm, precision_for, round_to_dtype,
-                     traced_once_per_structure)
+from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype, traced_once_per_structure
 from .quantize import Int8Linear
-from .scopes import scoped
 from .shard_layout import join_parts, split_parts
 
 # ----------------------------------------------------------------------------------------------- positions / RoPE
@@ -68,40 +65,25 @@ def rope_tables(ids: np.ndarray, axes_dims, theta: float):
             np.concatenate(sin_parts, axis=1).astype(np.float32))
 
 
-# How RoPE is traced for TPUs (`TPU_ROPE_FORMS`), set by the engine from its lab switch `tpu_rope` around each program
-# it traces, so a benchmark can measure each form; elsewhere RoPE always splits pairs (the fastest form on XLA:CPU).
-TPU_ROPE_FORMS = ("matmul", "roll", "pairs")
-_TPU_ROPE: contextvars.ContextVar = contextvars.ContextVar("tpu_rope", default="matmul")
-
-
-def tpu_rope_scope(form: str):
-    """Trace RoPE for TPUs in `form` (one of TPU_ROPE_FORMS)."""
-    if form not in TPU_ROPE_FORMS:
-        raise ValueError(f"unknown TPU RoPE form {form!r}; choose one of {TPU_ROPE_FORMS}")
-    return scoped(_TPU_ROPE, form)
-
-
 def apply_interleaved_rope(x, cos, sin):
     """Rotate adjacent pairs (x[2i], x[2i+1]) of x [B, S, H, D] by cos/sin [S, D]: x * cos + [-x[2i+1], x[2i]] * sin
-    in float32, x's dtype out. Three forms of the same products and sums (see `_rope_partner`)."""
-    form = _TPU_ROPE.get() if traced_platform() == "tpu" else "pairs"
-    partner = _rope_partner(x, form)
+    in float32, x's dtype out, the pair swap in the traced-for platform's form (model.platform_forms)."""
+    partner = _rope_partner(x, traced_forms().rope)
     return (x.astype(jnp.float32) * cos[None, :, None, :] + partner * sin[None, :, None, :]).astype(x.dtype)
 
 
 def _rope_partner(x, form: str):
-    """[-x[2i+1], x[2i]] for each pair of the last axis, float32. `pairs` splits the lanes into pairs (a trailing axis
-    of 2, which a TPU tiles 64x wider than it is); `roll` rolls the lanes one either way and selects; `matmul`
-    multiplies by the signed pair-swap matrix on the MXU (each output is one input times +-1: exact, in bf16 passes
-    too, since bf16 inputs are exact in them and float32 ones trace at the highest precision)."""
+    """[-x[2i+1], x[2i]] for each pair of the last axis, float32, in one of model.platform_forms.ROPE_FORMS (the
+    same bits either way): `pairs` splits the lanes into pairs (a trailing axis of 2); `matmul` multiplies by the
+    signed pair-swap matrix on the MXU (each output is one input times +-1: exact, in bf16 passes too, since bf16
+    inputs are exact in them and float32 ones trace at the highest precision)."""
     x32 = x.astype(jnp.float32)
     d = x.shape[-1]
     if form == "pairs":
         pairs = x32.reshape(*x.shape[:-1], -1, 2)
         return jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    if form == "roll":
-        even = jnp.arange(d) % 2 == 0
-        return jnp.where(even, -jnp.roll(x32, -1, axis=-1), jnp.roll(x32, 1, axis=-1))
+    if form != "matmul":
+        raise ValueError(f"unknown RoPE form {form!r}")
     swap = np.zeros((d, d), np.float32)
     swap[np.arange(1, d, 2), np.arange(0, d, 2)] = -1.0  # out[2i] = -x[2i+1]
     swap[np.arange(0, d, 2), np.arange(1, d, 2)] = 1.0   # out[2i+1] = x[2i]
@@ -112,8 +94,8 @@ def _rope_partner(x, form: str):
 def heads_kernel_mode(implementation: str, head_dim: int, *lengths: int):
     """Whether attention's q, k, v go through `model.heads_kernel` for sequences of these lengths (zero lengths
     ignored) in the program being traced: False, "compiled" or "interpret"."""
-    return heads_kernel.applies(implementation, traced_devices(), traced_platform(), head_dim,
-                                *(n for n in lengths if n))
+    return heads_kernel.applies(implementation, traced_devices(), traced_forms().heads_kernel, traced_platform(),
+                                head_dim, *(n for n in lengths if n))
 
 
 def timestep_from_sigma(sigma, dtype):
@@ -383,12 +365,11 @@ class Flux2Transformer(nnx.Module):
                                axes=("embed", "latent"))
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, cos, sin, guidance=None, *,
-                 implementation: str = "xla", image_only_last_block: bool = True, target_tokens: int | None = None,
-                 layers_traced_once: bool = False):
-        """Velocity for the image tokens. `image_only_last_block`: the last single-stream block computes outputs for
-        the image tokens only (the text tokens' would be discarded); False computes every token, as diffusers.
-        `target_tokens`: only the first that many image tokens' velocity (the target's, before the references').
-        `layers_traced_once`: identical blocks traced once (model.layers.traced_once_per_structure)."""
+                 implementation: str = "xla", target_tokens: int | None = None):
+        """Velocity for the image tokens. The last single-stream block computes outputs for the image tokens only
+        (diffusers computes the text tokens' too, and discards them); identical blocks are traced once
+        (model.layers.traced_once_per_structure). `target_tokens`: only the first that many image tokens' velocity
+        (the target's, before the references')."""
         dtype = self.x_embedder.weight.dtype
         timestep = timestep_from_sigma(timestep, dtype)
         if guidance is not None:
@@ -400,7 +381,7 @@ class Flux2Transformer(nnx.Module):
 
         img = self.x_embedder(hidden_states)
         txt = self.context_embedder(encoder_hidden_states)
-        call = traced_once_per_structure() if layers_traced_once else called_directly
+        call = traced_once_per_structure()
         for block in self.transformer_blocks:
             img, txt = call(block, img, txt, mod_img, mod_txt, cos, sin, implementation=implementation)
         num_txt = txt.shape[1]
@@ -408,7 +389,7 @@ class Flux2Transformer(nnx.Module):
         last = len(self.single_transformer_blocks) - 1
         for i, block in enumerate(self.single_transformer_blocks):
             x = call(block, x, mod_single, cos, sin, implementation=implementation,
-                     queries_from=num_txt if image_only_last_block and i == last else 0)
+                     queries_from=num_txt if i == last else 0)
         start = x.shape[1] - img.shape[1]
         x = x[:, start:start + (img.shape[1] if target_tokens is None else target_tokens)]
         x = self.norm_out(x, temb)

@@ -7,22 +7,18 @@ images (image-conditioned generation) go through `Flux2VAEEncoder`, loaded separ
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import attention_heads
+from .attention import traced_forms
 from .config import VAEConfig
 from .layers import Conv2d, GroupNorm, Linear, precision_for
+from .platform_forms import UPSAMPLE_FORMS
 from .sharding import param
 
 RESNET_EPS = 1e-6
-# How the mid-block attention runs: "xla" (einsums and a softmax over the whole [L, L] logits) or "splash" (the
-# splash kernel, compiled on one-device TPU programs, interpreted elsewhere: tests), see `SpatialAttention`.
-VAE_ATTENTION_FORMS = ("xla", "splash")
 
 
 class ResnetBlock(nnx.Module):
@@ -52,18 +48,10 @@ class SpatialAttention(nnx.Module):
         self.to_v = Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)
         self.to_out = nnx.List([Linear(ch, ch, bias=True, dtype=dtype, rngs=rngs, axes=axes)])
 
-    def __call__(self, x, form: str = "xla", one_pass_norm: bool = False):
-        """`form`, one of VAE_ATTENTION_FORMS: "splash" never writes the [L, L] logits (at 1024x1024, 16384 tokens:
-        1 GiB of float32 logits per image on the "xla" form)."""
-        if form not in VAE_ATTENTION_FORMS:
-            raise ValueError(f"unknown VAE attention form {form!r}; choose one of {VAE_ATTENTION_FORMS}")
+    def __call__(self, x, one_pass_norm: bool = False):
         b, h, w, c = x.shape
         t = self.group_norm(x, one_pass_norm).reshape(b, h * w, c)
         q, k, v = self.to_q(t), self.to_k(t), self.to_v(t)
-        if form == "splash":  # one head of width c: [B, 1, L, c], q scaled first as the kernel does not scale
-            qh = (q * jnp.asarray(1.0 / np.sqrt(c), q.dtype))[:, None]
-            out = attention_heads(qh, k[:, None], v[:, None]).reshape(b, h * w, c)
-            return x + self.to_out[0](out).reshape(b, h, w, c)
         precision = precision_for(q.dtype)
         logits = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32,
                             precision=precision) / jnp.sqrt(jnp.float32(c))
@@ -77,10 +65,10 @@ class MidBlock(nnx.Module):
         self.resnets = nnx.List([ResnetBlock(ch, ch, groups, dtype=dtype, rngs=rngs) for _ in range(2)])
         self.attentions = nnx.List([SpatialAttention(ch, groups, dtype=dtype, rngs=rngs)]) if add_attention else None
 
-    def __call__(self, x, attention: str = "xla", one_pass_norm: bool = False):
+    def __call__(self, x, one_pass_norm: bool = False):
         x = self.resnets[0](x, one_pass_norm)
         if self.attentions is not None:
-            x = self.attentions[0](x, attention, one_pass_norm)
+            x = self.attentions[0](x, one_pass_norm)
         return self.resnets[1](x, one_pass_norm)
 
 
@@ -90,24 +78,11 @@ _PHASE_TAPS = np.array([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], np.floa
 # The same map as a transposed convolution: the input dilated by 2 (zeros between pixels) under a 4x4 kernel whose
 # rows are kernel rows (0, 0+1, 1+2, 2) (a zero-dilated row meets exactly the kernel rows its nearest copies met).
 _DILATED_TAPS = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1], [0, 0, 1]], np.float32)
-# How `Upsample` computes: "plain" materialises the upsampled copy and convolves it (diffusers' order); "phases" and
-# "dilated" never make that copy and do 4/9 of its multiply-adds, with the kernel's taps summed in float32 first.
-UPSAMPLE_FORMS = ("plain", "phases", "dilated")
-
-
-class DecodeForms(NamedTuple):
-    """How the decoder computes (the same map each way): the upsampling convs' form (UPSAMPLE_FORMS), the
-    mid-block attention's (VAE_ATTENTION_FORMS) and whether the GroupNorms take their statistics in one pass
-    (`GroupNorm`). The engine picks them per platform (model.engine.decode_forms)."""
-
-    upsample: str = "phases"
-    attention: str = "xla"
-    one_pass_norm: bool = False
 
 
 class Upsample(nnx.Module):
-    """Nearest-neighbour x2 then a 3x3 conv, in one of UPSAMPLE_FORMS:
-    - "plain": upsample (broadcast + reshape), then the 3x3 conv at the high resolution;
+    """Nearest-neighbour x2 then a 3x3 conv (diffusers' order), without the upsampled copy and with 4/9 of its
+    multiply-adds (the kernel's taps summed in float32 first), in one of model.platform_forms.UPSAMPLE_FORMS:
     - "phases": one 2x2 conv at the low resolution with the four output phases as channels, then interleaved (the
       fastest on CPU);
     - "dilated": one transposed conv, a 4x4 kernel over the zero-dilated input, which XLA's TPU convolution runs
@@ -116,13 +91,10 @@ class Upsample(nnx.Module):
     def __init__(self, ch: int, *, dtype, rngs: nnx.Rngs):
         self.conv = Conv2d(ch, ch, 3, padding=1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, form: str = "phases"):
+    def __call__(self, x, form: str):
         if form not in UPSAMPLE_FORMS:
             raise ValueError(f"unknown upsample form {form!r}; choose one of {UPSAMPLE_FORMS}")
         b, h, w, c = x.shape
-        if form == "plain":
-            x = jnp.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
-            return self.conv(x)
         weight = self.conv.weight[...]
         co = weight.shape[-1]
         precision = precision_for(weight.dtype)
@@ -150,9 +122,9 @@ class UpBlock(nnx.Module):
                                  for i in range(num_resnets)])
         self.upsamplers = nnx.List([Upsample(out_ch, dtype=dtype, rngs=rngs)]) if add_upsample else None
 
-    def __call__(self, x, upsample: str = "phases", one_pass_norm: bool = False):
+    def __call__(self, x, upsample: str):
         for resnet in self.resnets:
-            x = resnet(x, one_pass_norm)
+            x = resnet(x, one_pass_norm=True)
         if self.upsamplers is not None:
             x = self.upsamplers[0](x, upsample)
         return x
@@ -175,11 +147,14 @@ class Decoder(nnx.Module):
         self.conv_norm_out = GroupNorm(groups, chans[0], eps=RESNET_EPS, dtype=dtype)
         self.conv_out = Conv2d(chans[0], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, z, forms: DecodeForms = DecodeForms()):
-        x = self.mid_block(self.conv_in(z), forms.attention, forms.one_pass_norm)
+    def __call__(self, z, upsample: str | None = None):
+        """The decoder's GroupNorms take their statistics in one pass (model.layers.GroupNorm); `upsample`: the
+        upsampling convs' form (None: the traced-for platform's, model.platform_forms)."""
+        upsample = upsample or traced_forms().upsample
+        x = self.mid_block(self.conv_in(z), one_pass_norm=True)
         for block in self.up_blocks:
-            x = block(x, forms.upsample, forms.one_pass_norm)
-        return self.conv_out(jax.nn.silu(self.conv_norm_out(x, forms.one_pass_norm)))
+            x = block(x, upsample)
+        return self.conv_out(jax.nn.silu(self.conv_norm_out(x, one_pass=True)))
 
 
 class Downsample(nnx.Module):
@@ -258,14 +233,14 @@ class Flux2VAEDecoder(nnx.Module):
         self.decoder = Decoder(cfg, dtype=dtype, rngs=rngs)
         self.bn = BatchNormStats(cfg.patched_channels)
 
-    def decode(self, z, forms: DecodeForms = DecodeForms()):
+    def decode(self, z, upsample: str | None = None):
         """z: NHWC latents [B, h, w, latent_channels] -> NHWC image [B, H, W, out_channels] in about [-1, 1].
-        `forms`: how the upsampling convs and the attention compute (`DecodeForms`)."""
+        `upsample`: the upsampling convs' form (None: the platform's, `Decoder`)."""
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
-        return self.decoder(z, forms)
+        return self.decoder(z, upsample)
 
-    def decode_latents(self, tokens, grid_h: int, grid_w: int, forms: DecodeForms = DecodeForms()):
+    def decode_latents(self, tokens, grid_h: int, grid_w: int, upsample: str | None = None):
         """Packed tokens [B, grid_h*grid_w, C*p*p] -> image [B, H, W, out]: BN de-norm, unpatchify, decode."""
         cfg = self.config
         ph, pw = cfg.patch_size
@@ -276,7 +251,7 @@ class Flux2VAEDecoder(nnx.Module):
         # patched channel index = c * (ph * pw) + dy * pw + dx
         x = x.reshape(b, grid_h, grid_w, cfg.latent_channels, ph, pw)
         x = x.transpose(0, 1, 4, 2, 5, 3).reshape(b, grid_h * ph, grid_w * pw, cfg.latent_channels)
-        return self.decode(x, forms)
+        return self.decode(x, upsample)
 
 
 def patchify_tokens(z):

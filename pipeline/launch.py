@@ -97,7 +97,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     probes.check_gcs_reachable(probes.gcs_paths_read(spec, output_checked=not is_dry_run(options)))
     checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
     defaults = spec.request_defaults(checkpoint.size_multiple)
-    load = spec.load_settings(checkpoint.location, defaults)
+    load = spec.load_settings(checkpoint.location)
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
     return JobConfig(spec=spec, load=load, defaults=defaults,

@@ -334,9 +334,9 @@ class JobSpec:
         except ValueError as e:
             raise UsageError(str(e)) from None
 
-    def load_settings(self, location: str, defaults: RequestDefaults) -> LoadSettings:
-        """What every worker hands to model.load: the checkpoint at `location`, and the job's default shape to compile
-        while the weights load, which happens on GPUs only (model.options.LoadSettings.precompile)."""
+    def load_settings(self, location: str) -> LoadSettings:
+        """What every worker hands to model.load: the checkpoint at `location` with the job's dtype, batch, shards,
+        quantization and compilation cache."""
         cache = resolve_compilation_cache(self.limits.compilation_cache_dir, local_runner=self.runner.local,
                                           temp_location=self.runner.temp_location)
         limits = self.limits
@@ -347,9 +347,7 @@ class JobSpec:
                 model=location, dtype=str(self.model.dtype), variant=self.model.model_variant,
                 max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
                 engine=EngineOptions(batch_size=batch, model_shards=limits.model_shards, compilation_cache_dir=cache,
-                                     quantize=str(self.model.quantize)),
-                precompile=((defaults.height, defaults.width, defaults.num_inference_steps,
-                             defaults.guidance_scale),))
+                                     quantize=str(self.model.quantize)))
         except ValueError as e:
             raise UsageError(str(e)) from None
 

@@ -78,7 +78,7 @@ ROOT=$(cd "$HERE/.." && pwd)
 CTX=$(mktemp -d "${TMPDIR:-/tmp}/flux2-klein-build.XXXXXX")
 trap 'rm -rf "$CTX"' EXIT
 cp "$ROOT/setup.py" "$CTX/"
-for pkg in model transforms pipeline benchmarks tiny_klein; do
+for pkg in model transforms pipeline tiny_klein; do
   mkdir -p "$CTX/$pkg"
   if [ -d "$ROOT/$pkg" ]; then
     (cd "$ROOT" && tar --exclude='__pycache__' --exclude='*.pyc' -cf - "$pkg") | tar -C "$CTX" -xf -

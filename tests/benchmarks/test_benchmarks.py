@@ -1,5 +1,5 @@
-"""The benchmark's tools: the image-similarity tool, the generation benchmark end to end (also where torch and
-diffusers cannot be imported, as in the worker image), its ablation variants, and its FLOP counts against XLA's."""
+"""The benchmarks' tools: the image-similarity tool, tpu_profile's EngineOptions variants, the input, host-path and
+resume benchmarks."""
 
 from __future__ import annotations
 
@@ -78,117 +78,44 @@ def test_similarity_command_line(tmp_path):
     assert out.returncode == 0 and res["compared"] == 1 and res["only_in_a"] == ["01.png"]
 
 
-# ------------------------------------------------------------------------------------------------ generation benchmark
+# ------------------------------------------------------------------------------------------------ tpu_profile
 
 
-@pytest.mark.slow  # CI time: the benchmark command runs in CI through test_benchmark_runs_where_torch_and_diffusers_cannot_be_imported
-def test_benchmark_command_reports_bf16_vs_fp32(tiny_ckpt, tmp_path):
-    """The benchmark's one command runs end to end (tiny checkpoint, bf16) and reports, with the similarity tool,
-    how far bf16 images are from fp32 ones on the same prompts and noise; its last line is the documented JSON."""
-    out_dir = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.generate", "--checkpoint", tiny_ckpt, "--preset", "tiny", "--height", "64",
-         "--width", "64", "--dtype", "bfloat16", "--batch", "1", "--repeats", "1", "--skip-ablation",
-         "--skip-diffusers", "--skip-reference", "--out", str(out_dir)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    final = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("ms_per_image", "ms_per_image_reference", "ms_per_image_diffusers", "speedup_vs_reference",
-                "speedup_vs_diffusers", "mfu", "preset", "batch", "dtype", "backend"):
-        assert key in final, key
-    assert final["dtype"] == "bfloat16" and final["batch"] == 1 and final["steady_state_compiles"] == 0
-    assert final["ms_per_image"] > 0 and 0 < final["mfu"] < 1
-    assert -1 <= final["ssim_vs_float32"] < 1  # random tiny weights: bf16 rounding shows in the pixels
-    images = out_dir / "images" / "tiny-64x64-bfloat16" / "b1"
-    assert sorted(os.listdir(images / "optimised")) == sorted(os.listdir(images / "optimised-float32")) == ["00.png"]
-    md = (out_dir / "tiny-64x64-bfloat16-b1.md").read_text()
-    assert "Images bfloat16 vs float32 (optimised path in both): mean SSIM" in md
-    results = json.loads((out_dir / "tiny-64x64-bfloat16-b1.json").read_text())
-    assert results["batches"]["1"]["similarity"]["bfloat16_vs_float32"]["compared"] == 1
-
-
-def test_analytic_flops_match_xla_cost_analysis(default_gen):
-    """benchmarks/flops.py (used for MFU) agrees with XLA's own count of the compiled programs."""
-    from benchmarks import flops as F
-    from benchmarks.engines import JaxEngine
-
-    h, w, steps = SIZE["height"], SIZE["width"], SIZE["num_inference_steps"]
-    cfg = default_gen.config
-    analytic = F.image_flops(cfg, h, w, steps, text_len=KW["max_sequence_length"], cfg_guidance=False,
-                             encoder_layers=F.encoder_layers_run(cfg.text_encoder),
-                             image_only_last_block=default_gen.lab.image_only_last_block,
-                             fused_upsample=default_gen.lab.fused_upsample)
-    xla = JaxEngine("optimised", default_gen).xla_flops(2, h, w, steps, False)
-    for stage in ("encode", "denoise", "decode"):
-        # XLA also counts elementwise work (norms, softmax, RoPE), which the analytic count leaves out.
-        assert analytic[stage] <= xla[stage] * 1.01 and analytic[stage] >= 0.8 * xla[stage], (stage, analytic, xla)
-
-
-
-
-# Runs a module as `python -m` would with torch and diffusers not importable (None in sys.modules: `import torch`
-# raises ModuleNotFoundError and importlib.util.find_spec finds nothing, as where they are not installed), then fails
-# (exit status 1) if any torch or diffusers module got loaded all the same.
-WITHOUT_TORCH = textwrap.dedent("""
-    import runpy, sys
-    BLOCKED = ("torch", "diffusers")
-    for name in BLOCKED:
-        sys.modules[name] = None
-    module, sys.argv = sys.argv[1], sys.argv[1:]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-    loaded = sorted(m for m, v in sys.modules.items() if m.split(".")[0] in BLOCKED and v is not None)
-    if loaded:
-        sys.exit(f"torch/diffusers modules loaded: {loaded}")  # exit status 1
-""")
-
-
-def test_benchmark_runs_where_torch_and_diffusers_cannot_be_imported(tiny_ckpt, tmp_path):
-    """With --skip-diffusers the benchmark never imports torch or diffusers, so it runs in the worker image (which
-    has neither): the optimised and reference engines are measured stage by stage, the diffusers one is absent."""
+def test_profile_variants_are_engine_options_fields(default_gen, tiny_ckpt, tmp_path, capsys):
+    """`benchmarks.tpu_profile --variants` reads each variant as EngineOptions fields (a name that is not one is
+    refused before anything loads) and times it over the loaded generator: a row per variant."""
+    from benchmarks import tpu_profile
     from benchmarks.engines import STAGES
 
-    out_dir = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCH, "benchmarks.generate", "--checkpoint", tiny_ckpt, "--preset", "tiny",
-         "--height", "32", "--width", "32", "--dtype", "float32", "--batch", "1", "--repeats", "1", "--warmup", "1",
-         "--skip-ablation", "--skip-diffusers", "--out", str(out_dir)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    final = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert final["ms_per_image"] > 0 and 0 < final["mfu"] < 1 and final["steady_state_compiles"] == 0
-    assert final["speedup_vs_reference"] > 0 and final["ms_per_image_diffusers"] is None
-    results = json.loads((out_dir / "tiny-32x32-float32-b1.json").read_text())
-    assert results["environment"]["torch"] is None and results["environment"]["diffusers"] is None
-    engines = results["batches"]["1"]["engines"]
-    assert sorted(engines) == ["optimised", "reference"]
-    for name, e in engines.items():
-        assert e["ms_per_image"] > 0 and e["images_per_s"] > 0 and e["flops_per_image"] > 0, name
-        assert set(e["stages_ms_per_image"]) == set(STAGES), name
-        assert all(v >= 0 for v in e["stages_ms_per_image"].values()), name
-    assert engines["optimised"]["compile_cold_s"] > 0 and engines["optimised"]["compile_warm_s"] > 0
-    assert "total" in results["batches"]["1"]["xla_flops_per_image"]
+    argv = ["--preset", "tiny", "--checkpoint", tiny_ckpt, "--height", "32", "--width", "32", "--steps", "1",
+            "--dtype", "float32", "--repeats", "1", "--no-trace", "--out", str(tmp_path)]
+    args = tpu_profile.parse_args(argv + ["--variants", "b2:batch_size=2;int8:quantize=int8"])
+    assert args.variant_options == [("b2", {"batch_size": 2}), ("int8", {"quantize": "int8"})]
+    with pytest.raises(SystemExit):
+        tpu_profile.parse_args(argv + ["--variants", "x:fused_loop=false"])
+    assert "'fused_loop' is not an EngineOptions field" in capsys.readouterr().err
+    args.variant_options = args.variant_options[:1]
+    row = tpu_profile.time_variants(default_gen, tiny_ckpt, args)["b2"]
+    assert row["batch"] == 2 and row["options"] == {"batch_size": 2} and row["ms_per_image"] > 0, row
+    assert set(row["stage_ms_per_image"]) == set(STAGES)
 
 
-def test_ablation_has_a_row_for_every_switch():
-    """Every EngineOptions and LabSwitches field is either an ablation row that changes that field alone (from the
-    optimised path) or deliberately not one; the last row is the reference mode."""
-    from benchmarks.engines import NOT_ABLATED, ablation_variants, optimised
-    from model.lab import LabSwitches, reference_mode
-    from model.options import EngineOptions
+def test_a_variant_shares_the_loaded_weights_unless_its_modules_differ(default_gen, tiny_ckpt):
+    """Another batch runs over the base generator's own parameter arrays; int8 needs other modules, so it loads
+    again, and its transformer's projections are int8 (the variant really is quantized)."""
+    import jax
+    from benchmarks.engines import with_options
+    from model.quantize import Int8Linear
 
-    base = optimised(2, "cache")
-    rows = ablation_variants(2, "cache")
-    fields = [f.name for f in dataclasses.fields(EngineOptions) + dataclasses.fields(LabSwitches)]
-    missing = [f for f in fields if f not in NOT_ABLATED and f"-{f}" not in {r.name for r in rows}]
-    assert not missing, f"add these switches to benchmarks/engines.py ABLATIONS (or NOT_ABLATED): {missing}"
-    settings = lambda v: {**dataclasses.asdict(v.options), **dataclasses.asdict(v.lab)}  # noqa: E731
-    for row in rows:
-        if row.name[1:] in fields:  # "-fused_loop" ...
-            changed = [f for f in fields if settings(row)[f] != settings(base)[f]]
-            assert changed == [row.name[1:]], (row.name, changed)
-    reference = reference_mode(batch_size=2)
-    assert rows[-1].name == "reference" and (rows[-1].options, rows[-1].lab) == (reference["options"],
-                                                                                  reference["lab"])
+    def leaves(gen):
+        return jax.tree.leaves(gen.programs.tr_state)
+
+    batch = with_options(default_gen, tiny_ckpt, dataclasses.replace(default_gen.options, batch_size=2))
+    assert batch.options.batch_size == 2 and all(a is b for a, b in zip(leaves(batch), leaves(default_gen)))
+    int8 = with_options(default_gen, tiny_ckpt, dataclasses.replace(default_gen.options, quantize="int8"))
+    _, transformer, _ = int8.programs.modules()
+    assert int8.options.quantize == "int8"
+    assert isinstance(transformer.single_transformer_blocks[0].attn.to_out, Int8Linear)
 
 
 def test_input_benchmark_reads_every_format(capsys):

@@ -1,16 +1,17 @@
-"""Every attention implementation equals the plain one: masks (dense, causal, key padding), grouped-query heads, odd
-lengths; the block-wise one also skips padding blocks without changing a bit. The splash kernel runs in Pallas
-interpret mode off TPU."""
+"""Every attention implementation equals plain softmax attention (float64 numpy, tests/support): masks (dense,
+causal, key padding), grouped-query heads, odd lengths; the block-wise one also skips padding blocks without changing
+a bit. The splash kernel runs in Pallas interpret mode off TPU."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from attention_reference import plain_attention
 
 
 @pytest.mark.parametrize("lq,lk,h,hkv,masked", [(256, 256, 4, 4, False), (96, 512, 4, 1, True), (40, 70, 2, 2, True),
                                                 (768, 768, 4, 4, False)])
-def test_blocked_matches_dot(lq, lk, h, hkv, masked):
+def test_blocked_matches_plain_attention(lq, lk, h, hkv, masked):
     import jax.numpy as jnp
 
     from model.attention import attention
@@ -25,7 +26,7 @@ def test_blocked_matches_dot(lq, lk, h, hkv, masked):
         mask = np.broadcast_to(mask, (2, 1, lq, lk)).copy()
         mask[1, 0, 3] = False
         mask = jnp.asarray(mask)
-    want = np.asarray(attention(q, k, v, mask=mask, implementation="dot"))
+    want = plain_attention(q, k, v, mask)
     got = np.asarray(attention(q, k, v, mask=mask, implementation="blocked"))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # the scale is folded into q: other rounding
 
@@ -64,11 +65,10 @@ def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side, lk,
     got = np.where(has_key, np.asarray(blocked(q, k, v, mask)), 0)
     np.testing.assert_array_equal(got, np.where(has_key, np.asarray(every_block(q, k, v, mask)), 0))
     np.testing.assert_array_equal(got, np.asarray(attn.attention(q, k, v, mask=mask, implementation="blocked")))
-    want = np.asarray(attn.attention(q, k, v, mask=mask, implementation="dot"))
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # the scale is folded into q: other rounding
+    np.testing.assert_allclose(got, plain_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "xla", "splash", "dot"])
+@pytest.mark.parametrize("impl", ["blocked", "xla", "splash"])
 @pytest.mark.parametrize("lq,h,hkv,padding", [(40, 4, 2, "right"), (40, 4, 2, "left"), (130, 2, 2, "right"),
                                               (256, 4, 1, "left"), (512, 4, 1, "left"), (24, 3, 3, None)])
 def test_causal_and_key_masks_match_the_dense_mask(impl, lq, h, hkv, padding):
@@ -91,14 +91,14 @@ def test_causal_and_key_masks_match_the_dense_mask(impl, lq, h, hkv, padding):
     dense = np.tril(np.ones((lq, lq), bool))[None, None]
     if key_mask is not None:
         dense = dense & key_mask[:, None, None, :]
-    want = np.asarray(attention(q, k, v, mask=jnp.asarray(dense), implementation="dot"))
+    want = plain_attention(q, k, v, dense)
     got = np.asarray(attention(q, k, v, causal=True, key_mask=None if key_mask is None else jnp.asarray(key_mask),
                                implementation=impl))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("lq,lk", [(24, 24), (100, 300)])
-def test_splash_without_masks_matches_dot(lq, lk):
+def test_splash_without_masks_matches_plain_attention(lq, lk):
     """The transformer's case: no mask, lengths padded up to the kernel's block and the padding keys excluded."""
     import jax.numpy as jnp
 
@@ -108,7 +108,7 @@ def test_splash_without_masks_matches_dot(lq, lk):
     q = jnp.asarray(rng.standard_normal((2, lq, 4, 16), np.float32))
     k = jnp.asarray(rng.standard_normal((2, lk, 4, 16), np.float32) * 3)
     v = jnp.asarray(rng.standard_normal((2, lk, 4, 16), np.float32))
-    want = np.asarray(attention(q, k, v, implementation="dot"))
+    want = plain_attention(q, k, v)
     np.testing.assert_allclose(np.asarray(attention(q, k, v, implementation="splash")), want, atol=2e-5, rtol=2e-5)
 
 
@@ -125,7 +125,7 @@ def test_a_splash_kernel_built_in_one_program_serves_the_next(causal):
     q = jnp.asarray(np.random.default_rng(5).standard_normal((1, 40, 2, 8), np.float32))
     first = jax.jit(lambda x: attention(x, x, x, causal=causal, implementation="splash"))(q)
     second = jax.jit(lambda x: attention(x, x, x, causal=causal, implementation="splash") + 0)(q)
-    want = attention(q, q, q, causal=causal, implementation="dot")
+    want = plain_attention(q, q, q, np.tril(np.ones((40, 40), bool)) if causal else None)
     assert _splash_kernel.cache_info().hits >= 1
     np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     np.testing.assert_allclose(np.asarray(second), np.asarray(want), atol=2e-5, rtol=2e-5)
@@ -163,7 +163,7 @@ def test_auto_picks_splash_on_one_tpu_chip_only():
         assert "splash" not in {resolve_implementation("auto", masked=m, devices=d) for m in (0, 1) for d in (1, 4)}
 
 
-@pytest.mark.parametrize("impl", ["blocked", "xla", "splash", "dot"])
+@pytest.mark.parametrize("impl", ["blocked", "xla", "splash"])
 def test_rows_with_no_allowed_key_are_zero_like_torch_sdpa(impl):
     """A left-padded prompt's pad rows see no key under causal + padding masks: PyTorch's SDPA (transformers'
     default attention) returns zeros there, and so does every implementation here."""
@@ -206,6 +206,5 @@ def test_a_short_prompts_padding_blocks_are_never_read(lk):
                                     implementation="blocked"))
     assert np.isfinite(got).all()
     clean_k, clean_v = np.nan_to_num(k), np.nan_to_num(v)
-    want = np.asarray(attn.attention(q, jnp.asarray(clean_k), jnp.asarray(clean_v), causal=True, key_mask=key_mask,
-                                     implementation="dot"))
+    want = plain_attention(q, clean_k, clean_v, np.tril(np.ones((lk, lk), bool)) & np.asarray(key_mask)[:, None, None])
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

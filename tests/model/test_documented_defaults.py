@@ -64,18 +64,6 @@ def imported(dotted: str) -> Callable[[], Any]:
     return lambda: _resolve(dotted)
 
 
-def lab():
-    from model.lab import LabSwitches
-
-    return LabSwitches()
-
-
-def reference_lab():
-    from model.lab import reference_mode
-
-    return reference_mode()["lab"]
-
-
 def engine_options():
     from model.options import EngineOptions
 
@@ -97,29 +85,27 @@ def cpu_mesh():
 
 
 def upsample_forms() -> tuple[str, str]:
-    """(the form on TPUs, the form the engine picks on a CPU mesh)."""
-    from model.engine import upsample_form
+    """(the upsample's form on TPUs, elsewhere)."""
+    from model.platform_forms import forms_for
 
-    return lab().tpu_upsample, upsample_form(lab(), cpu_mesh())
+    return forms_for("tpu").upsample, forms_for("cpu").upsample
+
+
+def tpu_forms() -> tuple[str, str]:
+    """(RoPE's form, the upsample's form) on TPUs."""
+    from model.platform_forms import forms_for
+
+    return forms_for("tpu").rope, forms_for("tpu").upsample
 
 
 def cpu_concurrent_images() -> int:
-    """The images run at once that the engine resolves on a one-device CPU mesh from the default options."""
+    """The images run at once that the engine resolves on a one-device CPU mesh."""
     from model.cpu_images import concurrent_images_for
 
-    return concurrent_images_for(cpu_mesh(), engine_options())
+    return concurrent_images_for(cpu_mesh())
 
 
-def off_by_default() -> set[str]:
-    """The lab's optimisations whose default is the reference mode's value (off): `reference` selects the mode."""
-    default, reference = lab(), reference_lab()
-    return {f.name for f in dataclasses.fields(default)
-            if f.name != "reference" and getattr(default, f.name) == getattr(reference, f.name)}
-
-
-ON = {"on": True, "off": False}
-PASSES = {"one": True, "two": False, "one pass": True, "two passes": False}  # GroupNorm's one_pass
-PLATFORMS = {"GPUs": ("gpu",), "TPUs": ("tpu",), "CPUs": ("cpu",)}
+FORMS = {"transposed conv": "dilated"}
 KERNELS = {"block-wise online softmax": "blocked", "cuDNN": "cudnn", "XLA": "xla", "Pallas splash kernel": "splash",
            "blocked": "blocked", "xla": "xla", "splash": "splash"}
 
@@ -134,29 +120,9 @@ class Documented:
 
 
 DOCUMENTED = [
-    Documented("GroupNorm: one pass by default, two in the reference mode",
-               docstring("model.layers:GroupNorm.__call__"),
-               r"`LabSwitches\.vae_one_pass_norm`: (one|two)(?: pass(?:es)?)? by default, (one|two)(?: pass(?:es)?)? "
-               r"in the reference mode",
-               lambda m: (PASSES[m[1]], PASSES[m[2]]),
-               lambda: (lab().vae_one_pass_norm, reference_lab().vae_one_pass_norm)),
-    Documented("developers.md: the VAE's GroupNorms in one pass", repo_file("docs/developers.md"),
-               r"The VAE's GroupNorms take E\[x\] and E\[x\^2\] in (one pass|two passes)",
-               lambda m: PASSES[m[1]], lambda: lab().vae_one_pass_norm),
-    Documented("called_directly: per-layer tracing is the reference mode's", docstring("model.layers:called_directly"),
-               r"`LabSwitches\.layers_traced_once` (on|off), as in the reference mode; (on|off) by default",
-               lambda m: (ON[m[1]], ON[m[2]]),
-               lambda: (reference_lab().layers_traced_once, lab().layers_traced_once)),
-    Documented("LabSwitches.layers_traced_once's comment",
-               field_comment("model.lab:LabSwitches", "layers_traced_once"),
-               r"(on|off) by default", lambda m: ON[m[1]], lambda: lab().layers_traced_once),
-    Documented("LabSwitches.vae_splash's comment", field_comment("model.lab:LabSwitches", "vae_splash"),
-               r"(On|Off) by default", lambda m: ON[m[1].lower()], lambda: lab().vae_splash != "off"),
-    Documented("LabSwitches: all on by default but those named", docstring("model.lab:LabSwitches"),
-               r"all on by default but ((?:`\w+`(?:, | and )?)+)",
-               lambda m: set(re.findall(r"`(\w+)`", m[1])), off_by_default),
-    Documented("heads_kernel's default mode", repo_file("model/heads_kernel.py"),
-               r'"(\w+)" \(the default', lambda m: m[1], lambda: lab().heads_kernel),
+    Documented("platform_forms: the TPU's forms", docstring("model.platform_forms"),
+               r"on TPUs RoPE swaps pairs by a (matmul), the VAE upsamples by a (transposed conv)",
+               lambda m: (m[1], FORMS[m[2]]), tpu_forms),
     Documented("developers.md: the upsample's forms", repo_file("docs/developers.md"),
                r"The VAE's upsampling convs run as one transposed \(input-(dilated)\) conv on TPUs and as a "
                r"low-resolution 2x2 conv with the four output (phases) as channels elsewhere",
@@ -175,16 +141,8 @@ DOCUMENTED = [
                         auto_attention(False, "tpu"))),
     Documented("developers.md: max_buckets", repo_file("docs/developers.md"), r"`max_buckets` \((\d+):",
                lambda m: int(m[1]), lambda: engine_options().max_buckets),
-    Documented("EngineOptions.concurrent_images's None",
-               field_comment("model.options:EngineOptions", "concurrent_images"),
-               r"None = (\d+) where `per_image` applies on CPU", lambda m: int(m[1]), cpu_concurrent_images),
-    Documented("LoadSettings.precompile's platforms", field_comment("model.options:LoadSettings", "precompile"),
-               r"PRECOMPILE_PLATFORMS \((\w+)\)", lambda m: PLATFORMS[m[1]],
-               imported("model.generator:PRECOMPILE_PLATFORMS")),
-    Documented("JobSpec.load_settings: compiled while loading on GPUs only",
-               docstring("pipeline.specs:JobSpec.load_settings"),
-               r"while the weights load, which happens on (\w+) only", lambda m: PLATFORMS[m[1]],
-               imported("model.generator:PRECOMPILE_PLATFORMS")),
+    Documented("cpu_images: images run at once", repo_file("model/cpu_images.py"),
+               r"so (\d+) at once make more images per second", lambda m: int(m[1]), cpu_concurrent_images),
     Documented("developers.md: the premapped transfer buffer", repo_file("docs/developers.md"),
                r"a (\d+) GiB premapped transfer buffer", lambda m: int(m[1]) << 30,
                imported("model.runtime:DEFAULT_PREMAPPED_BUFFER_BYTES")),

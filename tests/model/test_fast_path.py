@@ -1,6 +1,5 @@
 """The fast path: every EngineOptions switch gives the default's images, no compilation in steady state, prompt
-de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices (the benchmark's tools: in
-tests/benchmarks/test_benchmarks.py)."""
+de-duplication, the bounded embedding cache, data parallelism on 4 CPU devices."""
 
 from __future__ import annotations
 
@@ -87,41 +86,23 @@ def restore_compilation_cache():
 
 # ------------------------------------------------------------------------------------------------ every switch
 
-# Each EngineOptions and LabSwitches field -> the options that turn it off (or change it) for the equality test.
+# Each EngineOptions field -> the options that turn it off (or change it) for the equality test. How the programs
+# compute on each platform is not an option (model.platform_forms): tests/model/test_model_parity.py checks each form
+# against diffusers, test_heads_kernel.py the TPU heads kernel (interpreted), tests/pipeline/test_preflight.py and
+# tests/tpu their use on TPUs.
 SWITCHES = {
-    "reference": "reference_mode",
-    "fused_loop": dict(fused_loop=False),
-    "truncated_encoder": dict(truncated_encoder=False),
-    "device_uint8": dict(device_uint8=False),
-    "dedupe_prompts": dict(dedupe_prompts=False),
     "embed_cache_size": dict(embed_cache_size=0),
-    "aot_compile": dict(aot_compile=False),
-    "overlap_host": dict(overlap_host=False, batch_size=2),  # two batches, so there is something to overlap
-    "attention": dict(attention="dot"),
-    "text_encoder_attention": dict(text_encoder_attention="dot"),
-    "data_parallel": dict(data_parallel=False),
-    "context_parallel": dict(context_parallel=True),
+    "attention": dict(attention="xla"),  # not CPU's choice (blocked)
+    "text_encoder_attention": dict(text_encoder_attention="xla"),
     "platform": dict(platform="cpu"),  # the backend's devices by name: the same images as the default one here
     "model_shards": dict(model_shards=1),  # one device here; 2 and 4 shards: the four-device tests
     "batch_size": dict(batch_size=2),  # 3 images: a full batch and a short final batch padded to 2
     "compilation_cache_dir": "tmp_cache_dir",
-    "cpu_compiler_options": dict(cpu_compiler_options=()),  # XLA's defaults (YNNPACK)
-    "per_image": dict(per_image=False),  # batched programs
-    "concurrent_images": dict(concurrent_images=1),  # a batch's images one after the other (lax.map)
-    "image_only_last_block": dict(image_only_last_block=False),  # the last block computes text tokens too
-    "fused_upsample": dict(fused_upsample=False),  # the VAE upsamples, then convolves at the high resolution
-    "tpu_upsample": dict(tpu_upsample="plain"),  # a TPU form: CPU runs "phases" whatever it says
-    "vae_splash": dict(vae_splash="tpu"),  # a TPU kernel, off by default: CPU runs XLA's attention whatever it says
-    "vae_one_pass_norm": dict(vae_one_pass_norm=False),  # the VAE's GroupNorms centre first (two passes)
-    "tpu_rope": dict(tpu_rope="roll"),  # a TPU form of RoPE: the pairs form runs on CPU whatever it says
-    "heads_kernel": dict(heads_kernel="off"),  # a TPU kernel: tests/model/test_heads_kernel.py runs it interpreted
-    "layers_traced_once": dict(layers_traced_once=False),  # each layer traced where it is called, as inline code
     "max_buckets": dict(max_buckets=None),  # every bucket's programs kept
 }
 
 # Switches that change the images on purpose, and the test that bounds how much.
 CHANGES_IMAGES = {"quantize": "tests/model/test_quantize.py (int8 within the drift bounds of bf16)"}
-
 
 
 def test_splash_kernel_gives_default_images(tiny_ckpt, default_images):
@@ -132,11 +113,11 @@ def test_splash_kernel_gives_default_images(tiny_ckpt, default_images):
     gen = model.load(tiny_ckpt, options=EngineOptions(attention="splash", text_encoder_attention="splash"), **KW)
     assert max_diff(gen.generate(PROMPTS, SEEDS, **SIZE), default_images) <= 1
 
+
 def _switch_fields():
-    from model.lab import LabSwitches
     from model.options import EngineOptions
 
-    return {f.name for f in dataclasses.fields(EngineOptions) + dataclasses.fields(LabSwitches)}
+    return {f.name for f in dataclasses.fields(EngineOptions)}
 
 
 def test_every_switch_is_covered():
@@ -145,29 +126,20 @@ def test_every_switch_is_covered():
     assert fields <= known, f"add the new EngineOptions switches to SWITCHES: {sorted(fields - known)}"
 
 
-# The slowest switches, each covered elsewhere, run with -m slow (CI time): context_parallel by the four-device test,
-# compilation_cache_dir by tests/pipeline/test_compile_cache.py; per_image, concurrent_images and cpu_compiler_options
-# are lab forms of the same programs that no default path takes. The TPU forms change nothing on CPU (the same
-# programs as the default): their math is checked by tests/model/test_model_parity.py (RoPE forms, upsample forms) and
-# test_heads_kernel.py (interpreted), their use on TPUs by tests/pipeline/test_preflight.py and tests/tpu. The VAE's
-# two-pass GroupNorm is the reference mode's (test_reference_mode_equals_default*), both forms checked against
-# diffusers by test_model_parity.py.
-SLOW_SWITCHES = {"context_parallel", "compilation_cache_dir", "per_image", "concurrent_images", "cpu_compiler_options",
-                 "tpu_rope", "heads_kernel", "tpu_upsample", "vae_splash", "vae_one_pass_norm"}
+# The slowest switch, covered elsewhere, runs with -m slow (CI time): compilation_cache_dir by
+# tests/pipeline/test_compile_cache.py.
+SLOW_SWITCHES = {"compilation_cache_dir"}
 
 
 @pytest.mark.parametrize("switch", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SWITCHES else s
                                     for s in sorted(SWITCHES)])
 def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path, restore_compilation_cache):
     import model
-    from model.lab import reference_mode
 
     if switch not in _switch_fields():
         pytest.skip(f"EngineOptions has no {switch!r} switch")
     change = SWITCHES[switch]
-    if change == "reference_mode":
-        options = reference_mode()
-    elif change == "tmp_cache_dir":
+    if change == "tmp_cache_dir":
         options = dict(compilation_cache_dir=str(tmp_path / "xla-cache"))
     else:
         options = change
@@ -178,8 +150,8 @@ def test_switch_gives_default_images(switch, tiny_ckpt, default_images, tmp_path
         assert os.listdir(tmp_path / "xla-cache"), "the persistent compilation cache folder stayed empty"
 
 
-def test_layers_traced_once_traces_the_text_encoders_identical_layers_once(tiny_ckpt, monkeypatch):
-    """The switch's point: the text encoder's 27 layers run (and lower) as one traced function, called 27 times."""
+def test_the_text_encoders_identical_layers_are_traced_once(tiny_ckpt, monkeypatch):
+    """The text encoder's 27 layers run (and lower) as one traced function, called 27 times."""
     import collections
 
     import model
@@ -193,21 +165,10 @@ def test_layers_traced_once_traces_the_text_encoders_identical_layers_once(tiny_
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "__call__", counting)
-    gen = model.load(tiny_ckpt, layers_traced_once=True, **KW)
+    gen = model.load(tiny_ckpt, **KW)
     gen.generate(PROMPTS[:1], SEEDS[:1], **SIZE)
     assert traced["layer"] == 1, traced
     assert len(gen.programs.modules()[0].model.layers) > 1
-
-
-def test_reference_mode_equals_default_with_cfg(tiny_base_ckpt, base_gen):
-    """Classifier-free guidance (base checkpoint): fused loop with CFG vs the reference Python loop."""
-    import model
-    from model.lab import reference_mode
-
-    args = dict(prompts=["a red fox", "a lighthouse"], seeds=[5, 6], guidance_scale=4.0, **SIZE)
-    fast = base_gen.generate(**args)
-    ref = model.load(tiny_base_ckpt, **reference_mode(), **KW).generate(**args)
-    assert max_diff(fast, ref) <= 1
 
 
 # ------------------------------------------------------------------------------------------------ steady state
@@ -315,12 +276,8 @@ def test_identical_prompts_are_encoded_once(tiny_ckpt):
     many = gen.generate(["one prompt"], [11], num_images_per_prompt=3, **SIZE)
     assert gen.stats["prompts_encoded"] - n1 == 1
     assert many.shape[0] == 3 and max_diff(many[0], many[1]) > 0  # seeds 11, 12, 13 differ
-
-    off = model.load(tiny_ckpt, embed_cache_size=0, dedupe_prompts=False, **KW)
-    m0 = off.stats["prompts_encoded"]
-    same = off.generate(["same", "same", "other", "same"], [1, 2, 3, 4], **SIZE)
-    assert off.stats["prompts_encoded"] - m0 == 4  # the switch really turns de-duplication off
-    assert max_diff(same, images) <= 1
+    # each row got its own prompt's embedding back: as if generated alone
+    assert max_diff(images[2:], gen.generate(["other", "same"], [3, 4], **SIZE)) == 0
 
 
 def test_embedding_cache_is_bounded_and_reused(tiny_ckpt):
@@ -354,19 +311,15 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent("""
     assert len(jax.devices()) == 4, jax.devices()
     kw = dict(dtype="float32", max_sequence_length=32)
     a = np.load(sys.argv[2])  # the images of a one-device process
-    one = model.load(sys.argv[1], data_parallel=False, **kw)  # its mesh: one of the four devices
-    four = model.load(sys.argv[1], data_parallel=True, **kw)
-    args = json.loads(sys.argv[3])
-    cp = model.load(sys.argv[1], context_parallel=True, **kw)  # 32x48 -> 8 x 12 = 96 image tokens, 24 per device
-    b, c = four.generate(**args), cp.generate(**args)
+    four = model.load(sys.argv[1], **kw)
+    b = four.generate(**json.loads(sys.argv[3]))
     print(json.dumps({"max_diff": int(np.abs(a.astype(int) - b).max()), "shape": list(b.shape),
-                      "cp_max_diff": int(np.abs(a.astype(int) - c).max()),
-                      "cp_spec": str(cp.programs.latents_sharding(96).spec),
-                      "devices_one": int(one.mesh.devices.size), "devices_four": int(four.mesh.devices.size)}))
+                      "mesh": {k: int(v) for k, v in four.mesh.shape.items()}}))
 """)
 
 
-def test_data_and_context_parallel_on_four_cpu_devices_equal_one_device(tiny_ckpt, default_gen, tmp_path):
+def test_data_parallel_on_four_cpu_devices_equals_one_device(tiny_ckpt, default_gen, tmp_path):
+    """All local devices split the batch: 5 images padded to 8, 2 per device, the one-device images within 1/255."""
     one_device = tmp_path / "one-device.npy"
     np.save(one_device, default_gen.generate(**DP_ARGS))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
@@ -374,12 +327,8 @@ def test_data_and_context_parallel_on_four_cpu_devices_equal_one_device(tiny_ckp
                           json.dumps(DP_ARGS)], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["devices_one"] == 1 and result["devices_four"] == 4
-    assert result["shape"] == [5, 32, 48, 3]
+    assert result["mesh"] == {"data": 4, "model": 1} and result["shape"] == [5, 32, 48, 3]
     assert result["max_diff"] <= 1
-    # context parallel: the image-token axis is split over the 4 devices, images as on one device
-    assert result["cp_spec"] in ("P(None, 'data')", "PartitionSpec(None, 'data')")
-    assert result["cp_max_diff"] <= 1
 
 
 MODEL_SHARDS_SCRIPT = textwrap.dedent("""
@@ -391,14 +340,9 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
     args = dict(prompts=["a red fox", "a lighthouse", "a kite"], seeds=[1, 2, 3], height=32, width=48,
                 num_inference_steps=2, guidance_scale=cfg_scale)
     out = {}
-    if ref_file == "-":  # the images and parameter bytes of one device, made here
-        one = model.load(ckpt, data_parallel=False, **kw)
-        out["one"], ref = one.programs.parameter_bytes_per_device(), one.generate(**args)
-    else:  # the images of one device, made by the caller in a one-device process
-        ref = np.load(ref_file)
+    ref = np.load(ref_file)  # the images of one device, made by the caller in a one-device process
     cases = {"2x2": dict(model_shards=2), "1x4": dict(model_shards=4),
-             "1x2-splash": dict(data_parallel=False, model_shards=2, attention="splash",
-                                text_encoder_attention="splash")}
+             "2x2-splash": dict(model_shards=2, attention="splash", text_encoder_attention="splash")}
     cases = {k: v for k, v in cases.items() if not only or k in only}
     put, split_at_read = jax.device_put, []
 
@@ -420,22 +364,21 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
 
 # The distilled case runs with -m slow (CI time): the base model with CFG goes through the same sharded programs and more.
 @pytest.mark.parametrize("base", [pytest.param(False, marks=pytest.mark.slow), True], ids=["distilled", "base-cfg"])
-def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, base_gen, base, tmp_path):
-    """Tensor parallel weights (model.sharding) over 2 and 4 devices, and data x model = 2 x 2: the images of one
-    device within 1/255 (fused projections laid out per shard, model.shard_layout), each weight placed split as it is
-    read, and each device holds less of the transformer and text encoder as the shards grow."""
+def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, default_gen, base_gen, base,
+                                                           tmp_path):
+    """Tensor parallel weights (model.sharding) over 2 and 4 devices, data x model = 2 x 2 (with the splash kernels
+    too): the images of one device within 1/255 (fused projections laid out per shard, model.shard_layout), each
+    weight placed split as it is read, and each device holds less of the transformer and text encoder as the shards
+    grow."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    # The base model with CFG (both branches in one batch) runs the data x model case only, against the images this
-    # one-device process makes with the module's base generator (its CFG programs are compiled already); the distilled
-    # one runs all, its one-device images made in the four-device process.
-    if base:
-        ref = tmp_path / "one-device.npy"
-        np.save(ref, base_gen.generate(prompts=["a red fox", "a lighthouse", "a kite"], seeds=[1, 2, 3], height=32,
-                                       width=48, num_inference_steps=2, guidance_scale=4.0))
-        ckpt, scale, ref_file, only = tiny_base_ckpt, "4.0", str(ref), ["2x2"]
-    else:
-        ckpt, scale, ref_file, only = tiny_ckpt, "1.0", "-", []
-    out = subprocess.run([sys.executable, "-c", MODEL_SHARDS_SCRIPT, ckpt, scale, ref_file, *only], env=env,
+    # The one-device images come from this process's generators (their programs are compiled already). The base
+    # model with CFG (both branches in one batch) runs the data x model case only; the distilled one runs all.
+    gen, scale = (base_gen, 4.0) if base else (default_gen, 1.0)
+    ref = tmp_path / "one-device.npy"
+    np.save(ref, gen.generate(prompts=["a red fox", "a lighthouse", "a kite"], seeds=[1, 2, 3], height=32, width=48,
+                              num_inference_steps=2, guidance_scale=scale))
+    ckpt, only = (tiny_base_ckpt, ["2x2"]) if base else (tiny_ckpt, [])
+    out = subprocess.run([sys.executable, "-c", MODEL_SHARDS_SCRIPT, ckpt, str(scale), str(ref), *only], env=env,
                          capture_output=True, text=True, timeout=900, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -443,69 +386,63 @@ def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_
     assert result["2x2"]["max_diff"] <= 1 and result["2x2"]["split_at_read"] > 0, result["2x2"]
     if base:
         return
-    assert result["1x2-splash"]["mesh"] == {"data": 1, "model": 2} and result["1x4"]["mesh"] == {"data": 1, "model": 4}
-    for name in ("2x2", "1x4", "1x2-splash"):
+    assert result["2x2-splash"]["mesh"] == {"data": 2, "model": 2} and result["1x4"]["mesh"] == {"data": 1, "model": 4}
+    for name in ("2x2", "1x4", "2x2-splash"):
         assert result[name]["max_diff"] <= 1, (name, result[name])
         assert result[name]["split_at_read"] > 0, (name, result[name])  # never whole on the first device first
+    whole = default_gen.programs.parameter_bytes_per_device()  # one device holds every parameter
     for module in ("transformer", "text_encoder"):
-        one, two, four = result["one"][module], result["1x2-splash"]["bytes"][module], result["1x4"]["bytes"][module]
+        one, two, four = whole[module], result["2x2"]["bytes"][module], result["1x4"]["bytes"][module]
         assert four < two < one, (module, one, two, four)
-    assert result["1x2-splash"]["bytes"]["vae"] == result["one"]["vae"]  # small: replicated
+    assert result["2x2-splash"]["bytes"]["vae"] == whole["vae"]  # small: replicated
 
 
 def test_cpu_compiler_options_apply_per_program_and_on_cpu_only():
-    """By default Eigen runs the encoder's and decoder's dots (no YNNPACK fusions) and XLA's defaults (YNNPACK)
-    the transformer's; the options are never given to other platforms, and unknown program names are refused."""
+    """Eigen runs the encoder's and decoder's dots (no YNNPACK fusions) and XLA's defaults (YNNPACK) the
+    transformer's; the options are never given to other platforms, and unknown program names are refused."""
     import types
 
     import jax
     import numpy as np
-    from model.cpu_images import compiler_options_for
+    from model.cpu_images import EIGEN_DOTS, compiler_options_for
     from model.mesh import make_mesh
-    from model.options import EIGEN_DOTS, EngineOptions
+    from model.options import EngineOptions
 
-    default = EngineOptions()
-    mesh = make_mesh(default)
-    assert compiler_options_for(mesh, default, "encode") == dict(EIGEN_DOTS)
-    assert compiler_options_for(mesh, default, "decode") == dict(EIGEN_DOTS)
-    assert compiler_options_for(mesh, default, "denoise") is None
-    everywhere = EngineOptions(cpu_compiler_options=tuple((p, EIGEN_DOTS) for p in ("encode", "denoise", "decode")))
-    assert compiler_options_for(mesh, everywhere, "denoise") == dict(EIGEN_DOTS)
-    assert all(compiler_options_for(mesh, EngineOptions(cpu_compiler_options=()), p) is None
-               for p in ("encode", "denoise", "decode"))
+    mesh = make_mesh(EngineOptions())
+    assert compiler_options_for(mesh, "encode") == dict(EIGEN_DOTS)
+    assert compiler_options_for(mesh, "decode") == dict(EIGEN_DOTS)
+    assert compiler_options_for(mesh, "denoise") is None
     gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
-    assert compiler_options_for(gpu_mesh, everywhere, "encode") is None
+    assert compiler_options_for(gpu_mesh, "encode") is None
     with pytest.raises(ValueError, match="vae"):
-        EngineOptions(cpu_compiler_options=(("vae", EIGEN_DOTS),))
-    with pytest.raises(ValueError, match="vae"):
-        compiler_options_for(mesh, default, "vae")
+        compiler_options_for(mesh, "vae")
     # An attention-shaped dot: YNNPACK takes it under XLA's defaults, Eigen under the encoder's options.
     q = jax.numpy.ones((4, 768, 32))
 
     def text(program):
-        fn = jax.jit(lambda a: a @ a.transpose(0, 2, 1), compiler_options=compiler_options_for(mesh, default, program))
+        fn = jax.jit(lambda a: a @ a.transpose(0, 2, 1), compiler_options=compiler_options_for(mesh, program))
         return fn.lower(q).compile().as_text()
 
     assert "ynn_fusion" not in text("encode")
     assert "ynn_fusion" in text("denoise")
 
 
-def test_per_image_by_default_on_one_cpu_device_only():
+def test_images_run_one_by_one_two_at_a_time_on_one_cpu_device_only():
     import types
 
     import numpy as np
-    from model.cpu_images import per_image_for
+    from model.cpu_images import concurrent_images_for, per_image_for
     from model.engine import EngineOptions
     from model.mesh import make_mesh
 
     mesh = make_mesh(EngineOptions())
-    assert per_image_for(mesh, EngineOptions()) is (mesh.devices.size == 1)
-    assert per_image_for(mesh, EngineOptions(per_image=False)) is False
+    assert per_image_for(mesh) is (mesh.devices.size == 1)
+    one_cpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")]))
+    assert per_image_for(one_cpu) is True and concurrent_images_for(one_cpu) == 2
     one_gpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
-    assert per_image_for(one_gpu, EngineOptions()) is False
-    assert per_image_for(one_gpu, EngineOptions(per_image=True)) is True
+    assert per_image_for(one_gpu) is False and concurrent_images_for(one_gpu) == 1
     four_cpus = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")] * 4))
-    assert per_image_for(four_cpus, EngineOptions(per_image=True)) is False
+    assert per_image_for(four_cpus) is False and concurrent_images_for(four_cpus) == 1  # the mesh splits the batch
 
 
 def test_an_image_has_the_same_bytes_whatever_its_batch(tiny_ckpt, default_gen):
@@ -523,9 +460,8 @@ def test_an_image_has_the_same_bytes_whatever_its_batch(tiny_ckpt, default_gen):
 
 def test_concurrent_images_run_the_one_image_programs_in_threads(tiny_ckpt):
     """On one CPU device a batch's images run two at a time, each through the one-image programs (compiled once
-    for every batch size): the same bytes as one after the other, and no compilation for a new batch size."""
+    for every batch size): the same bytes as alone, and no compilation for a new batch size."""
     import model
-    from model.engine import EngineOptions
 
     gen = model.load(tiny_ckpt, **KW)
     if gen.programs.concurrent_images == 1:
@@ -537,9 +473,7 @@ def test_concurrent_images_run_the_one_image_programs_in_threads(tiny_ckpt):
     with CompileEvents() as events:
         pair = gen.generate(PROMPTS[1:3], SEEDS[1:3], **SIZE)  # another batch size: the same programs
     assert events.count == 0 and gen.programs.compile_count == 3
-    in_turn = model.load(tiny_ckpt, options=EngineOptions(concurrent_images=1), **KW).generate(
-        PROMPTS[:3], SEEDS[:3], **SIZE)
-    assert max_diff(images, in_turn) == 0 and max_diff(pair, images[1:]) == 0
+    assert max_diff(pair, images[1:]) == 0
 
 
 def test_concurrent_images_compute_no_padding_rows(tiny_ckpt):
@@ -554,26 +488,3 @@ def test_concurrent_images_compute_no_padding_rows(tiny_ckpt):
     assert dict(gen.programs.image_runs) == {"encode": 2, "denoise": 3, "decode": 3}
     alone = model.load(tiny_ckpt, batch_size=1, **KW).generate(PROMPTS[2:], SEEDS[2:], **SIZE)
     assert images.shape == (3, 32, 48, 3) and max_diff(images[2:], alone) == 0
-
-
-def test_concurrent_images_option():
-    import types
-
-    import numpy as np
-    from model.cpu_images import concurrent_images_for
-    from model.engine import EngineOptions
-    from model.mesh import make_mesh
-
-    for bad in (0, -1, True, 1.5, "2"):
-        with pytest.raises(ValueError, match="concurrent_images"):
-            EngineOptions(concurrent_images=bad)
-    one_cpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")]))
-    assert concurrent_images_for(one_cpu, EngineOptions()) == 2
-    assert concurrent_images_for(one_cpu, EngineOptions(concurrent_images=np.int64(3))) == 3
-    assert concurrent_images_for(one_cpu, EngineOptions(per_image=False)) == 1  # a batch is one program
-    one_gpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
-    assert concurrent_images_for(one_gpu, EngineOptions()) == 1
-    four_cpus = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="cpu")] * 4))
-    assert concurrent_images_for(four_cpus, EngineOptions(concurrent_images=2)) == 1  # the mesh splits the batch
-    assert concurrent_images_for(make_mesh(EngineOptions()), EngineOptions(concurrent_images=1)) == 1
-

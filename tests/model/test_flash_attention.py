@@ -152,7 +152,8 @@ def test_attention_heads_runs_the_flash_kernel_on_the_listed_chips_only(topology
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from model.attention import FLASH_KERNEL_CHIPS, attention_heads, mesh_context
+    from model.attention import attention_heads, mesh_context
+    from model.platform_forms import FLASH_KERNEL_CHIPS
 
     device = _load_device(topology)
     assert (device.device_kind in FLASH_KERNEL_CHIPS) == topology.startswith("v5e")

@@ -59,9 +59,11 @@ def test_transformer_with_the_kernel_gives_the_same_velocity(tiny_ckpt, monkeypa
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    import model.transformer as transformer_lib
     from model.config import PipelineConfig
     from model import heads_kernel
-    from model.heads_kernel import head_major, heads_kernel_scope
+    from model.heads_kernel import head_major
+    from model.platform_forms import PlatformForms
     from model.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 
     cfg = PipelineConfig.from_folder(tiny_ckpt).transformer
@@ -80,30 +82,28 @@ def test_transformer_with_the_kernel_gives_the_same_velocity(tiny_ckpt, monkeypa
     calls = []
     monkeypatch.setattr(heads_kernel, "head_major", lambda *a, **k: calls.append(k) or head_major(*a, **k))
 
-    def velocity(mode):  # the last block's queries are the image tokens only: its keys join two kernel outputs
-        with heads_kernel_scope(mode):
-            return np.asarray(jax.jit(lambda a, b: model(a, b, t, cos, sin, implementation="splash"))(img, txt))
+    def velocity():  # the last block's queries are the image tokens only: its keys join two kernel outputs
+        return np.asarray(jax.jit(lambda a, b: model(a, b, t, cos, sin, implementation="splash"))(img, txt))
 
-    want = velocity("off")
+    want = velocity()  # CPU's forms: no heads kernel
     assert not calls and np.abs(want).max() > 0.1
-    np.testing.assert_allclose(velocity("interpret"), want, rtol=1e-5, atol=1e-5)
+    # forms with the kernel, as on a TPU: here in Pallas interpret mode
+    monkeypatch.setattr(transformer_lib, "traced_forms", lambda: PlatformForms(heads_kernel=True))
+    np.testing.assert_allclose(velocity(), want, rtol=1e-5, atol=1e-5)
     blocks = cfg.num_layers * 6 + cfg.num_single_layers * 3 + 2  # q, k, v for text and image; the last block's
     assert len(calls) == blocks and sum("cos" in k for k in calls) == cfg.num_layers * 4 + cfg.num_single_layers * 2 + 1
 
 
 def test_the_kernel_applies_to_splash_on_one_device_only():
-    from model.heads_kernel import applies, heads_kernel_scope
+    from model.heads_kernel import applies
+    from model.platform_forms import forms_for
 
-    assert applies("splash", 1, "tpu", 128, 512, 4096) == "compiled"
-    assert not applies("splash", 1, "cpu", 128, 512, 4096)          # CPU: the XLA path unless told to interpret
-    assert not applies("xla", 1, "tpu", 128, 512)                    # float32 models' attention on TPU
-    assert not applies("splash", 4, "tpu", 128, 512)                 # sharded programs keep the XLA path
-    assert not applies("splash", 1, "tpu", 64, 512)                  # heads narrower than a 128-lane tile
-    assert not applies("splash", 1, "tpu", 128, 4104)                # no token block divides the sequence
-    with heads_kernel_scope("off"):
-        assert not applies("splash", 1, "tpu", 128, 512)
-    with heads_kernel_scope("interpret"):
-        assert applies("splash", 1, "cpu", 32, 48) == "interpret"
-    with pytest.raises(ValueError, match="unknown heads kernel mode 'on'"):
-        with heads_kernel_scope("on"):
-            pass
+    tpu, cpu = forms_for("tpu", "TPU v6 lite").heads_kernel, forms_for("cpu").heads_kernel
+    assert tpu and not cpu  # the platforms' forms: the kernel on TPUs only
+    assert applies("splash", 1, tpu, "tpu", 128, 512, 4096) == "compiled"
+    assert not applies("splash", 1, cpu, "cpu", 128, 512, 4096)      # CPU: the XLA path
+    assert not applies("xla", 1, tpu, "tpu", 128, 512)               # float32 models' attention on TPU
+    assert not applies("splash", 4, tpu, "tpu", 128, 512)            # sharded programs keep the XLA path
+    assert not applies("splash", 1, tpu, "tpu", 64, 512)             # heads narrower than a 128-lane tile
+    assert not applies("splash", 1, tpu, "tpu", 128, 4104)           # no token block divides the sequence
+    assert applies("splash", 1, True, "cpu", 32, 48) == "interpret"  # forced on off TPU (the tests): interpreted

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import model
-from model.vae import UPSAMPLE_FORMS, VAE_ATTENTION_FORMS, DecodeForms
+from model.platform_forms import ROPE_FORMS, UPSAMPLE_FORMS
 from tiny_klein import TinySpec, build_tiny_checkpoint
 
 MAX_LEN = 32
@@ -57,10 +57,10 @@ def test_text_encoder_matches_transformers(gen32, reference_pipe):
     tok = gen32.tokenizer(prompts)
     assert tok.truncated == (False, False, True)
     text_encoder, _, _ = gen32.programs.modules()
-    ours = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation="dot"))
+    ours = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation="xla"))
     assert ours.shape == tuple(ref.shape)
     np.testing.assert_allclose(ours, _np(ref), atol=2e-4, rtol=1e-4)
-    for impl in ("xla", "blocked", "splash"):  # causal + padding masks in every implementation
+    for impl in ("blocked", "splash"):  # causal + padding masks in every implementation
         other = np.asarray(text_encoder(tok.input_ids, tok.attention_mask, implementation=impl))
         np.testing.assert_allclose(other, _np(ref), atol=2e-4, rtol=1e-4, err_msg=impl)
 
@@ -83,7 +83,7 @@ def test_every_hidden_state_including_the_normed_last(tiny_ckpt, reference_pipe)
     out = reference_pipe.text_encoder(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"],
                                       output_hidden_states=True, use_cache=False)
     ours = np.asarray(te(tok["input_ids"].numpy().astype(np.int32), tok["attention_mask"].numpy().astype(np.int32),
-                         implementation="dot"))
+                         implementation="xla"))
     h = cfg.hidden_size
     for k in layers:
         np.testing.assert_allclose(ours[..., k * h:(k + 1) * h], _np(out.hidden_states[k]), atol=2e-4, rtol=1e-4,
@@ -121,38 +121,33 @@ def test_transformer_matches_diffusers(which, tiny_ckpt, odd_ckpt):
                        return_dict=False)[0]
     cos, sin = rope_tables(np.concatenate([ids_t, ids_i]), cfg.axes_dims_rope, cfg.rope_theta)
     _, transformer, _ = gen.programs.modules()
-    # Every implementation with the last block computing image tokens only; every token with one of them (the
-    # attention implementations are compared with each other in test_blocked_attention). The odd config runs two.
-    cases = [(impl, True) for impl in ("dot", "xla", "blocked", "splash")] + [("xla", False)]
-    if which == "odd":
-        cases = [("blocked", True), ("dot", False)]
-    for impl, image_only in cases:
-        ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation=impl,
-                           image_only_last_block=image_only)
-        np.testing.assert_allclose(np.asarray(ours), _np(expected), atol=2e-4, rtol=1e-4,
-                                   err_msg=f"{impl}, image_only_last_block={image_only}")
+    # Every implementation (they are compared with each other in test_blocked_attention); the odd config runs two.
+    for impl in ("blocked", "xla") if which == "odd" else ("xla", "blocked", "splash"):
+        ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation=impl)
+        np.testing.assert_allclose(np.asarray(ours), _np(expected), atol=2e-4, rtol=1e-4, err_msg=impl)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tpu_rope_forms_give_the_pairs_forms_bits(dtype):
-    """RoPE's TPU forms (the signed pair-swap matmul, rolled lanes) give the very bits of the pairs form."""
+def test_rope_forms_give_the_same_bits(dtype):
+    """RoPE's TPU form (the signed pair-swap matmul) gives the very bits of the pairs form."""
     import jax.numpy as jnp
 
-    from model.transformer import TPU_ROPE_FORMS, _rope_partner
+    from model.transformer import _rope_partner
 
     rng = np.random.default_rng(3)
     for shape in ((2, 37, 3, 8), (1, 300, 4, 128)):
         x = jnp.asarray(rng.standard_normal(shape), dtype)
         want = np.asarray(_rope_partner(x, "pairs"))
-        for form in TPU_ROPE_FORMS:
+        for form in ROPE_FORMS:
             np.testing.assert_array_equal(np.asarray(_rope_partner(x, form)), want, err_msg=form)
 
 
 def test_transformer_traced_for_tpu_matches_diffusers(tiny_ckpt, monkeypatch):
-    """The transformer as traced for a TPU (RoPE by the pair-swap matmul) matches diffusers on this CPU."""
+    """The transformer as traced for a TPU (its forms: RoPE by the pair-swap matmul) matches diffusers on this CPU."""
     from diffusers import Flux2Transformer2DModel
 
     import model.transformer as transformer_lib
+    from model.platform_forms import forms_for
     from model.transformer import image_ids, rope_tables, text_ids
 
     gen = model.load(tiny_ckpt, dtype="float32", max_sequence_length=8)
@@ -169,7 +164,7 @@ def test_transformer_traced_for_tpu_matches_diffusers(tiny_ckpt, monkeypatch):
     cos, sin = rope_tables(np.concatenate([ids_t, ids_i]), cfg.axes_dims_rope, cfg.rope_theta)
     forms = []
     partner = transformer_lib._rope_partner
-    monkeypatch.setattr(transformer_lib, "traced_platform", lambda: "tpu")
+    monkeypatch.setattr(transformer_lib, "traced_forms", lambda: forms_for("tpu", "TPU v5 lite"))
     monkeypatch.setattr(transformer_lib, "_rope_partner", lambda x, form: forms.append(form) or partner(x, form))
     _, transformer, _ = gen.programs.modules()
     ours = transformer(hidden, text, sigma, cos, sin, guidance, implementation="xla")
@@ -189,12 +184,11 @@ def test_vae_decode_matches_diffusers(which, tiny_ckpt, odd_ckpt):
     with torch.no_grad():
         expected = ref.decode(torch.from_numpy(z), return_dict=False)[0]
     _, _, vae = gen.programs.modules()
-    # upsampling as diffusers does it, as a low-resolution 2x2 conv, as a transposed conv; the mid-block attention by
-    # XLA and by the splash kernel (Pallas interpret mode here); GroupNorm statistics in one pass
-    extra = [DecodeForms(attention=form) for form in VAE_ATTENTION_FORMS] + [DecodeForms(one_pass_norm=True)]
-    for forms in [DecodeForms(upsample=form) for form in UPSAMPLE_FORMS] + extra:
-        ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1), forms)).transpose(0, 3, 1, 2)
-        np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4, err_msg=str(forms))
+    # upsampling as a low-resolution 2x2 conv (CPU's form) and as a transposed conv (TPU's), GroupNorm statistics in
+    # one pass
+    for form in UPSAMPLE_FORMS:
+        ours = np.asarray(vae.decode(z.transpose(0, 2, 3, 1), form)).transpose(0, 3, 1, 2)
+        np.testing.assert_allclose(ours, _np(expected), atol=2e-4, rtol=1e-4, err_msg=form)
 
 
 def test_latent_denorm_and_unpatchify_match_pipeline(gen32, reference_pipe):

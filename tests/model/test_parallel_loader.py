@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 CHECK = r'''
-import dataclasses
 import json
 import sys
 import traceback
@@ -19,7 +18,6 @@ import traceback
 import jax
 import numpy as np
 import model
-import model.generator
 import model.weights
 from model.options import LoadSettings
 from model import shard_layout
@@ -31,12 +29,7 @@ def check(path, dtype, shards, layout="host"):
     `layout`: "device" transposes on the (CPU) devices, as the loader does on accelerators."""
     platforms = model.weights.DEVICE_LAYOUT_PLATFORMS
     model.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
-    # The split device-layout case also compiles its programs while loading, as accelerators do.
-    precompile = layout == "device" and shards > 1
     settings = LoadSettings.create(path, dtype, max_sequence_length=32, model_shards=shards)
-    if precompile:
-        model.generator.PRECOMPILE_PLATFORMS = ("cpu", "tpu", "gpu")
-        settings = dataclasses.replace(settings, precompile=((32, 48),))
     transposes = model.weights.DEVICE_TRANSPOSES
     transposes.clear()
     prepared = []
@@ -53,7 +46,7 @@ def check(path, dtype, shards, layout="host"):
         model.weights.DEVICE_LAYOUT_PLATFORMS = platforms
         model.weights.prepare_device_transposes = plain_prepare
     # Every transpose the weights took was among those prepared before the first tensor was read: none compiled
-    # on the loading threads, where it would wait for the precompile's programs.
+    # on the loading threads.
     assert prepared and prepared[0] == len(transposes), (prepared, len(transposes))
     assert (len(transposes) > 0) == (layout == "device"), len(transposes)
     te, tr, vae = gen.programs.modules()
@@ -78,15 +71,8 @@ def check(path, dtype, shards, layout="host"):
             placed_bytes += want.nbytes
     phases = gen.load_phases  # what the loader reports having read and placed: exactly these tensors
     assert (phases["tensors"], phases["bytes"]) == (checked, placed_bytes), (phases, checked, placed_bytes)
-    if precompile:  # the programs compiled from the modules' shapes run the parameters as loaded, unchanged
-        compiled = gen.programs.compile_count
-        assert compiled > 0, "nothing was compiled while loading"
-        steps = phases["precompile_steps_s"]  # where the precompile went, as benchmarks.startup reports it
-        assert set(steps) == {"make", "lower", "encode", "denoise", "decode"} and min(steps.values()) >= 0, steps
-        gen.generate(["a red fox"], [0], height=32, width=48)
-        assert gen.programs.compile_count == compiled, "the first call compiled again"
     assert all(phases[k] >= 0 for k in ("read_s", "host_layout_s", "transfer_s", "device_layout_s", "prepare_s",
-                                        "wall_s", "finish_s", "precompile_wait_s", "runtime_start_s",
+                                        "wall_s", "finish_s", "runtime_start_s",
                                         "runtime_wait_s")), phases
     return checked
 

@@ -37,9 +37,9 @@ def test_bucket_rounds_the_batch_to_whole_data_replicas():
     bucket = bucket_for(config, height=1024, width=768, sampling=sampling, batch=3, data_replicas=2)
     assert (bucket.batch, bucket.grid_h, bucket.grid_w, bucket.steps, bucket.cfg, bucket.ref_tokens) == (
         4, 64, 48, 4, False, 0)
-    context = bucket_for(config, height=64, width=64, sampling=sampling, batch=3, data_replicas=2,
-                         context_parallel=True, reference_sizes=((64, 32), (32, 32)))
-    assert (context.batch, context.ref_tokens) == (3, 4 * 2 + 2 * 2)  # the replicas split tokens, not the batch
+    edit = bucket_for(config, height=64, width=64, sampling=sampling, batch=3, data_replicas=2,
+                      reference_sizes=((64, 32), (32, 32)))
+    assert (edit.batch, edit.ref_tokens) == (4, 4 * 2 + 2 * 2)  # each reference's latent tokens
 
 
 def _devices(n, kind="TPU v5 lite"):

@@ -121,7 +121,7 @@ args = json.loads(sys.argv[3])
 from flax import nnx
 from model import shard_layout
 out = {}
-one = model.load(ckpt, dtype="bfloat16", max_sequence_length=32, quantize="int8", data_parallel=False)
+one = model.load(ckpt, dtype="bfloat16", max_sequence_length=32, quantize="int8")  # 4 data replicas, whole weights
 stored = dict(nnx.to_flat_state(nnx.state(one.programs.modules()[1])))
 for name, kw in {"1x4": dict(model_shards=4), "2x2": dict(model_shards=2)}.items():
     gen = model.load(ckpt, dtype="bfloat16", max_sequence_length=32, quantize="int8", **kw)

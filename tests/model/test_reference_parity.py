@@ -235,17 +235,6 @@ def test_default_tiny_checkpoint_size_multiple_4(tiny_ckpt):
     _assert_images_close(ours, _diffusers(pipe, gen, ["a cat"], [3], refs, 32, 32, 2), "multiple 4")
 
 
-def test_reference_mode_steps_from_python_with_references(m16_ckpt, gen16, pipe16):
-    """The naive path (one program per step, batched programs, plain attention) takes the references too."""
-    from model.lab import reference_mode
-
-    gen = model.load(m16_ckpt, dtype="float32", max_sequence_length=MAX_LEN, **reference_mode())
-    refs = [_rgb(64, 64, 3), _rgba(70, 90, 1)]
-    ours = gen.generate(["a red cat", "x"], [3, 4], height=32, width=32, num_inference_steps=2,
-                        reference_images=[refs, refs])
-    _assert_images_close(ours, _diffusers(pipe16, gen, ["a red cat", "x"], [3, 4], refs, 32, 32, 2), "reference mode")
-
-
 def test_bf16_follows_diffusers_bf16(m16_ckpt):
     """In bfloat16 the encoder, its BN normalisation and the reference tokens follow diffusers' bfloat16 pipeline."""
     from diffusers import Flux2KleinPipeline

@@ -92,18 +92,14 @@ def test_presets_are_package_data():
 
 
 def test_attention_flops_of_klein_9b_at_1024():
-    """4 x L^2 x width per block over the padded joint sequence (512 text + 4096 image tokens)."""
+    """4 x Lq x Lk x width per block over the padded joint sequence (512 text + 4096 image tokens), the last block's
+    queries the image tokens only; none in the decode (its attention is XLA's, which XLA counts)."""
     from model.estimate import attention_flops_per_image
     from model.presets import preset_config
 
-    flops = attention_flops_per_image(preset_config("klein-9b"), text_len=512, image_tokens=4096, steps=4, cfg=False,
-                                      image_only_last_block=False)
-    assert flops["denoise"] == 4 * 4608**2 * 4096 * 32 * 4
+    flops = attention_flops_per_image(preset_config("klein-9b"), text_len=512, image_tokens=4096, steps=4, cfg=False)
+    assert flops["denoise"] == (4 * 4608**2 * 4096 * 32 - 4 * 512 * 4608 * 4096) * 4
     assert flops["decode"] == 0.0
-    # the VAE's mid-block attention through the kernel: one 512-wide head over the 128x128 latent pixels
-    with_vae = attention_flops_per_image(preset_config("klein-9b"), text_len=512, image_tokens=4096, steps=4,
-                                         cfg=False, image_only_last_block=False, vae_splash=True)
-    assert with_vae["decode"] == 4 * 16384**2 * 512 and with_vae["denoise"] == flops["denoise"]
     causal = 4 * 512**2 * 32 * 128 * 27 * (5 / 8)  # 4 blocks of 128: 10 of 16 run
     assert flops["encode"] == pytest.approx(causal)
 
@@ -135,7 +131,7 @@ def test_a_program_the_compiler_refuses_does_not_fit():
 
 # klein-4B 1024x1024 bf16 batch 1 on v5e:1x1 as libtpu 0.0.52 compiled it (XLA's FLOPs, the splash kernels' FLOPs and
 # XLA's bytes accessed, per image): encode and denoise at cb29942, decode with the transposed-conv upsample and
-# one-pass GroupNorm statistics (c7479de, vae_splash off); and what one TPU v5e chip measured for them
+# one-pass GroupNorm statistics (c7479de, XLA's attention); and what one TPU v5e chip measured for them
 # (benchmarks/tpu_measured.json; the decode and the image in the same process at c7479de, 2026-12-06).
 KLEIN_4B_V5E = {"encode": (2.7954e12, 7.2478e10, 2.1021e10), "denoise": (1.12875e14, 2.5976e13, 1.46891e11),
                 "decode": (9.2769e12, 0.0, 2.5436e10)}
@@ -257,50 +253,46 @@ def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt, tmp_p
     config, programs = _programs(tiny_ckpt, load_topology("v5e:2x2"), 2, 32)
     tr = config.transformer
     bucket = Bucket(2, 16, 16, 4, False)
-    lowered = programs.lower(bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim, fused=True)
+    lowered = programs.lower(bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
     compile_programs(programs, config, bucket, {name: 0.0 for name in PROGRAMS}, dump_dir=str(tmp_path))
     for name, low in zip(PROGRAMS[:2], lowered[:2]):
         compiled_text = (tmp_path / f"{name}.txt").read_text()  # the compiled text, not the lowered fallback
         assert count_kernel_calls(low.as_text(), "lowered") == count_kernel_calls(compiled_text) > 0, name
 
 
-def test_tpu_decode_program_forms(libtpu, tiny_ckpt):
-    """On TPUs klein's decode program upsamples by transposed (lhs-dilated) convs, the lab's `tpu_upsample` default,
-    and no other conv is dilated; with the lab's `vae_splash="tpu"` (off by default) its mid-block attention (one head
-    512 wide) is one splash kernel. The lab's "plain" has no dilated conv, and a VAE whose attention is not whole
-    128-lane tiles (the tiny checkpoint's) no kernel. Lowered only (no compile). The forms' pixels:
-    tests/model/test_model_parity.py; the kernel against XLA on a chip: tests/tpu/test_splash_on_chip.py."""
+def test_decode_program_forms_by_platform(libtpu):
+    """On TPUs klein's decode program upsamples by transposed (lhs-dilated) convs, the TPU's form
+    (model.platform_forms), no other conv is dilated and no kernel is called (its mid-block attention is XLA's); the
+    same program for a CPU has no dilated conv (the phases form). Lowered only (no compile). The forms' pixels:
+    tests/model/test_model_parity.py."""
     import re
+
+    import jax
 
     from model.aot import topology_options
     from model.api import load_topology
     from model.factory import Networks, build_programs
     from model.hlo_stats import count_kernel_calls
-    from model.lab import LabSwitches
     from model.mesh import make_mesh
     from model.plan import Bucket
-    from model.vae import UPSAMPLE_FORMS
+    from model.platform_forms import forms_for
     from pipeline.preflight import resolve_model
 
-    mesh = make_mesh(topology_options(1), devices=list(load_topology("v5e:1x1").devices))
+    config = resolve_model("klein-4b")
+    modules = Networks(config, "bfloat16").run_modules()
 
-    def dilated_convs_and_kernels(lab, model="klein-4b") -> tuple[int, int]:
-        config = resolve_model(model)
-        modules = Networks(config, "bfloat16").run_modules()
+    def dilated_convs_and_kernels(devices) -> tuple[int, int]:
+        mesh = make_mesh(topology_options(1), devices=devices)
         programs = build_programs(modules, dtype="bfloat16", mesh=mesh, options=topology_options(1), text_len=32,
-                                  lab=lab, abstract=True)
+                                  abstract=True)
         text = programs._decode.lower(*programs._decode_args(Bucket(1, 16, 16, 4, False),
                                                              config.transformer.in_channels)).as_text()
         return len(re.findall(r"lhs_dilate = \[2, 2\]", text)), count_kernel_calls(text, "lowered")
 
-    assert LabSwitches().tpu_upsample == "dilated" and set(UPSAMPLE_FORMS) >= {"plain", "dilated"}
-    upsamplers = len(resolve_model("klein-4b").vae.block_out_channels) - 1
-    assert dilated_convs_and_kernels(LabSwitches()) == (upsamplers, 0)
-    assert dilated_convs_and_kernels(LabSwitches(vae_splash="tpu")) == (upsamplers, 1)
-    assert dilated_convs_and_kernels(LabSwitches(tpu_upsample="plain")) == (0, 0)
-    tiny = resolve_model(tiny_ckpt).vae
-    assert tiny.block_out_channels[-1] % 128 != 0
-    assert dilated_convs_and_kernels(LabSwitches(vae_splash="tpu"), tiny_ckpt) == (len(tiny.block_out_channels) - 1, 0)
+    assert (forms_for("tpu").upsample, forms_for("cpu").upsample) == ("dilated", "phases")
+    upsamplers = len(config.vae.block_out_channels) - 1
+    assert dilated_convs_and_kernels(list(load_topology("v5e:1x1").devices)) == (upsamplers, 0)
+    assert dilated_convs_and_kernels(jax.devices("cpu")[:1]) == (0, 0)
 
 
 def _replicated_bytes(state) -> int:

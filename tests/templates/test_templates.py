@@ -599,6 +599,22 @@ def dockerfile_copy_sources() -> list[str]:
     return sources
 
 
+def test_benchmarks_stay_out_of_the_package_and_the_images(monkeypatch):
+    """benchmarks/ runs from a checkout (`python -m benchmarks.NAME`): setup.py's packages leave it out and the
+    Dockerfile copies none of it (build.sh's staging: test_build_sh_stages_what_the_dockerfile_copies)."""
+    import runpy
+
+    import setuptools
+
+    setup_args = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: setup_args.update(kw))
+    monkeypatch.chdir(ROOT)
+    runpy.run_path(str(ROOT / "setup.py"))
+    tops = {p.split(".")[0] for p in setup_args["packages"]}
+    assert tops == {"model", "transforms", "pipeline", "tiny_klein"}, tops
+    assert not [src for src in dockerfile_copy_sources() if src.rstrip("/").split("/")[-1] == "benchmarks"]
+
+
 def test_build_sh_stages_what_the_dockerfile_copies(fake_gcloud, tmp_path):
     env, calls = fake_gcloud
     weights = tmp_path / "ckpt"
@@ -618,7 +634,7 @@ def test_build_sh_stages_what_the_dockerfile_copies(fake_gcloud, tmp_path):
         assert src.rstrip("/") in ctx, f"Dockerfile copies {src}, which build.sh does not stage"
     assert {"Dockerfile", "cloudbuild.yaml", "main.py", "setup.py", "weights/model_index.json",
             "weights/transformer/config.json", "pipeline", "transforms", "model"} <= ctx
-    assert not any(p.startswith((".venv", ".git", "tests")) or "__pycache__" in p for p in ctx)
+    assert not any(p.startswith((".venv", ".git", "tests", "benchmarks")) or "__pycache__" in p for p in ctx)
     subs = submit["args"][submit["args"].index("--substitutions") + 1]
     assert subs.startswith("^~^") and "_ACCELERATOR=gpu" in subs and "_GPU_JAX_EXTRA=cuda12" in subs
     assert f"^~^_IMAGE={image}~" in subs and f"~_LAUNCHER_IMAGE={IMAGE_NAME}-launcher:{tag}~" in subs

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.heads_kernel import head_major, heads_kernel_scope, reference_heads
+from model.heads_kernel import head_major, reference_heads
 
 # (tokens, columns of the projection's output): the single-stream block's fused [q | k | v | mlp] at 1024x1024, and
 # a double-stream block's text projection.
@@ -39,13 +39,17 @@ def test_heads_kernel_is_mosaic_and_within_one_bf16_rounding(shape):
         assert np.all(err <= 2.0 ** -6 * row_scale), name
 
 
-def test_transformer_with_the_kernel_within_bf16_rounding():
+def test_transformer_with_the_kernel_within_bf16_rounding(monkeypatch):
     """bf16, splash: the kernel's velocity vs the XLA path's differs less than the XLA path's own bf16 rounding
     (its distance from the float32 model), over a small transformer with klein's 128-wide heads."""
+    import dataclasses
+
     from flax import nnx
 
+    import model.transformer as transformer_lib
     from model.config import TransformerConfig
     from model.layers import precision_scope
+    from model.platform_forms import forms_for
     from model.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 
     cfg = TransformerConfig(patch_size=1, in_channels=64, out_channels=64, num_layers=1, num_single_layers=2,
@@ -64,15 +68,19 @@ def test_transformer_with_the_kernel_within_bf16_rounding():
     txt = jax.random.normal(jax.random.key(2), (1, 512, 256))
     t = jnp.array([0.6])
 
-    def velocity(model, dtype, implementation, mode):
-        with precision_scope(dtype), heads_kernel_scope(mode):
+    chip = forms_for("tpu", jax.devices()[0].device_kind)  # the chip's forms: with the kernel
+
+    def velocity(model, dtype, implementation, kernel):
+        forms = dataclasses.replace(chip, heads_kernel=kernel)
+        monkeypatch.setattr(transformer_lib, "traced_forms", lambda: forms)
+        with precision_scope(dtype):
             fn = jax.jit(lambda a, b: model(a.astype(dtype), b.astype(dtype), t, cos, sin,
                                             implementation=implementation))
             return np.asarray(fn(img, txt).astype(jnp.float32))
 
-    with_kernel = velocity(model16, jnp.bfloat16, "splash", "tpu")
-    without = velocity(model16, jnp.bfloat16, "splash", "off")
-    reference = velocity(model32, jnp.float32, "xla", "off")
+    with_kernel = velocity(model16, jnp.bfloat16, "splash", True)
+    without = velocity(model16, jnp.bfloat16, "splash", False)
+    reference = velocity(model32, jnp.float32, "xla", False)
     kernel_diff, rounding = np.mean(np.abs(with_kernel - without)), np.mean(np.abs(without - reference))
     print(f"velocity: kernel vs XLA path {kernel_diff:.2e} (mean |difference|); bf16 vs float32 {rounding:.2e}")
     assert np.isfinite(with_kernel).all() and kernel_diff <= rounding
