@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 # Runtime: what a worker needs to load a diffusers-layout checkpoint and run the Beam job.
 RUNTIME_REQUIREMENTS = [
     "apache-beam[gcp]==2.77.0",
-    "cachetools==6.2.6",  # the per-shape LRU caches (model/lru.py); the version Beam's gcp extra resolves to
+    "cachetools==6.2.6",  # the per-shape LRU caches (model/engine/lru.py); the version Beam's gcp extra resolves to
     "jax==0.10.2",
     "jaxlib==0.10.2",
     "flax==0.12.8",
@@ -33,9 +33,9 @@ PREFLIGHT_REQUIREMENTS = [
     "libtpu==0.0.52",
 ]
 
-# Hugging Face Hub ids as --model / model.load (model/hub.py): the launch downloads the snapshot, workers never do.
-# Imported only for a Hub id. transformers and tokenizers already pull in some huggingface_hub (unpinned, <3.0); this
-# extra pins the version model/hub.py is written and tested against.
+# Hugging Face Hub ids as --model / model.load (model/loading/hub.py): the launch downloads the snapshot, workers never
+# do. Imported only for a Hub id. transformers and tokenizers already pull in some huggingface_hub (unpinned, <3.0);
+# this extra pins the version model/loading/hub.py is written and tested against.
 HUB_REQUIREMENTS = [
     "huggingface_hub==2.4.0",
 ]
@@ -66,7 +66,7 @@ setup(
     packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
                                     "tiny_klein", "tiny_klein.*"]),
     include_package_data=True,
-    package_data={"model.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.presets)
+    package_data={"model.loading.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.loading.presets)
     install_requires=RUNTIME_REQUIREMENTS,
     extras_require={"demo": DEMO_REQUIREMENTS, "preflight": PREFLIGHT_REQUIREMENTS, "tpu": TPU_REQUIREMENTS,
                     "hub": HUB_REQUIREMENTS,

@@ -1,16 +1,17 @@
-"""The flash attention kernel (model/flash_attention.py) per block pair against splash, at klein-4B's attention shape.
+"""The flash attention kernel (model/nets/flash_attention.py) per block pair against splash, at klein-4B's attention
+shape.
 
     python -m benchmarks.attention_kernels            # on a TPU chip: 24 heads x 4608 tokens x 128, B=1, bf16
     python -m benchmarks.attention_kernels --small    # anywhere (Pallas interpret mode off TPU): 2 x 512 x 128
 
 Inputs as the transformer makes them: q and k RMS-normed with weights near 1, q scaled by 1/sqrt(D), v normal.
-Times splash (`model.attention._splash_heads` at the blocks model.platform_forms picks for the chip, as
+Times splash (`model.nets.attention._splash_heads` at the blocks model.nets.platform_forms picks for the chip, as
 `attention_heads` runs it where the flash kernel is not used) and the flash kernel for each (block_q, block_kv) asked
 for, fitted to the length as the kernel fits them (at 4608 tokens 1024 becomes 768; every row gives the blocks that
 ran). Each row: ms per call, TFLOP/s (4 B H L^2 D per call), max |out - splash| and max |out - float32 reference|
 (NaN for a non-finite output); a block pair that does not compile is a row with its error. Prints a table, then one
 JSON line.
-The kernel's defaults (model.flash_attention.BLOCK_Q, BLOCK_KV, BLOCK_KV_COMPUTE) are the best row on v5e.
+The kernel's defaults (model.nets.flash_attention.BLOCK_Q, BLOCK_KV, BLOCK_KV_COMPUTE) are the best row on v5e.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def time_fn(fn, *args, iters: int, batches: int = 3) -> float:
 
 def flash_pairs(args) -> list[tuple[int, int, int]]:
     """The distinct (block_q, block_kv, block_kv_compute) the kernel runs for the block pairs asked for, in order."""
-    from model.flash_attention import kernel_blocks
+    from model.nets.flash_attention import kernel_blocks
 
     pairs = []
     for bq in (int(x) for x in args.block_q.split(",")):
@@ -111,9 +112,9 @@ def main(argv=None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from model.attention import _splash_heads
-    from model.flash_attention import flash_attention
-    from model.platform_forms import forms_for
+    from model.nets.attention import _splash_heads
+    from model.nets.flash_attention import flash_attention
+    from model.nets.platform_forms import forms_for
 
     interpret = jax.default_backend() != "tpu"
     forms = forms_for(jax.devices()[0].platform, jax.devices()[0].device_kind)

@@ -25,7 +25,7 @@ def trajectory(gen, prompts, seeds, height: int, width: int, latents=None) -> di
     velocities: what `gen` computes there}. Given `latents` (another model's trajectory), each step's velocity is
     `gen`'s at those latents instead, so two models are compared on the same inputs, each with its own text
     embeddings. Host arrays, so the models need not be loaded at once."""
-    from model.scheduler import euler_step
+    from model.nets.scheduler import euler_step
 
     inputs = gen.check_inputs(prompts, seeds, height, width)
     plan = gen.plan_bucket(inputs)
@@ -53,7 +53,7 @@ def jax_put(host, like):
 
 def velocity_errors(reference: dict, candidate: dict) -> list[float]:
     """Per step, ||v_candidate - v_reference|| / ||v_reference|| of two `trajectory` results on the same latents."""
-    from model.quantize import relative_error
+    from model.nets.quantize import relative_error
 
     return [relative_error(c, r) for c, r in zip(candidate["velocities"], reference["velocities"])]
 

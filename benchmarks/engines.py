@@ -30,7 +30,7 @@ class JaxEngine:
 
     def plan(self, n: int, h: int, w: int, steps: int, use_cfg: bool):
         """The generator's plan for n images of h x w (its programs compiled on first use, as `generate` would)."""
-        from model.generator import GenerationInputs
+        from model.engine.generator import GenerationInputs
 
         inputs = GenerationInputs(prompts=("",) * n, seeds=tuple(range(n)), height=h, width=w,
                                   num_inference_steps=int(steps), guidance_scale=4.0 if use_cfg else 1.0,
@@ -98,7 +98,7 @@ def parse_options(text: str) -> dict:
 def with_options(base_gen, path: str, options: EngineOptions):
     """A generator running `options`: over the base generator's loaded weights when they fit them (the same
     quantization and model shards: the same modules and layout), else loaded again from `path`."""
-    from model.generator import Flux2KleinGenerator
+    from model.engine.generator import Flux2KleinGenerator
 
     base = base_gen.options
     if (options.quantize, options.model_shards) == (base.quantize, base.model_shards):

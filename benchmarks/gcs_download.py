@@ -1,4 +1,4 @@
-"""Time the gs:// checkpoint copy (model.checkpoint.resolve_checkpoint, its default settings) on the local GCS
+"""Time the gs:// checkpoint copy (model.loading.checkpoint.resolve_checkpoint, its default settings) on the local GCS
 emulator: a checkpoint-like folder (the config files and a few weight files of random bytes) is uploaded once, then
 copied `--repeats` times, each into a fresh cache folder, and checked byte for byte against what was uploaded.
 
@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
                            "GOOGLE_CLOUD_PROJECT": "test-project"})
         from google.cloud import storage
 
-        from model import checkpoint
+        from model.loading import checkpoint
 
         objects = _objects(sizes)
         expected = {name: hashlib.sha256(data).hexdigest() for name, data in objects.items()}

@@ -1,5 +1,5 @@
-"""gs:// checkpoint copy throughput on the local GCS emulator: sliced parallel ranges (model.checkpoint) against one
-stream per object, the same objects, checksums verified either way.
+"""gs:// checkpoint copy throughput on the local GCS emulator: sliced parallel ranges (model.loading.checkpoint) against
+one stream per object, the same objects, checksums verified either way.
 
     python -m benchmarks.gcs_fetch --mb 256 --files 2
 
@@ -27,7 +27,7 @@ def main(argv=None) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
     from gcs_emulator import start_emulator
 
-    from model import checkpoint
+    from model.loading import checkpoint
 
     rows = {}
     with start_emulator() as emulator, tempfile.TemporaryDirectory() as tmp:

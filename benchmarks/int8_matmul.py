@@ -4,7 +4,7 @@
 
 On the machine it runs on (a TPU chip): for each of the transformer's projection shapes at the given image size
 (tokens M = image tokens, text tokens, or both for single-stream blocks), the milliseconds and TFLOP/s (TOPS for int8)
-of `jnp.dot` in bf16, `lax.dot_general` on int8 operands into int32, and `model.quantize.int8_matmul` (activations
+of `jnp.dot` in bf16, `lax.dot_general` on int8 operands into int32, and `model.nets.quantize.int8_matmul` (activations
 quantized per token, int32 accumulation, scales in the epilogue). Prints one JSON line last. A measurement tool:
 nothing is asserted.
 """
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from model.api import preset_config
-    from model.quantize import int8_matmul, quantize_columns
+    from model.nets.quantize import int8_matmul, quantize_columns
 
     bf16 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
     raw = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from model.cache_paths import cache_root
+from model.loading.cache_paths import cache_root
 from tiny_klein import TinySpec, build_tiny_checkpoint, spec_hash
 
 SMALL_SPEC = TinySpec(
@@ -35,7 +35,8 @@ PRESETS = {
 
 
 def bench_cache_root() -> str:
-    """Where the presets' checkpoints are cached: `bench/` in the project's cache folder (model/cache_paths.py)."""
+    """Where the presets' checkpoints are cached: `bench/` in the project's cache folder
+    (model/loading/cache_paths.py)."""
     return os.path.join(cache_root(), "bench")
 
 

@@ -326,7 +326,7 @@ def main(argv=None) -> dict:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from model.api import CheckpointError, ModelError
-    from model.checkpoint import read_config, resolve_checkpoint
+    from model.loading.checkpoint import read_config, resolve_checkpoint
     from transforms import layout
     from transforms.inputs.columns import ColumnMap, parse_column_map
     from transforms.inputs.validation import RequestDefaults

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 
-from model.config import PipelineConfig
-from model.factory import Networks
-from model.weights import expected_tensors
+from model.loading.config import PipelineConfig
+from model.engine.factory import Networks
+from model.loading.weights import expected_tensors
 
 PRESETS = {
     "klein-4b": (dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680),

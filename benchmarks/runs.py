@@ -7,7 +7,7 @@ import statistics
 import sys
 import time
 
-from model.compile_events import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, CACHE_MISS_EVENT
+from model.engine.compile_events import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, CACHE_MISS_EVENT
 
 
 def progress(msg: str) -> None:

@@ -30,13 +30,14 @@ PRICES = {"TPU v5e": 1.20, "TPU v6e": 2.70}
 
 
 def estimate(report: dict) -> float:
-    """Seconds per image per worker by the current calibration (model.estimate) from the report's compiled figures,
-    so a recalibration reaches every row that has them without compiling again (older rows keep their estimate)."""
-    from model.estimate import V5E_CALIBRATION, ProgramStats
-    from model.tpu_topology import CHIPS
+    """Seconds per image per worker by the current calibration (model.preflight.estimate) from the report's compiled
+    figures, so a recalibration reaches every row that has them without compiling again (older rows keep their
+    estimate)."""
+    from model.preflight.estimate import V5E_CALIBRATION, ProgramStats
+    from model.preflight.topology import CHIPS
 
     chip = next(spec for spec in CHIPS.values() if spec.name == report["chip"])
-    flash = report["devices"] == 1 and report["chip"] == "TPU v5e"  # model.attention.FLASH_KERNEL_CHIPS
+    flash = report["devices"] == 1 and report["chip"] == "TPU v5e"  # model.nets.attention.FLASH_KERNEL_CHIPS
     seconds = 0.0
     for name, p in report["programs"].items():
         xla = p["flops"] * report["batch"] / report["devices"] - p["kernel_flops"]  # the report's FLOPs are per image

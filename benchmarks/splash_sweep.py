@@ -3,7 +3,7 @@
     python -m benchmarks.splash_sweep --heads 24 --seq 4608 --head-dim 128 --out $OUT
 
 Times one attention call (bf16 q/k/v [heads, seq, head_dim], no mask) for each kernel form and block triple
-(block_q, block_kv, block_kv_compute): `mha` (one kernel over every head, as model.attention runs it since the
+(block_q, block_kv, block_kv_compute): `mha` (one kernel over every head, as model.nets.attention runs it since the
 sweep), `mqa` (the multi-query kernel with one query head, vmapped over heads: the form used before), with and
 without kv segment ids (needed only when keys are padded or masked), and XLA's attention for reference. A triple
 the chip cannot compile (scoped VMEM) is reported with its error, not dropped. Prints a table and one JSON line.

@@ -38,7 +38,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-sequence-length", type=int, default=None)
     ap.add_argument("--runtime-first", action="store_true", help="start the accelerator runtime before the load, "
-                    "not beside its preparations (as before model.runtime.start_runtime)")
+                    "not beside its preparations (as before model.engine.runtime.start_runtime)")
     ap.add_argument("--keep-caches", default=None, metavar="DIR", help="put the runs' caches in DIR (emptied "
                     "first) and leave them there, for a later warm run or a profile")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -58,11 +58,11 @@ def child(args) -> dict:
     import jax  # noqa: F401
 
     import model
-    from model.compile_events import counts
+    from model.engine.compile_events import counts
     out["imports_s"] = time.perf_counter() - start
     start = time.perf_counter()
     if args.runtime_first:  # as before the load started the runtime itself, beside its own preparations
-        from model.runtime import start_runtime
+        from model.engine.runtime import start_runtime
 
         start_runtime().result()  # the load's own start, with its settings, waited for here
     out["backend_init_s"] = time.perf_counter() - start
@@ -70,7 +70,7 @@ def child(args) -> dict:
     path = args.model
     start = time.perf_counter()
     if path.startswith("gs://"):
-        from model.checkpoint import resolve_checkpoint
+        from model.loading.checkpoint import resolve_checkpoint
 
         path = resolve_checkpoint(path, cache_dir=args.checkpoint_cache)
     out["fetch_s"] = time.perf_counter() - start
@@ -84,7 +84,7 @@ def child(args) -> dict:
                                   engine=EngineOptions(batch_size=1, compilation_cache_dir=args.cache)))
     out["load_s"] = time.perf_counter() - start
     out["backend"] = jax.default_backend()
-    from model.runtime import PREMAPPED_BUFFER_ENV
+    from model.engine.runtime import PREMAPPED_BUFFER_ENV
 
     out["runtime_settings"] = {PREMAPPED_BUFFER_ENV: os.environ.get(PREMAPPED_BUFFER_ENV)}  # inherited or the load's
     out["rss_after_load_gb"] = _rss_gb()
@@ -129,7 +129,7 @@ def run_child(args, cache: str, checkpoint_cache: str) -> dict:
         raise SystemExit(f"start-up run failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for line in done.stderr.splitlines():  # the load's own account: placing, precompiling, waiting, compiling
-        if line.startswith(("model.generator:", "model.engine:")):
+        if line.startswith(("model.engine.generator:", "model.engine.programs:")):
             print(f"[startup] {line}", file=sys.stderr, flush=True)
     print(f"[startup] run done: {json.dumps(result)}", file=sys.stderr, flush=True)  # kept if a later run is cut off
     return result

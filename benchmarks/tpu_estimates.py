@@ -2,8 +2,8 @@
 
 For each model and topology the preflight (pipeline/preflight.py) compiles the real programs at batch 1 (with the
 fewest model shards that fit), then searches the largest batch that fits at that shard count as `--batch_size auto`
-does (model/batch_search.py: a line through the bytes of the batches compiled so far predicts the next batch to
-try, and each prediction is compiled to check it). Every figure is the compiler's estimate from XLA's cost analysis
+does (model/preflight/batch_search.py: a line through the bytes of the batches compiled so far predicts the next batch
+to try, and each prediction is compiled to check it). Every figure is the compiler's estimate from XLA's cost analysis
 plus attention at the chip's bf16 peak, not a measurement; the published 430 ms per image (klein-9B on one TPU v7 chip) stands beside it for comparison.
 
     python -m benchmarks.tpu_estimates [--models klein-4b,klein-9b] [--topologies v5e:1x1,...] [--max_batch 16]
@@ -34,7 +34,7 @@ PUBLISHED = {("klein-9b", "TPU v7", 1): 0.430}
 
 def picked_batch(request: PreflightRequest, first: Report, max_batch: int) -> Report:
     """The largest batch up to `max_batch` per data replica that fits at `first`'s shard count: the preflight's own
-    search (--batch_size auto, model.batch_search), which reuses what `first` compiled."""
+    search (--batch_size auto, model.preflight.batch_search), which reuses what `first` compiled."""
     return preflight(dataclasses.replace(request, batch_size=None, model_shards=first.model_shards,
                                          max_batch_size=max_batch * first.data_replicas))
 

@@ -16,7 +16,7 @@ imports from here only (tests/model checks it). Importing this module does not l
   `is_preset`,
   `preset_config`.
 - Deployment plan (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
-- Leases (JAX-free; model.compile_lease, which the job's output lease uses too): `LocalLeases`, `GcsLeases`,
+- Leases (JAX-free; model.engine.compile_lease, which the job's output lease uses too): `LocalLeases`, `GcsLeases`,
   `Holder`, `decide` (with its verdicts `TAKE_OVER`, `WAIT`), `process_alive`.
 - TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
   (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
@@ -26,29 +26,30 @@ imports from here only (tests/model checks it). Importing this module does not l
 
 from __future__ import annotations
 
-from .cache_paths import cache_root
-from .checkpoint import read_config, read_config_and_digest, split_gs_uri
+from .loading.cache_paths import cache_root
+from .loading.checkpoint import read_config, read_config_and_digest, split_gs_uri
 from .contract import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES,
                        DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, Limits, count,
                        is_integer, optional_count, validate)
 from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFiniteImageError, ReferenceImageError,
                      RequestError, UnsafeWeightsError)
-from .estimate import V5E_CALIBRATION, ProgramStats
-from .fit_report import Report, format_bytes
-from .hub import HubSnapshot, is_hub_id, resolve_hub, with_revision
-from .compile_lease import TAKE_OVER, WAIT, GcsLeases, Holder, LocalLeases, decide, process_alive
-from .mesh import ShardCountError, shard_counts
+from .preflight.estimate import V5E_CALIBRATION, ProgramStats
+from .preflight.fit_report import Report, format_bytes
+from .loading.hub import HubSnapshot, is_hub_id, resolve_hub, with_revision
+from .engine.compile_lease import TAKE_OVER, WAIT, GcsLeases, Holder, LocalLeases, decide, process_alive
+from .parallel.mesh import ShardCountError, shard_counts
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
-from .plan import resolve_sampling
-from .presets import PRESET_NAMES, is_preset, preset_config
-from .references import MIN_SIDE as MIN_REFERENCE_SIDE
-from .tpu_topology import ATTACHED, CHIPS, GiB, Topology, TopologyError, attached_topology, load_topology
-from .weight_files import validate_variant
+from .engine.buckets import resolve_sampling
+from .loading.presets import PRESET_NAMES, is_preset, preset_config
+from .engine.reference_preprocess import MIN_SIDE as MIN_REFERENCE_SIDE
+from .preflight.topology import ATTACHED, CHIPS, GiB, Topology, TopologyError, attached_topology, load_topology
+from .loading.weight_files import validate_variant
 
 # Imported on first use (they load JAX): name -> (module, attribute).
-_LAZY = {"load": ("generator", "load"), "fit": ("aot", "fit"),
-         "enable_compilation_cache": ("engine", "enable_compilation_cache"), "start_runtime": ("runtime", "start_runtime")}
+_LAZY = {"load": ("engine.generator", "load"), "fit": ("preflight.aot", "fit"),
+         "enable_compilation_cache": ("engine.programs", "enable_compilation_cache"),
+         "start_runtime": ("engine.runtime", "start_runtime")}
 
 __all__ = sorted([
     "cache_root", "read_config", "read_config_and_digest", "split_gs_uri", "gcs_client",
@@ -67,7 +68,7 @@ __all__ = sorted([
 
 def gcs_client():
     """The google-cloud-storage client the checkpoint reader uses (anonymous where no credentials are found)."""
-    from .checkpoint import _client
+    from .loading.checkpoint import _client
 
     return _client()
 

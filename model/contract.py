@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import RequestError
 
-# Seeds are numpy PCG64 seeds in [0, 2**63) (model.noise); image j of a request uses seed + j.
+# Seeds are numpy PCG64 seeds in [0, 2**63) (model.engine.noise); image j of a request uses seed + j.
 MAX_SEED = 2**63
 # The programs take guidance as float32: a larger value would become infinity there (and black images).
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -198,7 +198,7 @@ def show(value, limit: int = 200) -> str:
 
 # --------------------------------------------------------------------------------------------- reference images
 # Image-conditioned generation (multi-reference editing): the job's limits on what a record may ask for. The
-# model's own checks of a reference (sides, aspect ratio) are model/references.py.
+# model's own checks of a reference (sides, aspect ratio) are model/engine/reference_preprocess.py.
 # References one job request may give (diffusers has no limit; every reference adds its tokens to the joint
 # attention sequence, up to 4096 per 1 MP reference, so a few are already the cost of a larger image).
 DEFAULT_MAX_REFERENCE_IMAGES = 4

@@ -2,7 +2,7 @@
 
 `LoadSettings` goes unchanged from the job's options (pipeline) through the RunInference handler (transforms) to
 `model.load`; every value is checked when the object is made, so a bad option fails at launch, not on a worker.
-JAX-free, like `model.contract`. How the programs compute on each platform is not an option: model.platform_forms
+JAX-free, like `model.contract`. How the programs compute on each platform is not an option: model.nets.platform_forms
 picks it from the platform.
 """
 
@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 
 from .contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, is_integer, optional_count
-from .weight_files import validate_variant
+from .loading.weight_files import validate_variant
 
 DTYPE_NAMES = ("bfloat16", "float32")
-# Weight and activation quantization of the transformer's block projections (model.quantize): none | int8.
+# Weight and activation quantization of the transformer's block projections (model.nets.quantize): none | int8.
 QUANTIZE_MODES = ("none", "int8")
 PROGRAMS = ("encode", "denoise", "decode")
 DEFAULT_TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 # The compiled batch where nothing names one: without a known TPU topology to check it against, and the most that the
-# search for the largest batch that fits a TPU chip tries (model.aot.fit).
+# search for the largest batch that fits a TPU chip tries (model.preflight.aot.fit).
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_MAX_BATCH_SIZE = 8
 
@@ -33,9 +33,9 @@ class EngineOptions:
     # text encoder attention (masked): auto = blocked on CPU, xla on GPU, splash on TPU (xla for float32 models)
     text_encoder_attention: str = "auto"
     embed_cache_size: int = 16         # bounded in-process cache of text embeddings (0 or less = off)
-    # Chips that hold one copy of the weights between them (tensor parallel, model.sharding): the local devices form
-    # a (data, model) mesh of len(devices) / model_shards data replicas, which split the batch. 1 = every chip holds
-    # all the weights.
+    # Chips that hold one copy of the weights between them (tensor parallel, model.parallel.sharding): the local devices
+    # form a (data, model) mesh of len(devices) / model_shards data replicas, which split the batch. 1 = every chip
+    # holds all the weights.
     model_shards: int = 1
     # Which JAX backend's devices run the programs ("tpu", "gpu", "cpu"); None = JAX's default backend. Lets one
     # process compare the same checkpoint on a TPU and on its host's CPU (tests/tpu).

@@ -2,7 +2,7 @@
 
 `--compilation_cache_dir` unset (or `auto`): on Dataflow `{--temp_location}/flux2-klein-xla-cache` (a gs:// prefix
 every worker of the job reads and writes, so a worker that starts after the first compiled finds its programs
-there); on a local runner `xla/` under the project's cache folder (model/cache_paths.py), so a second run on the
+there); on a local runner `xla/` under the project's cache folder (model/loading/cache_paths.py), so a second run on the
 same machine compiles nothing. `off` turns it off; any other value is the folder or gs:// prefix to use. JAX keys
 each entry by the program, the compiler options, JAX/libtpu versions and the devices, so one prefix can serve jobs
 of different models and chips.

@@ -3,8 +3,8 @@ that `--demo_checkpoint` runs the user's own --input on.
 
 A tiny random-weight FLUX.2 [klein] checkpoint, built on first use by the fixture builder `tiny_klein` (outside the
 runtime packages; building needs the `[demo]` extra, torch and diffusers) into the project's cache folder
-(model/cache_paths.py) and reused, run on the bundled prompts at 128x128 in float32. Everything the job does only
-for the demo is here; pipeline/run.py calls in. `tiny_klein` is imported only when the demo runs, so importing the
+(model/loading/cache_paths.py) and reused, run on the bundled prompts at 128x128 in float32. Everything the job does
+only for the demo is here; pipeline/run.py calls in. `tiny_klein` is imported only when the demo runs, so importing the
 pipeline never imports it.
 """
 

@@ -1,6 +1,6 @@
 """What a Hugging Face Hub id given as `--model` becomes at launch: the checkpoint location the workers load.
 
-The launch resolves the id once (model/hub.py: download into the local cache, or the cached snapshot offline); a
+The launch resolves the id once (model/loading/hub.py: download into the local cache, or the cached snapshot offline); a
 failure is a UsageError (exit status 2) that says what to do. On a local runner the workers share this machine and
 load the local snapshot folder. On Dataflow no worker talks to the Hub: the launch copies the snapshot to
 `{--model_cache or --temp_location}/flux2-klein-models/{owner}--{name}@{commit}/` on gs:// (skipped when a copy of

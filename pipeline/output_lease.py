@@ -1,6 +1,6 @@
 """One job per output at a time: a launch takes a lease on `--output` before it writes anything there.
 
-The lease is `{output}/.flux2-job.lease`, made with the compile lease's stores (model/compile_lease.py): a local
+The lease is `{output}/.flux2-job.lease`, made with the compile lease's stores (model/engine/compile_lease.py): a local
 file created only if absent (a hard link that fails when the name exists), a gs:// object created with
 `if_generation_match=0`. It names the job (this run, or its Dataflow job id), its host and process. A second launch
 on the same output stops (exit 2) naming that job, unless the lease is stale:

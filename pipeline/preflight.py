@@ -1,8 +1,8 @@
 """TPU preflight: compile the job's real programs for a TPU topology on this (CPU) machine, before renting any TPU.
 
 `python -m pipeline.preflight --model M --topology T --height H --width W [--batch_size B]` reads only the configs
-of `M` (a checkpoint, local or gs://, or a bundled preset: model.presets), builds the three programs a worker would
-run (encode, the fused denoising loop, decode) with the job's sharding over the topology's chips (data replicas x
+of `M` (a checkpoint, local or gs://, or a bundled preset: model.loading.presets), builds the three programs a worker
+would run (encode, the fused denoising loop, decode) with the job's sharding over the topology's chips (data replicas x
 model shards, parameters as shapes only), compiles them with libtpu's compiler, and prints per program the per-chip
 bytes, FLOPs per image, the calibrated time, the Mosaic kernels and the compile time; then whether everything fits
 in the chip's HBM and an estimate of seconds per image: the compiler's FLOPs and bytes at the efficiencies measured on
@@ -18,7 +18,7 @@ Two corrections to XLA's cost analysis, both said in the output:
   for a program without kernels.
 
 This module is the command line (arguments, the printed tables, exit codes); the compiling and the estimates are the
-model's (`model.api.fit`, model/aot.py), made with the generator's own factory, mesh and plan.
+model's (`model.api.fit`, model/preflight/aot.py), made with the generator's own factory, mesh and plan.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class Checkpoint:
 
     location: str  # a local folder or a gs:// prefix
     size_multiple: int  # heights and widths are multiples of it (the job accepts what generate() accepts)
-    digest: str  # what the checkpoint holds, by content (model.checkpoint.checkpoint_digest): in the model fingerprint
+    digest: str  # what the checkpoint holds, by content (the model's checkpoint_digest): in the model fingerprint
 
 
 def gcs_paths_read(spec: JobSpec, *, output_checked: bool) -> list[tuple[str, str]]:

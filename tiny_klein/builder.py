@@ -10,7 +10,7 @@ BPE trained here with `tokenizers`, wrapped as a Qwen2 tokenizer with Qwen3's ch
 torch, diffusers and transformers are imported lazily inside the builder: importing this module needs only the
 standard library. It lives outside the runtime packages (model/, transforms/, pipeline/), which never import it;
 only the demo (pipeline/demo.py) does, when it runs. `ensure_demo_checkpoint()` builds the demo checkpoint once
-into the project's cache folder (model.cache_paths.cache_root) and reuses it.
+into the project's cache folder (model.loading.cache_paths.cache_root) and reuses it.
 """
 
 from __future__ import annotations
@@ -444,12 +444,12 @@ def spec_hash(spec: TinySpec) -> str:
 def ensure_demo_checkpoint(cache_dir: str | None = None, spec: TinySpec = DEMO_SPEC) -> str:
     """Path of the demo checkpoint `<cache_dir>/demo-<hash of spec>`, building it on first use.
 
-    `cache_dir` defaults to the project's cache folder, `model.cache_paths.cache_root()`. Concurrent callers are
+    `cache_dir` defaults to the project's cache folder, `model.loading.cache_paths.cache_root()`. Concurrent callers are
     safe: each builds into its own temporary folder and renames it into place; a loser of that race discards its
     copy and uses the winner's, so no caller ever sees a partial checkpoint.
     """
     if not cache_dir:
-        from model.cache_paths import cache_root
+        from model.loading.cache_paths import cache_root
 
         cache_dir = cache_root()
     root = os.path.abspath(cache_dir)

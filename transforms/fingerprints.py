@@ -4,7 +4,7 @@ that `--skip_existing` can tell a kept image from a stale one without reading th
     request fingerprint   the generation fields of one image task that decide its pixels: prompt, seed, size,
                           steps, guidance, the references' sha256 and processed sizes
     model fingerprint     the checkpoint by content (its configs' bytes, the name, size and crc32c of each other
-                          file: `model.checkpoint.checkpoint_digest`, so any changed tensor changes it), dtype,
+                          file: `model.loading.checkpoint.checkpoint_digest`, so any changed tensor changes it), dtype,
                           max_sequence_length and the text encoder's output layers
 
 Each is the sha256 of a canonical JSON object, cut to FINGERPRINT_HEX hex digits. Pure functions: no Beam, no I/O.

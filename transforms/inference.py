@@ -7,8 +7,8 @@ each element it receives is one such pre-built batch, and it makes one `generate
 padded to the compiled batch size inside `generate`, so it is not recompiled.
 
 Loading: `load_model` imports `model` lazily (pickling the handler never pulls in JAX), resolves the checkpoint
-(a `gs://` one is copied once per machine to a local cache by `model.checkpoint`) and compiles it once per worker
-process, or once per machine with `large_model=True` / `model_copies=N` (Beam then serves the model from one
+(a `gs://` one is copied once per machine to a local cache by `model.loading.checkpoint`) and compiles it once per
+worker process, or once per machine with `large_model=True` / `model_copies=N` (Beam then serves the model from one
 process to the others; results cross the process boundary as numpy).
 
 Timeout: each generate call runs in a watchdog thread and is waited for at most `--inference_timeout_s`, counted from
@@ -258,8 +258,8 @@ _reported_compiles = {"compiles": 0, "cache_hits": 0, "lease_waits": 0}
 def flush_compile_metrics() -> None:
     """Report this process's XLA compilations and persistent-cache hits since the last report (`xla_compiles`,
     `xla_cache_hits`): a job whose programs all come from the compilation cache shows no compiles. `xla_lease_waits`:
-    the programs it waited for another worker to compile (model/compile_lease.py)."""
-    from model.compile_events import counts
+    the programs it waited for another worker to compile (model/engine/compile_lease.py)."""
+    from model.engine.compile_events import counts
 
     now = counts()
     with _pending_lock:
@@ -354,13 +354,13 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def load_model(self) -> LoadedGenerator:
         import model  # lazy: JAX and the model code load only on workers, when the model is needed
-        from model.runtime import apply_runtime_defaults
+        from model.engine.runtime import apply_runtime_defaults
 
         apply_runtime_defaults()  # before anything here starts the runtime; --worker_env's settings are kept
         if self._require_accelerator:
             # Before the checkpoint is copied or read: a worker without its accelerator stops here, with the cause.
             check_accelerator(self._require_accelerator)
-        from model.compile_events import counts
+        from model.engine.compile_events import counts
 
         counts()  # start counting compilations before the first one
         gen = model.load(self.settings)  # starts the runtime itself, beside reading the checkpoint's headers

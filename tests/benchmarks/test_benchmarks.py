@@ -105,7 +105,7 @@ def test_a_variant_shares_the_loaded_weights_unless_its_modules_differ(default_g
     again, and its transformer's projections are int8 (the variant really is quantized)."""
     import jax
     from benchmarks.engines import with_options
-    from model.quantize import Int8Linear
+    from model.nets.quantize import Int8Linear
 
     def leaves(gen):
         return jax.tree.leaves(gen.programs.tr_state)

@@ -1,9 +1,10 @@
-"""The search for the largest batch that fits a chip (model/batch_search.py): which batch is compiled next, and when
-the answer is known. Pure arithmetic: a fake chip whose bytes grow by a line with the batch stands for the compiler."""
+"""The search for the largest batch that fits a chip (model/preflight/batch_search.py): which batch is compiled next,
+and when the answer is known. Pure arithmetic: a fake chip whose bytes grow by a line with the batch stands for the
+compiler."""
 
 import pytest
 
-from model.batch_search import Trial, best_batch, next_batch
+from model.preflight.batch_search import Trial, best_batch, next_batch
 
 
 def chip(fixed: int, per_image: int, free: int):
@@ -12,7 +13,7 @@ def chip(fixed: int, per_image: int, free: int):
 
 
 def search(compile_batch, free: int, cap: int) -> tuple[int, list[int]]:
-    """(the batch found, the batches compiled in order), as model.aot.fit runs it."""
+    """(the batch found, the batches compiled in order), as model.preflight.aot.fit runs it."""
     trials = []
     while (batch := next_batch(trials, free, cap)) is not None:
         assert batch not in [t.batch for t in trials], "a batch compiled twice"

@@ -14,7 +14,7 @@ from attention_reference import plain_attention
 def test_blocked_matches_plain_attention(lq, lk, h, hkv, masked):
     import jax.numpy as jnp
 
-    from model.attention import attention
+    from model.nets.attention import attention
 
     rng = np.random.default_rng(lq + lk)
     q = jnp.asarray(rng.standard_normal((2, lq, h, 32), np.float32))
@@ -34,7 +34,7 @@ def test_blocked_matches_plain_attention(lq, lk, h, hkv, masked):
 def test_auto_is_blocked_on_cpu():
     import jax
 
-    from model.attention import resolve_implementation
+    from model.nets.attention import resolve_implementation
 
     if jax.default_backend() == "cpu":
         assert resolve_implementation("auto") == resolve_implementation("auto", masked=True) == "blocked"
@@ -50,7 +50,7 @@ def test_padding_key_blocks_are_skipped_without_changing_a_bit(padding_side, lk,
     import jax
     import jax.numpy as jnp
 
-    from model import attention as attn
+    from model.nets import attention as attn
 
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((2, lk, 4, 32), np.float32))
@@ -77,7 +77,7 @@ def test_causal_and_key_masks_match_the_dense_mask(impl, lq, h, hkv, padding):
     lengths that are not a multiple of any block, grouped-query heads; without a key mask, causal alone."""
     import jax.numpy as jnp
 
-    from model.attention import attention
+    from model.nets.attention import attention
 
     rng = np.random.default_rng(lq * 10 + h)
     q = jnp.asarray(rng.standard_normal((2, lq, h, 16), np.float32))
@@ -102,7 +102,7 @@ def test_splash_without_masks_matches_plain_attention(lq, lk):
     """The transformer's case: no mask, lengths padded up to the kernel's block and the padding keys excluded."""
     import jax.numpy as jnp
 
-    from model.attention import attention
+    from model.nets.attention import attention
 
     rng = np.random.default_rng(lq)
     q = jnp.asarray(rng.standard_normal((2, lq, 4, 16), np.float32))
@@ -119,7 +119,7 @@ def test_a_splash_kernel_built_in_one_program_serves_the_next(causal):
     import jax
     import jax.numpy as jnp
 
-    from model.attention import _splash_kernel, attention
+    from model.nets.attention import _splash_kernel, attention
 
     _splash_kernel.cache_clear()  # built here first, inside a trace, whatever ran before
     q = jnp.asarray(np.random.default_rng(5).standard_normal((1, 40, 2, 8), np.float32))
@@ -136,7 +136,7 @@ def test_structured_masks_skip_the_same_blocks_bit_for_bit():
     import jax
     import jax.numpy as jnp
 
-    from model import attention as attn
+    from model.nets import attention as attn
 
     rng = np.random.default_rng(3)
     lk, real = 512, 20
@@ -154,7 +154,7 @@ def test_structured_masks_skip_the_same_blocks_bit_for_bit():
 def test_auto_picks_splash_on_one_tpu_chip_only():
     import jax
 
-    from model.attention import resolve_implementation
+    from model.nets.attention import resolve_implementation
 
     if jax.default_backend() == "tpu":
         assert resolve_implementation("auto") == "splash"  # on any mesh: partitioned with shard_map
@@ -170,7 +170,7 @@ def test_rows_with_no_allowed_key_are_zero_like_torch_sdpa(impl):
     import jax.numpy as jnp
     import torch
 
-    from model.attention import attention
+    from model.nets.attention import attention
 
     rng = np.random.default_rng(5)
     lq, h = 48, 2
@@ -192,7 +192,7 @@ def test_a_short_prompts_padding_blocks_are_never_read(lk):
     = NaN). Holds for a length that is no multiple of the block too (padded to whole blocks)."""
     import jax.numpy as jnp
 
-    from model import attention as attn
+    from model.nets import attention as attn
 
     rng = np.random.default_rng(11)
     real = 20

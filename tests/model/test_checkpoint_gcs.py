@@ -1,4 +1,4 @@
-"""model.checkpoint.resolve_checkpoint against a real local GCS emulator: copy once, verify, refuse pickles."""
+"""model.loading.checkpoint.resolve_checkpoint against a real local GCS emulator: copy once, verify, refuse pickles."""
 
 import gzip
 import json
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from model import checkpoint
+from model.loading import checkpoint
 from model.errors import CheckpointError, UnsafeWeightsError
 
 FILES = {

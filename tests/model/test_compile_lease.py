@@ -1,4 +1,4 @@
-"""The compile lease (model/compile_lease.py): one worker compiles a program, the others sharing the cache wait.
+"""The compile lease (model/engine/compile_lease.py): one worker compiles a program, the others sharing the cache wait.
 
 Unit level: the key, the decision, the local and gs:// (emulator) stores, and workers racing as threads. The
 processes compiling the tiny model against one cache folder are in tests/model/test_compile_lease_processes.py.
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from model import compile_lease as cl
+from model.engine import compile_lease as cl
 
 
 def _key(shape):
@@ -75,7 +75,7 @@ def test_racing_workers_on_a_local_folder_compile_one_at_a_time(tmp_path):
 
 def test_waiting_is_logged_once_with_the_holder(tmp_path, caplog):
     leases = cl.LocalLeases(str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="model.compile_lease"):
+    with caplog.at_level(logging.INFO, logger="model.engine.compile_lease"):
         _race(leases, hold_s=0.5)
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
     assert len(waiting) == 1 and f"pid {os.getpid()}" in waiting[0], waiting
@@ -115,7 +115,7 @@ def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
 def test_the_wait_is_bounded(tmp_path, caplog):
     leases = cl.LocalLeases(str(tmp_path))
     path = _foreign_lease(leases, "k")  # a live holder on another host that never finishes
-    with caplog.at_level(logging.WARNING, logger="model.compile_lease"):
+    with caplog.at_level(logging.WARNING, logger="model.engine.compile_lease"):
         assert cl.compile_with_lease(lambda: 2, "k", leases, max_wait=0.3, poll_s=0.05) == 2
     assert os.path.exists(path)  # not ours to remove
     assert any("compiling it here too" in r.getMessage() for r in caplog.records)

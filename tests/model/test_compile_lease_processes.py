@@ -12,7 +12,7 @@ WORKER = """
 import json, os, sys, time
 import jax.numpy as jnp
 import model
-from model.compile_events import counts
+from model.engine.compile_events import counts
 from model.options import EngineOptions, LoadSettings
 
 ckpt, cache, barrier = sys.argv[1:4]

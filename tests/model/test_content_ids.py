@@ -1,4 +1,4 @@
-"""A checkpoint's files by content (model/content_ids.py): the crc32c GCS would list for each, read in parallel
+"""A checkpoint's files by content (model/loading/content_ids.py): the crc32c GCS would list for each, read in parallel
 slices, cached by path, size, mtime, ctime, inode and device, and the record a Flex Template build keeps of it."""
 
 import json
@@ -11,7 +11,7 @@ import threading
 import google_crc32c
 import pytest
 
-from model import checkpoint, content_ids
+from model.loading import checkpoint, content_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -116,8 +116,8 @@ def test_a_configs_only_folder_with_the_builds_record_has_the_whole_checkpoints_
                 shutil.copy(os.path.join(top, name), configs / rel)
     _, without_record = checkpoint.read_config_and_digest(str(configs), configs_only=True)
     assert without_record != whole  # the limit: without the record the weights cannot count
-    recorded = subprocess.run([sys.executable, "-m", "model.content_ids", tiny_ckpt], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, check=True).stdout
+    recorded = subprocess.run([sys.executable, "-m", "model.loading.content_ids", tiny_ckpt], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=True).stdout
     (configs / content_ids.RECORD_FILE).write_text(recorded)
     _, with_record = checkpoint.read_config_and_digest(str(configs), configs_only=True)
     assert with_record == whole

@@ -71,7 +71,7 @@ def engine_options():
 
 
 def auto_attention(masked: bool, platform: str, dtype=None) -> str:
-    from model.attention import resolve_implementation
+    from model.nets.attention import resolve_implementation
 
     return resolve_implementation("auto", masked=masked, platform=platform, dtype=dtype)
 
@@ -86,21 +86,21 @@ def cpu_mesh():
 
 def upsample_forms() -> tuple[str, str]:
     """(the upsample's form on TPUs, elsewhere)."""
-    from model.platform_forms import forms_for
+    from model.nets.platform_forms import forms_for
 
     return forms_for("tpu").upsample, forms_for("cpu").upsample
 
 
 def tpu_forms() -> tuple[str, str]:
     """(RoPE's form, the upsample's form) on TPUs."""
-    from model.platform_forms import forms_for
+    from model.nets.platform_forms import forms_for
 
     return forms_for("tpu").rope, forms_for("tpu").upsample
 
 
 def cpu_concurrent_images() -> int:
     """The images run at once that the engine resolves on a one-device CPU mesh."""
-    from model.cpu_images import concurrent_images_for
+    from model.engine.cpu_images import concurrent_images_for
 
     return concurrent_images_for(cpu_mesh())
 
@@ -120,7 +120,7 @@ class Documented:
 
 
 DOCUMENTED = [
-    Documented("platform_forms: the TPU's forms", docstring("model.platform_forms"),
+    Documented("platform_forms: the TPU's forms", docstring("model.nets.platform_forms"),
                r"on TPUs RoPE swaps pairs by a (matmul), the VAE upsamples by a (transposed conv)",
                lambda m: (m[1], FORMS[m[2]]), tpu_forms),
     Documented("developers.md: the upsample's forms", repo_file("docs/developers.md"),
@@ -141,11 +141,11 @@ DOCUMENTED = [
                         auto_attention(False, "tpu"))),
     Documented("developers.md: max_buckets", repo_file("docs/developers.md"), r"`max_buckets` \((\d+):",
                lambda m: int(m[1]), lambda: engine_options().max_buckets),
-    Documented("cpu_images: images run at once", repo_file("model/cpu_images.py"),
+    Documented("cpu_images: images run at once", repo_file("model/engine/cpu_images.py"),
                r"so (\d+) at once make more images per second", lambda m: int(m[1]), cpu_concurrent_images),
     Documented("developers.md: the premapped transfer buffer", repo_file("docs/developers.md"),
                r"a (\d+) GiB premapped transfer buffer", lambda m: int(m[1]) << 30,
-               imported("model.runtime:DEFAULT_PREMAPPED_BUFFER_BYTES")),
+               imported("model.engine.runtime:DEFAULT_PREMAPPED_BUFFER_BYTES")),
     Documented("developers.md: --png_compress_level", repo_file("docs/developers.md"),
                r"`--png_compress_level` defaults to (\d+)", lambda m: int(m[1]),
                imported("transforms.layout:DEFAULT_PNG_COMPRESS_LEVEL")),

@@ -87,8 +87,8 @@ def restore_compilation_cache():
 # ------------------------------------------------------------------------------------------------ every switch
 
 # Each EngineOptions field -> the options that turn it off (or change it) for the equality test. How the programs
-# compute on each platform is not an option (model.platform_forms): tests/model/test_model_parity.py checks each form
-# against diffusers, test_heads_kernel.py the TPU heads kernel (interpreted), tests/pipeline/test_preflight.py and
+# compute on each platform is not an option (model.nets.platform_forms): tests/model/test_model_parity.py checks each
+# form against diffusers, test_heads_kernel.py the TPU heads kernel (interpreted), tests/pipeline/test_preflight.py and
 # tests/tpu their use on TPUs.
 SWITCHES = {
     "embed_cache_size": dict(embed_cache_size=0),
@@ -108,7 +108,7 @@ CHANGES_IMAGES = {"quantize": "tests/model/test_quantize.py (int8 within the dri
 def test_splash_kernel_gives_default_images(tiny_ckpt, default_images):
     """The TPU splash kernel (here in Pallas interpret mode) for the transformer and for the masked text encoder."""
     import model
-    from model.engine import EngineOptions
+    from model.engine.programs import EngineOptions
 
     gen = model.load(tiny_ckpt, options=EngineOptions(attention="splash", text_encoder_attention="splash"), **KW)
     assert max_diff(gen.generate(PROMPTS, SEEDS, **SIZE), default_images) <= 1
@@ -155,7 +155,7 @@ def test_the_text_encoders_identical_layers_are_traced_once(tiny_ckpt, monkeypat
     import collections
 
     import model
-    from model import qwen3
+    from model.nets import qwen3
 
     traced = collections.Counter()
     original = qwen3.Qwen3DecoderLayer.__call__
@@ -226,7 +226,7 @@ def test_max_buckets_must_be_a_positive_integer_or_none(tiny_ckpt, bad):
 def test_embed_cache_size_must_be_an_integer(tiny_ckpt, bad):
     """Refused by the options, by their own name, before anything is loaded (0 or less turns the cache off)."""
     import model
-    from model.engine import EngineOptions
+    from model.engine.programs import EngineOptions
 
     with pytest.raises(ValueError, match=f"embed_cache_size must be an integer .*, got {bad!r}"):
         model.load(tiny_ckpt, embed_cache_size=bad, **KW)
@@ -236,7 +236,7 @@ def test_embed_cache_size_must_be_an_integer(tiny_ckpt, bad):
 
 
 def test_lru_cache_makes_each_value_once_and_drops_the_least_recently_used():
-    from model.lru import LRUCache
+    from model.engine.lru import LRUCache
 
     made = []
     cache = LRUCache(2, "test")
@@ -366,10 +366,10 @@ MODEL_SHARDS_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("base", [pytest.param(False, marks=pytest.mark.slow), True], ids=["distilled", "base-cfg"])
 def test_model_shards_on_four_cpu_devices_equal_one_device(tiny_ckpt, tiny_base_ckpt, default_gen, base_gen, base,
                                                            tmp_path):
-    """Tensor parallel weights (model.sharding) over 2 and 4 devices, data x model = 2 x 2 (with the splash kernels
-    too): the images of one device within 1/255 (fused projections laid out per shard, model.shard_layout), each
-    weight placed split as it is read, and each device holds less of the transformer and text encoder as the shards
-    grow."""
+    """Tensor parallel weights (model.parallel.sharding) over 2 and 4 devices, data x model = 2 x 2 (with the splash
+    kernels too): the images of one device within 1/255 (fused projections laid out per shard,
+    model.parallel.shard_order), each weight placed split as it is read, and each device holds less of the transformer
+    and text encoder as the shards grow."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     # The one-device images come from this process's generators (their programs are compiled already). The base
     # model with CFG (both branches in one batch) runs the data x model case only; the distilled one runs all.
@@ -404,8 +404,8 @@ def test_cpu_compiler_options_apply_per_program_and_on_cpu_only():
 
     import jax
     import numpy as np
-    from model.cpu_images import EIGEN_DOTS, compiler_options_for
-    from model.mesh import make_mesh
+    from model.engine.cpu_images import EIGEN_DOTS, compiler_options_for
+    from model.parallel.mesh import make_mesh
     from model.options import EngineOptions
 
     mesh = make_mesh(EngineOptions())
@@ -431,9 +431,9 @@ def test_images_run_one_by_one_two_at_a_time_on_one_cpu_device_only():
     import types
 
     import numpy as np
-    from model.cpu_images import concurrent_images_for, per_image_for
-    from model.engine import EngineOptions
-    from model.mesh import make_mesh
+    from model.engine.cpu_images import concurrent_images_for, per_image_for
+    from model.engine.programs import EngineOptions
+    from model.parallel.mesh import make_mesh
 
     mesh = make_mesh(EngineOptions())
     assert per_image_for(mesh) is (mesh.devices.size == 1)

@@ -1,4 +1,4 @@
-"""model.flash_attention: the kernel equals softmax attention (a float32 reference and the splash path, both
+"""model.nets.flash_attention: the kernel equals softmax attention (a float32 reference and the splash path, both
 interpreted here) for several shapes and fitted blocks, refuses lengths its blocks cannot divide, compiles for a v5e
 chip at klein-4B's attention shape, and `attention_heads` runs it on the chips of FLASH_KERNEL_CHIPS only (libtpu's
 compiler, no chip needed)."""
@@ -33,7 +33,7 @@ def _reference(q, k, v):
 def _flash(q, k, v, blocks=None):
     import jax.numpy as jnp
 
-    from model.flash_attention import flash_attention
+    from model.nets.flash_attention import flash_attention
 
     sizes = {} if blocks is None else dict(zip(("block_q", "block_kv", "block_kv_compute"), blocks))
     out = flash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), interpret=True, **sizes)
@@ -44,7 +44,7 @@ def _splash(q, k, v):
     """`attention_heads` off TPU: the splash kernel, interpreted."""
     import jax.numpy as jnp
 
-    from model.attention import attention_heads
+    from model.nets.attention import attention_heads
 
     return np.asarray(attention_heads(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)), np.float32)
 
@@ -63,7 +63,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_equals_the_float32_reference_and_splash(case):
-    from model.flash_attention import kernel_blocks
+    from model.nets.flash_attention import kernel_blocks
 
     shape, blocks, fitted = CASES[case]
     b, h, lq, lk, d = shape
@@ -83,7 +83,7 @@ def test_bfloat16_within_the_splash_paths_rounding():
     q, k, v = _inputs(*CASES["d128-b2-defaults"][0], seed=3)
     q, k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v))
     bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-    from model.flash_attention import flash_attention
+    from model.nets.flash_attention import flash_attention
 
     assert flash_attention(*bf, interpret=True).dtype == jnp.bfloat16
     reference = _reference(q, k, v)
@@ -96,7 +96,7 @@ def test_bfloat16_within_the_splash_paths_rounding():
 def test_blocks_are_fitted_to_the_lengths_or_refused():
     import jax.numpy as jnp
 
-    from model.flash_attention import fit_block, fits, flash_attention, kernel_blocks
+    from model.nets.flash_attention import fit_block, fits, flash_attention, kernel_blocks
 
     assert fit_block(1536, 4608) == 1536 and fit_block(4608, 4608) == 4608 and fit_block(1024, 4608) == 768
     assert fit_block(512, 300) == 300 and fit_block(1536, 4096) == 1024
@@ -114,7 +114,7 @@ def test_blocks_are_fitted_to_the_lengths_or_refused():
 
 def _load_device(topology: str):
     pytest.importorskip("libtpu", reason="libtpu (the TPU compiler) is not installed: pip install libtpu")
-    from model.tpu_topology import load_topology
+    from model.preflight.topology import load_topology
 
     return load_topology(topology).devices[0]
 
@@ -132,7 +132,7 @@ def test_compiles_for_v5e_at_klein_4b_shape():
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from model.flash_attention import flash_attention
+    from model.nets.flash_attention import flash_attention
 
     device = _load_device("v5e:1x1")
     x = jax.ShapeDtypeStruct((1, 24, 4608, 128), jnp.bfloat16, sharding=SingleDeviceSharding(device))
@@ -152,8 +152,8 @@ def test_attention_heads_runs_the_flash_kernel_on_the_listed_chips_only(topology
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from model.attention import attention_heads, mesh_context
-    from model.platform_forms import FLASH_KERNEL_CHIPS
+    from model.nets.attention import attention_heads, mesh_context
+    from model.nets.platform_forms import FLASH_KERNEL_CHIPS
 
     device = _load_device(topology)
     assert (device.device_kind in FLASH_KERNEL_CHIPS) == topology.startswith("v5e")

@@ -1,5 +1,5 @@
-"""model.heads_kernel: q, k, v laid out head-major with the norm, RoPE and scale fused (Pallas; interpret mode here,
-compiled on the chip in tests/tpu/test_heads_kernel_on_chip.py)."""
+"""model.nets.heads_kernel: q, k, v laid out head-major with the norm, RoPE and scale fused (Pallas; interpret mode
+here, compiled on the chip in tests/tpu/test_heads_kernel_on_chip.py)."""
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ def _rounding_ok(got, want, dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_kernel_equals_the_xla_form_within_one_rounding(dtype):
     import jax.numpy as jnp
-    from model.heads_kernel import head_major, reference_heads
+    from model.nets.heads_kernel import head_major, reference_heads
 
     rng = np.random.default_rng(0)
     b, s, h, d = 2, 48, 3, 32
@@ -36,9 +36,9 @@ def test_kernel_equals_the_xla_form_within_one_rounding(dtype):
 def test_reference_form_is_the_models_norm_rope_and_scale():
     """reference_heads is what the transformer computes on the XLA path: RMSNorm, interleaved RoPE, q * scale."""
     import jax.numpy as jnp
-    from model.heads_kernel import reference_heads
-    from model.layers import RMSNorm
-    from model.transformer import apply_interleaved_rope
+    from model.nets.heads_kernel import reference_heads
+    from model.nets.layers import RMSNorm
+    from model.nets.transformer import apply_interleaved_rope
 
     rng = np.random.default_rng(1)
     b, s, h, d = 1, 16, 2, 32
@@ -59,12 +59,12 @@ def test_transformer_with_the_kernel_gives_the_same_velocity(tiny_ckpt, monkeypa
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    import model.transformer as transformer_lib
-    from model.config import PipelineConfig
-    from model import heads_kernel
-    from model.heads_kernel import head_major
-    from model.platform_forms import PlatformForms
-    from model.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
+    import model.nets.transformer as transformer_lib
+    from model.loading.config import PipelineConfig
+    from model.nets import heads_kernel
+    from model.nets.heads_kernel import head_major
+    from model.nets.platform_forms import PlatformForms
+    from model.nets.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 
     cfg = PipelineConfig.from_folder(tiny_ckpt).transformer
     model = Flux2Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
@@ -95,8 +95,8 @@ def test_transformer_with_the_kernel_gives_the_same_velocity(tiny_ckpt, monkeypa
 
 
 def test_the_kernel_applies_to_splash_on_one_device_only():
-    from model.heads_kernel import applies
-    from model.platform_forms import forms_for
+    from model.nets.heads_kernel import applies
+    from model.nets.platform_forms import forms_for
 
     tpu, cpu = forms_for("tpu", "TPU v6 lite").heads_kernel, forms_for("cpu").heads_kernel
     assert tpu and not cpu  # the platforms' forms: the kernel on TPUs only

@@ -15,7 +15,7 @@ import numpy as np
 import jax
 from flax import nnx
 from safetensors.numpy import save_file
-from model import weights
+from model.loading import weights
 
 folder, layers, rows, cols, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 

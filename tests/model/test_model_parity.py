@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import model
-from model.platform_forms import ROPE_FORMS, UPSAMPLE_FORMS
+from model.nets.platform_forms import ROPE_FORMS, UPSAMPLE_FORMS
 from tiny_klein import TinySpec, build_tiny_checkpoint
 
 MAX_LEN = 32
@@ -70,9 +70,9 @@ def test_every_hidden_state_including_the_normed_last(tiny_ckpt, reference_pipe)
     import jax.numpy as jnp
     from flax import nnx
 
-    from model.config import PipelineConfig
-    from model.qwen3 import Qwen3TextEncoder
-    from model.weights import expected_tensors, load_component
+    from model.loading.config import PipelineConfig
+    from model.nets.qwen3 import Qwen3TextEncoder
+    from model.loading.weights import expected_tensors, load_component
 
     cfg = PipelineConfig.from_folder(tiny_ckpt).text_encoder
     layers = tuple(range(cfg.num_hidden_layers + 1))
@@ -104,7 +104,7 @@ def _transformer_inputs(cfg, batch=2, txt_len=8, gh=3, gw=5, seed=0):
 def test_transformer_matches_diffusers(which, tiny_ckpt, odd_ckpt):
     from diffusers import Flux2Transformer2DModel
 
-    from model.transformer import image_ids, rope_tables, text_ids
+    from model.nets.transformer import image_ids, rope_tables, text_ids
 
     path = tiny_ckpt if which == "tiny" else odd_ckpt
     gen = model.load(path, dtype="float32", max_sequence_length=8)
@@ -132,7 +132,7 @@ def test_rope_forms_give_the_same_bits(dtype):
     """RoPE's TPU form (the signed pair-swap matmul) gives the very bits of the pairs form."""
     import jax.numpy as jnp
 
-    from model.transformer import _rope_partner
+    from model.nets.transformer import _rope_partner
 
     rng = np.random.default_rng(3)
     for shape in ((2, 37, 3, 8), (1, 300, 4, 128)):
@@ -146,9 +146,9 @@ def test_transformer_traced_for_tpu_matches_diffusers(tiny_ckpt, monkeypatch):
     """The transformer as traced for a TPU (its forms: RoPE by the pair-swap matmul) matches diffusers on this CPU."""
     from diffusers import Flux2Transformer2DModel
 
-    import model.transformer as transformer_lib
-    from model.platform_forms import forms_for
-    from model.transformer import image_ids, rope_tables, text_ids
+    import model.nets.transformer as transformer_lib
+    from model.nets.platform_forms import forms_for
+    from model.nets.transformer import image_ids, rope_tables, text_ids
 
     gen = model.load(tiny_ckpt, dtype="float32", max_sequence_length=8)
     ref = Flux2Transformer2DModel.from_pretrained(tiny_ckpt, subfolder="transformer", torch_dtype=torch.float32)
@@ -215,7 +215,7 @@ def test_latent_denorm_and_unpatchify_match_pipeline(gen32, reference_pipe):
 def test_scheduler_matches_diffusers(steps, seq_len, reference_pipe):
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
-    from model.scheduler import compute_empirical_mu as our_mu, flow_match_schedule
+    from model.nets.scheduler import compute_empirical_mu as our_mu, flow_match_schedule
 
     sched = reference_pipe.scheduler
     mu = compute_empirical_mu(seq_len, steps)
@@ -227,13 +227,13 @@ def test_scheduler_matches_diffusers(steps, seq_len, reference_pipe):
 
 
 def _sched_cfg(pipe):
-    from model.config import SchedulerConfig
+    from model.loading.config import SchedulerConfig
 
     return SchedulerConfig.from_dict(dict(pipe.scheduler.config))
 
 
 def test_scheduler_published_numbers(reference_pipe):
-    from model.scheduler import flow_match_schedule
+    from model.nets.scheduler import flow_match_schedule
 
     sigmas, timesteps = flow_match_schedule(_sched_cfg(reference_pipe), 4, 4096)
     np.testing.assert_allclose(sigmas, [1.0, 0.967384, 0.908144, 0.767200, 0.0], atol=2e-6)
@@ -241,7 +241,7 @@ def test_scheduler_published_numbers(reference_pipe):
 
 
 def test_custom_sigmas_match_diffusers(reference_pipe):
-    from model.scheduler import flow_match_schedule
+    from model.nets.scheduler import flow_match_schedule
 
     custom = [1.0, 0.8, 0.5, 0.2]
     sched = reference_pipe.scheduler
@@ -315,7 +315,7 @@ def test_round_to_dtype_rounds_like_torch_inside_jit():
     import jax
     import jax.numpy as jnp
 
-    from model.layers import round_to_dtype
+    from model.nets.layers import round_to_dtype
 
     sigma = np.random.default_rng(0).uniform(0.001, 1.0, 4096).astype(np.float32)
     ours = jax.jit(lambda s: round_to_dtype(round_to_dtype(s, jnp.bfloat16) * 1000, jnp.bfloat16))(sigma)
@@ -336,8 +336,8 @@ def test_pipeline_arithmetic_in_bf16_equals_pytorch():
     import jax
     import jax.numpy as jnp
 
-    from model.scheduler import euler_step, guidance_mix, model_timestep
-    from model.transformer import timestep_from_sigma
+    from model.nets.scheduler import euler_step, guidance_mix, model_timestep
+    from model.nets.transformer import timestep_from_sigma
 
     rng = np.random.default_rng(2)
     bf = lambda a: torch.from_numpy(a).to(torch.bfloat16)  # noqa: E731
@@ -415,7 +415,7 @@ def test_held_out_text_encoder_variants_end_to_end(tmp_path):
 
 
 def test_text_encoder_config_variants_are_read_or_refused():
-    from model.config import TextEncoderConfig
+    from model.loading.config import TextEncoderConfig
 
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}
@@ -504,7 +504,7 @@ def test_group_norm_is_as_accurate_as_torch_far_from_zero_mean(one_pass):
     """GroupNorm's statistics, two-pass and one-pass (E[x^2] - E[x]^2), against float64 on activations whose groups
     sit 40 standard deviations from zero: no further from it than torch's own GroupNorm (diffusers'), and a constant
     group (variance 0) gives its bias, finite."""
-    from model.layers import GroupNorm
+    from model.nets.layers import GroupNorm
 
     rng = np.random.default_rng(3)
     b, h, w, c, groups = 2, 16, 12, 32, 8

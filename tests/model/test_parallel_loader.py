@@ -1,5 +1,5 @@
-"""The threaded loader (model.weights.load_component) gives exactly the parameters a plain one-tensor-at-a-time read
-gives: every tensor of every component, bf16 and float32, on one device and split over 4 CPU devices, with the
+"""The threaded loader (model.loading.weights.load_component) gives exactly the parameters a plain one-tensor-at-a-time
+read gives: every tensor of every component, bf16 and float32, on one device and split over 4 CPU devices, with the
 layout made on the host (CPU's path) and by the device (the accelerators' path, forced here on CPU devices)."""
 
 import json
@@ -18,33 +18,33 @@ import traceback
 import jax
 import numpy as np
 import model
-import model.weights
+import model.loading.weights
 from model.options import LoadSettings
-from model import shard_layout
-from model.weights import flat_params, open_component, to_jax_layout
+from model.parallel import shard_order
+from model.loading.weights import flat_params, open_component, to_jax_layout
 
 
 def check(path, dtype, shards, layout="host"):
     """Every parameter of the loaded generator equals the plain read of its tensor, bit for bit; their number.
     `layout`: "device" transposes on the (CPU) devices, as the loader does on accelerators."""
-    platforms = model.weights.DEVICE_LAYOUT_PLATFORMS
-    model.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
+    platforms = model.loading.weights.DEVICE_LAYOUT_PLATFORMS
+    model.loading.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
     settings = LoadSettings.create(path, dtype, max_sequence_length=32, model_shards=shards)
-    transposes = model.weights.DEVICE_TRANSPOSES
+    transposes = model.loading.weights.DEVICE_TRANSPOSES
     transposes.clear()
     prepared = []
-    plain_prepare = model.weights.prepare_device_transposes
+    plain_prepare = model.loading.weights.prepare_device_transposes
 
     def prepare(components, placement):  # what the load compiles ahead, from the shapes and headers alone
         prepared.append(plain_prepare(components, placement))
         return prepared[-1]
 
-    model.weights.prepare_device_transposes = prepare
+    model.loading.weights.prepare_device_transposes = prepare
     try:
         gen = model.load(settings)
     finally:
-        model.weights.DEVICE_LAYOUT_PLATFORMS = platforms
-        model.weights.prepare_device_transposes = plain_prepare
+        model.loading.weights.DEVICE_LAYOUT_PLATFORMS = platforms
+        model.loading.weights.prepare_device_transposes = plain_prepare
     # Every transpose the weights took was among those prepared before the first tensor was read: none compiled
     # on the loading threads.
     assert prepared and prepared[0] == len(transposes), (prepared, len(transposes))
@@ -53,7 +53,7 @@ def check(path, dtype, shards, layout="host"):
     checked = placed_bytes = 0
     for folder, module in (("text_encoder", te), ("transformer", tr), ("vae", vae)):
         files = open_component(f"{path}/{folder}")
-        perms = shard_layout.stored_to_layout(module)
+        perms = shard_order.stored_to_layout(module)
         for name, value in flat_params(module).items():
             sf = files[name]
             want = to_jax_layout(name, sf.read(name), value.ndim)
@@ -124,7 +124,7 @@ def test_contiguous_copies_transposed_weights_exactly(shape, dtype):
     """Transposed matrices (copied by blocks, edge blocks partial) and a conv kernel's 4-D transpose, byte for byte."""
     import ml_dtypes
 
-    from model.weights import contiguous
+    from model.loading.weights import contiguous
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal(shape).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
@@ -142,7 +142,7 @@ def test_tensors_read_in_chunks_equal_safetensors_own_reads(tmp_path, monkeypatc
     import torch
     from safetensors.torch import save_file
 
-    from model import weights
+    from model.loading import weights
 
     monkeypatch.setattr(weights, "READ_CHUNK_BYTES", chunk)
     torch.manual_seed(0)
@@ -165,7 +165,7 @@ def test_each_loading_thread_reads_into_one_buffer_grown_up_to_a_cap():
     share one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from model.weights import ReadBuffers
+    from model.loading.weights import ReadBuffers
 
     buffers = ReadBuffers(max_bytes=1 << 20)
     first = buffers.take(1000)
@@ -184,7 +184,7 @@ def test_a_thread_gives_up_its_buffer_when_the_placed_array_uses_that_memory():
     copies other memory): the thread then takes new memory for its next tensor, and the placed values stay."""
     import jax
 
-    from model.weights import ReadBuffers
+    from model.loading.weights import ReadBuffers
 
     buffers = ReadBuffers()
     raw = buffers.take(1 << 16)
@@ -212,7 +212,7 @@ def test_a_file_cut_short_after_validation_fails_the_read_naming_file_and_tensor
     import torch
     from safetensors.torch import save_file
 
-    from model import weights
+    from model.loading import weights
     from model.errors import CheckpointError
 
     monkeypatch.setattr(weights, "READ_CHUNK_BYTES", 4096)

@@ -1,11 +1,11 @@
-"""model.platform_forms: the one place the per-platform forms are picked (the forms' math against diffusers:
+"""model.nets.platform_forms: the one place the per-platform forms are picked (the forms' math against diffusers:
 tests/model/test_model_parity.py; their use in a TPU program: tests/pipeline/test_preflight.py)."""
 
 import pytest
 
 
 def test_tpus_get_their_forms_and_every_other_platform_the_plain_ones():
-    from model.platform_forms import PlatformForms, forms_for
+    from model.nets.platform_forms import PlatformForms, forms_for
 
     for platform in ("cpu", "gpu"):
         assert forms_for(platform) == forms_for(platform, "NVIDIA L4") == PlatformForms()
@@ -21,7 +21,7 @@ def test_tpus_get_their_forms_and_every_other_platform_the_plain_ones():
 
 
 def test_splash_blocks_measured_on_v5e_else_the_largest_power_of_two_up_to_the_chips_cap():
-    from model.platform_forms import forms_for, splash_blocks
+    from model.nets.platform_forms import forms_for, splash_blocks
 
     v5e, v6e, unknown, cpu = (forms_for("tpu", "TPU v5 lite"), forms_for("tpu", "TPU v6 lite"),
                               forms_for("tpu", "TPU v9"), forms_for("cpu"))

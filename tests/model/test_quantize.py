@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from drift_bounds import ARGS, VELOCITY_BOUND, drift, within_bounds
-from model.quantize import int8_matmul, quantize_columns, quantize_rows, relative_error
+from model.nets.quantize import int8_matmul, quantize_columns, quantize_rows, relative_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,8 +52,8 @@ def int8_pair(tiny_ckpt):
 
 
 def test_int8_weights_are_the_checkpoints_quantized_and_only_projections_are(tiny_ckpt, int8_pair):
-    from model.quantize import QuantScale
-    from model.weights import flat_params, open_component, to_jax_layout
+    from model.nets.quantize import QuantScale
+    from model.loading.weights import flat_params, open_component, to_jax_layout
     from flax import nnx
 
     _, gen = int8_pair
@@ -119,15 +119,15 @@ assert len(jax.devices()) == 4
 ckpt, ref = sys.argv[1], np.load(sys.argv[2])
 args = json.loads(sys.argv[3])
 from flax import nnx
-from model import shard_layout
+from model.parallel import shard_order
 out = {}
 one = model.load(ckpt, dtype="bfloat16", max_sequence_length=32, quantize="int8")  # 4 data replicas, whole weights
 stored = dict(nnx.to_flat_state(nnx.state(one.programs.modules()[1])))
 for name, kw in {"1x4": dict(model_shards=4), "2x2": dict(model_shards=2)}.items():
     gen = model.load(ckpt, dtype="bfloat16", max_sequence_length=32, quantize="int8", **kw)
     out[name] = image_similarity(ref, gen.generate(**args))
-    # laid out per shard and back (shard_layout.lay_out): every int8 weight and scale as one device holds them
-    back = shard_layout.lay_out(gen.programs.modules()[1], 1)
+    # laid out per shard and back (shard_order.lay_out): every int8 weight and scale as one device holds them
+    back = shard_order.lay_out(gen.programs.modules()[1], 1)
     out[name + " params differing"] = [".".join(map(str, k)) for k, v in nnx.to_flat_state(nnx.state(back))
                                        if not np.array_equal(np.asarray(v.get_value()), np.asarray(stored[k].get_value()))]
 print(json.dumps(out))

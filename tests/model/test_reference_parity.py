@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import model
-from model.references import MAX_AREA, preprocess, processed_size, reference_signature
+from model.engine.reference_preprocess import MAX_AREA, preprocess, processed_size, reference_signature
 
 MAX_LEN = 32
 M16 = dict(vae_block_out_channels=(8, 8, 8, 16))  # scale 8 -> size multiple 16, as the real klein VAE

@@ -4,7 +4,7 @@ accelerator)."""
 
 import os
 
-from model import runtime
+from model.engine import runtime
 
 ENV = runtime.PREMAPPED_BUFFER_ENV
 
@@ -57,7 +57,7 @@ def test_a_new_compilation_cache_folder_takes_effect_after_another_was_opened(tm
     import jax.numpy as jnp
     from jax.experimental.compilation_cache import compilation_cache
 
-    from model.engine import enable_compilation_cache
+    from model.engine.programs import enable_compilation_cache
 
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")

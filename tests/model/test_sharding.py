@@ -1,8 +1,8 @@
-"""Where parameters live on a mesh (model.sharding): every parameter of the published models declares logical axes,
-and the PartitionSpecs they give are exactly those of the name-based rule they replaced.
+"""Where parameters live on a mesh (model.parallel.sharding): every parameter of the published models declares logical
+axes, and the PartitionSpecs they give are exactly those of the name-based rule they replaced.
 
 fixtures/partition_specs.json was computed once, at 1f9b5ec, from the rule that matched layer names
-(COLUMN_PARALLEL / ROW_PARALLEL / VOCAB_PARALLEL in the old model/sharding.py; the VAE never split), for every
+(COLUMN_PARALLEL / ROW_PARALLEL / VOCAB_PARALLEL in the old model/parallel/sharding.py; the VAE never split), for every
 parameter of klein-4B and klein-9B (block indices written `*`) and 2, 3, 4, 8 and 16 model shards, plus klein-4B's
 text encoder with attention biases (the published one has none). It lists the split parameters; every other one was
 replicated, P().
@@ -18,7 +18,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "
 
 
 def _config(name):
-    from model.presets import preset_config
+    from model.loading.presets import preset_config
 
     config = preset_config(name.split("+")[0])
     if name.endswith("+attention_bias"):
@@ -28,8 +28,8 @@ def _config(name):
 
 
 def _checkpoint_modules(name):
-    """{component: abstract module} of every tensor a complete checkpoint holds (model.factory)."""
-    from model.factory import Networks
+    """{component: abstract module} of every tensor a complete checkpoint holds (model.engine.factory)."""
+    from model.engine.factory import Networks
 
     networks = Networks(_config(name))
     modules = {"text_encoder": networks.text_encoder(full_depth=True), "transformer": networks.transformer(),
@@ -49,7 +49,7 @@ def _variables(modules):
 @pytest.mark.parametrize("preset", ["klein-4b", "klein-9b"])
 def test_every_parameter_declares_its_axes(preset):
     """No parameter of the real models goes without logical axes, one per dimension, each a name of the table."""
-    from model import sharding
+    from model.parallel import sharding
 
     count = 0
     for pattern, var in _variables(_checkpoint_modules(preset)):
@@ -64,7 +64,7 @@ def test_partition_specs_equal_the_name_based_rule(name):
     """Each parameter's spec, at each shard count, equals the old rule's: split where it split (columns of fan-out
     projections with their biases, rows of fan-in ones and of the embedding table), replicated elsewhere, and
     replicated where the shard count does not divide the dimension."""
-    from model import sharding
+    from model.parallel import sharding
 
     table = json.load(open(FIXTURE))[name]
     modules = _checkpoint_modules(name)
@@ -79,7 +79,7 @@ def test_partition_specs_equal_the_name_based_rule(name):
 
 
 def test_one_shard_replicates_everything():
-    from model import sharding
+    from model.parallel import sharding
     from jax.sharding import PartitionSpec as P
 
     for pattern, var in _variables(_checkpoint_modules("klein-4b")):
@@ -91,7 +91,7 @@ def test_a_parameter_without_axes_or_with_unknown_ones_is_refused():
     """A layer that forgets its axes, or names one the table lacks, fails loudly instead of being replicated."""
     import jax.numpy as jnp
     from flax import nnx
-    from model import sharding
+    from model.parallel import sharding
 
     with pytest.raises(sharding.AxesError, match="no logical axes") as bare:
         sharding.declared_axes(nnx.Param(jnp.zeros((4, 8))), "blocks.0.to_q.weight")
@@ -107,9 +107,9 @@ def test_state_shardings_follow_the_declared_axes():
     """On a real (one-device) mesh and the tree structure of the state: what the engine and the loader place."""
     import jax
     from flax import nnx
-    from model import sharding
-    from model.layers import Linear
-    from model.mesh import make_mesh
+    from model.parallel import sharding
+    from model.nets.layers import Linear
+    from model.parallel.mesh import make_mesh
     from model.options import EngineOptions
 
     layer = nnx.eval_shape(lambda: Linear(8, 16, bias=True, dtype=jax.numpy.float32, rngs=nnx.Rngs(0),

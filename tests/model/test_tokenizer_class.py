@@ -1,5 +1,5 @@
 """The tokenizer is loaded by the class its folder names without AutoTokenizer's import where that class is one of
-model.tokenizer.DIRECT_CLASSES: the same class and the same token ids as AutoTokenizer; anything else still goes
+model.loading.tokenizer.DIRECT_CLASSES: the same class and the same token ids as AutoTokenizer; anything else still goes
 through AutoTokenizer."""
 
 import json
@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from model.tokenizer import PromptTokenizer, tokenizer_class
+from model.loading.tokenizer import PromptTokenizer, tokenizer_class
 
 PROMPTS = ["a red fox in the snow", "", "日本語のプロンプト with émojis 🦊", "word " * 40]
 

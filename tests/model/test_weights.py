@@ -14,11 +14,11 @@ import pytest
 from flax import nnx
 
 import model
-from model.config import PipelineConfig, TextEncoderConfig, TransformerConfig, VAEConfig
-from model.qwen3 import Qwen3TextEncoder
-from model.transformer import Flux2Transformer
-from model.vae import Flux2VAEDecoder
-from model.weights import expected_tensors, flat_params
+from model.loading.config import PipelineConfig, TextEncoderConfig, TransformerConfig, VAEConfig
+from model.nets.qwen3 import Qwen3TextEncoder
+from model.nets.transformer import Flux2Transformer
+from model.nets.vae import Flux2VAEDecoder
+from model.loading.weights import expected_tensors, flat_params
 
 KLEIN_TRANSFORMER = {
     "4b": dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680),
@@ -276,7 +276,7 @@ def test_bfloat16_load_keeps_bn_stats_in_float32(tiny_ckpt):
 
 def test_every_component_is_validated_before_any_weight_is_read(ckpt_copy, monkeypatch):
     """A broken VAE shard fails the load before the text encoder or transformer weights are read."""
-    import model.generator as generator
+    import model.engine.generator as generator
 
     reads = []
     monkeypatch.setattr(generator, "load_component", lambda folder, *a, **k: reads.append(folder))
@@ -344,7 +344,7 @@ def test_tokenizer_and_text_encoder_must_belong_together(ckpt_copy):
     """A tokenizer with ids past the embedding table gave NaN embeddings and black images, silently."""
     from safetensors.numpy import load_file, save_file
 
-    from model.tokenizer import PromptTokenizer
+    from model.loading.tokenizer import PromptTokenizer
 
     rows = len(PromptTokenizer(os.path.join(ckpt_copy, "tokenizer")).tokenizer) - 5
     folder = os.path.join(ckpt_copy, "text_encoder")
@@ -372,7 +372,8 @@ def test_a_tokenizer_that_fails_while_the_weights_load_stops_the_loading(tiny_ck
     error instead of reading the rest of the checkpoint first."""
     import threading
 
-    from model import generator, weights
+    from model.engine import generator
+    from model.loading import weights
 
     reads, some_read = [], threading.Event()
     plain_read = weights.SafetensorsFile.read
@@ -393,7 +394,8 @@ def test_a_tokenizer_that_fails_while_the_weights_load_stops_the_loading(tiny_ck
     monkeypatch.setattr(generator, "PromptTokenizer", FailsOnceWeightsAreRead)
     with pytest.raises(model.CheckpointError, match="broken on purpose"):
         _load(tiny_ckpt)
-    total = sum(len(model.weights.open_component(os.path.join(tiny_ckpt, c))) for c in ("text_encoder", "transformer"))
+    components = ("text_encoder", "transformer")
+    total = sum(len(model.loading.weights.open_component(os.path.join(tiny_ckpt, c))) for c in components)
     assert 3 <= len(reads) < total, f"{len(reads)} of more than {total} tensors read after the tokenizer failed"
 
 
@@ -403,7 +405,7 @@ def test_the_placing_time_leaves_out_the_wait_for_a_slower_tokenizer(tiny_ckpt, 
     import threading
     import time
 
-    from model import generator
+    from model.engine import generator
 
     placed = threading.Event()
     plain_load, plain_tokenizer = generator.load_components, generator.PromptTokenizer
@@ -460,7 +462,7 @@ def _states_equal(a, b):
 
 
 def test_weight_file_names_of_variants():
-    from model.weight_files import weight_file_variant
+    from model.loading.weight_files import weight_file_variant
 
     assert weight_file_variant("model.safetensors") == ("weights", None)
     assert weight_file_variant("model-00001-of-00002.safetensors") == ("weights", None)

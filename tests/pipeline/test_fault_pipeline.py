@@ -301,7 +301,7 @@ def test_job_fails_clearly_when_gcs_faults_cannot_be_overcome(gcs_emulator, gcs_
 
 
 def test_gcs_checkpoint_copy_rides_over_10_percent_faults(gcs_emulator, gcs_bucket, ckpt32, proxy, tmp_path):
-    from model import checkpoint
+    from model.loading import checkpoint
 
     uri = f"gs://{gcs_bucket}/models/tiny"
     gcs_emulator.upload_dir(ckpt32, uri)

@@ -1,4 +1,4 @@
-"""Hugging Face Hub ids as --model (model/hub.py, pipeline/hub_model.py), against a stand-in Hub on 127.0.0.1
+"""Hugging Face Hub ids as --model (model/loading/hub.py, pipeline/hub_model.py), against a stand-in Hub on 127.0.0.1
 (tests/support/hub_server.py: the endpoints huggingface_hub's snapshot_download calls, gated repositories answered
 as the Hub answers them) and, for Dataflow launches, the GCS emulator.
 
@@ -15,7 +15,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from hub_server import HUB_COMMITS
 from model.errors import (HubDependencyError, HubGatedRepoError, HubNetworkError, HubOfflineError,
                           HubRepoNotFoundError, HubRevisionNotFoundError)
-from model.hub import parse_hub_id, resolve_hub
+from model.loading.hub import parse_hub_id, resolve_hub
 from pipeline.errors import UsageError
 from pipeline.launch import resolve_job
 from pipeline.run import main
@@ -27,8 +27,8 @@ NOT_FETCHED = ("flux-2-klein-tiny.safetensors", "README.md", "transformer/diffus
 
 
 def use_hub(monkeypatch, endpoint: str, cache: str) -> None:
-    """huggingface_hub talks to `endpoint` (read at each call by model/hub.py) and keeps snapshots in the standard
-    Hub cache of HF_HOME=`cache`/hf-home (no token saved by `hf auth login` there either)."""
+    """huggingface_hub talks to `endpoint` (read at each call by model/loading/hub.py) and keeps snapshots in the
+    standard Hub cache of HF_HOME=`cache`/hf-home (no token saved by `hf auth login` there either)."""
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("FLUX2_KLEIN_CACHE", cache)
     monkeypatch.setenv("HF_HOME", os.path.join(cache, "hf-home"))
@@ -207,7 +207,7 @@ def test_dataflow_launch_copies_the_snapshot_to_gcs_once(hub_cache, stand_in_hub
     """A Dataflow launch resolves the id here, copies the snapshot to {--model_cache or --temp_location}/
     flux2-klein-models/{owner}--{name}@{commit}/ (marker last) and hands the workers that prefix; a second launch
     copies nothing. The workers' copy of that prefix is the snapshot, byte for byte."""
-    from model.checkpoint import resolve_checkpoint
+    from model.loading.checkpoint import resolve_checkpoint
     from pipeline import hub_model
     from pipeline.graph import make_handler
 

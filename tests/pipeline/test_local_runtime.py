@@ -7,7 +7,7 @@ import types
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from model import runtime
+from model.engine import runtime
 from pipeline.launch import start_local_runtime
 
 

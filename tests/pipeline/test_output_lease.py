@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from model.compile_lease import Holder
+from model.engine.compile_lease import Holder
 from pipeline import output_lease as ol
 from pipeline.errors import UsageError
 from pipeline_helpers import MODEL_ARGS, ckpt32, image_names, rows  # noqa: F401 - ckpt32 is a fixture

@@ -1,4 +1,5 @@
-"""The TPU preflight (pipeline/preflight.py, its core model/aot.py) and the bundled presets (model/presets).
+"""The TPU preflight (pipeline/preflight.py, its core model/preflight/aot.py) and the bundled presets
+(model/loading/presets).
 
 The preflight compiles for a TPU topology with libtpu's compiler on this CPU machine: the tiny checkpoint for v5e:2x2
 with 2 model shards and the splash kernel, which Mosaic compiles (its custom call is in the compiled text). Without
@@ -53,7 +54,7 @@ def test_help_explains_every_option_and_ends_with_a_tiny_example():
 
 @pytest.mark.parametrize("name", ["klein-4b", "klein-9b", "klein-base-4b", "klein-base-9b"])
 def test_presets_hold_the_published_configs(name):
-    from model.presets import preset_config
+    from model.loading.presets import preset_config
 
     cfg = preset_config(name)
     nine = name.endswith("9b")
@@ -69,7 +70,7 @@ def test_presets_hold_the_published_configs(name):
 
 def test_unknown_preset_names_the_value():
     from model.errors import ConfigError
-    from model.presets import preset_folder
+    from model.loading.presets import preset_folder
 
     with pytest.raises(ConfigError, match="klein-2b"):
         preset_folder("klein-2b")
@@ -83,8 +84,8 @@ def test_presets_are_package_data():
     tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
     data = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
                 for kw in node.keywords if kw.arg == "package_data")
-    patterns = ast.literal_eval(data)["model.presets"]
-    presets = os.path.join(ROOT, "model", "presets")
+    patterns = ast.literal_eval(data)["model.loading.presets"]
+    presets = os.path.join(ROOT, "model", "loading", "presets")
     files = [os.path.relpath(os.path.join(d, f), presets) for d, _, fs in os.walk(presets) for f in fs
              if f.endswith(".json")]
     assert len(files) == 20
@@ -94,8 +95,8 @@ def test_presets_are_package_data():
 def test_attention_flops_of_klein_9b_at_1024():
     """4 x Lq x Lk x width per block over the padded joint sequence (512 text + 4096 image tokens), the last block's
     queries the image tokens only; none in the decode (its attention is XLA's, which XLA counts)."""
-    from model.estimate import attention_flops_per_image
-    from model.presets import preset_config
+    from model.preflight.estimate import attention_flops_per_image
+    from model.loading.presets import preset_config
 
     flops = attention_flops_per_image(preset_config("klein-9b"), text_len=512, image_tokens=4096, steps=4, cfg=False)
     assert flops["denoise"] == (4 * 4608**2 * 4096 * 32 - 4 * 512 * 4608 * 4096) * 4
@@ -109,7 +110,7 @@ def test_a_program_the_compiler_refuses_does_not_fit():
     import types
 
     from model.api import CHIPS, ProgramStats, Report
-    from model.hlo_stats import refused_program_stats
+    from model.preflight.hlo_stats import refused_program_stats
     from pipeline.preflight import format_report, shortfall_message
 
     message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
@@ -186,8 +187,8 @@ def libtpu():
 
 def _programs(model, topology, shards, text_len):
     """The preflight's programs for `model` (a preset or checkpoint) over `topology` with `shards` model shards."""
-    from model.aot import programs_for_topology
-    from model.factory import Networks
+    from model.preflight.aot import programs_for_topology
+    from model.engine.factory import Networks
     from pipeline.preflight import resolve_model
 
     config = resolve_model(model)
@@ -221,14 +222,14 @@ def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_
     # tensor parallel: the row-split projections of every denoising step end in all-reduces over the model axis
     denoise = report.programs["denoise"].collectives
     assert denoise and denoise.get("all-reduce", [0, 0])[0] > 0 and denoise["all-reduce"][1] > 0, denoise
-    # and nothing else: the fused projections are laid out per shard (model.shard_layout), so no data moves between
-    # chips to take their parts apart (the stored layout cost all-to-alls and collective-permutes here)
+    # and nothing else: the fused projections are laid out per shard (model.parallel.shard_order), so no data moves
+    # between chips to take their parts apart (the stored layout cost all-to-alls and collective-permutes here)
     assert set(denoise) == {"all-reduce"}, denoise
     assert report.to_json()["programs"]["denoise"]["collectives_per_device"] == denoise
 
 
 def test_collective_traffic_reads_compiled_hlo():
-    from model.hlo_stats import collective_traffic
+    from model.preflight.hlo_stats import collective_traffic
 
     text = "\n".join([
         "  %all-reduce.1 = bf16[2,64,128]{2,1,0} all-reduce(bf16[2,64,128]{2,1,0} %x), replica_groups={{0,1}}",
@@ -244,11 +245,11 @@ def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt, tmp_p
     """The fallback for programs whose compiled text cannot be printed (TPU v7) counts as the compiled text does.
     Compiled by the preflight's own compile_programs, which writes the compiled text it read its counts from (and,
     in this process, reuses what test_two_shards_compile_splash_and_halve_the_weights compiled for these programs)."""
-    from model.aot import compile_programs
+    from model.preflight.aot import compile_programs
     from model.api import load_topology
-    from model.hlo_stats import count_kernel_calls
+    from model.preflight.hlo_stats import count_kernel_calls
     from model.options import PROGRAMS
-    from model.plan import Bucket
+    from model.engine.buckets import Bucket
 
     config, programs = _programs(tiny_ckpt, load_topology("v5e:2x2"), 2, 32)
     tr = config.transformer
@@ -262,20 +263,20 @@ def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt, tmp_p
 
 def test_decode_program_forms_by_platform(libtpu):
     """On TPUs klein's decode program upsamples by transposed (lhs-dilated) convs, the TPU's form
-    (model.platform_forms), no other conv is dilated and no kernel is called (its mid-block attention is XLA's); the
-    same program for a CPU has no dilated conv (the phases form). Lowered only (no compile). The forms' pixels:
+    (model.nets.platform_forms), no other conv is dilated and no kernel is called (its mid-block attention is XLA's);
+    the same program for a CPU has no dilated conv (the phases form). Lowered only (no compile). The forms' pixels:
     tests/model/test_model_parity.py."""
     import re
 
     import jax
 
-    from model.aot import topology_options
+    from model.preflight.aot import topology_options
     from model.api import load_topology
-    from model.factory import Networks, build_programs
-    from model.hlo_stats import count_kernel_calls
-    from model.mesh import make_mesh
-    from model.plan import Bucket
-    from model.platform_forms import forms_for
+    from model.engine.factory import Networks, build_programs
+    from model.preflight.hlo_stats import count_kernel_calls
+    from model.parallel.mesh import make_mesh
+    from model.engine.buckets import Bucket
+    from model.nets.platform_forms import forms_for
     from pipeline.preflight import resolve_model
 
     config = resolve_model("klein-4b")
@@ -320,13 +321,13 @@ def preflight_main(capsys):
     """`pipeline.preflight.main` in this process: (exit status, stdout, stderr). The tables and exit statuses are
     main()'s; `python -m pipeline.preflight` hands its status to the shell (test_the_command_exits_with_mains_status).
     In this process the programs test_two_shards_compile_splash_and_halve_the_weights compiled for the same request
-    are reused (model/aot.py keeps what it compiled by the lowered text), so the report is not compiled again.
+    are reused (model/preflight/aot.py keeps what it compiled by the lowered text), so the report is not compiled again.
     main() turns its loggers to INFO: they are put back afterwards."""
     import logging
 
     from pipeline.preflight import main
 
-    loggers = [logging.getLogger(name) for name in ("pipeline.preflight", "model.aot")]
+    loggers = [logging.getLogger(name) for name in ("pipeline.preflight", "model.preflight.aot")]
     levels = [logger.level for logger in loggers]
 
     def call(*args: str):
@@ -385,7 +386,7 @@ def test_libtpu_start_up_noise_is_held_back_and_other_lines_kept(capfd):
     start-up noise (its words, as libtpu 0.0.52 writes them on a machine that is no TPU VM)."""
     import os
 
-    from model.tpu_topology import quiet_libtpu_start
+    from model.preflight.topology import quiet_libtpu_start
 
     noise = ["Failed to find host bounds for accelerator type: WARNING: could not determine TPU accelerator type, "
              "please set env var `TPU_ACCELERATOR_TYPE` manually, otherwise libtpu.so may not properly initialize.",

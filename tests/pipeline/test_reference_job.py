@@ -99,7 +99,7 @@ def test_bad_references_are_one_error_row_each(gcs_emulator, gcs_bucket, tiny_ck
 def test_reference_job_gives_the_models_pixels(gcs_emulator, gcs_bucket, tiny_ckpt, xla_cache, tmp_path, monkeypatch):
     # No skip guard: generate() taking reference_images is the contract this test checks, so a rename of that
     # parameter must fail here, not turn the test into a skip.
-    from model.generator import Flux2KleinGenerator
+    from model.engine.generator import Flux2KleinGenerator
 
     assert "reference_images" in inspect.signature(Flux2KleinGenerator.generate).parameters, (
         "Flux2KleinGenerator.generate() no longer takes reference_images: the job's editing path is broken")

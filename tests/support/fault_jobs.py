@@ -125,7 +125,7 @@ _FINGERPRINTS: dict[int, str] = {}  # id(loaded generator) -> the model fingerpr
 
 def job_model_fingerprint(model: str, *, dtype: str, max_sequence_length: int) -> str:
     """The model fingerprint a job loading `model` with these settings stores with its images (pipeline.launch)."""
-    from model.checkpoint import read_config_and_digest
+    from model.loading.checkpoint import read_config_and_digest
     from model.options import DEFAULT_TEXT_ENCODER_OUT_LAYERS
     from transforms.fingerprints import model_fingerprint
 

@@ -369,9 +369,9 @@ def test_dockerfile_launcher_and_worker_wiring():
     assert "jax_req" not in launcher and "COPY weights/" not in launcher and "beam_sdk" not in launcher
     assert "COPY --from=weight_configs /configs/ /opt/flux2-klein/weights/" in launcher
     # and the record of every baked-in file's size and crc32c, which the launch's model fingerprint reads
-    from model.content_ids import RECORD_FILE
+    from model.loading.content_ids import RECORD_FILE
 
-    assert re.search(r"python -m model\.content_ids /weights \\\n\s+> /opt/flux2-klein/weights/"
+    assert re.search(r"python -m model\.loading\.content_ids /weights \\\n\s+> /opt/flux2-klein/weights/"
                      + re.escape(RECORD_FILE), launcher)
     configs = stages["weight_configs"]
     assert "-name '*.json'" in configs and "--mount=type=bind,source=weights" in configs
@@ -1028,7 +1028,7 @@ def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket
     assert ("TPU preflight: fits v5e:1x1 with 1 model shard(s) at batch 2 (picked)" in printed) == \
         (s.variant == "tpu"), printed
     if s.variant == "tpu":  # what it compiled is in the workers' shared compilation cache, under --temp_location
-        from model.checkpoint import _client
+        from model.loading.checkpoint import _client
 
         cached = [b.name for b in _client().list_blobs(bucket, prefix="temp/flux2-klein-xla-cache/")]
         assert cached, "the launch's TPU programs did not reach the job's compilation cache"

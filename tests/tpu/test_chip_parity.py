@@ -1,7 +1,7 @@
 """On the chip, against the same process's CPU: the tiny model's stages and images, float32 and bfloat16.
 
-float32 on a TPU must mean float32 (model.layers.precision_scope): every stage within float32 rounding of the CPU's.
-bfloat16 is the production path: the chip's images are within the CPU's own bf16 rounding of the CPU's images.
+float32 on a TPU must mean float32 (model.nets.layers.precision_scope): every stage within float32 rounding of the
+CPU's. bfloat16 is the production path: the chip's images are within the CPU's own bf16 rounding of the CPU's images.
 """
 
 import jax

@@ -1,4 +1,4 @@
-"""model.heads_kernel on the chip: compiled (Mosaic), equal to the XLA form within one bf16 rounding at klein-4B's
+"""model.nets.heads_kernel on the chip: compiled (Mosaic), equal to the XLA form within one bf16 rounding at klein-4B's
 shapes, and a transformer with 128-wide heads gives the XLA path's velocity within bf16 rounding."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.heads_kernel import head_major, reference_heads
+from model.nets.heads_kernel import head_major, reference_heads
 
 # (tokens, columns of the projection's output): the single-stream block's fused [q | k | v | mlp] at 1024x1024, and
 # a double-stream block's text projection.
@@ -46,11 +46,11 @@ def test_transformer_with_the_kernel_within_bf16_rounding(monkeypatch):
 
     from flax import nnx
 
-    import model.transformer as transformer_lib
-    from model.config import TransformerConfig
-    from model.layers import precision_scope
-    from model.platform_forms import forms_for
-    from model.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
+    import model.nets.transformer as transformer_lib
+    from model.loading.config import TransformerConfig
+    from model.nets.layers import precision_scope
+    from model.nets.platform_forms import forms_for
+    from model.nets.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 
     cfg = TransformerConfig(patch_size=1, in_channels=64, out_channels=64, num_layers=1, num_single_layers=2,
                             attention_head_dim=128, num_attention_heads=4, joint_attention_dim=256,

@@ -10,8 +10,8 @@ def loaded_parameters_equal_plain_reads(path: str, dtype: str) -> int:
     """Load on the default (chip) device; compare each parameter with the checkpoint's tensor laid out on the host;
     return how many parameters were made by a transpose on the chip."""
     import model
-    from model import weights
-    from model.weights import flat_params, open_component, to_jax_layout
+    from model.loading import weights
+    from model.loading.weights import flat_params, open_component, to_jax_layout
 
     weights.DEVICE_TRANSPOSES.clear()
     gen = model.load(path, dtype, max_sequence_length=32)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.attention import attention
-from model.platform_forms import forms_for, splash_blocks
+from model.nets.attention import attention
+from model.nets.platform_forms import forms_for, splash_blocks
 
 # (batch, query length, key length, heads, key/value heads, causal, left-padded prompts): the transformer's shape at
 # 1024x1024 (blocks measured on v5e, no padding), one that needs padding, and the text encoder's masked GQA.

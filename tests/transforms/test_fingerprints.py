@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from model import checkpoint
+from model.loading import checkpoint
 from transforms import layout, shards
 from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.requests import GenerationRequest, ImageTask

@@ -1,0 +1,545 @@
+"""`load()` a diffusers-layout FLUX.2 [klein] checkpoint and `generate()` images from prompts and seeds.
+
+A call runs in named stages, as diffusers' pipelines do: `check_inputs` (the request contract, reference images
+preprocessed), `plan_bucket` (the compiled programs, RoPE tables and schedule for its shape), then per batch
+`encode_prompts` (`tokenize`, then `encode_tokens`), `prepare_latents`, `reference_tokens` (image-conditioned calls
+only), `denoise`, `decode` and `to_host`. Benchmarks time the stages one by one through
+these methods, and read XLA's cost analysis of a bucket's programs through `lower`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import contract
+from ..parallel import shard_order
+from ..nets import scheduler as sched
+from ..loading.config import PipelineConfig
+from .programs import DecodedBatch, enable_compilation_cache
+from ..errors import CheckpointError, NonFiniteImageError, RequestError
+from .factory import COMPONENT_FOLDERS, DTYPES, Networks, build_programs, check_text_width
+from .lru import LRUCache
+from ..parallel.mesh import data_replicas, make_mesh, model_shards
+from .noise import initial_noise
+from ..options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettings
+from .buckets import Bucket, Sampling, bucket_for, default_guidance, default_steps, latent_grid, resolve_sampling
+from .reference_encoder import ReferenceEncoder
+from .reference_preprocess import ProcessedReference, preprocess_all, reference_signature as _reference_signature
+from .runtime import start_runtime
+from ..parallel.sharding import placement
+from ..loading.tokenizer import PromptTokenizer
+from ..nets.transformer import image_ids, reference_ids, rope_tables, text_ids
+from ..loading.weights import (ComponentLoad, LoadTimes, load_component, load_components,
+                               release_host_memory, validate_component)
+
+logger = logging.getLogger(__name__)
+
+
+def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
+         max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
+         text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
+         cache_dir: str | None = None, variant: str | None = None, **engine_overrides) -> "Flux2KleinGenerator":
+    """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
+    layout) in `dtype` and prepare it for generation.
+
+    `settings` is a `LoadSettings` (as the job passes it), or the checkpoint's path with the other arguments.
+    `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
+    `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
+    others. The weights are cast to `dtype` whatever the files hold. `engine_overrides` name fields of
+    `EngineOptions`."""
+    if not isinstance(settings, LoadSettings):
+        settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
+                                       batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
+                                       options=options, cache_dir=cache_dir, variant=variant, **engine_overrides)
+    elif engine_overrides:
+        settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
+    return _load(settings)
+
+
+_TOKENIZER_LOADER = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+
+
+def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
+    options, variant = settings.engine, settings.variant
+    enable_compilation_cache(options.compilation_cache_dir)
+    runtime = start_runtime()  # beside the preparations below, none of which needs a device
+    root = settings.model
+    from ..loading.hub import is_hub_id
+
+    if root.startswith("gs://") or is_hub_id(root):
+        from ..loading.checkpoint import resolve_checkpoint
+
+        root = resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=variant)
+    elif not os.path.isdir(root):
+        raise CheckpointError("checkpoint folder does not exist", path=root)
+    start = time.perf_counter()
+    steps = {}  # the preparations' own steps, seconds each (benchmarks.startup reports them)
+    mark = [start]
+
+    def step(name):
+        now = time.perf_counter()
+        steps[name], mark[0] = now - mark[0], now
+
+    config = PipelineConfig.from_folder(root)
+    te_cfg = config.text_encoder
+    # The tokenizer (with the transformers import it needs, seconds on a TPU host) loads, and is checked against the
+    # text encoder, on its own thread beside the preparations and the weights' placing.
+    tokenizing = _TOKENIZER_LOADER.submit(load_tokenizer, os.path.join(root, "tokenizer"),
+                                          settings.max_sequence_length, te_cfg.vocab_size)
+    check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
+    # The modules the programs run, as shapes, for the loader to fill.
+    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, options.quantize)
+    run_te, transformer_abs, run_vae = networks.run_modules()
+    stored = networks.stored_tensors(transformer_abs)
+    # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
+    components = [(name, module, *stored[name])
+                  for name, module in zip(COMPONENT_FOLDERS, (run_te, transformer_abs, run_vae))]
+    # Validate every component's files, names, shapes and dtypes (headers only) before reading any weight, so a
+    # broken shard anywhere fails in seconds, not after minutes of loading the components before it.
+    step("shapes")
+    files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
+             for name, _, exp, opt in components]
+    step("validate")
+
+    # Each weight goes straight to its place on the mesh as it is read (split over the model axis, fused projections
+    # laid out per shard), so a model larger than one chip is never whole on the first one.
+    waiting = time.perf_counter()
+    runtime_start_s = runtime.result()  # the runtime's own error (no chip, chip busy) is raised here
+    runtime_wait_s = time.perf_counter() - waiting
+    step("runtime_wait")
+    mesh = make_mesh(options)
+
+    shard_order.lay_out(transformer_abs, model_shards(mesh))
+    loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_order.stored_to_layout(module))
+             for (name, module, exp, opt), f in zip(components, files)]
+    step("mesh")
+
+    # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime had
+    # started); a broken one stops the loading threads as soon as it has failed. The device transposes the weights
+    # need compile first (model.loading.weights.load_components), before any other program takes the compiler.
+    times, placing = LoadTimes(), time.perf_counter()
+    text_encoder, transformer, vae = load_components(
+        loads, placement=placement(mesh), times=times,
+        should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
+    placed = time.perf_counter()
+    tokenizer = tokenizing.result()  # its CheckpointError, if it failed after the last tensor was read
+    finishing = time.perf_counter()
+    steps["tokenizer_wait_after_placing"] = finishing - placed
+    load_phases = dict(times.as_dict(), runtime_start_s=runtime_start_s, runtime_wait_s=runtime_wait_s,
+                       prepare_s=placing - start, wall_s=placed - placing,
+                       prepare_steps_s={k: round(v, 3) for k, v in steps.items()})
+    vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
+
+    def load_vae_encoder():
+        """The VAE encoder for reference images, read from the (already validated) vae folder on first use."""
+        return load_component(vae_folder, networks.vae_encoder(), expected=vae_expected, optional=vae_optional,
+                              tensor_to_file=validate_component(vae_folder, expected=vae_expected,
+                                                                optional=vae_optional, variant=variant))
+
+    release_host_memory()  # the host copies are gone: return their pages, the weights live on the devices
+    logger.info("loaded %s (%s) in %.1f s; %d tensors, %.2f GB placed in %.1f s, thread-seconds: read %.1f, host "
+                "layout %.1f, transfer %.1f, device layout %.1f", settings.model, settings.dtype,
+                time.perf_counter() - start, load_phases["tensors"], load_phases["bytes"] / 1e9, load_phases["wall_s"],
+                load_phases["read_s"], load_phases["host_layout_s"], load_phases["transfer_s"],
+                load_phases["device_layout_s"])
+    generator = Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
+                                    options=options, model_id=settings.model, root=root, mesh=mesh,
+                                    vae_encoder_loader=load_vae_encoder)
+    generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
+    load_phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
+    return generator
+
+
+def load_tokenizer(folder: str, max_length: int, vocab_size: int) -> PromptTokenizer:
+    """The checkpoint's tokenizer; CheckpointError if it has ids past the text encoder's embedding table (they would
+    read NaN: black images)."""
+    tokenizer = PromptTokenizer(folder, max_length)
+    if len(tokenizer.tokenizer) > vocab_size:
+        raise CheckpointError(f"the tokenizer has {len(tokenizer.tokenizer)} tokens but the text encoder's embedding "
+                              f"table only {vocab_size} rows (vocab_size): tokenizer and text encoder do not belong "
+                              f"together", path=folder)
+    return tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationInputs:
+    """A call's validated inputs, one entry per image (image j of prompt i uses seed seeds[i] + j)."""
+
+    prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    use_cfg: bool
+    # Image-conditioned calls: each image's processed references (all with the same sizes); None = text-to-image.
+    references: tuple[tuple[ProcessedReference, ...], ...] | None = None
+
+    @property
+    def reference_sizes(self) -> tuple[tuple[int, int], ...]:
+        """The processed (height, width) of each reference (the call's signature); () for text-to-image."""
+        return tuple(r.size for r in self.references[0]) if self.references else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """What a shape bucket runs with: its compiled programs, RoPE tables and schedule, on the devices."""
+
+    bucket: Bucket
+    encode_fn: object
+    denoise_fn: object
+    decode_fn: object
+    cos: object
+    sin: object
+    sigmas: object
+    timesteps: object
+    guidance: object  # float32 scalar
+
+    @property
+    def batch(self) -> int:
+        return self.bucket.batch
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """An image whose values stopped being finite (overflow, bad weights, a kernel fault): the stage whose output
+    first held NaN or inf, and the share of that output's values that are not finite."""
+
+    stage: str       # "denoise" (the latents) or "decode" (the pixels)
+    fraction: float
+
+    def describe(self) -> str:
+        return f"non-finite values after {self.stage}: {self.fraction:.1%} of the values are NaN or inf"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """What `generate_result` returns: the images and the facts a caller reports with them."""
+
+    images: np.ndarray                 # uint8 [N, H, W, 3]
+    prompt_truncated: tuple[bool, ...]  # per image: its prompt was longer than max_sequence_length tokens
+    num_inference_steps: int           # as resolved (the checkpoint's default when not given)
+    guidance_scale: float
+    model: str
+    seconds: float                     # wall time of the call (the lock's wait not counted)
+    # per image: None, or where its values stopped being finite (its pixels are then not an image: do not save them)
+    nonfinite: tuple = ()
+
+
+class Flux2KleinGenerator:
+    """A loaded FLUX.2 [klein] model: text encoder, transformer, VAE decoder, scheduler and tokenizer."""
+
+    def __init__(self, config: PipelineConfig, tokenizer: PromptTokenizer, text_encoder, transformer, vae, *,
+                 dtype: str, options: EngineOptions, model_id: str, root: str, vae_encoder_loader=None, mesh=None):
+        """`vae_encoder_loader()`: the concrete `Flux2VAEEncoder`, called on the first image-conditioned call (None:
+        reference images are refused). `mesh`: the devices (None: `model.parallel.mesh.make_mesh(options)`)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.load_phases: dict = {}  # model.load's weight-loading phases (model.loading.weights.LoadTimes, plus wall_s)
+        self.dtype = dtype
+        self.options = options
+        self.model_id = model_id
+        self.root = root
+        self.max_sequence_length = tokenizer.max_length
+        self.is_distilled = config.is_distilled
+        self.default_num_inference_steps = default_steps(config)
+        self.default_guidance_scale = default_guidance(config)
+        self.size_multiple = config.size_multiple
+        self.limits = contract.Limits(size_multiple=config.size_multiple)
+        self.mesh = make_mesh(options) if mesh is None else mesh
+        self.programs = build_programs((text_encoder, transformer, vae), dtype=dtype, mesh=self.mesh, options=options,
+                                       text_len=tokenizer.max_length)
+        # Text embeddings of recent prompts with whether each prompt was truncated: (embedding, truncated).
+        self._embed_cache: LRUCache | None = (
+            LRUCache(options.embed_cache_size, "text embeddings", log_drops=False) if options.embed_cache_size > 0
+            else None)
+        self._rope_cache: LRUCache = LRUCache(options.max_buckets, "RoPE tables")
+        self._schedule_cache: LRUCache = LRUCache(options.max_buckets, "schedules")
+        self.reference_encoder = (ReferenceEncoder(vae_encoder_loader, mesh=self.mesh, dtype=DTYPES[dtype])
+                                  if vae_encoder_loader else None)
+        self.stats = collections.Counter()
+        # generate() calls are serialised: they share the embedding cache and the device (which runs one at a time).
+        self._generate_lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int]:
+        return latent_grid(self.config, height, width)
+
+    def noise_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """Shape of `model.initial_noise` for one image: (in_channels, height // 16, width // 16)."""
+        gh, gw = self.latent_grid(height, width)
+        return (self.config.transformer.in_channels, gh, gw)
+
+    def reference_signature(self, images) -> tuple[tuple[int, int], ...]:
+        """`model.engine.reference_preprocess.reference_signature` with this checkpoint's size multiple: the processed
+        (height, width) of each reference, what a call's reference token counts (and compiled programs) depend on."""
+        return _reference_signature(images, self.size_multiple)
+
+    def rope(self, grid_h: int, grid_w: int, reference_grids: tuple[tuple[int, int], ...] = ()):
+        """RoPE cos/sin tables of the [text ; target ; references] sequence for a target latent grid and the
+        references' latent grids, on the devices (cached)."""
+        def make():
+            ids = np.concatenate([text_ids(self.max_sequence_length), image_ids(grid_h, grid_w),
+                                  reference_ids(reference_grids)])
+            cos, sin = rope_tables(ids, self.config.transformer.axes_dims_rope, self.config.transformer.rope_theta)
+            rep = self.programs.replicated
+            return jax.device_put(cos, rep), jax.device_put(sin, rep)
+
+        return self._rope_cache.get_or_make((grid_h, grid_w, tuple(reference_grids)), make)
+
+    def schedule(self, steps: int, grid_h: int, grid_w: int, sigmas=None):
+        """Sigmas and timesteps for (steps, image tokens, custom sigmas), on the devices (cached)."""
+        def make():
+            s, t = sched.flow_match_schedule(self.config.scheduler, steps, grid_h * grid_w, sigmas)
+            rep = self.programs.replicated
+            return jax.device_put(s, rep), jax.device_put(t, rep)
+
+        key = (steps, grid_h * grid_w, None if sigmas is None else tuple(float(s) for s in sigmas))
+        return self._schedule_cache.get_or_make(key, make)
+
+    # ------------------------------------------------------------------------------------------------ stages
+
+    def check_inputs(self, prompts, seeds, height, width, num_inference_steps=None, guidance_scale=None,
+                     num_images_per_prompt=1, reference_images=None) -> GenerationInputs:
+        """Validate a call by the request contract (model.contract) and resolve the checkpoint's defaults; one
+        entry per image. Every prompt is checked up front: a bad one in a later batch would otherwise discard the
+        batches computed before it. Reference images are preprocessed here (model.engine.reference_preprocess); with
+        references a None height/width is the first reference's processed size, without them the contract's default."""
+        if isinstance(prompts, str):
+            raise RequestError("prompts must be a list of strings, not a single string", value=prompts)
+        prompts, seeds = list(prompts), list(seeds)
+        if len(prompts) != len(seeds):
+            raise RequestError(f"got {len(prompts)} prompts but {len(seeds)} seeds", value=len(seeds))
+        references = preprocess_all(reference_images, len(prompts), self.size_multiple)
+        if references is not None and self.reference_encoder is None:
+            raise RequestError("this generator was built without a VAE encoder: no reference images",
+                               field="reference_images", value=len(references[0]))
+        first = references[0][0].size if references else (contract.DEFAULT_SIZE, contract.DEFAULT_SIZE)
+        height = first[0] if height is None else height
+        width = first[1] if width is None else width
+        k = contract.validate_num_images(num_images_per_prompt, name="num_images_per_prompt")
+        valid = [contract.validate(prompt=p, seed=s, height=height, width=width, num_inference_steps=num_inference_steps,
+                                   guidance_scale=guidance_scale, num_images=k, limits=self.limits)
+                 for p, s in zip(prompts, seeds)]
+        if not valid:  # no prompt: the sizes and parameters are still checked
+            contract.validate(prompt="", height=height, width=width, num_inference_steps=num_inference_steps,
+                              guidance_scale=guidance_scale, limits=self.limits)
+        sampling = resolve_sampling(self.config, num_inference_steps, guidance_scale)
+        if sampling.guidance_scale > 1 and self.is_distilled:
+            logger.warning("guidance_scale %.2f is ignored: the checkpoint is guidance-distilled",
+                           sampling.guidance_scale)
+        return GenerationInputs(prompts=tuple(v.prompt for v in valid for _ in range(k)),
+                                seeds=tuple(v.seed + j for v in valid for j in range(k)),
+                                height=int(height), width=int(width),
+                                num_inference_steps=sampling.num_inference_steps,
+                                guidance_scale=sampling.guidance_scale, use_cfg=sampling.use_cfg,
+                                references=None if references is None else tuple(
+                                    r for r in references for _ in range(k)))
+
+    def plan_bucket(self, inputs: GenerationInputs, sigmas=None, batch_size: int | None = None) -> BucketPlan:
+        """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule; the
+        programs take `batch_size` images at once (None: the engine's batch, else the call's images)."""
+        bucket = bucket_for(
+            self.config, height=inputs.height, width=inputs.width,
+            sampling=Sampling(inputs.num_inference_steps, inputs.guidance_scale, inputs.use_cfg),
+            batch=batch_size or self.options.batch_size or len(inputs.prompts), data_replicas=data_replicas(self.mesh),
+            reference_sizes=inputs.reference_sizes)
+        tr = self.config.transformer
+        encode_fn, denoise_fn, decode_fn = self.programs.programs(
+            bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
+        ref_grids = tuple(self.latent_grid(h, w) for h, w in inputs.reference_sizes)
+        cos, sin = self.rope(bucket.grid_h, bucket.grid_w, ref_grids)
+        sig, ts = self.schedule(inputs.num_inference_steps, bucket.grid_h, bucket.grid_w, sigmas)
+        return BucketPlan(bucket, encode_fn, denoise_fn, decode_fn, cos, sin, sig, ts,
+                          jnp.float32(inputs.guidance_scale))
+
+    def padding(self, plan: BucketPlan, real: int) -> int:
+        """Rows added to a short batch: none when the programs take any number of rows (image by image)."""
+        return 0 if self.programs.any_batch else plan.batch - real
+
+    def tokenize(self, prompts: list[str], plan: BucketPlan):
+        """(token ids, attention masks) of at most one batch of prompts on the devices, padded with empty prompts to
+        the bucket's batch unless the programs take any number of rows, and whether each prompt was truncated."""
+        pad = 0 if self.programs.any_batch else plan.batch - len(prompts)
+        tok = self.tokenizer(list(prompts) + [""] * pad)
+        ids = jax.device_put(tok.input_ids, self.programs.batched)
+        mask = jax.device_put(tok.attention_mask, self.programs.batched)
+        return ids, mask, tuple(bool(t) for t in tok.truncated[:len(prompts)])
+
+    def encode_tokens(self, ids, mask, plan: BucketPlan):
+        """Text embeddings [B, L, J] of tokenized prompts (the bucket's encode program)."""
+        return plan.encode_fn(self.programs.te_state, ids, mask)
+
+    def encode_prompts(self, prompts: list[str], plan: BucketPlan):
+        """(text embeddings [len(prompts), L, J] on the devices, truncated flags per prompt); unique prompts encoded
+        once (de-duplication), recent ones taken from the embedding cache."""
+        batch = plan.batch
+        unique = list(dict.fromkeys(prompts))
+        cache = self._embed_cache
+        todo = [p for p in unique if cache is None or p not in cache]
+        fresh = {}
+        for start in range(0, len(todo), batch):
+            chunk = todo[start:start + batch]
+            ids, mask, truncated = self.tokenize(chunk, plan)
+            embeds = self.encode_tokens(ids, mask, plan)
+            for i, p in enumerate(chunk):
+                fresh[p] = (embeds[i], truncated[i])
+            self.stats["prompts_encoded"] += len(chunk)
+        rows = []
+        for p in prompts:
+            if p in fresh:
+                entry = fresh[p]
+            else:
+                entry = cache[p]  # now the most recently used
+                self.stats["embed_cache_hits"] += 1
+            rows.append(entry)
+        if cache is not None:
+            for p, entry in fresh.items():
+                cache[p] = entry
+        embeds = jax.device_put(jnp.stack([e for e, _ in rows]), self.programs.batched)
+        return embeds, tuple(t for _, t in rows)
+
+    def prepare_latents(self, seeds: list[int], plan: BucketPlan, pad: int = 0):
+        """The initial noise of each image (model.initial_noise of its seed) as patchified latent tokens on the
+        devices, plus `pad` zero rows."""
+        tr, b = self.config.transformer, plan.bucket
+        shape = (tr.in_channels, b.grid_h, b.grid_w)
+        noise = np.stack([initial_noise(s, shape) for s in seeds] + [np.zeros(shape, np.float32)] * pad)
+        tokens = noise.reshape(len(seeds) + pad, tr.in_channels, b.grid_h * b.grid_w).transpose(0, 2, 1)
+        return jax.device_put(tokens.astype(DTYPES[self.dtype]), self.programs.batched)
+
+    def reference_tokens(self, references, plan: BucketPlan, pad: int = 0, cache: dict | None = None):
+        """Latent tokens [rows, R, C] of each image's references (VAE encoder; equal references encoded once, and
+        once per call when the call's `cache` dict is passed) on the devices, plus `pad` rows (copies of the
+        first); None for text-to-image."""
+        if not references:
+            return None
+        rows = list(references) + [references[0]] * pad
+        before = self.reference_encoder.encoded
+        tokens = self.reference_encoder.batch_tokens(rows, self.programs.batched, cache)
+        self.stats["references_encoded"] += self.reference_encoder.encoded - before
+        return tokens
+
+    def denoise(self, latents, txt, neg, plan: BucketPlan, refs=None):
+        """Every denoising step, in one program (a lax.scan over the steps). `refs`: the reference tokens of
+        image-conditioned calls (`reference_tokens`), else None."""
+        return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, plan.sigmas, plan.timesteps,
+                               plan.cos, plan.sin, plan.guidance)
+
+    def velocity(self, latents, txt, neg, plan: BucketPlan, step: int, refs=None):
+        """The velocity the denoising loop takes at `step` from `latents` (for drift measures: benchmarks.drift)."""
+        return self.programs.velocity(self.programs.tr_state, latents, txt, neg, refs, plan.timesteps[step],
+                                      plan.cos, plan.sin, plan.guidance)
+
+    def decode(self, latents, plan: BucketPlan) -> DecodedBatch:
+        """Pixels on the devices, uint8 [B, H, W, 3], with each image's share of non-finite values
+        (`DecodedBatch`)."""
+        b = plan.bucket
+        return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w)
+
+    def lower(self, plan: BucketPlan):
+        """The bucket's (encode, denoise, decode) programs lowered for its shapes, not compiled (jax.stages.Lowered:
+        HLO, XLA's cost analysis); denoise is the whole loop."""
+        tr = self.config.transformer
+        return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
+
+    def to_host(self, decoded: DecodedBatch, real: int) -> np.ndarray:
+        """The first `real` images as host uint8."""
+        return np.asarray(jax.device_get(decoded.pixels))[:real]
+
+    @staticmethod
+    def nonfinite(decoded: DecodedBatch, real: int) -> list[NonFinite | None]:
+        """Per image of the first `real`: where non-finite values appeared first (denoise, else decode) and their
+        share of that stage's output, or None for a sound image."""
+        latents, image = (np.asarray(jax.device_get(x))[:real] for x in (decoded.latents_nonfinite,
+                                                                         decoded.image_nonfinite))
+        return [NonFinite("denoise", float(lat)) if lat > 0 else NonFinite("decode", float(img)) if img > 0 else None
+                for lat, img in zip(latents, image)]
+
+    # ------------------------------------------------------------------------------------------------ generate
+
+    def generate(self, prompts, seeds, height: int | None = None, width: int | None = None,
+                 num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None,
+                 reference_images=None) -> np.ndarray:
+        """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]. Safe to call from
+        several threads: calls run one after the other.
+
+        `reference_images`: image-conditioned generation (klein's multi-reference editing, as diffusers'
+        Flux2KleinPipeline(image=[...])): one list of references per prompt, each a PIL image or a uint8 HxWx3 /
+        HxWx4 array; None or all lists empty = text-to-image. Every prompt's references must have the same processed
+        sizes (`reference_signature`), else ReferenceImageError(reason="signature"). height/width None: the first
+        reference's processed size with references, else contract.DEFAULT_SIZE."""
+        result = self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                                      num_images_per_prompt, sigmas, reference_images)
+        bad = {i: n for i, n in enumerate(result.nonfinite) if n is not None}
+        if bad:
+            raise NonFiniteImageError(bad)
+        return result.images
+
+    def generate_result(self, prompts, seeds, height: int | None = None, width: int | None = None,
+                        num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                        num_images_per_prompt: int = 1, sigmas=None, reference_images=None,
+                        batch_size: int | None = None) -> GenerationResult:
+        """`generate`, with the facts a caller reports beside the images: the resolved steps and guidance and
+        whether each image's prompt was truncated (from the same tokenization that encoded it). `batch_size`: the
+        images the programs of this call take at once, instead of the engine's (EngineOptions.batch_size): a
+        smaller batch compiles programs of its own, e.g. after the engine's ran out of memory."""
+        with self._generate_lock:
+            start = time.perf_counter()
+            inputs = self.check_inputs(prompts, seeds, height, width, num_inference_steps, guidance_scale,
+                                       num_images_per_prompt, reference_images)
+            if batch_size is not None:
+                contract.count("batch_size", batch_size)
+            images, truncated, nonfinite = self._run(inputs, sigmas, batch_size)
+            return GenerationResult(images=images, prompt_truncated=truncated,
+                                    num_inference_steps=inputs.num_inference_steps,
+                                    guidance_scale=inputs.guidance_scale, model=self.model_id,
+                                    seconds=time.perf_counter() - start, nonfinite=nonfinite)
+
+    def _run(self, inputs: GenerationInputs, sigmas, batch_size: int | None = None):
+        """(images, truncated, nonfinite) of a checked call, in batches of the bucket's programs."""
+        if not inputs.prompts:
+            return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), (), ()
+        plan = self.plan_bucket(inputs, sigmas, batch_size)
+        outputs: list[np.ndarray] = []
+        nonfinite: list = []
+        truncated: list[bool] = []
+        pending = None
+        reference_cache: dict = {}  # digest -> tokens: each distinct reference encoded once per call
+        for start in range(0, len(inputs.prompts), plan.batch):
+            chunk_p = list(inputs.prompts[start:start + plan.batch])
+            chunk_s = list(inputs.seeds[start:start + plan.batch])
+            real = len(chunk_p)
+            pad = self.padding(plan, real)  # padding rows would be computed for nothing
+            txt, flags = self.encode_prompts(chunk_p + chunk_p[:1] * pad, plan)
+            truncated.extend(flags[:real])
+            neg = self.encode_prompts([""] * (real + pad), plan)[0] if inputs.use_cfg else None
+            # The noise is drawn on the host while the device runs the text encoder just dispatched.
+            latents = self.prepare_latents(chunk_s, plan, pad)
+            refs = (self.reference_tokens(inputs.references[start:start + plan.batch], plan, pad, reference_cache)
+                    if inputs.references else None)
+            pixels = self.decode(self.denoise(latents, txt, neg, plan, refs), plan)
+            # Dispatch is asynchronous: the previous batch's pixels are copied to the host (and the next batch
+            # tokenized) while the device works on this one.
+            if pending is not None:
+                outputs.append(self.to_host(*pending))
+                nonfinite.extend(self.nonfinite(*pending))
+            pending = (pixels, real)
+        if pending is not None:
+            outputs.append(self.to_host(*pending))
+            nonfinite.extend(self.nonfinite(*pending))
+        self.stats["images"] += len(inputs.prompts)
+        self.stats["images_nonfinite"] += sum(n is not None for n in nonfinite)
+        return np.concatenate(outputs), tuple(truncated), tuple(nonfinite)
