@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from model.api import preset_config
+    from model import preset_config
     from model.nets.quantize import int8_matmul, quantize_columns
 
     bf16 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))

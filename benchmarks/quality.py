@@ -45,7 +45,7 @@ RESULT_FILE = "quality.json"
 
 
 def parse_args(argv=None):
-    from model.api import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DTYPE_NAMES
+    from model import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DTYPE_NAMES
     from model.options import QUANTIZE_MODES
     from transforms.inputs.columns import ColumnMap
     from transforms.inputs.formats import FORMATS
@@ -325,7 +325,7 @@ def main(argv=None) -> dict:
     ap, args = parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from model.api import CheckpointError, ModelError
+    from model import CheckpointError, ModelError
     from model.loading.checkpoint import read_config, resolve_checkpoint
     from transforms import layout
     from transforms.inputs.columns import ColumnMap, parse_column_map

@@ -22,7 +22,7 @@ import logging
 import sys
 import time
 
-from model.api import GiB, Report
+from model import GiB, Report
 from pipeline.preflight import PreflightRequest, preflight
 
 DEFAULT_MODELS = ("klein-4b", "klein-9b")

@@ -1,40 +1,116 @@
 """FLUX.2 [klein] in JAX/Flax NNX: load a diffusers-layout checkpoint and generate images.
 
-Public API:
     gen = model.load(path_or_gs_uri, dtype="bfloat16")
     images = gen.generate(prompts=[...], seeds=[...], height=1024, width=1024, num_inference_steps=None,
                           guidance_scale=None, num_images_per_prompt=1)      # np.uint8 [N, H, W, 3]
     noise = model.initial_noise(seed, shape)                                  # np.float32
     edited = gen.generate(prompts=[...], seeds=[...], reference_images=[[img, ...], ...])  # one list per prompt
-    sig = model.engine.reference_preprocess.reference_signature(images, size_multiple)         # JAX-free, for bucketing
+    sig = model.reference_signature(images, size_multiple)                    # JAX-free, for bucketing
 
-Importing the package is cheap and JAX-free (the job's readers and launcher use `model.contract` and
-`model.loading.config`); `load` and the generator class import JAX on first use. The job (pipeline/) imports `model.api`
-only: the names it may use, the preflight's among them.
+This package is the model's one public surface: the job (pipeline/) and its Beam building blocks (transforms/)
+import from `model` only (tests/model/test_front_door.py checks it). Its rooms (nets/, loading/, engine/, parallel/,
+preflight/) are internals: they may be split, merged or renamed without notice. Importing `model` is cheap and does
+not load JAX: the request contract, the errors and the options are imported with it, every other name on first use.
+
+- Loading and generating: `load` (which starts the accelerator runtime itself; `start_runtime` starts it earlier, on a
+  thread, in a process that will load; `apply_runtime_defaults` sets the runtime's settings before either),
+  `Flux2KleinGenerator`, `LoadSettings`, `EngineOptions`, `DTYPE_NAMES`, `QUANTIZE_MODES`,
+  `DEFAULT_TEXT_ENCODER_OUT_LAYERS`, `DEFAULT_BATCH_SIZE` (without a TPU to fit), `DEFAULT_MAX_BATCH_SIZE` (the most
+  a search for the batch that fits tries), `initial_noise`; `enable_compilation_cache`, `compile_counts` (this
+  process's XLA compilations, persistent-cache hits and lease waits).
+- The request contract (model/contract.py): `validate` and its parts (`validate_prompt`, `validate_seed`,
+  `validate_reference_count`), `count`, `optional_count`, `is_integer`, `show`, `Limits`, the DEFAULT_* limits and
+  `MAX_IMAGES_PER_REQUEST`. Reference images: `MIN_REFERENCE_SIDE` (the smallest side one may have),
+  `check_reference_size`, `reference_signature` (their processed sizes, JAX-free).
+- Checkpoints: `read_config`, `read_config_and_digest` (configs only; `check_weights=True` checks each weight
+  file the loader reads from its header and size, no weight read), `is_hub_id`, `resolve_hub`, `with_revision`,
+  `HubSnapshot`, `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`,
+  `is_preset`, `preset_config`.
+- Sampling and parallelism (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
+- Leases (JAX-free; the compile lease's stores, which the job's output lease uses too): `LocalLeases`, `GcsLeases`,
+  `Holder`, `decide` (with its verdicts `TAKE_OVER`, `WAIT`), `process_alive`.
+- TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
+  (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
+  `V5E_CALIBRATION`), `format_bytes`, `GiB`.
+- Errors: `ModelError` and its kinds (model/errors.py), `ShardCountError`, `TopologyError`.
 """
 
-from .errors import (CheckpointError, ConfigError, ModelError, NonFiniteImageError, ReferenceImageError, RequestError,
-                     UnsafeWeightsError)
-from .engine.noise import initial_noise
+from __future__ import annotations
 
-__all__ = [
-    "load",
+import importlib
+
+from .contract import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES,
+                       DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE,
+                       MAX_IMAGES_PER_REQUEST, Limits, count, is_integer, optional_count, show, validate,
+                       validate_prompt, validate_reference_count, validate_seed)
+from .engine.noise import initial_noise
+from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFiniteImageError, ReferenceImageError,
+                     RequestError, UnsafeWeightsError)
+from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
+                      QUANTIZE_MODES, EngineOptions, LoadSettings)
+
+# Imported on first use, so that `import model` stays light and JAX-free: name -> (module, attribute). JAX_NAMES load
+# JAX; the others do not.
+_LAZY = {
+    # JAX: loading, generating, compiling
+    "load": ("engine.generator", "load"),
+    "Flux2KleinGenerator": ("engine.generator", "Flux2KleinGenerator"),
+    "fit": ("preflight.aot", "fit"),
+    "enable_compilation_cache": ("engine.programs", "enable_compilation_cache"),
+    "start_runtime": ("engine.runtime", "start_runtime"),
+    "apply_runtime_defaults": ("engine.runtime", "apply_runtime_defaults"),
+    # JAX-free
+    "compile_counts": ("engine.compile_events", "counts"),
+    "MIN_REFERENCE_SIDE": ("engine.reference_preprocess", "MIN_SIDE"),
+    "check_reference_size": ("engine.reference_preprocess", "check_size"),
+    "reference_signature": ("engine.reference_preprocess", "reference_signature"),
+    "resolve_sampling": ("engine.buckets", "resolve_sampling"),
+    **{name: ("engine.compile_lease", name)
+       for name in ("TAKE_OVER", "WAIT", "GcsLeases", "Holder", "LocalLeases", "decide", "process_alive")},
+    "cache_root": ("loading.cache_paths", "cache_root"),
+    **{name: ("loading.checkpoint", name) for name in ("read_config", "read_config_and_digest", "split_gs_uri")},
+    **{name: ("loading.hub", name) for name in ("HubSnapshot", "is_hub_id", "resolve_hub", "with_revision")},
+    **{name: ("loading.presets", name) for name in ("PRESET_NAMES", "is_preset", "preset_config")},
+    "validate_variant": ("loading.weight_files", "validate_variant"),
+    "ShardCountError": ("parallel.mesh", "ShardCountError"),
+    "shard_counts": ("parallel.mesh", "shard_counts"),
+    **{name: ("preflight.estimate", name) for name in ("V5E_CALIBRATION", "ProgramStats")},
+    **{name: ("preflight.fit_report", name) for name in ("Report", "format_bytes")},
+    **{name: ("preflight.topology", name)
+       for name in ("ATTACHED", "CHIPS", "GiB", "Topology", "TopologyError", "attached_topology", "load_topology")},
+}
+
+JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults")
+
+__all__ = sorted([
+    "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_PROMPT_BYTES", "DEFAULT_MAX_REFERENCE_IMAGES", "DEFAULT_MAX_REFERENCE_PIXELS",
+    "DEFAULT_MAX_SEQUENCE_LENGTH", "DEFAULT_SIZE", "DEFAULT_SIZE_MULTIPLE", "MAX_IMAGES_PER_REQUEST", "Limits", "count",
+    "is_integer", "optional_count", "show", "validate", "validate_prompt", "validate_reference_count", "validate_seed",
     "initial_noise",
-    "Flux2KleinGenerator",
-    "ModelError",
-    "CheckpointError",
-    "ConfigError",
-    "RequestError",
-    "ReferenceImageError",
-    "UnsafeWeightsError",
-    "NonFiniteImageError",
-]
+    "CheckpointError", "ConfigError", "HubError", "ModelError", "NonFiniteImageError", "ReferenceImageError",
+    "RequestError", "UnsafeWeightsError",
+    "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
+    "EngineOptions", "LoadSettings",
+    "gcs_client", *_LAZY,
+])
+
+
+def gcs_client():
+    """The google-cloud-storage client the checkpoint reader uses (anonymous where no credentials are found)."""
+    from .loading.checkpoint import _client
+
+    return _client()
 
 
 def __getattr__(name: str):
-    """`load` and `Flux2KleinGenerator` on first use, so that `import model.contract` never loads JAX."""
-    if name in ("load", "Flux2KleinGenerator"):
-        from .engine import generator
-
-        return getattr(generator, name)
+    """The names of _LAZY on first use (then kept here)."""
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'model' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from model.api import cache_root
+from model import cache_root
 
 AUTO, OFF = "auto", "off"
 SHARED_FOLDER = "flux2-klein-xla-cache"

@@ -11,7 +11,7 @@ import re
 from transforms.progress import read_progress
 from transforms.requests import MaxImagesExceeded
 
-from model.api import ModelError
+from model import ModelError
 
 from .disk_full import DiskFull, disk_full_error, disk_full_line
 from .errors import UsageError

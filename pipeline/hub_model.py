@@ -14,7 +14,7 @@ import logging
 import os
 import time
 
-from model.api import HubError, HubSnapshot, ModelError, resolve_hub, split_gs_uri
+from model import HubError, HubSnapshot, ModelError, resolve_hub, split_gs_uri
 
 from .errors import UsageError
 
@@ -59,7 +59,7 @@ def copy_snapshot_to_gcs(snapshot: HubSnapshot, base: str) -> str:
     from google.cloud.storage import transfer_manager
     from google.cloud.storage.retry import DEFAULT_RETRY
 
-    from model.api import gcs_client
+    from model import gcs_client
 
     uri = f"{base.rstrip('/')}/{MODELS_FOLDER}/{snapshot.folder_name}"
     bucket_name, prefix = split_gs_uri(uri)

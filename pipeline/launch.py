@@ -17,7 +17,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOpt
 from transforms.fingerprints import model_fingerprint
 from transforms.inputs.validation import RequestDefaults
 
-from model.api import LoadSettings
+from model import LoadSettings
 
 from . import launch_check, output_lease, probes
 from .errors import UsageError
@@ -153,7 +153,7 @@ def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> J
     """For TPU workers (unless --skip_preflight): compile the job for their topology first; UsageError (nothing
     submitted) if it cannot fit. With --batch_size auto the batch is the largest up to --max_batch_size that fits
     there, also on a local run with this machine's TPU (pipeline/launch_check.py); with no TPU topology to fit, the
-    default (model.api.DEFAULT_BATCH_SIZE, at most --max_batch_size). Returns the job with its batch; the submitted
+    default (model.DEFAULT_BATCH_SIZE, at most --max_batch_size). Returns the job with its batch; the submitted
     options carry it too."""
     auto = job.spec.limits.auto_batch
     skip = options.view_as(Flux2KleinOptions).skip_preflight

@@ -7,7 +7,7 @@ The programs it compiles are written to the job's shared compilation cache (`--c
 under `--temp_location`): a worker whose JAX, libtpu and chips match the launcher's loads them instead of compiling.
 The check compiles at the job's default size, batch, steps, dtype and `--model_shards` (records that ask for more
 pixels are not covered); `--skip_preflight` skips it. With `--batch_size auto` (the default) it picks the batch: the
-largest up to `--max_batch_size` whose programs fit (model.api.fit's search), which the job then runs at.
+largest up to `--max_batch_size` whose programs fit (model.fit's search), which the job then runs at.
 
 A local run checks nothing, except that with `--batch_size auto` on a machine with a TPU attached the batch is picked
 the same way, for the chips found here (`local_tpu_topology`), by the preflight in a child process that never opens
@@ -23,7 +23,7 @@ import re
 import subprocess
 import sys
 
-from model.api import ATTACHED, attached_topology
+from model import ATTACHED, attached_topology
 
 from .errors import UsageError
 
@@ -108,7 +108,7 @@ def check_fits(job, topology: str):
                 request.model_shards)
     cache = load.engine.compilation_cache_dir
     if cache:  # the workers' shared cache: what the launch compiles for their chips is there when they start
-        from model.api import enable_compilation_cache
+        from model import enable_compilation_cache
 
         enable_compilation_cache(cache)
         logger.info("TPU preflight: compiled programs go to the job's compilation cache %s", cache)

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable
 
-from model.api import TAKE_OVER, WAIT, GcsLeases, Holder, LocalLeases, decide, process_alive
+from model import TAKE_OVER, WAIT, GcsLeases, Holder, LocalLeases, decide, process_alive
 from transforms import layout
 
 from .errors import UsageError

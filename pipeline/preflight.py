@@ -18,7 +18,7 @@ Two corrections to XLA's cost analysis, both said in the output:
   for a program without kernels.
 
 This module is the command line (arguments, the printed tables, exit codes); the compiling and the estimates are the
-model's (`model.api.fit`, model/preflight/aot.py), made with the generator's own factory, mesh and plan.
+model's (`model.fit`, model/preflight/aot.py), made with the generator's own factory, mesh and plan.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ import math
 import os
 import sys
 
-from model import api
-from model.api import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_TEXT_ENCODER_OUT_LAYERS,
-                       DTYPE_NAMES, PRESET_NAMES, QUANTIZE_MODES, Limits, ModelError, Report, ShardCountError,
-                       TopologyError, count, format_bytes, is_preset, load_topology, preset_config, read_config,
-                       shard_counts, validate)
+from model import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_TEXT_ENCODER_OUT_LAYERS,
+                   DTYPE_NAMES, PRESET_NAMES, QUANTIZE_MODES, Limits, ModelError, Report, ShardCountError,
+                   TopologyError, count, format_bytes, is_preset, load_topology, preset_config, read_config,
+                   shard_counts, validate)
 
 from .errors import UsageError
 
@@ -70,7 +69,7 @@ def resolve_model(model: str):
 
 
 def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Report:
-    """Check the request's options, then compile its programs for its topology and report (model.api.fit): without
+    """Check the request's options, then compile its programs for its topology and report (model.fit): without
     `model_shards`, the fewest shards (a divisor of the worker's devices) whose programs fit, else the most shards'
     report with advice. UsageError for an option the preflight cannot take."""
     config = resolve_model(request.model)
@@ -85,12 +84,14 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
                      limits=Limits(size_multiple=config.size_multiple))
     try:
         topology = load_topology(request.topology)
-        return api.fit(config, topology, model=request.model, dtype=request.dtype, height=request.height,
-                       width=request.width, batch_size=request.batch_size, text_len=text_len,
-                       num_inference_steps=valid.num_inference_steps, guidance_scale=valid.guidance_scale,
-                       model_shards=request.model_shards, hbm_bytes=request.hbm_bytes,
-                       out_layers=request.text_encoder_out_layers, dump_dir=dump_dir,
-                       max_batch_size=request.max_batch_size, quantize=request.quantize)
+        from model import fit  # JAX: loaded when the preflight compiles
+
+        return fit(config, topology, model=request.model, dtype=request.dtype, height=request.height,
+                   width=request.width, batch_size=request.batch_size, text_len=text_len,
+                   num_inference_steps=valid.num_inference_steps, guidance_scale=valid.guidance_scale,
+                   model_shards=request.model_shards, hbm_bytes=request.hbm_bytes,
+                   out_layers=request.text_encoder_out_layers, dump_dir=dump_dir,
+                   max_batch_size=request.max_batch_size, quantize=request.quantize)
     except TopologyError as e:
         raise UsageError(str(e)) from None
     except ShardCountError as e:
@@ -250,7 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    for name in (__name__, api.fit.__module__):  # and the model's progress through the compiling
+    from model import fit  # JAX, as before any compiling
+
+    for name in (__name__, fit.__module__):  # and the model's progress through the compiling
         logging.getLogger(name).setLevel(logging.INFO)
     if args.model == DEMO_MODEL and not os.path.isdir(args.model):
         from .demo import demo_checkpoint

@@ -18,7 +18,7 @@ import tempfile
 
 from apache_beam.io.filesystems import FileSystems
 
-from model.api import ModelError, is_hub_id, read_config_and_digest
+from model import ModelError, is_hub_id, read_config_and_digest
 from transforms.bounded_reads import file_kind
 from transforms.defaults import DEFAULT_READ_TIMEOUT_S
 from transforms.inputs.bigquery import dataset_reference

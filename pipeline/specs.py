@@ -17,8 +17,8 @@ import enum
 import re
 from typing import Any
 
-from model.api import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
-                       EngineOptions, LoadSettings, count, is_integer, optional_count, validate_variant, with_revision)
+from model import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
+                   EngineOptions, LoadSettings, count, is_integer, optional_count, validate_variant, with_revision)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults

@@ -259,9 +259,9 @@ def flush_compile_metrics() -> None:
     """Report this process's XLA compilations and persistent-cache hits since the last report (`xla_compiles`,
     `xla_cache_hits`): a job whose programs all come from the compilation cache shows no compiles. `xla_lease_waits`:
     the programs it waited for another worker to compile (model/engine/compile_lease.py)."""
-    from model.engine.compile_events import counts
+    from model import compile_counts
 
-    now = counts()
+    now = compile_counts()
     with _pending_lock:
         delta = {k: now[k] - _reported_compiles[k] for k in _reported_compiles}
         _reported_compiles.update({k: now[k] for k in _reported_compiles})
@@ -334,7 +334,7 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
                              f"{require_accelerator!r}")
         self._require_accelerator = require_accelerator
         self._reference_limits = reference_limits or references.ReferenceLimits()
-        from model.options import LoadSettings  # JAX-free
+        from model import LoadSettings  # JAX-free
 
         if not isinstance(settings, LoadSettings):
             settings = LoadSettings.create(settings, **load_args, **(load_kwargs or {}))
@@ -354,15 +354,12 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
 
     def load_model(self) -> LoadedGenerator:
         import model  # lazy: JAX and the model code load only on workers, when the model is needed
-        from model.engine.runtime import apply_runtime_defaults
 
-        apply_runtime_defaults()  # before anything here starts the runtime; --worker_env's settings are kept
+        model.apply_runtime_defaults()  # before anything here starts the runtime; --worker_env's settings are kept
         if self._require_accelerator:
             # Before the checkpoint is copied or read: a worker without its accelerator stops here, with the cause.
             check_accelerator(self._require_accelerator)
-        from model.engine.compile_events import counts
-
-        counts()  # start counting compilations before the first one
+        model.compile_counts()  # start counting compilations before the first one
         gen = model.load(self.settings)  # starts the runtime itself, beside reading the checkpoint's headers
         if not self._require_accelerator:
             check_accelerator(None)  # logs the devices the model uses
@@ -486,7 +483,7 @@ class BatchByShape(beam.PTransform):
 
     def __init__(self, batch_size: int):
         super().__init__()
-        from model.contract import count  # JAX-free
+        from model import count  # JAX-free
 
         self._batch_size = count("batch_size", batch_size)
 

@@ -5,8 +5,8 @@ the input file that holds the record (`resolve_path`). Each reference is read wi
 (`read_reference`): at most `ReferenceLimits.max_bytes` bytes are read, and the width x height its header declares
 is checked against `--max_reference_pixels` before any pixel is decoded, so a decompression bomb (a small file
 declaring huge dimensions) is a `ReferenceError`, never an out-of-memory. A side under 64 px or an aspect above 8
-(diffusers' own checks, `model.engine.reference_preprocess.check_size`) is one too. Decoded as
-`diffusers.utils.load_image` does: EXIF orientation applied, then RGB.
+(diffusers' own checks, `model.check_reference_size`) is one too. Decoded as `diffusers.utils.load_image` does:
+EXIF orientation applied, then RGB.
 
 `ReferenceCache` holds decoded references per worker process, bounded by their pixel bytes and least recently used
 first out, keyed by URI: many requests sharing a reference read it once.
@@ -35,9 +35,8 @@ import apache_beam as beam
 import cachetools
 from apache_beam.metrics import Metrics
 
-from model.engine import reference_preprocess as model_references  # JAX-free: the model's checks and processed sizes
-from model.contract import DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_SIZE_MULTIPLE
-from model.errors import ReferenceImageError
+from model import (DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS, DEFAULT_SIZE_MULTIPLE,  # JAX-free
+                   ReferenceImageError, check_reference_size, reference_signature as model_reference_signature)
 
 from . import layout, retries
 from .bounded_reads import NotARegularFile, ReadTimeout, open_timed
@@ -291,7 +290,7 @@ def decode_reference(uri: str, data: bytes, limits: ReferenceLimits) -> Referenc
             raise ReferenceError(uri, f"is {width}x{height} = {width * height} pixels, above --max_reference_pixels="
                                       f"{limits.max_pixels} (refused before decoding)")
         try:
-            model_references.check_size(width, height)
+            check_reference_size(width, height)
         except ReferenceImageError as e:
             raise ReferenceError(uri, f"cannot be used: {e}") from None
         try:
@@ -312,8 +311,8 @@ def read_reference(uri: str, limits: ReferenceLimits = ReferenceLimits()) -> Ref
 def reference_signature(images: Sequence[Any], size_multiple: int = DEFAULT_SIZE_MULTIPLE
                         ) -> tuple[tuple[int, int], ...]:
     """Each reference's processed (height, width) for a checkpoint of `size_multiple`: the part of a batch's shape
-    the references set (the model's own `model.engine.reference_preprocess.reference_signature`)."""
-    return tuple((int(h), int(w)) for h, w in model_references.reference_signature(list(images), size_multiple))
+    the references set (the model's own `model.reference_signature`)."""
+    return tuple((int(h), int(w)) for h, w in model_reference_signature(list(images), size_multiple))
 
 
 # --------------------------------------------------------------------------------------------- cache

@@ -10,7 +10,7 @@ import os
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from model.api import DEFAULT_BATCH_SIZE, attached_topology
+from model import DEFAULT_BATCH_SIZE, attached_topology
 from pipeline.errors import UsageError
 from pipeline.options import Flux2KleinOptions
 

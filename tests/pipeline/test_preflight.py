@@ -109,7 +109,7 @@ def test_a_program_the_compiler_refuses_does_not_fit():
     """libtpu refuses a program larger than HBM at compile time; the report then says so, with its figure."""
     import types
 
-    from model.api import CHIPS, ProgramStats, Report
+    from model import CHIPS, ProgramStats, Report
     from model.preflight.hlo_stats import refused_program_stats
     from pipeline.preflight import format_report, shortfall_message
 
@@ -147,7 +147,7 @@ KLEIN_4B_V5E_INT8 = {"encode": (2.7993e12, 7.2478e10, 1.7774e10), "denoise": (1.
 def _klein_4b_report(chip_kind: str, quantize: str = "none"):
     import types
 
-    from model.api import CHIPS, ProgramStats, Report
+    from model import CHIPS, ProgramStats, Report
 
     programs = {name: ProgramStats(name, 10, 5, 1, 0, 10, flops, nbytes, -1.0, kernel, 1.0, 1 if kernel else 0, 1)
                 for name, (flops, kernel, nbytes) in (KLEIN_4B_V5E_INT8 if quantize == "int8" else KLEIN_4B_V5E).items()}
@@ -198,7 +198,7 @@ def _programs(model, topology, shards, text_len):
 
 
 def test_two_shards_compile_splash_and_halve_the_weights(libtpu, tiny_ckpt, tmp_path):
-    from model.api import load_topology
+    from model import load_topology
     from pipeline.preflight import PreflightRequest, preflight
 
     topology = load_topology("v5e:2x2")
@@ -246,7 +246,7 @@ def test_kernel_calls_counted_alike_in_the_lowered_text(libtpu, tiny_ckpt, tmp_p
     Compiled by the preflight's own compile_programs, which writes the compiled text it read its counts from (and,
     in this process, reuses what test_two_shards_compile_splash_and_halve_the_weights compiled for these programs)."""
     from model.preflight.aot import compile_programs
-    from model.api import load_topology
+    from model import load_topology
     from model.preflight.hlo_stats import count_kernel_calls
     from model.options import PROGRAMS
     from model.engine.buckets import Bucket
@@ -271,7 +271,7 @@ def test_decode_program_forms_by_platform(libtpu):
     import jax
 
     from model.preflight.aot import topology_options
-    from model.api import load_topology
+    from model import load_topology
     from model.engine.factory import Networks, build_programs
     from model.preflight.hlo_stats import count_kernel_calls
     from model.parallel.mesh import make_mesh
@@ -308,7 +308,7 @@ def _replicated_bytes(state) -> int:
 @pytest.mark.parametrize("preset", ["klein-4b", "klein-9b"])
 def test_real_weights_halve_over_two_shards(libtpu, preset):
     """Shapes only: the published models' transformer and text encoder take under 0.6 of their bytes per chip."""
-    from model.api import load_topology
+    from model import load_topology
 
     one, two = (_programs(preset, load_topology("v5e:2x2"), s, 512)[1].parameter_bytes_per_device()
                 for s in (1, 2))

@@ -13,9 +13,7 @@ import math
 import re
 from typing import Any, Mapping
 
-from model import contract
-from model.contract import show
-from model.errors import RequestError
+from model import RequestError, show, validate_reference_count
 
 from .. import layout, references
 from .json_values import to_json_value
@@ -170,7 +168,7 @@ def as_references(fields: Mapping, source: str, limit: int, text_values: bool) -
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise InvalidRecord(f"{name} must be a list of paths (strings), got {type_name(value)} {show(value)}",
                             field=name, value=value)
-    contract_or_invalid(contract.validate_reference_count, len(value), limit)
+    contract_or_invalid(validate_reference_count, len(value), limit)
     resolved = []
     for path in value:
         try:

@@ -11,7 +11,7 @@ import json
 import unicodedata
 from typing import Any, Mapping
 
-from model.contract import show
+from model import show
 
 from .coercion import InvalidRecord, type_name
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from model import contract
-from model.contract import (
+from model import (
     DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
-    DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST,
+    DEFAULT_SIZE, DEFAULT_SIZE_MULTIPLE, MAX_IMAGES_PER_REQUEST, Limits, RequestError, is_integer,
+    validate as validate_request, validate_prompt, validate_seed,
 )
-from model.errors import RequestError
 
 from .. import layout, references
 from ..defaults import DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES, DEFAULT_SEED
@@ -54,15 +53,15 @@ class RequestDefaults:
                                           max_pixels=self.max_reference_pixels)
 
     @property
-    def limits(self) -> contract.Limits:
-        return contract.Limits(size_multiple=self.size_multiple, max_pixels=self.max_pixels,
+    def limits(self) -> Limits:
+        return Limits(size_multiple=self.size_multiple, max_pixels=self.max_pixels,
                                max_prompt_bytes=self.max_prompt_bytes, max_images=MAX_IMAGES_PER_REQUEST)
 
     def validate(self) -> "RequestDefaults":
         """Raise ValueError naming the option when a default could never give a valid request with this size
         multiple (the limits that need no checkpoint are checked with the options, pipeline/specs.py)."""
         smallest = self.size_multiple * self.size_multiple
-        if not contract.is_integer(self.max_pixels) or self.max_pixels < smallest:
+        if not is_integer(self.max_pixels) or self.max_pixels < smallest:
             raise ValueError(f"--max_pixels must be an integer >= {smallest}, got {self.max_pixels!r}")
         probe = {"prompt": "x"}
         try:
@@ -70,7 +69,7 @@ class RequestDefaults:
         except InvalidRecord as e:
             raise ValueError(f"invalid default for --{e.field}: {e.reason}") from None
         try:
-            contract.validate_seed(self.seed)
+            validate_seed(self.seed)
         except RequestError as e:
             raise ValueError(f"--{e}") from None
         return self
@@ -84,7 +83,7 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     prompt = fields.get("prompt")
     if prompt is None or (text_values and prompt == ""):
         raise InvalidRecord("missing prompt", field="prompt", value=prompt)
-    contract_or_invalid(contract.validate_prompt, prompt, defaults.max_prompt_bytes)  # before the id, as before
+    contract_or_invalid(validate_prompt, prompt, defaults.max_prompt_bytes)  # before the id, as before
     if not prompt.strip():
         raise InvalidRecord("prompt is empty", field="prompt", value=prompt)
     raw_id = fields.get("id")
@@ -96,7 +95,7 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
                   guidance_scale=as_float(fields, "guidance_scale", defaults.guidance_scale, text_values),
                   num_images=as_int(fields, "num_images", defaults.num_images, text_values),
                   seed=as_int(fields, "seed", None, text_values))
-    valid = contract_or_invalid(lambda: contract.validate(prompt=prompt, limits=defaults.limits, **values))
+    valid = contract_or_invalid(lambda: validate_request(prompt=prompt, limits=defaults.limits, **values))
     prompt, height, width = valid.prompt, valid.height, valid.width
     steps, guidance, num_images, seed = valid.num_inference_steps, valid.guidance_scale, valid.num_images, valid.seed
 
