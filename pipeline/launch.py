@@ -121,7 +121,7 @@ def start_local_runtime(options: PipelineOptions, spec: JobSpec, device_nodes=ac
     """On a local run whose worker is this process (not multi_processing, no model server process: --large_model
     and --model_copies load it elsewhere) on a machine with an accelerator, start the accelerator runtime now, on
     its own thread beside the launch's checks and the pipeline's start, instead of when the model loads: seconds
-    of a TPU host's job start (model.engine.runtime.start_runtime; its error, if any, is raised by the load). Skipped
+    of a TPU host's job start (model.start_runtime; its error, if any, is raised by the load). Skipped
     when --worker_env sets variables: the worker sets them before its runtime starts. Returns whether it started."""
     mode = options.get_all_options().get("direct_running_mode")
     elsewhere = spec.limits.large_model or spec.limits.model_copies  # a model server process loads it
@@ -129,9 +129,9 @@ def start_local_runtime(options: PipelineOptions, spec: JobSpec, device_nodes=ac
         return False
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu" or not device_nodes():
         return False
-    from model import api
+    import model
 
-    api.start_runtime()
+    model.start_runtime()
     return True
 
 

@@ -7,7 +7,7 @@ import types
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from model.engine import runtime
+import model
 from pipeline.launch import start_local_runtime
 
 
@@ -20,7 +20,7 @@ def _job(large_model=False, model_copies=None, worker_env=()):
 @pytest.fixture
 def starts(monkeypatch):
     calls = []
-    monkeypatch.setattr(runtime, "start_runtime", lambda: calls.append("started"))
+    monkeypatch.setattr(model, "start_runtime", lambda: calls.append("started"))
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     return calls
 
