@@ -16,7 +16,7 @@ import numpy as np
 
 from model.loading.config import PipelineConfig
 from model.engine.factory import Networks
-from model.loading.weights import expected_tensors
+from model.loading.loader import expected_tensors
 
 PRESETS = {
     "klein-4b": (dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680),

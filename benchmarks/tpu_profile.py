@@ -143,7 +143,7 @@ def _category(name: str, long_name: str) -> str:
 
 def _trimmed_rss() -> float:
     """RSS after glibc returns the freed heap (compilers and transfers free much of what they took)."""
-    from model.loading.weights import release_host_memory
+    from model.loading.loader import release_host_memory
 
     release_host_memory()
     return current_rss_mb()

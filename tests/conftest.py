@@ -36,7 +36,7 @@ def _gc_skips_imported_modules():
     """Once a test process has imported a few hundred more modules (JAX, Beam, torch, diffusers: some 650k objects
     that live as long as the process), move what is alive then into the collector's permanent generation
     (gc.freeze). Every full collection after that skips them: the model loader's `gc.collect()` (one per load and
-    per program set, model/loading/weights.py release_host_memory) costs ~0.5 s in a test process otherwise, about a
+    per program set, model/loading/loader.py release_host_memory) costs ~0.5 s in a test process otherwise, about a
     seventh of an in-process test file's time. Objects made later are collected as before; nothing the code does
     changes."""
     if len(sys.modules) - _FROZEN_AT["modules"] >= 200:

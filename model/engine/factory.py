@@ -21,7 +21,7 @@ from ..options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions
 from ..nets.qwen3 import Qwen3TextEncoder
 from ..nets.transformer import Flux2Transformer
 from ..nets.vae import Flux2VAEDecoder, Flux2VAEEncoder
-from ..loading.weights import expected_tensors
+from ..loading.loader import expected_tensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The checkpoint's folders whose weights the loader reads, in the order it loads them.

@@ -39,8 +39,8 @@ from .runtime import start_runtime
 from ..parallel.sharding import placement
 from ..loading.tokenizer import PromptTokenizer
 from ..nets.transformer import image_ids, reference_ids, rope_tables, text_ids
-from ..loading.weights import (ComponentLoad, LoadTimes, load_component, load_components,
-                               release_host_memory, validate_component)
+from ..loading.loader import (ComponentLoad, LoadTimes, load_component, load_components, release_host_memory,
+                              validate_component)
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
 
     # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime had
     # started); a broken one stops the loading threads as soon as it has failed. The device transposes the weights
-    # need compile first (model.loading.weights.load_components), before any other program takes the compiler.
+    # need compile first (model.loading.loader.load_components), before any other program takes the compiler.
     times, placing = LoadTimes(), time.perf_counter()
     text_encoder, transformer, vae = load_components(
         loads, placement=placement(mesh), times=times,
@@ -245,7 +245,7 @@ class Flux2KleinGenerator:
         reference images are refused). `mesh`: the devices (None: `model.parallel.mesh.make_mesh(options)`)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.load_phases: dict = {}  # model.load's weight-loading phases (model.loading.weights.LoadTimes, plus wall_s)
+        self.load_phases: dict = {}  # model.load's weight-loading phases (model.loading.loader.LoadTimes, plus wall_s)
         self.dtype = dtype
         self.options = options
         self.model_id = model_id

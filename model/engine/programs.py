@@ -33,7 +33,7 @@ from ..parallel import shard_order, sharding
 from ..parallel.mesh import model_shards
 from .buckets import Bucket
 from ..nets.scheduler import euler_step, guidance_mix, model_timestep
-from ..loading.weights import release_host_memory
+from ..loading.loader import release_host_memory
 
 logger = logging.getLogger(__name__)
 # Donation is a no-op on backends that cannot alias the buffers (CPU); that is expected, not worth a warning.

@@ -154,10 +154,10 @@ def read_config_and_digest(uri: str, variant: str | None = None, *, check_weight
 
 def check_weight_files(config: PipelineConfig, folder_of, variant: str | None = None) -> None:
     """Check the weight files of each component folder the loader reads (`folder_of(name)`: a local path or a
-    `GcsFolder`) as the loader does before reading any weight (model.loading.weights.validate_component, with the
+    `GcsFolder`) as the loader does before reading any weight (model.loading.loader.validate_component, with the
     tensors `Networks.stored_tensors` names), from headers and sizes only; CheckpointError naming the file otherwise."""
     from ..engine.factory import COMPONENT_FOLDERS, Networks  # JAX: the names come from the model's modules, as shapes
-    from .weights import validate_component
+    from .loader import validate_component
 
     # Which hidden states the transformer reads does not change what a complete checkpoint holds (every layer).
     stored = Networks(config, out_layers=(-1,)).stored_tensors()
@@ -167,8 +167,8 @@ def check_weight_files(config: PipelineConfig, folder_of, variant: str | None = 
 
 
 class GcsFolder:
-    """A component folder under a gs:// prefix, as model.loading.weights.open_component reads one (see LocalFolder
-    there), from the listing's objects {name: blob}: of a weight file only its first 8 bytes and its header are read, by
+    """A component folder under a gs:// prefix, as safetensors_file.open_component reads one (see LocalFolder there),
+    from the listing's objects {name: blob}: of a weight file only its first 8 bytes and its header are read, by
     ranged reads, its size is the listing's; the index is read whole (into `scratch`, checked against its
     checksums). Nothing is copied into the checkpoint cache."""
 
@@ -193,7 +193,7 @@ class GcsFolder:
             return f.read()
 
     def weights(self, name: str):
-        from .weights import SafetensorsFile
+        from .safetensors_file import SafetensorsFile
 
         blob, uri = self._blobs[name], self.path_of(name)
         if (blob.content_encoding or "").strip().lower() == "gzip":  # its stored size is not the file's

@@ -1,6 +1,7 @@
 """Which safetensors files of a component folder to load: the default ones or those of a diffusers/transformers
-`variant` (e.g. `model.fp16.safetensors` next to `model.safetensors`). Pure name logic, shared by the local loader
-(`model.loading.weights`) and the GCS copy (`model.loading.checkpoint`, which downloads only the chosen files)."""
+`variant` (e.g. `model.fp16.safetensors` next to `model.safetensors`). Pure name logic, shared by the local reader
+(`model.loading.safetensors_file`) and the GCS copy (`model.loading.checkpoint`, which downloads only the chosen
+files)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Small NNX building blocks shared by the three networks.
 
 Parameters are named like their PyTorch counterparts (`weight`, `bias`) and stored in JAX layout, so a module's
-state path joined with dots is exactly the diffusers/transformers checkpoint key (see weights.py). Each declares the
-logical names of its axes (model.parallel.sharding), which say where it lives on a mesh.
+state path joined with dots is exactly the diffusers/transformers checkpoint key (see loading/loader.py). Each declares
+the logical names of its axes (model.parallel.sharding), which say where it lives on a mesh.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A quantized layer stores its weight as int8 [in, out] with a float32 scale per output column (`weight_scale`, a
 `QuantScale`: derived from the checkpoint's weight, never read from it). The weight is quantized as it is loaded
-(`quantize_columns`, on the device that holds it: model.loading.weights), and each call quantizes its input per token
+(`quantize_columns`, on the device that holds it: model.loading.loader), and each call quantizes its input per token
 (`quantize_rows`), multiplies int8 by int8 into int32 and applies both scales in the epilogue. The v5e MXU
 multiplies int8 at twice its bf16 rate; docs/performance.md has the measured figures.
 """
@@ -24,7 +24,7 @@ QUANTIZED_FROM = "quantized_from"  # metadata of a quantized weight: the float d
 
 class QuantScale(nnx.Variable):
     """A quantized weight's per-column scale: filled by the loader from the weight it quantizes, not a checkpoint
-    tensor (model.loading.weights skips it when matching names)."""
+    tensor (model.loading.loader skips it when matching names)."""
 
 
 def quantize_columns(w):

@@ -216,7 +216,7 @@ class BatchNormStats(nnx.Module):
     def __init__(self, channels: int, *, dtype=jnp.float32):
         self.running_mean = param(jnp.zeros((channels,), jnp.float32), ("norm",))
         self.running_var = param(jnp.ones((channels,), jnp.float32), ("norm",))
-        self.num_batches_tracked = None  # present in checkpoints (int64 scalar); unused, see weights.py
+        self.num_batches_tracked = None  # present in checkpoints (int64 scalar); unused, see loading/loader.py
 
 
 class Flux2VAEDecoder(nnx.Module):

@@ -100,7 +100,7 @@ def state_shardings(state, mesh: Mesh):
 
 
 def placement(mesh: Mesh):
-    """`place(path, variable) -> NamedSharding` for weights as they are read (model.loading.weights.load_component): the
+    """`place(path, variable) -> NamedSharding` for weights as they are read (model.loading.loader.load_component): the
     shardings `state_shardings` gives, so a model split over several chips is never whole on one of them."""
     mesh_shape = dict(mesh.shape)
     return lambda path, var: NamedSharding(mesh, partition_spec(

@@ -15,7 +15,7 @@ import numpy as np
 import jax
 from flax import nnx
 from safetensors.numpy import save_file
-from model.loading import weights
+from model.loading import loader, safetensors_file
 
 folder, layers, rows, cols, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 
@@ -29,11 +29,12 @@ rng = np.random.default_rng(0)
 save_file({f"layers.{i}.kernel": rng.standard_normal((cols, rows), dtype=np.float32) for i in range(layers)},
           os.path.join(folder, "model.safetensors"))
 abstract = nnx.eval_shape(lambda: Big(nnx.Rngs(0)))
-expected = weights.expected_tensors(abstract)
-weights.LOAD_THREADS = 2
+expected = loader.expected_tensors(abstract)
+loader.LOAD_THREADS = 2
 if keep == "keep":  # a faulty loader for the test's own check: every tensor's host copy kept until the end
-    kept, plain = [], weights.SafetensorsFile.read
-    weights.SafetensorsFile.read = lambda self, name, buffers=None: kept.append(plain(self, name, buffers)) or kept[-1]
+    kept, plain = [], safetensors_file.SafetensorsFile.read
+    reader = safetensors_file.SafetensorsFile
+    reader.read = lambda self, name, buffers=None: kept.append(plain(self, name, buffers)) or kept[-1]
 
 
 def status_kib(key):
@@ -43,7 +44,7 @@ def status_kib(key):
 
 jax.devices()
 before = status_kib("VmRSS")
-module = weights.load_component(folder, abstract, expected=expected)
+module = loader.load_component(folder, abstract, expected=expected)
 peak = status_kib("VmHWM")
 params = sum(v.nbytes for v in jax.tree.leaves(nnx.state(module)))
 print(json.dumps({"before_kib": before, "peak_kib": peak, "param_bytes": params, "tensor_bytes": rows * cols * 4}))

@@ -72,7 +72,7 @@ def test_every_hidden_state_including_the_normed_last(tiny_ckpt, reference_pipe)
 
     from model.loading.config import PipelineConfig
     from model.nets.qwen3 import Qwen3TextEncoder
-    from model.loading.weights import expected_tensors, load_component
+    from model.loading.loader import expected_tensors, load_component
 
     cfg = PipelineConfig.from_folder(tiny_ckpt).text_encoder
     layers = tuple(range(cfg.num_hidden_layers + 1))

@@ -1,4 +1,4 @@
-"""The threaded loader (model.loading.weights.load_component) gives exactly the parameters a plain one-tensor-at-a-time
+"""The threaded loader (model.loading.loader.load_component) gives exactly the parameters a plain one-tensor-at-a-time
 read gives: every tensor of every component, bf16 and float32, on one device and split over 4 CPU devices, with the
 layout made on the host (CPU's path) and by the device (the accelerators' path, forced here on CPU devices)."""
 
@@ -18,33 +18,34 @@ import traceback
 import jax
 import numpy as np
 import model
-import model.loading.weights
+import model.loading.loader
 from model.options import LoadSettings
 from model.parallel import shard_order
-from model.loading.weights import flat_params, open_component, to_jax_layout
+from model.loading.loader import flat_params, to_jax_layout
+from model.loading.safetensors_file import open_component
 
 
 def check(path, dtype, shards, layout="host"):
     """Every parameter of the loaded generator equals the plain read of its tensor, bit for bit; their number.
     `layout`: "device" transposes on the (CPU) devices, as the loader does on accelerators."""
-    platforms = model.loading.weights.DEVICE_LAYOUT_PLATFORMS
-    model.loading.weights.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
+    platforms = model.loading.loader.DEVICE_LAYOUT_PLATFORMS
+    model.loading.loader.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
     settings = LoadSettings.create(path, dtype, max_sequence_length=32, model_shards=shards)
-    transposes = model.loading.weights.DEVICE_TRANSPOSES
+    transposes = model.loading.loader.DEVICE_TRANSPOSES
     transposes.clear()
     prepared = []
-    plain_prepare = model.loading.weights.prepare_device_transposes
+    plain_prepare = model.loading.loader.prepare_device_transposes
 
     def prepare(components, placement):  # what the load compiles ahead, from the shapes and headers alone
         prepared.append(plain_prepare(components, placement))
         return prepared[-1]
 
-    model.loading.weights.prepare_device_transposes = prepare
+    model.loading.loader.prepare_device_transposes = prepare
     try:
         gen = model.load(settings)
     finally:
-        model.loading.weights.DEVICE_LAYOUT_PLATFORMS = platforms
-        model.loading.weights.prepare_device_transposes = plain_prepare
+        model.loading.loader.DEVICE_LAYOUT_PLATFORMS = platforms
+        model.loading.loader.prepare_device_transposes = plain_prepare
     # Every transpose the weights took was among those prepared before the first tensor was read: none compiled
     # on the loading threads.
     assert prepared and prepared[0] == len(transposes), (prepared, len(transposes))
@@ -124,7 +125,7 @@ def test_contiguous_copies_transposed_weights_exactly(shape, dtype):
     """Transposed matrices (copied by blocks, edge blocks partial) and a conv kernel's 4-D transpose, byte for byte."""
     import ml_dtypes
 
-    from model.loading.weights import contiguous
+    from model.loading.loader import contiguous
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal(shape).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
@@ -142,16 +143,16 @@ def test_tensors_read_in_chunks_equal_safetensors_own_reads(tmp_path, monkeypatc
     import torch
     from safetensors.torch import save_file
 
-    from model.loading import weights
+    from model.loading import safetensors_file
 
-    monkeypatch.setattr(weights, "READ_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(safetensors_file, "READ_CHUNK_BYTES", chunk)
     torch.manual_seed(0)
     tensors = {"a": torch.randn(333, 257, dtype=torch.bfloat16), "b": torch.randn(1001, dtype=torch.float32),
                "c": torch.randn(3, dtype=torch.float16), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
     path = str(tmp_path / "w.safetensors")
     save_file(tensors, path)
-    sf = weights.SafetensorsFile(path)
-    buffers = weights.ReadBuffers()  # as the loader reads: each tensor into the thread's one reused buffer
+    sf = safetensors_file.SafetensorsFile(path)
+    buffers = safetensors_file.ReadBuffers()  # as the loader reads: each tensor into the thread's one reused buffer
     for name, t in tensors.items():
         want = t.float().numpy().astype(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
         for got in (sf.read(name), sf.read(name, buffers)):
@@ -165,7 +166,7 @@ def test_each_loading_thread_reads_into_one_buffer_grown_up_to_a_cap():
     share one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from model.loading.weights import ReadBuffers
+    from model.loading.safetensors_file import ReadBuffers
 
     buffers = ReadBuffers(max_bytes=1 << 20)
     first = buffers.take(1000)
@@ -184,7 +185,7 @@ def test_a_thread_gives_up_its_buffer_when_the_placed_array_uses_that_memory():
     copies other memory): the thread then takes new memory for its next tensor, and the placed values stay."""
     import jax
 
-    from model.loading.weights import ReadBuffers
+    from model.loading.safetensors_file import ReadBuffers
 
     buffers = ReadBuffers()
     raw = buffers.take(1 << 16)
@@ -212,15 +213,15 @@ def test_a_file_cut_short_after_validation_fails_the_read_naming_file_and_tensor
     import torch
     from safetensors.torch import save_file
 
-    from model.loading import weights
+    from model.loading import safetensors_file
     from model.errors import CheckpointError
 
-    monkeypatch.setattr(weights, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(safetensors_file, "READ_CHUNK_BYTES", 4096)
     path = str(tmp_path / "w.safetensors")
     save_file({"big": torch.randn(64, 1024)}, path)
-    sf = weights.SafetensorsFile(path)
+    sf = safetensors_file.SafetensorsFile(path)
     os.truncate(path, os.path.getsize(path) - 50_000)
-    for buffers in (None, weights.ReadBuffers()):  # into a fresh array, and into a loading thread's buffer
+    for buffers in (None, safetensors_file.ReadBuffers()):  # into a fresh array, and into a loading thread's buffer
         with pytest.raises(CheckpointError) as err:
             sf.read("big", buffers)
         assert "ended before the tensor's data" in str(err.value)

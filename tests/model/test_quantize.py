@@ -53,7 +53,8 @@ def int8_pair(tiny_ckpt):
 
 def test_int8_weights_are_the_checkpoints_quantized_and_only_projections_are(tiny_ckpt, int8_pair):
     from model.nets.quantize import QuantScale
-    from model.loading.weights import flat_params, open_component, to_jax_layout
+    from model.loading.loader import flat_params, to_jax_layout
+    from model.loading.safetensors_file import open_component
     from flax import nnx
 
     _, gen = int8_pair

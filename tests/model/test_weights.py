@@ -18,7 +18,7 @@ from model.loading.config import PipelineConfig, TextEncoderConfig, TransformerC
 from model.nets.qwen3 import Qwen3TextEncoder
 from model.nets.transformer import Flux2Transformer
 from model.nets.vae import Flux2VAEDecoder
-from model.loading.weights import expected_tensors, flat_params
+from model.loading.loader import expected_tensors, flat_params
 
 KLEIN_TRANSFORMER = {
     "4b": dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680),
@@ -373,10 +373,10 @@ def test_a_tokenizer_that_fails_while_the_weights_load_stops_the_loading(tiny_ck
     import threading
 
     from model.engine import generator
-    from model.loading import weights
+    from model.loading import loader, safetensors_file
 
     reads, some_read = [], threading.Event()
-    plain_read = weights.SafetensorsFile.read
+    plain_read = safetensors_file.SafetensorsFile.read
 
     def counting_read(self, name, buffers=None):
         reads.append(name)
@@ -389,13 +389,13 @@ def test_a_tokenizer_that_fails_while_the_weights_load_stops_the_loading(tiny_ck
             assert some_read.wait(60), "no weight was read while the tokenizer loaded"
             raise model.CheckpointError("cannot load tokenizer: broken on purpose", path=folder)
 
-    monkeypatch.setattr(weights.SafetensorsFile, "read", counting_read)
-    monkeypatch.setattr(weights, "LOAD_THREADS", 1)  # one tensor at a time: the stop comes before the last
+    monkeypatch.setattr(safetensors_file.SafetensorsFile, "read", counting_read)
+    monkeypatch.setattr(loader, "LOAD_THREADS", 1)  # one tensor at a time: the stop comes before the last
     monkeypatch.setattr(generator, "PromptTokenizer", FailsOnceWeightsAreRead)
     with pytest.raises(model.CheckpointError, match="broken on purpose"):
         _load(tiny_ckpt)
     components = ("text_encoder", "transformer")
-    total = sum(len(model.loading.weights.open_component(os.path.join(tiny_ckpt, c))) for c in components)
+    total = sum(len(model.loading.safetensors_file.open_component(os.path.join(tiny_ckpt, c))) for c in components)
     assert 3 <= len(reads) < total, f"{len(reads)} of more than {total} tensors read after the tokenizer failed"
 
 

@@ -10,10 +10,11 @@ def loaded_parameters_equal_plain_reads(path: str, dtype: str) -> int:
     """Load on the default (chip) device; compare each parameter with the checkpoint's tensor laid out on the host;
     return how many parameters were made by a transpose on the chip."""
     import model
-    from model.loading import weights
-    from model.loading.weights import flat_params, open_component, to_jax_layout
+    from model.loading import loader
+    from model.loading.loader import flat_params, to_jax_layout
+    from model.loading.safetensors_file import open_component
 
-    weights.DEVICE_TRANSPOSES.clear()
+    loader.DEVICE_TRANSPOSES.clear()
     gen = model.load(path, dtype, max_sequence_length=32)
     transposed_on_device = 0
     for folder, module in zip(("text_encoder", "transformer", "vae"), gen.programs.modules()):
@@ -23,8 +24,8 @@ def loaded_parameters_equal_plain_reads(path: str, dtype: str) -> int:
             want = np.asarray(to_jax_layout(name, raw, value.ndim).astype(value.dtype))
             got = np.asarray(jax.device_get(value))
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), f"{folder}.{name} differs"
-            transposed_on_device += weights.jax_layout_order(name, raw.ndim, value.ndim) is not None
-    assert len(weights.DEVICE_TRANSPOSES) > 0, "the loader did not transpose on the chip"
+            transposed_on_device += loader.jax_layout_order(name, raw.ndim, value.ndim) is not None
+    assert len(loader.DEVICE_TRANSPOSES) > 0, "the loader did not transpose on the chip"
     assert gen.load_phases["tensors"] > transposed_on_device > 0, gen.load_phases
     return transposed_on_device
 

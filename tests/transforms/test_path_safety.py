@@ -228,7 +228,7 @@ def test_image_names_come_from_the_request_id_only():
 def test_loader_reads_safetensors_only(tmp_path):
     """A checkpoint component that only has pickle weights is refused (never unpickled), whatever the suffix."""
     from model.errors import UnsafeWeightsError
-    from model.loading.weights import open_component
+    from model.loading.safetensors_file import open_component
 
     for suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"):
         folder = tmp_path / suffix.strip(".")
