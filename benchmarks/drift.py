@@ -28,16 +28,16 @@ def trajectory(gen, prompts, seeds, height: int, width: int, latents=None) -> di
     from model.nets.scheduler import euler_step
 
     inputs = gen.check_inputs(prompts, seeds, height, width)
-    plan = gen.plan_bucket(inputs)
-    txt, _ = gen.encode_prompts(list(inputs.prompts), plan)
-    neg = gen.encode_prompts([""] * len(inputs.prompts), plan)[0] if inputs.use_cfg else None
-    x = gen.prepare_latents(list(inputs.seeds), plan)
-    sigmas = np.asarray(plan.sigmas)
+    prepared = gen.prepare_bucket(inputs)
+    txt, _ = gen.encode_prompts(list(inputs.prompts), prepared)
+    neg = gen.encode_prompts([""] * len(inputs.prompts), prepared)[0] if inputs.use_cfg else None
+    x = gen.prepare_latents(list(inputs.seeds), prepared)
+    sigmas = np.asarray(prepared.sigmas)
     out = {"latents": [], "velocities": []}
-    for step in range(plan.bucket.steps):
+    for step in range(prepared.bucket.steps):
         if latents is not None:
             x = jax_put(latents[step], x)
-        v = gen.velocity(x, txt, neg, plan, step)
+        v = gen.velocity(x, txt, neg, prepared, step)
         out["latents"].append(np.asarray(x, np.float32))
         out["velocities"].append(np.asarray(v, np.float32))
         x = euler_step(x, v, sigmas[step], sigmas[step + 1])

@@ -28,14 +28,15 @@ class JaxEngine:
                                  guidance_scale=guidance, num_images_per_prompt=images_per_prompt,
                                  reference_images=None if references is None else [list(references)] * len(prompts))
 
-    def plan(self, n: int, h: int, w: int, steps: int, use_cfg: bool):
-        """The generator's plan for n images of h x w (its programs compiled on first use, as `generate` would)."""
+    def prepare(self, n: int, h: int, w: int, steps: int, use_cfg: bool):
+        """The generator's prepared bucket for n images of h x w (its programs compiled on first use, as `generate`
+        would)."""
         from model.engine.generator import GenerationInputs
 
         inputs = GenerationInputs(prompts=("",) * n, seeds=tuple(range(n)), height=h, width=w,
                                   num_inference_steps=int(steps), guidance_scale=4.0 if use_cfg else 1.0,
                                   use_cfg=use_cfg)
-        return self.gen.plan_bucket(inputs)
+        return self.gen.prepare_bucket(inputs)
 
     def staged(self, prompts, seeds, h, w, steps, guidance) -> tuple[np.ndarray, dict]:
         """One batch through the generator's stages, each waited on: tokenize (with the initial noise), encode,
@@ -44,32 +45,32 @@ class JaxEngine:
 
         gen = self.gen
         inputs = gen.check_inputs(prompts, seeds, h, w, steps, guidance)
-        plan = gen.plan_bucket(inputs)
+        prepared = gen.prepare_bucket(inputs)
         n = len(inputs.prompts)
-        if n > plan.batch:
+        if n > prepared.batch:
             raise ValueError("staged runs take at most one compiled batch")
-        pad = gen.padding(plan, n)
+        pad = gen.padding(prepared, n)
         t = {}
 
         start = time.perf_counter()
-        tokens = gen.tokenize(list(inputs.prompts), plan)[:2]
-        neg_tokens = gen.tokenize([""] * (n + pad), plan)[:2] if inputs.use_cfg else None
-        latents = gen.prepare_latents(list(inputs.seeds), plan, pad)
+        tokens = gen.tokenize(list(inputs.prompts), prepared)[:2]
+        neg_tokens = gen.tokenize([""] * (n + pad), prepared)[:2] if inputs.use_cfg else None
+        latents = gen.prepare_latents(list(inputs.seeds), prepared, pad)
         jax.block_until_ready((tokens, neg_tokens, latents))
         t["tokenize"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        txt = gen.encode_tokens(*tokens, plan)
-        neg = gen.encode_tokens(*neg_tokens, plan) if neg_tokens else None
+        txt = gen.encode_tokens(*tokens, prepared)
+        neg = gen.encode_tokens(*neg_tokens, prepared) if neg_tokens else None
         jax.block_until_ready((txt, neg))
         t["encode"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        latents = jax.block_until_ready(gen.denoise(latents, txt, neg, plan))
+        latents = jax.block_until_ready(gen.denoise(latents, txt, neg, prepared))
         t["denoise"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        pixels = jax.block_until_ready(gen.decode(latents, plan))
+        pixels = jax.block_until_ready(gen.decode(latents, prepared))
         t["decode"] = time.perf_counter() - start
 
         start = time.perf_counter()

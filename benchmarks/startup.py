@@ -99,7 +99,7 @@ def child(args) -> dict:
     out["load_phases"] = gen.load_phases  # thread-seconds per phase of placing the weights, and its wall time
     size = dict(height=args.height, width=args.width)
     start = time.perf_counter()
-    gen.plan_bucket(gen.check_inputs(["a red fox"], [0], **size))  # the bucket's three programs
+    gen.prepare_bucket(gen.check_inputs(["a red fox"], [0], **size))  # the bucket's three programs
     out["compile_s"] = time.perf_counter() - start
     out.update({f"xla_{k}": v for k, v in counts().items()})
     start = time.perf_counter()

@@ -1,7 +1,7 @@
 """`load()` a diffusers-layout FLUX.2 [klein] checkpoint and `generate()` images from prompts and seeds.
 
 A call runs in named stages, as diffusers' pipelines do: `check_inputs` (the request contract, reference images
-preprocessed), `plan_bucket` (the compiled programs, RoPE tables and schedule for its shape), then per batch
+preprocessed), `prepare_bucket` (the compiled programs, RoPE tables and schedule for its shape), then per batch
 `encode_prompts` (`tokenize`, then `encode_tokens`), `prepare_latents`, `reference_tokens` (image-conditioned calls
 only), `denoise`, `decode` and `to_host`. Benchmarks time the stages one by one through
 these methods, and read XLA's cost analysis of a bucket's programs through `lower`.
@@ -119,8 +119,8 @@ def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
     step("runtime_wait")
     mesh = make_mesh(options)
 
-    shard_order.lay_out(transformer_abs, model_shards(mesh))
-    loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_order.stored_to_layout(module))
+    shard_order.order_for_shards(transformer_abs, model_shards(mesh))
+    loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_order.stored_to_order(module))
              for (name, module, exp, opt), f in zip(components, files)]
     step("mesh")
 
@@ -192,7 +192,7 @@ class GenerationInputs:
 
 
 @dataclasses.dataclass(frozen=True)
-class BucketPlan:
+class PreparedBucket:
     """What a shape bucket runs with: its compiled programs, RoPE tables and schedule, on the devices."""
 
     bucket: Bucket
@@ -347,7 +347,7 @@ class Flux2KleinGenerator:
                                 references=None if references is None else tuple(
                                     r for r in references for _ in range(k)))
 
-    def plan_bucket(self, inputs: GenerationInputs, sigmas=None, batch_size: int | None = None) -> BucketPlan:
+    def prepare_bucket(self, inputs: GenerationInputs, sigmas=None, batch_size: int | None = None) -> PreparedBucket:
         """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule; the
         programs take `batch_size` images at once (None: the engine's batch, else the call's images)."""
         bucket = bucket_for(
@@ -361,38 +361,38 @@ class Flux2KleinGenerator:
         ref_grids = tuple(self.latent_grid(h, w) for h, w in inputs.reference_sizes)
         cos, sin = self.rope(bucket.grid_h, bucket.grid_w, ref_grids)
         sig, ts = self.schedule(inputs.num_inference_steps, bucket.grid_h, bucket.grid_w, sigmas)
-        return BucketPlan(bucket, encode_fn, denoise_fn, decode_fn, cos, sin, sig, ts,
-                          jnp.float32(inputs.guidance_scale))
+        return PreparedBucket(bucket, encode_fn, denoise_fn, decode_fn, cos, sin, sig, ts,
+                              jnp.float32(inputs.guidance_scale))
 
-    def padding(self, plan: BucketPlan, real: int) -> int:
+    def padding(self, prepared: PreparedBucket, real: int) -> int:
         """Rows added to a short batch: none when the programs take any number of rows (image by image)."""
-        return 0 if self.programs.any_batch else plan.batch - real
+        return 0 if self.programs.any_batch else prepared.batch - real
 
-    def tokenize(self, prompts: list[str], plan: BucketPlan):
+    def tokenize(self, prompts: list[str], prepared: PreparedBucket):
         """(token ids, attention masks) of at most one batch of prompts on the devices, padded with empty prompts to
         the bucket's batch unless the programs take any number of rows, and whether each prompt was truncated."""
-        pad = 0 if self.programs.any_batch else plan.batch - len(prompts)
+        pad = 0 if self.programs.any_batch else prepared.batch - len(prompts)
         tok = self.tokenizer(list(prompts) + [""] * pad)
         ids = jax.device_put(tok.input_ids, self.programs.batched)
         mask = jax.device_put(tok.attention_mask, self.programs.batched)
         return ids, mask, tuple(bool(t) for t in tok.truncated[:len(prompts)])
 
-    def encode_tokens(self, ids, mask, plan: BucketPlan):
+    def encode_tokens(self, ids, mask, prepared: PreparedBucket):
         """Text embeddings [B, L, J] of tokenized prompts (the bucket's encode program)."""
-        return plan.encode_fn(self.programs.te_state, ids, mask)
+        return prepared.encode_fn(self.programs.te_state, ids, mask)
 
-    def encode_prompts(self, prompts: list[str], plan: BucketPlan):
+    def encode_prompts(self, prompts: list[str], prepared: PreparedBucket):
         """(text embeddings [len(prompts), L, J] on the devices, truncated flags per prompt); unique prompts encoded
         once (de-duplication), recent ones taken from the embedding cache."""
-        batch = plan.batch
+        batch = prepared.batch
         unique = list(dict.fromkeys(prompts))
         cache = self._embed_cache
         todo = [p for p in unique if cache is None or p not in cache]
         fresh = {}
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
-            ids, mask, truncated = self.tokenize(chunk, plan)
-            embeds = self.encode_tokens(ids, mask, plan)
+            ids, mask, truncated = self.tokenize(chunk, prepared)
+            embeds = self.encode_tokens(ids, mask, prepared)
             for i, p in enumerate(chunk):
                 fresh[p] = (embeds[i], truncated[i])
             self.stats["prompts_encoded"] += len(chunk)
@@ -410,16 +410,16 @@ class Flux2KleinGenerator:
         embeds = jax.device_put(jnp.stack([e for e, _ in rows]), self.programs.batched)
         return embeds, tuple(t for _, t in rows)
 
-    def prepare_latents(self, seeds: list[int], plan: BucketPlan, pad: int = 0):
+    def prepare_latents(self, seeds: list[int], prepared: PreparedBucket, pad: int = 0):
         """The initial noise of each image (model.initial_noise of its seed) as patchified latent tokens on the
         devices, plus `pad` zero rows."""
-        tr, b = self.config.transformer, plan.bucket
+        tr, b = self.config.transformer, prepared.bucket
         shape = (tr.in_channels, b.grid_h, b.grid_w)
         noise = np.stack([initial_noise(s, shape) for s in seeds] + [np.zeros(shape, np.float32)] * pad)
         tokens = noise.reshape(len(seeds) + pad, tr.in_channels, b.grid_h * b.grid_w).transpose(0, 2, 1)
         return jax.device_put(tokens.astype(DTYPES[self.dtype]), self.programs.batched)
 
-    def reference_tokens(self, references, plan: BucketPlan, pad: int = 0, cache: dict | None = None):
+    def reference_tokens(self, references, prepared: PreparedBucket, pad: int = 0, cache: dict | None = None):
         """Latent tokens [rows, R, C] of each image's references (VAE encoder; equal references encoded once, and
         once per call when the call's `cache` dict is passed) on the devices, plus `pad` rows (copies of the
         first); None for text-to-image."""
@@ -431,28 +431,28 @@ class Flux2KleinGenerator:
         self.stats["references_encoded"] += self.reference_encoder.encoded - before
         return tokens
 
-    def denoise(self, latents, txt, neg, plan: BucketPlan, refs=None):
+    def denoise(self, latents, txt, neg, prepared: PreparedBucket, refs=None):
         """Every denoising step, in one program (a lax.scan over the steps). `refs`: the reference tokens of
         image-conditioned calls (`reference_tokens`), else None."""
-        return plan.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, plan.sigmas, plan.timesteps,
-                               plan.cos, plan.sin, plan.guidance)
+        return prepared.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, prepared.sigmas,
+                                   prepared.timesteps, prepared.cos, prepared.sin, prepared.guidance)
 
-    def velocity(self, latents, txt, neg, plan: BucketPlan, step: int, refs=None):
+    def velocity(self, latents, txt, neg, prepared: PreparedBucket, step: int, refs=None):
         """The velocity the denoising loop takes at `step` from `latents` (for drift measures: benchmarks.drift)."""
-        return self.programs.velocity(self.programs.tr_state, latents, txt, neg, refs, plan.timesteps[step],
-                                      plan.cos, plan.sin, plan.guidance)
+        return self.programs.velocity(self.programs.tr_state, latents, txt, neg, refs, prepared.timesteps[step],
+                                      prepared.cos, prepared.sin, prepared.guidance)
 
-    def decode(self, latents, plan: BucketPlan) -> DecodedBatch:
+    def decode(self, latents, prepared: PreparedBucket) -> DecodedBatch:
         """Pixels on the devices, uint8 [B, H, W, 3], with each image's share of non-finite values
         (`DecodedBatch`)."""
-        b = plan.bucket
-        return plan.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w)
+        b = prepared.bucket
+        return prepared.decode_fn(self.programs.vae_state, latents, b.grid_h, b.grid_w)
 
-    def lower(self, plan: BucketPlan):
+    def lower(self, prepared: PreparedBucket):
         """The bucket's (encode, denoise, decode) programs lowered for its shapes, not compiled (jax.stages.Lowered:
         HLO, XLA's cost analysis); denoise is the whole loop."""
         tr = self.config.transformer
-        return self.programs.lower(plan.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
+        return self.programs.lower(prepared.bucket, tr.in_channels, tr.joint_attention_dim, tr.attention_head_dim)
 
     def to_host(self, decoded: DecodedBatch, real: int) -> np.ndarray:
         """The first `real` images as host uint8."""
@@ -512,25 +512,26 @@ class Flux2KleinGenerator:
         """(images, truncated, nonfinite) of a checked call, in batches of the bucket's programs."""
         if not inputs.prompts:
             return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), (), ()
-        plan = self.plan_bucket(inputs, sigmas, batch_size)
+        prepared = self.prepare_bucket(inputs, sigmas, batch_size)
         outputs: list[np.ndarray] = []
         nonfinite: list = []
         truncated: list[bool] = []
         pending = None
         reference_cache: dict = {}  # digest -> tokens: each distinct reference encoded once per call
-        for start in range(0, len(inputs.prompts), plan.batch):
-            chunk_p = list(inputs.prompts[start:start + plan.batch])
-            chunk_s = list(inputs.seeds[start:start + plan.batch])
+        for start in range(0, len(inputs.prompts), prepared.batch):
+            chunk_p = list(inputs.prompts[start:start + prepared.batch])
+            chunk_s = list(inputs.seeds[start:start + prepared.batch])
             real = len(chunk_p)
-            pad = self.padding(plan, real)  # padding rows would be computed for nothing
-            txt, flags = self.encode_prompts(chunk_p + chunk_p[:1] * pad, plan)
+            pad = self.padding(prepared, real)  # padding rows would be computed for nothing
+            txt, flags = self.encode_prompts(chunk_p + chunk_p[:1] * pad, prepared)
             truncated.extend(flags[:real])
-            neg = self.encode_prompts([""] * (real + pad), plan)[0] if inputs.use_cfg else None
+            neg = self.encode_prompts([""] * (real + pad), prepared)[0] if inputs.use_cfg else None
             # The noise is drawn on the host while the device runs the text encoder just dispatched.
-            latents = self.prepare_latents(chunk_s, plan, pad)
-            refs = (self.reference_tokens(inputs.references[start:start + plan.batch], plan, pad, reference_cache)
+            latents = self.prepare_latents(chunk_s, prepared, pad)
+            refs = (self.reference_tokens(inputs.references[start:start + prepared.batch], prepared, pad,
+                                          reference_cache)
                     if inputs.references else None)
-            pixels = self.decode(self.denoise(latents, txt, neg, plan, refs), plan)
+            pixels = self.decode(self.denoise(latents, txt, neg, prepared, refs), prepared)
             # Dispatch is asynchronous: the previous batch's pixels are copied to the host (and the next batch
             # tokenized) while the device works on this one.
             if pending is not None:

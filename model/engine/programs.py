@@ -80,7 +80,7 @@ class CompiledPrograms:
         # The batch axis is split over the mesh's data replicas.
         self.batched = NamedSharding(mesh, P("data"))
         # Fused projections laid out per shard (model.parallel.shard_order); a no-op when the loader did it already.
-        shard_order.lay_out(transformer, model_shards(mesh))
+        shard_order.order_for_shards(transformer, model_shards(mesh))
         te_graph, te_state = nnx.split(text_encoder)
         tr_graph, tr_state = nnx.split(transformer)
         vae_graph, vae_state = nnx.split(vae)

@@ -67,7 +67,7 @@ def contiguous(array: np.ndarray) -> np.ndarray:
 # reads each tensor into its thread's reused host buffer (ReadBuffers; the device keeps its own copy). On a CPU
 # "device" the transpose is the same host copy either way, compiling each shape's transpose costs more, and a
 # placed array may be the host memory itself (which would pin a whole reused buffer).
-DEVICE_LAYOUT_PLATFORMS = ("tpu", "gpu")
+DEVICE_TRANSPOSE_PLATFORMS = ("tpu", "gpu")
 
 
 def _platform(sharding) -> str:
@@ -168,7 +168,7 @@ def flat_params(module_or_abstract) -> dict[str, jax.ShapeDtypeStruct]:
     return out
 
 
-def jax_layout_order(name: str, ndim: int, target_ndim: int) -> tuple[int, ...] | None:
+def jax_axes_order(name: str, ndim: int, target_ndim: int) -> tuple[int, ...] | None:
     """The axes order that takes a torch-layout tensor to JAX layout (None: same layout). Linear [out, in] ->
     [in, out]; Conv [O, I, kh, kw] -> [kh, kw, I, O]; embedding tables keep torch's [vocab, width]."""
     if name.endswith("embed_tokens.weight"):
@@ -183,15 +183,15 @@ def squeezed(array: np.ndarray, target_ndim: int) -> np.ndarray:
     return array[:, :, 0, 0] if array.ndim == 4 and target_ndim == 2 else array
 
 
-def to_jax_layout(name: str, array: np.ndarray, target_ndim: int) -> np.ndarray:
-    """torch layout -> JAX layout on the host (a view): see `jax_layout_order`."""
-    order = jax_layout_order(name, array.ndim, target_ndim)
+def to_jax_axes(name: str, array: np.ndarray, target_ndim: int) -> np.ndarray:
+    """torch layout -> JAX layout on the host (a view): see `jax_axes_order`."""
+    order = jax_axes_order(name, array.ndim, target_ndim)
     array = squeezed(array, target_ndim)
     return array if order is None else array.transpose(order)
 
 
 def torch_shape(name: str, jax_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The checkpoint (torch) shape of a parameter given its JAX shape; inverse of `to_jax_layout`."""
+    """The checkpoint (torch) shape of a parameter given its JAX shape; inverse of `to_jax_axes`."""
     if name.endswith("embed_tokens.weight"):
         return tuple(jax_shape)
     if len(jax_shape) == 2:
@@ -291,8 +291,8 @@ def prepare_device_transposes(components: list[ComponentLoad], placement) -> int
                 continue
             target = var.get_value() if hasattr(var, "get_value") else var.value
             sharding = placement(path, var)
-            order = jax_layout_order(name, len(sf.entries[name][1]), len(target.shape))
-            if order is not None and _platform(sharding) in DEVICE_LAYOUT_PLATFORMS:
+            order = jax_axes_order(name, len(sf.entries[name][1]), len(target.shape))
+            if order is not None and _platform(sharding) in DEVICE_TRANSPOSE_PLATFORMS:
                 dtype, scale_sharding = _stored_dtype(var, target), _scale_sharding(path, variables, placement)
                 needed.add(DEVICE_TRANSPOSES.key(order, torch_shape(name, target.shape), dtype, sharding,
                                                  scale_sharding))
@@ -377,11 +377,11 @@ def load_components(components: list[ComponentLoad], *, placement=None, times: L
         if is_quantized(var):
             scale_var = variables[scale_path(path)]
             scale_sharding = placement(scale_path(path), scale_var) if placement is not None else default_sharding
-        accelerator = _platform(sharding) in DEVICE_LAYOUT_PLATFORMS
+        accelerator = _platform(sharding) in DEVICE_TRANSPOSE_PLATFORMS
         clock = time.perf_counter()
         array = squeezed(sf.read(name, buffers if accelerator else None), len(target.shape))
         read_s, clock = time.perf_counter() - clock, time.perf_counter()
-        order = jax_layout_order(name, array.ndim, len(target.shape))
+        order = jax_axes_order(name, array.ndim, len(target.shape))
         stored_shape = array.shape if order is None else tuple(array.shape[a] for a in order)
         if tuple(stored_shape) != tuple(target.shape):
             raise CheckpointError(f"converted shape {list(stored_shape)} differs from the model's "

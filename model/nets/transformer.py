@@ -159,21 +159,21 @@ class Modulation(nnx.Module):
 class FeedForward(nnx.Module):
     """SwiGLU MLP: linear_in (D -> 2M), SiLU(first half) * second half, linear_out (M -> D).
 
-    `layout_shards` > 1: linear_in's columns are laid out shard-major (model.parallel.shard_order), so each of that many
+    `order_shards` > 1: linear_in's columns are laid out shard-major (model.parallel.shard_order), so each of that many
     chips holds matching slices of both halves."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs, linear=Linear):
         self.hidden = hidden
-        self.layout_shards = 1
+        self.order_shards = 1
         self.linear_in = linear(dim, 2 * hidden, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
         self.linear_out = linear(hidden, dim, bias=False, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
 
-    def fused_layout(self):
+    def fused_parts(self):
         """The fused projection whose output parts model.parallel.shard_order lays out per shard."""
         return [("linear_in", 1, (self.hidden, self.hidden))]
 
     def __call__(self, x):
-        a, b = split_parts(self.linear_in(x), (self.hidden, self.hidden), self.layout_shards)
+        a, b = split_parts(self.linear_in(x), (self.hidden, self.hidden), self.order_shards)
         return self.linear_out(jax.nn.silu(a) * b)
 
 
@@ -258,19 +258,19 @@ class DoubleStreamBlock(nnx.Module):
 
 class ParallelSelfAttention(nnx.Module):
     """Single-stream block core: one fused projection to [q | k | v | mlp_a | mlp_b], one output projection of
-    [attention | mlp]. `layout_shards` > 1: both are laid out shard-major (model.parallel.shard_order), so each of that
+    [attention | mlp]. `order_shards` > 1: both are laid out shard-major (model.parallel.shard_order), so each of that
     many chips holds its heads' q, k, v, its MLP columns and the matching rows of the output projection."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs, linear=Linear):
         d, m, hd = cfg.inner_dim, cfg.mlp_hidden_dim, cfg.attention_head_dim
         self.heads, self.head_dim, self.inner_dim, self.mlp_dim = cfg.num_attention_heads, hd, d, m
-        self.layout_shards = 1
+        self.order_shards = 1
         self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * m, bias=False, dtype=dtype, rngs=rngs, axes=("embed", "heads_mlp"))
         self.norm_q = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.norm_k = RMSNorm(hd, eps=cfg.eps, dtype=dtype)
         self.to_out = linear(d + m, d, bias=False, dtype=dtype, rngs=rngs, axes=("heads_mlp", "embed"))
 
-    def fused_layout(self):
+    def fused_parts(self):
         """The projections whose parts model.parallel.shard_order lays out per shard: columns in, rows out."""
         d, m = self.inner_dim, self.mlp_dim
         return [("to_qkv_mlp_proj", 1, (d, d, d, m, m)), ("to_out", 0, (d, m))]
@@ -278,7 +278,7 @@ class ParallelSelfAttention(nnx.Module):
     def __call__(self, x, cos, sin, implementation, queries_from: int = 0):
         """Outputs for the tokens x[:, queries_from:]; keys and values still come from every token. The last block
         passes the text length, since only the image tokens' outputs are used after it."""
-        d, m, shards = self.inner_dim, self.mlp_dim, self.layout_shards
+        d, m, shards = self.inner_dim, self.mlp_dim, self.order_shards
         fused = self.to_qkv_mlp_proj(x[:, queries_from:])
         lengths = (x.shape[1] - queries_from, queries_from)
         mode = heads_kernel_mode(implementation, self.head_dim, *lengths) if shards == 1 else False

@@ -21,15 +21,15 @@ import model
 import model.loading.loader
 from model.options import LoadSettings
 from model.parallel import shard_order
-from model.loading.loader import flat_params, to_jax_layout
+from model.loading.loader import flat_params, to_jax_axes
 from model.loading.safetensors_file import open_component
 
 
 def check(path, dtype, shards, layout="host"):
     """Every parameter of the loaded generator equals the plain read of its tensor, bit for bit; their number.
     `layout`: "device" transposes on the (CPU) devices, as the loader does on accelerators."""
-    platforms = model.loading.loader.DEVICE_LAYOUT_PLATFORMS
-    model.loading.loader.DEVICE_LAYOUT_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
+    platforms = model.loading.loader.DEVICE_TRANSPOSE_PLATFORMS
+    model.loading.loader.DEVICE_TRANSPOSE_PLATFORMS = ("cpu", "tpu", "gpu") if layout == "device" else ()
     settings = LoadSettings.create(path, dtype, max_sequence_length=32, model_shards=shards)
     transposes = model.loading.loader.DEVICE_TRANSPOSES
     transposes.clear()
@@ -44,7 +44,7 @@ def check(path, dtype, shards, layout="host"):
     try:
         gen = model.load(settings)
     finally:
-        model.loading.loader.DEVICE_LAYOUT_PLATFORMS = platforms
+        model.loading.loader.DEVICE_TRANSPOSE_PLATFORMS = platforms
         model.loading.loader.prepare_device_transposes = plain_prepare
     # Every transpose the weights took was among those prepared before the first tensor was read: none compiled
     # on the loading threads.
@@ -54,10 +54,10 @@ def check(path, dtype, shards, layout="host"):
     checked = placed_bytes = 0
     for folder, module in (("text_encoder", te), ("transformer", tr), ("vae", vae)):
         files = open_component(f"{path}/{folder}")
-        perms = shard_order.stored_to_layout(module)
+        perms = shard_order.stored_to_order(module)
         for name, value in flat_params(module).items():
             sf = files[name]
-            want = to_jax_layout(name, sf.read(name), value.ndim)
+            want = to_jax_axes(name, sf.read(name), value.ndim)
             key = tuple(int(p) if p.isdigit() else p for p in name.split("."))
             if key in perms:
                 order, axis = perms[key]

@@ -53,7 +53,7 @@ def int8_pair(tiny_ckpt):
 
 def test_int8_weights_are_the_checkpoints_quantized_and_only_projections_are(tiny_ckpt, int8_pair):
     from model.nets.quantize import QuantScale
-    from model.loading.loader import flat_params, to_jax_layout
+    from model.loading.loader import flat_params, to_jax_axes
     from model.loading.safetensors_file import open_component
     from flax import nnx
 
@@ -67,7 +67,7 @@ def test_int8_weights_are_the_checkpoints_quantized_and_only_projections_are(tin
             if value.dtype != jnp.int8:
                 continue
             want_values, want_scale = quantize_columns(
-                jnp.asarray(to_jax_layout(name, files[name].read(name), 2)).astype(jnp.bfloat16))
+                jnp.asarray(to_jax_axes(name, files[name].read(name), 2)).astype(jnp.bfloat16))
             assert np.array_equal(np.asarray(value), np.asarray(want_values)), name
             assert np.array_equal(np.asarray(scales[name + "_scale"]), np.asarray(want_scale)), name
             quantized += 1
@@ -127,8 +127,8 @@ stored = dict(nnx.to_flat_state(nnx.state(one.programs.modules()[1])))
 for name, kw in {"1x4": dict(model_shards=4), "2x2": dict(model_shards=2)}.items():
     gen = model.load(ckpt, dtype="bfloat16", max_sequence_length=32, quantize="int8", **kw)
     out[name] = image_similarity(ref, gen.generate(**args))
-    # laid out per shard and back (shard_order.lay_out): every int8 weight and scale as one device holds them
-    back = shard_order.lay_out(gen.programs.modules()[1], 1)
+    # laid out per shard and back (shard_order.order_for_shards): every int8 weight and scale as one device holds them
+    back = shard_order.order_for_shards(gen.programs.modules()[1], 1)
     out[name + " params differing"] = [".".join(map(str, k)) for k, v in nnx.to_flat_state(nnx.state(back))
                                        if not np.array_equal(np.asarray(v.get_value()), np.asarray(stored[k].get_value()))]
 print(json.dumps(out))

@@ -1,11 +1,11 @@
-"""Shard-major layout of the fused projections (model/parallel/shard_order.py): pure index arithmetic, and a transformer
-laid out for any shard count computing what the stored layout computes. On 4 devices and on TPU the images and the
+"""Shard-major order of the fused projections (model/parallel/shard_order.py): pure index arithmetic, and a transformer
+laid out for any shard count computing what the stored order computes. On 4 devices and on TPU the images and the
 collectives are checked in test_fast_path.py and tests/pipeline/test_preflight.py."""
 
 import numpy as np
 import pytest
 
-from model.parallel.shard_order import join_parts, layout_shards, shard_major_order, split_parts
+from model.parallel.shard_order import join_parts, usable_shards, shard_major_order, split_parts
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4])
@@ -26,10 +26,10 @@ def test_order_split_and_join_invert_each_other(shards):
     np.testing.assert_array_equal(np.asarray(join_parts(parts, shards)), laid_out)
 
 
-def test_layout_needs_every_part_divisible():
-    assert layout_shards((8, 8, 12), 4) == 4
-    assert layout_shards((8, 8, 12), 8) == 1  # 12 does not split in 8: stored layout, replicated or resharded
-    assert layout_shards((8,), 1) == 1
+def test_shard_order_needs_every_part_divisible():
+    assert usable_shards((8, 8, 12), 4) == 4
+    assert usable_shards((8, 8, 12), 8) == 1  # 12 does not split in 8: stored order, replicated or resharded
+    assert usable_shards((8,), 1) == 1
 
 
 def test_transformer_laid_out_for_any_shard_count_gives_the_same_velocity(tiny_ckpt):
@@ -39,7 +39,7 @@ def test_transformer_laid_out_for_any_shard_count_gives_the_same_velocity(tiny_c
     import jax.numpy as jnp
     from flax import nnx
     from model.loading.config import PipelineConfig
-    from model.parallel.shard_order import lay_out, stored_to_layout
+    from model.parallel.shard_order import order_for_shards, stored_to_order
     from model.nets.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
 
     cfg = PipelineConfig.from_folder(tiny_ckpt).transformer
@@ -57,15 +57,15 @@ def test_transformer_laid_out_for_any_shard_count_gives_the_same_velocity(tiny_c
 
     want = velocity()
     for shards in (2, 4, 2, 1):
-        lay_out(model, shards)
-        assert {m.layout_shards for _, m in nnx.iter_modules(model) if hasattr(m, "fused_layout")} == {shards}
+        order_for_shards(model, shards)
+        assert {m.order_shards for _, m in nnx.iter_modules(model) if hasattr(m, "fused_parts")} == {shards}
         np.testing.assert_allclose(velocity(), want, rtol=1e-5, atol=1e-5)
     # back at one shard, every weight is bit-equal to the stored one
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model)), stored)
 
     # the loader's per-tensor permutations give the same bytes as laying out a loaded module
-    lay_out(model, 2)
-    moves = stored_to_layout(model)
+    order_for_shards(model, 2)
+    moves = stored_to_order(model)
     assert moves and all(path[-2] in ("to_qkv_mlp_proj", "to_out", "linear_in") for path in moves)
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     stored_flat = dict(nnx.to_flat_state(stored))

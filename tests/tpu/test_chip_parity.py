@@ -22,7 +22,7 @@ def _load(path, dtype, platform=None):
 def _stages(gen, guidance=None):
     """(text embeddings, denoised latents, uint8 images) of one batch, each brought to the host as float32."""
     inputs = gen.check_inputs(PROMPTS, SEEDS, guidance_scale=guidance, **SIZE)
-    plan = gen.plan_bucket(inputs)
+    plan = gen.prepare_bucket(inputs)
     txt, _ = gen.encode_prompts(list(inputs.prompts), plan)
     neg = gen.encode_prompts([""] * len(PROMPTS), plan)[0] if inputs.use_cfg else None
     latents = gen.prepare_latents(list(inputs.seeds), plan)

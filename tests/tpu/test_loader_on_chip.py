@@ -11,7 +11,7 @@ def loaded_parameters_equal_plain_reads(path: str, dtype: str) -> int:
     return how many parameters were made by a transpose on the chip."""
     import model
     from model.loading import loader
-    from model.loading.loader import flat_params, to_jax_layout
+    from model.loading.loader import flat_params, to_jax_axes
     from model.loading.safetensors_file import open_component
 
     loader.DEVICE_TRANSPOSES.clear()
@@ -21,10 +21,10 @@ def loaded_parameters_equal_plain_reads(path: str, dtype: str) -> int:
         files = open_component(f"{path}/{folder}")
         for name, value in flat_params(module).items():
             raw = files[name].read(name)
-            want = np.asarray(to_jax_layout(name, raw, value.ndim).astype(value.dtype))
+            want = np.asarray(to_jax_axes(name, raw, value.ndim).astype(value.dtype))
             got = np.asarray(jax.device_get(value))
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), f"{folder}.{name} differs"
-            transposed_on_device += loader.jax_layout_order(name, raw.ndim, value.ndim) is not None
+            transposed_on_device += loader.jax_axes_order(name, raw.ndim, value.ndim) is not None
     assert len(loader.DEVICE_TRANSPOSES) > 0, "the loader did not transpose on the chip"
     assert gen.load_phases["tensors"] > transposed_on_device > 0, gen.load_phases
     return transposed_on_device

@@ -14,7 +14,7 @@ def test_klein_4b_1024_generates_without_recompiling():
     gen = model.load(ensure_checkpoint("klein-4b"), "bfloat16", batch_size=1)
     size = dict(height=1024, width=1024, num_inference_steps=4)
     inputs = gen.check_inputs(["a red fox in the snow"], [0], **size)
-    plan = gen.plan_bucket(inputs)
+    plan = gen.prepare_bucket(inputs)
     txt, _ = gen.encode_prompts(list(inputs.prompts), plan)
     latents = gen.denoise(gen.prepare_latents([0], plan), txt, None, plan)
     assert bool(jnp_isfinite(latents)), "the denoised latents hold NaN or inf"
