@@ -264,7 +264,7 @@ def test_concurrent_processes_copy_once(gcs_emulator, gcs_bucket, tmp_path):
     gate.mkdir()
     # Each child imports everything, says it is ready, then waits for the go file: the three resolve calls start
     # together, so they really race for the lock.
-    code = ("import json, os, sys, time; from model import checkpoint; gate = sys.argv[3]; "
+    code = ("import json, os, sys, time; from model.loading import checkpoint; gate = sys.argv[3]; "
             "open(os.path.join(gate, f'ready-{os.getpid()}'), 'w').close(); "
             "exec('while not os.path.exists(os.path.join(gate, \"go\")): time.sleep(0.01)'); "
             "p = checkpoint.resolve_checkpoint(sys.argv[1], cache_dir=sys.argv[2]); "
