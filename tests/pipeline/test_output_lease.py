@@ -16,16 +16,11 @@ from model.engine.compile_lease import Holder
 from pipeline import output_lease as ol
 from pipeline.errors import UsageError
 from pipeline_helpers import MODEL_ARGS, ckpt32, image_names, rows  # noqa: F401 - ckpt32 is a fixture
+from pipeline_helpers import output  # noqa: F401 - a fixture: a local or gs:// output folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(params=["local", "gcs"])
-def output(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "out")
-    emulator = request.getfixturevalue("gcs_emulator")
-    return f"gs://{emulator.new_bucket()}/out"
 
 
 def _exists(path: str) -> bool:
@@ -223,7 +218,7 @@ def test_two_jobs_on_one_output(ckpt32, tmp_path):
     every image generated once; after it, the second resumes (nothing to do) and removes an old .tmp leftover."""
     from pipeline.run import run
 
-    n = 150
+    n = 600  # enough that the first job is still generating (not yet finalizing its writes) under load
     source = tmp_path / "prompts.txt"
     source.write_text("".join(f"prompt number {i}\n" for i in range(n)))
     out = tmp_path / "out"

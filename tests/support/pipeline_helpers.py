@@ -92,3 +92,12 @@ def xla_cache(tmp_path_factory):
     (A folder per worker compiled the same job programs in each worker, and a job in a worker switched that
     process's cache to it for the tests that followed: `--compilation_cache_dir` is process-wide.)"""
     return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(params=["local", "gcs"])
+def output(request, tmp_path):
+    """An output folder: local, or a gs:// prefix on the GCS emulator."""
+    if request.param == "local":
+        return str(tmp_path / "out")
+    emulator = request.getfixturevalue("gcs_emulator")
+    return f"gs://{emulator.new_bucket()}/out"

@@ -23,6 +23,7 @@ from transforms.sinks.encoding import ImageEncoding, encode_png, png_text
 from transforms.sinks.existing import SkipExisting, existing_manifest_row
 from transforms.sinks.webdataset import WebDatasetSink, staged_path, staging_dir
 from transforms.sinks.writes import write_bytes_atomic
+from pipeline_helpers import output  # noqa: F401 - a fixture: a local or gs:// output folder
 
 MODEL = model_fingerprint("ckpt", dtype="float32", max_sequence_length=64)
 OTHER_DTYPE = model_fingerprint("ckpt", dtype="bfloat16", max_sequence_length=64)
@@ -61,13 +62,6 @@ def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00
     return rows
 
 
-@pytest.fixture(params=["local", "gcs"])
-def output(request, tmp_path):
-    """An output folder: local, or a gs:// prefix on the GCS emulator."""
-    if request.param == "local":
-        return str(tmp_path / "out")
-    emulator = request.getfixturevalue("gcs_emulator")
-    return f"gs://{emulator.new_bucket()}/out"
 
 
 @pytest.fixture
