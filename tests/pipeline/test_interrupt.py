@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipeline_helpers import MODEL_ARGS, ckpt32  # noqa: F401 - ckpt32 is a fixture
+from pipeline_helpers import MODEL_ARGS, ckpt32, wait_for_images  # noqa: F401 - ckpt32 is a fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 300
@@ -28,11 +28,7 @@ def test_a_signal_stops_the_job_with_one_line_and_a_resume_finishes_it(ckpt32, t
     argv = [sys.executable, "-m", "pipeline.run", f"--model={ckpt32}", f"--input={source}", f"--output={out}",
             *MODEL_ARGS, "--runner=FnApiRunner", "--no_progress"]
     job = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and job.poll() is None:
-        if os.path.isdir(out / "images") and len(os.listdir(out / "images")) >= 4:
-            break
-        time.sleep(0.2)
+    wait_for_images(job, out, 4)
     assert job.poll() is None, "the job ended before it could be interrupted"
     job.send_signal(signum)
     _, stderr = job.communicate(timeout=120)
@@ -61,11 +57,8 @@ def _interrupt_at(argv, out, moment) -> tuple[object, int | str, str]:
     """Start the job, wait for `moment` (see MOMENTS), send SIGINT; (moment, exit status, stderr)."""
     job = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     images, delay = moment
-    started = time.time()
-    while images and job.poll() is None and time.time() - started < 240:
-        if os.path.isdir(out / "images") and len(os.listdir(out / "images")) >= images:
-            break
-        time.sleep(0.05)
+    if images:
+        wait_for_images(job, out, images, timeout_s=240, poll_s=0.05)
     time.sleep(delay)
     running = job.poll() is None
     job.send_signal(signal.SIGINT)

@@ -15,8 +15,7 @@ import pytest
 from model.engine.compile_lease import Holder
 from pipeline import output_lease as ol
 from pipeline.errors import UsageError
-from pipeline_helpers import MODEL_ARGS, ckpt32, image_names, rows  # noqa: F401 - ckpt32 is a fixture
-from pipeline_helpers import output  # noqa: F401 - a fixture: a local or gs:// output folder
+from pipeline_helpers import MODEL_ARGS, ckpt32, image_names, output, rows, wait_for_images  # noqa: F401 - fixtures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -225,11 +224,7 @@ def test_two_jobs_on_one_output(ckpt32, tmp_path):
     first = subprocess.Popen(_argv(ckpt32, source, out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and first.poll() is None:
-            if os.path.isdir(out / "images") and len(os.listdir(out / "images")) >= 2:
-                break
-            time.sleep(0.2)
+        wait_for_images(first, out, 2)
         assert first.poll() is None, "the first job ended before the second was launched"
         temp = sorted(ol._temp_folders(str(out)))
         with pytest.raises(UsageError, match=rf"^--output={str(out)!r} is being written by another job: job \w+, "

@@ -101,3 +101,15 @@ def output(request, tmp_path):
         return str(tmp_path / "out")
     emulator = request.getfixturevalue("gcs_emulator")
     return f"gs://{emulator.new_bucket()}/out"
+
+
+def wait_for_images(job, out, count: int, timeout_s: float = 300, poll_s: float = 0.2) -> None:
+    """Wait until the job process `job` has written `count` images under `out`/images, ended, or `timeout_s` passed."""
+    import time
+
+    images = os.path.join(str(out), "images")
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and job.poll() is None:
+        if os.path.isdir(images) and len(os.listdir(images)) >= count:
+            return
+        time.sleep(poll_s)
