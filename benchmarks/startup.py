@@ -26,8 +26,6 @@ import sys
 import tempfile
 import time
 
-PHASES = ("imports", "backend_init", "fetch", "load", "compile", "first_image")
-
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.split("\n\n")[0])

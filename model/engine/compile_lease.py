@@ -141,11 +141,8 @@ class LocalLeases:
     def __init__(self, cache_dir: str, subfolder: str = LEASES):
         self.folder = os.path.join(cache_dir, subfolder) if subfolder else cache_dir
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.folder, key + ".lease")
-
     def path(self, key: str) -> str:
-        return self._path(key)
+        return os.path.join(self.folder, key + ".lease")
 
     def create(self, key: str, holder: Holder):
         """The new lease's tag, or None when the lease exists. The holder is written to a private file first, which
@@ -160,7 +157,7 @@ class LocalLeases:
                 os.close(fd)
             os.chmod(temp, 0o644)
             try:
-                os.link(temp, self._path(key))
+                os.link(temp, self.path(key))
             except FileExistsError:
                 return None
         finally:
@@ -169,7 +166,7 @@ class LocalLeases:
 
     def read(self, key: str) -> Lease | None:
         try:
-            with open(self._path(key), "rb") as f:
+            with open(self.path(key), "rb") as f:
                 st = os.fstat(f.fileno())
                 text = f.read().decode(errors="replace")
         except FileNotFoundError:
@@ -178,7 +175,7 @@ class LocalLeases:
 
     def remove(self, key: str, tag) -> bool:
         """Remove the lease if it is still the one `tag` names (a taken-over lease belongs to its new holder)."""
-        path = self._path(key)
+        path = self.path(key)
         try:
             st = os.stat(path)
             if (st.st_ino, st.st_mtime_ns) != tag:
@@ -191,7 +188,7 @@ class LocalLeases:
     def refresh(self, key: str, tag, holder: Holder | None = None):
         """The lease's new tag after its holder refreshed it (its age starts again; with `holder`, its content is
         replaced), or None when it is no longer the one `tag` names (taken over, or removed)."""
-        path = self._path(key)
+        path = self.path(key)
         try:
             st = os.stat(path)
             if (st.st_ino, st.st_mtime_ns) != tag:

@@ -244,11 +244,9 @@ def _local_listing(folder: str, variant: str | None) -> dict[str, int]:
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         visible = [f for f in files if not f.startswith(".") and not f.lower().endswith(UNSAFE_SUFFIXES)]
-        chosen = set(select_weight_files(visible, variant, root))
-        for name in visible:
-            if name in chosen or weight_file_variant(name) is None:
-                rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
-                listing[rel] = os.path.getsize(os.path.join(root, name))
+        for name in _of_variant(visible, variant, root):
+            rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+            listing[rel] = os.path.getsize(os.path.join(root, name))
     return listing
 
 
@@ -284,11 +282,9 @@ def _recorded_contents(folder: str, variant: str | None) -> dict[str, tuple[int,
             continue
         by_folder.setdefault(posixpath.dirname(rel), []).append(parts[-1])
     for top, names in by_folder.items():
-        chosen = set(select_weight_files(names, variant, os.path.join(folder, top)))
-        for name in names:
-            if name in chosen or weight_file_variant(name) is None:
-                rel = posixpath.join(top, name) if top else name
-                kept[rel] = entries[rel]
+        for name in _of_variant(names, variant, os.path.join(folder, top)):
+            rel = posixpath.join(top, name) if top else name
+            kept[rel] = entries[rel]
     return kept
 
 
@@ -362,9 +358,16 @@ def _weights_of_variant(blobs: list, variant: str | None, bucket: str) -> list:
         by_folder.setdefault(folder, []).append((blob, name))
     kept = []
     for folder, entries in by_folder.items():
-        chosen = set(select_weight_files([n for _, n in entries], variant, f"gs://{bucket}/{folder}"))
-        kept += [b for b, n in entries if n in chosen or weight_file_variant(n) is None]
+        names = set(_of_variant([n for _, n in entries], variant, f"gs://{bucket}/{folder}"))
+        kept += [b for b, n in entries if n in names]
     return kept
+
+
+def _of_variant(names: list[str], variant: str | None, where: str) -> list[str]:
+    """The names of one folder's files without the weight files of other variants (`select_weight_files` picks the
+    weights; every file that is no variant's weights is kept): what the local, recorded and gs:// listings keep."""
+    chosen = set(select_weight_files(names, variant, where))
+    return [n for n in names if n in chosen or weight_file_variant(n) is None]
 
 
 def _relative(blob_name: str, prefix: str) -> str:

@@ -115,11 +115,16 @@ class Upsample(nnx.Module):
         return jnp.stack(rows, axis=2).reshape(b, 2 * h, 2 * w, co) + self.conv.bias[...]
 
 
+def _resnets(in_ch: int, out_ch: int, count: int, groups: int, *, dtype, rngs: nnx.Rngs) -> nnx.List:
+    """An up or down block's ResnetBlocks: the first takes `in_ch` channels to `out_ch`, the others keep `out_ch`."""
+    return nnx.List([ResnetBlock(in_ch if i == 0 else out_ch, out_ch, groups, dtype=dtype, rngs=rngs)
+                     for i in range(count)])
+
+
 class UpBlock(nnx.Module):
     def __init__(self, in_ch: int, out_ch: int, num_resnets: int, groups: int, add_upsample: bool, *, dtype,
                  rngs: nnx.Rngs):
-        self.resnets = nnx.List([ResnetBlock(in_ch if i == 0 else out_ch, out_ch, groups, dtype=dtype, rngs=rngs)
-                                 for i in range(num_resnets)])
+        self.resnets = _resnets(in_ch, out_ch, num_resnets, groups, dtype=dtype, rngs=rngs)
         self.upsamplers = nnx.List([Upsample(out_ch, dtype=dtype, rngs=rngs)]) if add_upsample else None
 
     def __call__(self, x, upsample: str):
@@ -174,8 +179,7 @@ class Downsample(nnx.Module):
 class DownBlock(nnx.Module):
     def __init__(self, in_ch: int, out_ch: int, num_resnets: int, groups: int, add_downsample: bool, *, dtype,
                  rngs: nnx.Rngs):
-        self.resnets = nnx.List([ResnetBlock(in_ch if i == 0 else out_ch, out_ch, groups, dtype=dtype, rngs=rngs)
-                                 for i in range(num_resnets)])
+        self.resnets = _resnets(in_ch, out_ch, num_resnets, groups, dtype=dtype, rngs=rngs)
         self.downsamplers = nnx.List([Downsample(out_ch, dtype=dtype, rngs=rngs)]) if add_downsample else None
 
     def __call__(self, x):

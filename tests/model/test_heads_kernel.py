@@ -64,7 +64,8 @@ def test_transformer_with_the_kernel_gives_the_same_velocity(tiny_ckpt, monkeypa
     from model.nets import heads_kernel
     from model.nets.heads_kernel import head_major
     from model.nets.platform_forms import PlatformForms
-    from model.nets.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
+    from model.nets.transformer import Flux2Transformer
+    from transformer_inputs import transformer_inputs
 
     cfg = PipelineConfig.from_folder(tiny_ckpt).transformer
     model = Flux2Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
@@ -72,12 +73,7 @@ def test_transformer_with_the_kernel_gives_the_same_velocity(tiny_ckpt, monkeypa
     state = nnx.state(model, nnx.Param)  # every weight moved off its initial zeros or ones
     noisy = jax.tree.map(lambda a: a + jnp.asarray(0.2 * rng.normal(size=a.shape), a.dtype), state)
     nnx.update(model, noisy)
-    ids = np.concatenate([text_ids(16), image_ids(4, 8)])
-    cos, sin = (jnp.asarray(t) for t in rope_tables(ids, cfg.axes_dims_rope, cfg.rope_theta))
-    key = jax.random.key(0)
-    img = jax.random.normal(key, (2, 32, cfg.in_channels))
-    txt = jax.random.normal(jax.random.fold_in(key, 1), (2, 16, cfg.joint_attention_dim))
-    t = jnp.array([0.7, 0.3])
+    img, txt, t, cos, sin = transformer_inputs(cfg, text_len=16, grid_h=4, grid_w=8)
 
     calls = []
     monkeypatch.setattr(heads_kernel, "head_major", lambda *a, **k: calls.append(k) or head_major(*a, **k))

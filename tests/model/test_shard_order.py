@@ -40,17 +40,13 @@ def test_transformer_laid_out_for_any_shard_count_gives_the_same_velocity(tiny_c
     from flax import nnx
     from model.loading.config import PipelineConfig
     from model.parallel.shard_order import order_for_shards, stored_to_order
-    from model.nets.transformer import Flux2Transformer, image_ids, rope_tables, text_ids
+    from model.nets.transformer import Flux2Transformer
+    from transformer_inputs import transformer_inputs
 
     cfg = PipelineConfig.from_folder(tiny_ckpt).transformer
     model = Flux2Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     stored = jax.tree.map(np.asarray, nnx.state(model))
-    ids = np.concatenate([text_ids(5), image_ids(2, 3)])
-    cos, sin = (jnp.asarray(t) for t in rope_tables(ids, cfg.axes_dims_rope, cfg.rope_theta))
-    key = jax.random.key(0)
-    img = jax.random.normal(key, (2, 6, cfg.in_channels))
-    txt = jax.random.normal(jax.random.fold_in(key, 1), (2, 5, cfg.joint_attention_dim))
-    t = jnp.array([0.7, 0.3])
+    img, txt, t, cos, sin = transformer_inputs(cfg, text_len=5, grid_h=2, grid_w=3)
 
     def velocity():
         return np.asarray(model(img, txt, t, cos, sin))
