@@ -23,7 +23,12 @@ def crc32c(data: bytes) -> str:
     """The CRC32C of `data` as GCS writes it in an object's metadata (base64 of the 4 big-endian bytes)."""
     import google_crc32c
 
-    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode("ascii")
+    return checksum_text(google_crc32c.Checksum(data))
+
+
+def checksum_text(checksum) -> str:
+    """A google_crc32c.Checksum's value as GCS lists it (base64 of the 4 big-endian bytes)."""
+    return base64.b64encode(checksum.digest()).decode("ascii")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,7 @@ def local_digests(path: str, *, sha256: bool = True) -> tuple[int, str | None, s
                 sha.update(chunk)
             crc.update(chunk)
             size += len(chunk)
-    return size, sha.hexdigest() if sha is not None else None, base64.b64encode(crc.digest()).decode("ascii")
+    return size, sha.hexdigest() if sha is not None else None, checksum_text(crc)
 
 
 def _gcs_client():
