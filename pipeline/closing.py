@@ -28,13 +28,14 @@ def finish(job: JobConfig, result) -> dict:
     output = job.spec.output.output
     summary = json.loads(read_bytes(layout.summary_path(output)).decode("utf-8"))
     metrics = _query_metrics(result)  # once: the retry figures and the printed metrics both come from it
-    summary = _add_retries(output, summary, _flux2_counters(metrics))
+    counters = _flux2_counters(metrics)
+    summary = _add_retries(output, summary, counters)
     print(f"summary: {format_summary(summary)}")
     for row in summary.get("warnings", []):
         print(f"warning: {row['warning']}", file=sys.stderr)
     for line in closing_lines(job, summary):
         print(line)
-    _print_metrics(metrics)
+    _print_metrics(metrics, counters)
     if job.spec.demo:
         print(DEMO_DONE)
     return summary
@@ -110,10 +111,10 @@ def _add_retries(output: str, summary: dict, counters: dict[str, int]) -> dict:
     return summary
 
 
-def _print_metrics(metrics: dict | None) -> None:
+def _print_metrics(metrics: dict | None, counters: dict[str, int]) -> None:
+    """The job's counters (`_flux2_counters` of `metrics`) and its batch size and time per image."""
     if metrics is None:
         return
-    counters = _flux2_counters(metrics)
     dists = {d.key.metric.name: d.committed for d in metrics["distributions"]
              if d.key.metric.namespace == METRICS_NAMESPACE}
     if counters:

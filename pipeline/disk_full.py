@@ -16,6 +16,8 @@ import shutil
 
 from transforms import layout
 
+from .errors import exception_chain
+
 _CODES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded"}
 _TEXT = re.compile(r"\[Errno (28|122)\] [^:\n\[]+(?::\s+'([^']*)')?")
 
@@ -26,15 +28,12 @@ class DiskFull(Exception):
 
 def disk_full_error(error: BaseException | None) -> tuple[int, str | None] | None:
     """(errno, path of the file being written or None) when `error` is, or wraps, a disk-full error; else None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
+    for error in exception_chain(error):
         if isinstance(error, OSError) and error.errno in _CODES:
             return error.errno, error.filename if isinstance(error.filename, str) else None
         found = _TEXT.search(str(error))
         if found:
             return int(found.group(1)), found.group(2)
-        error = error.__cause__ or error.__context__
     return None
 
 

@@ -1,6 +1,20 @@
 """The job's command-line errors, shared by pipeline/run.py, pipeline/usage.py and pipeline/demo.py (re-exported by
 pipeline.run)."""
 
+from __future__ import annotations
+
+from typing import Iterator
+
+
+def exception_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """`error`, then what it was raised from or during (`__cause__`, else `__context__`), each once: where a
+    worker's error is found inside the exceptions Beam wraps it in."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
 
 class UsageError(ValueError):
     """A bad combination of options, reported without a traceback."""

@@ -14,7 +14,7 @@ from transforms.requests import MaxImagesExceeded
 from model import ModelError
 
 from .disk_full import DiskFull, disk_full_error, disk_full_line
-from .errors import UsageError
+from .errors import UsageError, exception_chain
 
 _STEP_SUFFIX = re.compile(r" \[while running '[^']*'\]")
 # How a worker process's model error reads in the text Beam passes on from it (multi_processing workers).
@@ -51,16 +51,13 @@ def model_load_error(error: BaseException) -> str | None:
     """'Kind: message' of the model.ModelError that `error` is or wraps (Beam re-raises a worker's exception with the
     step's name added, or, from a worker process, its traceback as text), else None: the model load failed on a
     worker (a failed batch never gets here: it becomes error rows)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
+    for error in exception_chain(error):
         if isinstance(error, ModelError):
             return f"{type(error).__name__}: {_STEP_SUFFIX.sub('', str(error))}"
         found = _MODEL_ERROR_TEXT.findall(str(error))
         if found:
             kind, message = found[-1]
             return f"{kind}: {_STEP_SUFFIX.sub('', message)}"
-        error = error.__cause__ or error.__context__
     return None
 
 

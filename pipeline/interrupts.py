@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from .errors import exception_chain
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REDELIVER_S = 2.0  # how often a raised interrupt is raised again until the main thread reaches the stop path
 LOST_DELAY_S = 0.05  # after an ignored one: time for the main thread to leave the callback that ignored it
@@ -133,14 +135,11 @@ def exit_process(code: int) -> None:
 
 def interrupting_signal(error: BaseException) -> int | None:
     """SIGINT or SIGTERM when `error` is the interrupt (or Beam's RuntimeError wrapping one), else None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
+    for error in exception_chain(error):
         if isinstance(error, KeyboardInterrupt) or "KeyboardInterrupt" in str(error):
             return signal.SIGINT
         if isinstance(error, Terminated) or "Terminated" in type(error).__name__:
             return signal.SIGTERM
-        error = error.__cause__ or error.__context__
     return None
 
 

@@ -98,6 +98,11 @@ def holder_alive(holder: Holder | None, job_state: Callable = dataflow_job_runni
     return process_alive(holder)  # a local job, or a launch still under way
 
 
+def _held_by(found, token: str) -> bool:
+    """Whether the lease `found` (a store's read; None: no lease) is the one of the holder with `token`."""
+    return found is not None and found.holder is not None and found.holder.token == token
+
+
 def _stale_limit(holder: Holder | None) -> float:
     return holder.stale_after if holder is not None and holder.stale_after > 0 else STALE_AFTER_S
 
@@ -261,7 +266,7 @@ class OutputLease:
         if tag is not None:
             return tag
         found = self.store.read(LEASE_KEY)
-        if found is not None and found.holder is not None and found.holder.token == self.holder.token:
+        if _held_by(found, self.holder.token):
             return found.tag
         return None
 
@@ -292,7 +297,7 @@ class OutputLease:
             if self.store.remove(LEASE_KEY, tag):
                 return True
             found = self.store.read(LEASE_KEY)  # a retried delete whose first answer was lost finds it gone
-            if found is not None and found.holder is not None and found.holder.token == self.holder.token:
+            if _held_by(found, self.holder.token):
                 return bool(self.store.remove(LEASE_KEY, found.tag))
             return found is None
         except Exception as e:  # noqa: BLE001 - it goes stale; said so the user knows why a launch may wait
@@ -321,7 +326,7 @@ def take_output_lease(output: str, *, job: str, stale_after: float = STALE_AFTER
             return OutputLease(output, store, None, holder, previous_gone=False)
         if found is None:
             continue  # removed meanwhile: create it again
-        if found.holder is not None and found.holder.token == holder.token:
+        if _held_by(found, holder.token):
             return OutputLease(output, store, found.tag, holder, previous_gone, previous_limit)  # ours: an answer lost
         alive = holder_alive(found.holder, job_state)
         limit = _stale_limit(found.holder)
@@ -348,5 +353,5 @@ def release_from_job(_summary, output: str, token: str) -> None:
     """The last step of a Dataflow job: remove its lease on `output` (the one whose holder has `token`)."""
     store = lease_store(output)
     found = store.read(LEASE_KEY)
-    if found is not None and found.holder is not None and found.holder.token == token:
+    if _held_by(found, token):
         store.remove(LEASE_KEY, found.tag)

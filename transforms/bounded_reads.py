@@ -65,14 +65,6 @@ def file_kind(mode: int) -> str:
     return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
-def check_regular(path: str) -> None:
-    """NotARegularFile unless the local `path` is a regular file (symlinks followed); OSError if it cannot be
-    looked up (FileNotFoundError for none)."""
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        raise NotARegularFile(path, file_kind(mode))
-
-
 def open_local_regular(path: str):
     """The local regular file `path`, opened for binary reading without ever blocking on the open (O_NONBLOCK) and
     checked on the open descriptor (fstat), so nothing swapped in after a check is read; NotARegularFile else."""

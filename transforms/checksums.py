@@ -23,7 +23,12 @@ def crc32c(data: bytes) -> str:
     """The CRC32C of `data` as GCS writes it in an object's metadata (base64 of the 4 big-endian bytes)."""
     import google_crc32c
 
-    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode("ascii")
+    return checksum_text(google_crc32c.Checksum(data))
+
+
+def checksum_text(checksum) -> str:
+    """A google_crc32c.Checksum's value as GCS lists it (base64 of the 4 big-endian bytes)."""
+    return base64.b64encode(checksum.digest()).decode("ascii")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,17 +40,19 @@ class Stored:
     crc32c: str | None = None
 
 
-def local_digests(path: str) -> tuple[int, str, str]:
-    """(size, sha256 hex, crc32c) of a local file, read in chunks."""
+def local_digests(path: str, *, sha256: bool = True) -> tuple[int, str | None, str]:
+    """(size, sha256 hex, crc32c) of a local file, read in chunks; `sha256=False`: no sha256 (None), for a caller
+    that needs only the CRC32C (a whole tar: its sha256 would cost seconds more)."""
     import google_crc32c
 
-    sha, crc, size = hashlib.sha256(), google_crc32c.Checksum(), 0
+    sha, crc, size = hashlib.sha256() if sha256 else None, google_crc32c.Checksum(), 0
     with open(path, "rb") as f:
         while chunk := f.read(_READ_CHUNK):
-            sha.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
             crc.update(chunk)
             size += len(chunk)
-    return size, sha.hexdigest(), base64.b64encode(crc.digest()).decode("ascii")
+    return size, sha.hexdigest() if sha is not None else None, checksum_text(crc)
 
 
 def _gcs_client():
@@ -72,7 +79,7 @@ def stored(uri: str) -> Stored | None:
     downloaded), a local file from its bytes (size and CRC32C, read through)."""
     if layout.is_local_path(uri):
         try:
-            size, _, crc = local_digests(uri)
+            size, _, crc = local_digests(uri, sha256=False)
         except FileNotFoundError:
             return None
         return Stored(size, crc)

@@ -33,6 +33,7 @@ from typing import Iterable
 
 from . import layout
 from .atomic_files import umask, write_local_atomic, write_object_atomic
+from .checksums import checksum_text
 
 SHARDS_DIR = "shards"
 DEFAULT_SAMPLES_PER_SHARD = 1000
@@ -320,9 +321,7 @@ class DigestingWriter:
         return self._out.write(data)
 
     def digest(self) -> Digest:
-        import base64
-
-        return Digest(self.size, base64.b64encode(self._crc.digest()).decode("ascii"))
+        return Digest(self.size, checksum_text(self._crc))
 
 
 def sidecar_row_matches(row: dict, task, model_fingerprint: str | None) -> bool:
