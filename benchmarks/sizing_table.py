@@ -39,9 +39,11 @@ def estimate(report: dict) -> float:
     chip = next(spec for spec in CHIPS.values() if spec.name == report["chip"])
     flash = report["devices"] == 1 and report["chip"] == "TPU v5e"  # model.nets.attention.FLASH_KERNEL_CHIPS
     seconds = 0.0
+    per_device = report["batch"] / report["devices"]  # the report's figures are per image, the estimate's per device
     for name, p in report["programs"].items():
-        xla = p["flops"] * report["batch"] / report["devices"] - p["kernel_flops"]  # the report's FLOPs are per image
-        stats = ProgramStats(name, 0, 0, 0, 0, 0, xla, p["bytes_accessed"], 0.0, p["kernel_flops"], 0.0, 0, 1)
+        kernel = p["kernel_flops"] * per_device
+        stats = ProgramStats(name, 0, 0, 0, 0, 0, p["flops"] * per_device - kernel, p["bytes_accessed"] * per_device,
+                             0.0, kernel, 0.0, 0, 1)
         seconds += stats.est_seconds(chip, report["devices_per_chip"], int8=report.get("quantize") == "int8",
                                      flash=flash)
     return seconds / report["batch"] + V5E_CALIBRATION.host_seconds_per_image

@@ -77,3 +77,23 @@ def test_a_preflight_run_becomes_a_row(tmp_path, capsys):
     assert sizing_table.main(["--json", str(path), "--add", str(out), "--compiled-on", "again, libtpu y"]) == 0
     again = json.loads(path.read_text())["rows"]
     assert len(again) == len(rows) and again[-1]["compiled_on"] == "again, libtpu y"  # replaced, not added
+
+
+@pytest.mark.parametrize("batch, devices, quantize", [(1, 1, "none"), (2, 1, "int8"), (4, 4, "none"), (8, 4, "int8")])
+def test_a_reports_estimate_is_the_preflights_own(batch, devices, quantize):
+    """Recomputed from a report's JSON (per-image figures), the estimate equals the one the preflight made from the
+    compiled programs (per device, per batch): FLOPs, kernel FLOPs and bytes all scale back by batch / devices."""
+    import types
+
+    from model import CHIPS, ProgramStats, Report
+
+    programs = {name: ProgramStats(name, 10, 5, 1, 0, 10, flops, nbytes, -1.0, kernel, 1.0, 1 if kernel else 0, 1)
+                for name, flops, kernel, nbytes in [("encode", 2.8e12, 7.2e10, 4.0e11), ("denoise", 1.1e14, 2.6e13,
+                                                                                          1.5e11),
+                                                    ("decode", 9.3e12, 0.0, 2.5e12)]}
+    topology = types.SimpleNamespace(devices=tuple(object() for _ in range(devices)), devices_per_chip=1,
+                                     chip=CHIPS["TPU v5 lite"], name=f"v5e:{devices}", chips=devices, hosts=1)
+    report = Report(model="klein-4b", topology=topology, dtype="bfloat16", height=1024, width=1024, batch=batch,
+                    steps=4, cfg=False, model_shards=1, attention="splash", parameter_bytes={"transformer": 1},
+                    programs=programs, hbm_bytes_per_chip=16 * 2**30, quantize=quantize)
+    assert sizing_table.estimate(report.to_json()) == pytest.approx(report.est_seconds_per_image, rel=1e-9)
