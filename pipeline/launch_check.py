@@ -177,7 +177,8 @@ def pick_local_batch(job, topology: str) -> dict:
                 "skips)", topology)
     report, why = _child_preflight({**args, "topology": topology}, {"JAX_PLATFORMS": "cpu"})
     if report is None:
-        logger.warning("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
+        # The usual case on a TPU machine itself: its libtpu compiles for its own chips' layout only.
+        logger.info("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
         on_chips = {**dict(job.spec.reliability.worker_env), "JAX_PLATFORMS": "tpu"}
         report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
     if report is None:

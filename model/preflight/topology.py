@@ -119,7 +119,11 @@ def load_topology(name: str) -> Topology:
         with quiet_libtpu_start():
             desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # noqa: BLE001 - libtpu raises plain runtime errors for unknown names
-        raise TopologyError(f"unknown TPU topology {name!r} ({str(e).splitlines()[0]}); names that compile include "
+        why = str(e).splitlines()[0]
+        if name in KNOWN_TOPOLOGIES:  # e.g. on a TPU machine, whose libtpu keeps to its own chips' host bounds
+            raise TopologyError(f"libtpu here does not compile for TPU topology {name!r} ({why})",
+                                topology=name) from None
+        raise TopologyError(f"unknown TPU topology {name!r} ({why}); names that compile include "
                             f"{', '.join(KNOWN_TOPOLOGIES)}", topology=name) from None
     devices = list(desc.devices)
     first = devices[0].process_index

@@ -5,6 +5,7 @@ local run without a TPU (the default batch), and a local run on a machine with a
 (the TPU runtime's accelerator type, the PCI bus) and fits in a child process with libtpu's compiler.
 """
 
+import logging
 import os
 
 import pytest
@@ -122,7 +123,9 @@ def test_a_tpu_machine_whose_libtpu_refuses_the_topology_compiles_on_its_chips(t
     pytest.importorskip("libtpu", reason="the TPU preflight compiles with libtpu")
     from pipeline.launch_check import pick_local_batch
 
+    caplog.set_level(logging.INFO, logger="pipeline.launch_check")  # the usual path on a TPU machine: no warning
     _, job = _job(tmp_path, tiny_ckpt, "--max_sequence_length=32")
     with pytest.raises(UsageError, match=r"TPU preflight for this machine's v9z:1x1: no TPU chips attached here"):
         pick_local_batch(job, "v9z:1x1")
     assert "compiling on this machine's chips instead" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -440,3 +440,22 @@ def test_bad_arguments_exit_2(libtpu, tiny_ckpt, capsys, overrides, message):
 
     assert main(_flags(tiny_ckpt, **overrides)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_known_topology_libtpu_refuses_here_is_not_called_unknown(libtpu, monkeypatch):
+    """On a TPU machine libtpu may refuse a topology it knows (its own host bounds differ): the error says libtpu
+    here refused it, with libtpu's reason, instead of calling a listed name unknown."""
+    from jax.experimental import topologies
+
+    from model.preflight.topology import TopologyError, load_topology
+
+    reason = ('INVALID_ARGUMENT: Topology layout "v5e:1x1" is not divisible by the given (or default) '
+              'chips_per_host_bounds "2x2x1"')
+
+    def refuse(**kwargs):
+        raise RuntimeError(reason)
+
+    monkeypatch.setattr(topologies, "get_topology_desc", refuse)
+    with pytest.raises(TopologyError) as refused:
+        load_topology("v5e:1x1")
+    assert str(refused.value) == f"libtpu here does not compile for TPU topology 'v5e:1x1' ({reason})"
