@@ -30,7 +30,7 @@ from .lru import LRUCache
 from ..options import PROGRAMS, EngineOptions
 from ..nets import attention as attention_lib
 from ..parallel import shard_order, sharding
-from ..parallel.mesh import model_shards
+from ..parallel.mesh import data_replicas, model_shards
 from .buckets import Bucket
 from ..nets.scheduler import euler_step, guidance_mix, model_timestep
 from ..loading.loader import release_host_memory
@@ -62,6 +62,23 @@ class DecodedBatch(NamedTuple):
     pixels: jax.Array
     latents_nonfinite: jax.Array
     image_nonfinite: jax.Array
+
+
+def one_image_per_replica(replicas: int, batched: NamedSharding):
+    """`rows(fn, x)`: fn over the batch `x` (split over `replicas` as `batched`) in turns of one image per replica
+    (lax.map); each replica keeps its own rows, so no image moves between devices. fn on the whole batch when each
+    replica holds one image."""
+    def rows(fn, x):
+        batch = x.shape[0]
+        per_replica = batch // replicas
+        if per_replica <= 1:
+            return fn(x)
+        # Image r * per_replica + j (replica r's j-th row) goes to turn j, column r.
+        turns = jnp.swapaxes(x.reshape((replicas, per_replica) + x.shape[1:]), 0, 1)
+        out = jax.lax.map(lambda row: fn(jax.lax.with_sharding_constraint(row, batched)), turns)
+        return jnp.swapaxes(out, 0, 1).reshape((batch,) + out.shape[2:])
+
+    return rows
 
 
 class CompiledPrograms:
@@ -96,6 +113,10 @@ class CompiledPrograms:
         self.concurrent_images = concurrent_images_for(mesh)
         self.threads = ImageThreads(self.concurrent_images)  # used when concurrent_images > 1
         rows = image_by_image(per_image_for(mesh))
+        # The decode runs one image per replica at a time on every platform: its activations grow with the batch,
+        # so a whole batch at once needs more memory (the largest program at batch 2 and above) and runs slower per
+        # image than the same images one by one (docs/performance.md).
+        decode_rows = rows if per_image_for(mesh) else one_image_per_replica(data_replicas(mesh), self.batched)
 
         def on_mesh(fn):
             """`fn` traced for this mesh: the attention kernels partition themselves over it, and the forms of its
@@ -151,7 +172,7 @@ class CompiledPrograms:
         @on_mesh
         def decode(state, tokens, grid_h, grid_w):
             model = nnx.merge(vae_graph, state)
-            image = rows(lambda t: model.decode_latents(t, grid_h, grid_w).astype(jnp.float32), tokens)
+            image = decode_rows(lambda t: model.decode_latents(t, grid_h, grid_w).astype(jnp.float32), tokens)
             # The share of values that are not finite, per image, in what the denoising loop handed over and in the
             # decoded pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
             latents_bad = jnp.mean(~jnp.isfinite(tokens.astype(jnp.float32)), axis=(1, 2))
