@@ -189,6 +189,10 @@ class CompiledPrograms:
         self.velocity = jax.jit(velocity_at, compiler_options=copts("denoise"))
         self._decode = jax.jit(decode, static_argnums=(2, 3), donate_argnums=(1,), compiler_options=copts("decode"))
 
+    def decode_turns(self, batch: int) -> int:
+        """How many times the decode program runs its body for a batch (a loop XLA's cost analysis counts once)."""
+        return max(1, batch // data_replicas(self.mesh))
+
     def _place(self, state, abstract: bool):
         """A module's parameters on the mesh, split by model.parallel.sharding (shapes with shardings when
         `abstract`)."""

@@ -76,7 +76,7 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
                 _COMPILED[key] = (compiled.memory_analysis(), compiled.cost_analysis(), *program_text(compiled, low),
                                   time.perf_counter() - start)
         memory, cost, text, source, seconds = _COMPILED[key]
-        trips = bucket.steps if name == "denoise" else 1
+        trips = {"denoise": bucket.steps, "decode": programs.decode_turns(bucket.batch)}.get(name, 1)
         if memory is None:  # `cost` holds the compiler's refusal
             stats[name] = refused_program_stats(name, cost, parameter_bytes=params[modules[name]],
                                                 kernel_flops=kernel_flops[name], loop_trips=trips, compile_s=seconds)

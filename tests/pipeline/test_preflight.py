@@ -415,6 +415,11 @@ def test_auto_batch_is_the_largest_that_fits_and_a_batch_too_large_names_it(libt
     one, two = (preflight(PreflightRequest(model=tiny_ckpt, model_shards=2, **{**TINY, "batch_size": 2 * n}))
                 for n in (1, 2))  # one and two images on each of the 2 data replicas
     assert one.fits and two.fits and two.peak_bytes_per_chip > one.peak_bytes_per_chip
+    # Two images per replica decode in two turns of a loop XLA counts once: the work per image is the same.
+    assert two.programs["decode"].loop_trips == 2 and one.programs["decode"].loop_trips == 1
+    for name in ("decode", "denoise"):
+        assert two.flops_per_image(two.programs[name]) == pytest.approx(one.flops_per_image(one.programs[name]),
+                                                                        rel=0.05), name
     hbm = (one.peak_bytes_per_chip + two.peak_bytes_per_chip) // 2
 
     status, stdout, stderr = preflight_main(*_flags(tiny_ckpt, model_shards=2, hbm_bytes=hbm, batch_size="auto"))
