@@ -64,7 +64,10 @@ def test_a_preflight_run_becomes_a_row(tmp_path, capsys):
     the row of the same model, topology, size and batch choice; the table shows it, an auto batch marked so."""
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(_data()))
-    fixed = next(r["report"] for r in _data()["rows"] if r["report"]["fits"] and not r["report"].get("batch_picked"))
+    reports = [r["report"] for r in _data()["rows"]]
+    autos = {(r["model"], r["topology"], r.get("quantize", "none")) for r in reports if r.get("batch_picked")}
+    fixed = next(r for r in reports if r["fits"] and not r.get("batch_picked")
+                 and (r["model"], r["topology"], r.get("quantize", "none")) not in autos)  # its auto row is new
     report = dict(fixed, batch_picked=True, peak_bytes_per_chip=15 * 2**30, est_seconds_per_image=0.5)
     out = tmp_path / "preflight.out"
     out.write_text("klein-4b on v5e:1x1 ...\nfits: yes\n" + json.dumps(report) + "\n")
