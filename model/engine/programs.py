@@ -2,7 +2,8 @@
 
 All device work for one batch is three executables, compiled ahead of time per bucket (batch, height, width,
 steps, CFG, reference tokens) and reused: the text encoder, the whole denoising loop as one `lax.scan` (sigmas staged
-on device and indexed by the step counter), and the VAE decode with the latents donated, ending in uint8 pixels.
+on device and indexed by the step counter), and the VAE decode with the latents donated, one image per data replica
+at a time, ending in uint8 pixels.
 Image-conditioned generation adds the reference images' latent tokens as an input of the denoising program (appended
 after the noisy target tokens at every step; only the target tokens' velocity is kept), so one program serves any
 references with the same token count.
