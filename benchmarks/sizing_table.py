@@ -34,10 +34,11 @@ def estimate(report: dict) -> float:
     figures, so a recalibration reaches every row that has them without compiling again (older rows keep their
     estimate)."""
     from model.preflight.estimate import V5E_CALIBRATION, ProgramStats
+    from model.preflight.fit_report import runs_flash_kernel
     from model.preflight.topology import CHIPS
 
     chip = next(spec for spec in CHIPS.values() if spec.name == report["chip"])
-    flash = report["devices"] == 1 and report["chip"] == "TPU v5e"  # model.nets.attention.FLASH_KERNEL_CHIPS
+    flash = runs_flash_kernel(chip, report["devices"])
     seconds = 0.0
     per_device = report["batch"] / report["devices"]  # the report's figures are per image, the estimate's per device
     for name, p in report["programs"].items():

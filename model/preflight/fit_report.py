@@ -12,6 +12,14 @@ from .estimate import V5E_CALIBRATION, ProgramStats
 from .topology import CHIPS, GiB, Topology
 
 
+def runs_flash_kernel(chip, devices: int) -> bool:
+    """Whether the attention runs the flash kernel: one-device programs on a chip whose forms say so
+    (model.nets.platform_forms)."""
+    from ..nets.platform_forms import forms_for
+
+    return devices == 1 and any(spec is chip and forms_for("tpu", kind).flash_kernel for kind, spec in CHIPS.items())
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     """Everything the preflight found for one (model, topology, shape, shard count)."""
@@ -72,12 +80,7 @@ class Report:
 
     @property
     def flash_attention(self) -> bool:
-        """Whether the attention runs the flash kernel: one-device programs on a chip whose forms say so
-        (model.nets.platform_forms)."""
-        from ..nets.platform_forms import forms_for
-
-        return len(self.topology.devices) == 1 and any(
-            chip is self.topology.chip and forms_for("tpu", kind).flash_kernel for kind, chip in CHIPS.items())
+        return runs_flash_kernel(self.topology.chip, len(self.topology.devices))
 
     @property
     def seconds_at_peak_per_image(self) -> float:

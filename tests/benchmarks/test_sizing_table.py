@@ -90,10 +90,9 @@ def test_a_reports_estimate_is_the_preflights_own(batch, devices, quantize):
 
     from model import CHIPS, ProgramStats, Report
 
+    figures = [("encode", 2.8e12, 7.2e10, 4.0e11), ("denoise", 1.1e14, 2.6e13, 1.5e11), ("decode", 9.3e12, 0.0, 2.5e12)]
     programs = {name: ProgramStats(name, 10, 5, 1, 0, 10, flops, nbytes, -1.0, kernel, 1.0, 1 if kernel else 0, 1)
-                for name, flops, kernel, nbytes in [("encode", 2.8e12, 7.2e10, 4.0e11), ("denoise", 1.1e14, 2.6e13,
-                                                                                          1.5e11),
-                                                    ("decode", 9.3e12, 0.0, 2.5e12)]}
+                for name, flops, kernel, nbytes in figures}
     topology = types.SimpleNamespace(devices=tuple(object() for _ in range(devices)), devices_per_chip=1,
                                      chip=CHIPS["TPU v5 lite"], name=f"v5e:{devices}", chips=devices, hosts=1)
     report = Report(model="klein-4b", topology=topology, dtype="bfloat16", height=1024, width=1024, batch=batch,
