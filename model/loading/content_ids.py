@@ -2,8 +2,8 @@
 
 A local file's crc32c is computed here, the very value GCS stores for it (a folder and its upload have one digest):
 CHUNK-byte slices read with `os.pread` by READ_THREADS threads (both the read and google_crc32c's C loop release the
-GIL), their crcs joined with `crc32c_combine`. Each result is cached under `file-crc32c/` in the project's cache folder
-(model/loading/cache_paths.py), one small JSON file per path written atomically (concurrent launches never see half a
+GIL), their crcs joined with `crc32c_combine` (model/storage/crc32c.py). Each result is cached under
+`file-crc32c/` in the project's cache folder (model/loading/cache_paths.py), one small JSON file per path written atomically (concurrent launches never see half a
 record), and trusted only while the file's path, size, mtime, ctime, inode and device are those recorded: a second
 launch on the same files reads none of their bytes, and an edit in place (even one that restores the mtime: the ctime
 moves) is read again.
@@ -14,9 +14,7 @@ Flex Template build records beside the configs it gives the launcher (RECORD_FIL
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import functools
 import hashlib
 import json
 import logging
@@ -25,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from ..storage.crc32c import crc32c_combine, to_base64
 from .cache_paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -34,50 +33,6 @@ READ_THREADS = 8  # slices read at once, over all files (memory: READ_THREADS x 
 CACHE_FOLDER = "file-crc32c"
 MAX_RECORDS = 10_000  # past this many records in the cache, those of files that are gone are dropped
 RECORD_FILE = ".flux2-content.json"  # {relative path: [size, crc32c]} of a checkpoint, recorded where it was whole
-_POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
-
-
-# --------------------------------------------------------------------------------------------- crc32c arithmetic
-def _times(matrix: tuple, vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-def _square(matrix: tuple) -> tuple:
-    return tuple(_times(matrix, row) for row in matrix)
-
-
-@functools.lru_cache(maxsize=64)
-def _zeros_operator(length: int) -> tuple:
-    """The GF(2) matrix that moves a crc past `length` zero bytes (zlib's crc32_combine, for CRC-32C's polynomial);
-    cached, so the equal slices of a file cost one product each."""
-    one_bit = (_POLY,) + tuple(1 << n for n in range(31))  # one zero bit
-    op = _square(_square(_square(one_bit)))  # one zero byte
-    result = None
-    while length:
-        if length & 1:
-            result = op if result is None else tuple(_times(op, row) for row in result)
-        length >>= 1
-        if length:
-            op = _square(op)
-    return result
-
-
-def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
-    """crc32c of A + B from crc32c(A), crc32c(B) and len(B)."""
-    if length_b == 0:
-        return crc_a
-    return _times(_zeros_operator(length_b), crc_a) ^ crc_b
-
-
-def to_base64(crc: int) -> str:
-    """A crc32c as GCS writes it (`Blob.crc32c`): the big-endian 4 bytes, base64."""
-    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
 
 
 # --------------------------------------------------------------------------------------------- files

@@ -4,7 +4,8 @@ Local: written under a temporary name in the same folder, synced, given the mode
 0644 under umask 022), renamed over the final name, and the folder synced so the rename survives a crash. Object
 stores (gs://): one upload, finalised only when everything was written; on an error the upload is abandoned, so no
 object, not even a short one, appears under the final name (a google-cloud-storage writer otherwise completes the
-upload with what it buffered when it is closed, or garbage-collected, after a failure)."""
+upload with what it buffered when it is closed, or garbage-collected, after a failure). Whoever opens the object's
+writer (transforms/atomic_files.py: Beam's file system) hands it to `finish_or_abandon`."""
 
 from __future__ import annotations
 
@@ -69,20 +70,17 @@ def sync_folder(folder: str) -> None:
         os.close(fd)
 
 
-def write_object_atomic(path: str, fill: Callable[[BinaryIO], None], mime_type: str) -> None:
-    """Create the object `path` (gs://...) with what `fill(file)` writes, as one upload that is finalised only when
-    `fill` returned; an error abandons it and leaves no object. That includes an error of close() itself: an object
-    smaller than a chunk is sent whole by close(), and a writer left holding it after, say, its session could not
-    be opened would send it again when garbage-collected, publishing an object whose write had been reported failed."""
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    out = FileSystems.create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED)
+def finish_or_abandon(writer, path: str, fill: Callable[[BinaryIO], None]) -> None:
+    """Write what `fill(writer)` writes through an object `writer` opened for `path` (a google-cloud-storage
+    BlobWriter, or one built on it) and finalise the upload only when `fill` returned; an error abandons it and
+    leaves no object. That includes an error of close() itself: an object smaller than a chunk is sent whole by
+    close(), and a writer left holding it after, say, its session could not be opened would send it again when
+    garbage-collected, publishing an object whose write had been reported failed."""
     try:
-        fill(out)
-        out.close()
+        fill(writer)
+        writer.close()
     except BaseException:
-        abandon_upload(out, path)
+        abandon_upload(writer, path)
         raise
 
 
