@@ -1,41 +1,26 @@
-"""A compile lease: of the workers sharing a persistent compilation cache, only the first to reach a program compiles it.
+"""Leases: a file or object created only if absent, naming its holder, refreshed by it and removed by tag.
 
-Workers of a job share one XLA cache (pipeline/compile_cache.py), but nothing tells the others that one is already
-compiling, so N workers starting together compile the same programs N times. Before compiling, a worker creates
-`{cache}/leases/{key}.lease` (an exclusive create: a local file with O_EXCL, a gs:// object written with
-`if_generation_match=0`) holding who it is; the one that creates it compiles (which writes the cache) and removes it,
-the others wait until it is gone and then compile, which JAX answers from the cache. A lease older than
-`stale_after` (its holder died; on a local folder also a holder on this host whose process is gone) is taken over,
-and a wait longer than `max_wait` compiles anyway with a warning: a lease never deadlocks a worker.
-
-The key and the decision are pure functions; only `compile_lowered` reads JAX (its versions, config and devices).
-The stores (`LocalLeases`, `GcsLeases`) and the holder are also what a job's lease on its output is made of
-(pipeline/output_lease.py): created only if absent, refreshed by its holder (`refresh`, its heartbeat), removed by tag.
+Two stores with one interface (`create`, `read`, `remove`, `refresh`, `holder_alive`): `LocalLeases`, files created
+with a hard link that fails when the name exists, and `GcsLeases`, objects written with `if_generation_match=0`.
+`decide` is what a process that found a lease held does next. The compile lease (model/engine/compile_lease.py) and
+the job's lease on its output (pipeline/output_lease.py) are made of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
-import logging
 import os
 import socket
 import tempfile
 import time
 import uuid
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-logger = logging.getLogger(__name__)
-
-STALE_AFTER_S = 20 * 60.0  # a lease this old is its dead holder's: a program compiles in minutes, not this long
-MAX_WAIT_S = 30 * 60.0  # a worker never waits longer than this for another's lease
-POLL_S = 1.5  # how often a waiting worker looks whether the lease is gone
-LEASES = "leases"  # the folder of the leases, inside the cache folder
+LEASES = "leases"  # the leases' folder inside the folder they guard, unless a store is given another
 
 TAKE, WAIT, TAKE_OVER, GIVE_UP = "take", "wait", "take_over", "give_up"
-
 
 def pid_namespace() -> str:
     """This process's PID namespace (Linux), so that a pid is only ever looked up where it means the same process
@@ -110,18 +95,8 @@ class Lease(NamedTuple):
     tag: object
 
 
-def lease_key(program_text: str, *, jax_version: str, jaxlib_version: str, platform: str, platform_version: str,
-              device_kind: str, device_count: int) -> str:
-    """The lease's name for one executable: what JAX's own cache key depends on (the program, the versions, the
-    backend and the devices), without reproducing that key."""
-    h = hashlib.sha256(program_text.encode())
-    for part in (jax_version, jaxlib_version, platform, platform_version, device_kind, device_count):
-        h.update(b"\0" + str(part).encode())
-    return h.hexdigest()
-
-
-def decide(lease_age_s: float | None, waited_s: float, *, holder_alive: bool | None = None,
-           stale_after: float = STALE_AFTER_S, max_wait: float = MAX_WAIT_S) -> str:
+def decide(lease_age_s: float | None, waited_s: float, *, holder_alive: bool | None = None, stale_after: float,
+           max_wait: float) -> str:
     """What a worker that could not create the lease does next: TAKE (it is gone: create it), GIVE_UP (waited
     `max_wait`: compile without it), TAKE_OVER (older than `stale_after`, or its holder is known dead) or WAIT."""
     if lease_age_s is None:
@@ -135,7 +110,7 @@ def decide(lease_age_s: float | None, waited_s: float, *, holder_alive: bool | N
 
 # --------------------------------------------------------------------------------------------- where leases live
 class LocalLeases:
-    """Leases as files in `{cache}/leases/` (`{folder}/{subfolder}/`), created with a hard link that fails when the
+    """Leases as files in `{folder}/leases/` (`{folder}/{subfolder}/`), created with a hard link that fails when the
     name exists (atomic on a local file system)."""
 
     def __init__(self, cache_dir: str, subfolder: str = LEASES):
@@ -217,15 +192,15 @@ class LocalLeases:
 
 
 class GcsLeases:
-    """Leases as objects under `{cache}/leases/`, created with `if_generation_match=0` (GCS answers 412 if the
+    """Leases as objects under `{prefix}/leases/` (`{prefix}/{subfolder}/`), created with `if_generation_match=0` (GCS answers 412 if the
     object exists) and removed by generation."""
 
     def __init__(self, cache_dir: str, client=None, subfolder: str = LEASES):
-        from ..loading.checkpoint import _client, split_gs_uri
+        from . import gcs
 
-        self._bucket_name, prefix = split_gs_uri(cache_dir.rstrip("/") + ("/" + subfolder if subfolder else ""))
+        self._bucket_name, prefix = gcs.split(gcs.join(cache_dir, subfolder))
         self._prefix = prefix
-        self._client = client or _client()
+        self._client = client or gcs.client()
         self._bucket = self._client.bucket(self._bucket_name)
 
     def _blob(self, key: str):
@@ -286,97 +261,3 @@ class GcsLeases:
     @staticmethod
     def holder_alive(holder: Holder | None) -> bool | None:
         return None  # workers on other machines (or in other containers): only the lease's age tells
-
-
-def leases_for(cache_dir: str):
-    """The lease store beside the compilation cache `cache_dir` (a folder or a gs:// prefix)."""
-    return GcsLeases(cache_dir) if cache_dir.startswith("gs://") else LocalLeases(cache_dir)
-
-
-# --------------------------------------------------------------------------------------------- compiling under one
-def compile_with_lease(compile_fn: Callable, key: str, leases, *, stale_after: float = STALE_AFTER_S,
-                       max_wait: float = MAX_WAIT_S, poll_s: float = POLL_S, on_wait: Callable[[], None] | None = None):
-    """`compile_fn()` run once this worker holds the lease `key` (or gave up waiting for it); the lease is removed
-    afterwards, also when compiling fails."""
-    tag = _acquire(key, leases, stale_after=stale_after, max_wait=max_wait, poll_s=poll_s, on_wait=on_wait)
-    try:
-        return compile_fn()
-    finally:
-        if tag is not None:
-            try:
-                leases.remove(key, tag)
-            except Exception:  # noqa: BLE001 - a lease left behind goes stale; the compile result still counts
-                logger.warning("could not remove compile lease %s", key, exc_info=True)
-
-
-def _acquire(key: str, leases, *, stale_after: float, max_wait: float, poll_s: float, on_wait):
-    """The tag of the lease this worker now holds, or None when it compiles without one."""
-    start = time.monotonic()
-    waiting_for = None
-    while True:
-        try:
-            tag = leases.create(key, Holder.me())
-            if tag is not None:
-                if waiting_for is not None:
-                    logger.info("compile lease %s is free after %.1f s", key[:12], time.monotonic() - start)
-                return tag
-            lease = leases.read(key)
-        except Exception:  # noqa: BLE001 - the lease is an optimisation: without it, compile as before
-            logger.warning("cannot take compile lease %s; compiling without it", key[:12], exc_info=True)
-            return None
-        waited = time.monotonic() - start
-        alive = leases.holder_alive(lease.holder) if lease is not None else None
-        action = decide(None if lease is None else lease.age_s, waited, holder_alive=alive,
-                        stale_after=stale_after, max_wait=max_wait)
-        who = lease.holder.describe() if lease is not None and lease.holder else "an unknown holder"
-        if action == TAKE:
-            continue
-        if action == GIVE_UP:
-            logger.warning("waited %.0f s for %s to compile program %s; compiling it here too", waited, who, key[:12])
-            return None
-        if action == TAKE_OVER:
-            logger.warning("compile lease %s of %s is stale (%.0f s old%s); taking it over", key[:12], who,
-                           lease.age_s, ", its process is gone" if alive is False else "")
-            if leases.remove(key, lease.tag):
-                continue
-        elif waiting_for is None:
-            waiting_for = who
-            logger.info("waiting for %s, who is compiling program %s, to find it in the compilation cache",
-                        who, key[:12])
-            if on_wait is not None:
-                on_wait()
-        time.sleep(poll_s)
-
-
-def program_key(lowered, devices) -> str:
-    """`lease_key` of a lowered JAX program compiled for `devices`."""
-    import jax
-    import jaxlib
-
-    devices = list(devices)
-    first = devices[0]
-    client = getattr(first, "client", None)
-    return lease_key(lowered.as_text(), jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
-                     platform=first.platform, platform_version=getattr(client, "platform_version", ""),
-                     device_kind=first.device_kind, device_count=len(devices))
-
-
-def cache_dir() -> str | None:
-    """JAX's persistent compilation cache folder (model.engine.programs.enable_compilation_cache, or JAX's environment
-    variables), or None when the cache is off."""
-    import jax
-
-    path = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
-    return str(path) if path else None
-
-
-def compile_lowered(lowered, devices, **kwargs):
-    """`lowered.compile()`, under a lease beside the persistent compilation cache when one is on (`devices`: those
-    the program runs on)."""
-    folder = cache_dir()
-    if not folder:
-        return lowered.compile()  # no shared cache: a waiting worker would find nothing, so nothing to wait for
-    from .compile_events import note_lease_wait
-
-    return compile_with_lease(lowered.compile, program_key(lowered, devices), leases_for(folder),
-                              on_wait=note_lease_wait, **kwargs)
