@@ -24,10 +24,14 @@ not load JAX: the request contract, the errors and the options are imported with
   `check_reference_size`, `reference_signature` (their processed sizes, JAX-free).
 - Checkpoints: `read_config`, `read_config_and_digest` (configs only; `check_weights=True` checks each weight
   file the loader reads from its header and size, no weight read), `is_hub_id`, `resolve_hub`, `with_revision`,
-  `HubSnapshot`, `validate_variant`, `split_gs_uri`, `gcs_client`, `cache_root`; the bundled presets: `PRESET_NAMES`,
-  `is_preset`, `preset_config`.
+  `HubSnapshot`, `validate_variant`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
+  `preset_config`.
+- Storage (model/storage/, JAX- and Beam-free): `gcs_client` (the one GCS client: this machine's credentials, else
+  anonymous, or the emulator), `split_gs_uri`, `split_gs_object`, `join_gs_uri`, `upload_files` (transfer_manager),
+  `write_local_atomic`, `finish_or_abandon` (an object upload finalised whole or abandoned), `umask`, `crc32c`,
+  `checksum_text`, `local_digests` (CRC32C as GCS lists it).
 - Sampling and parallelism (JAX-free): `resolve_sampling` (the checkpoint's steps and guidance), `shard_counts`.
-- Leases (JAX-free; the compile lease's stores, which the job's output lease uses too): `LocalLeases`, `GcsLeases`,
+- Leases (storage; the compile lease's stores, which the job's output lease uses too): `LocalLeases`, `GcsLeases`,
   `Holder`, `decide` (with its verdicts `TAKE_OVER`, `WAIT`), `process_alive`.
 - TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
   (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
@@ -65,10 +69,8 @@ _LAZY = {
     "check_reference_size": ("engine.reference_preprocess", "check_size"),
     "reference_signature": ("engine.reference_preprocess", "reference_signature"),
     "resolve_sampling": ("engine.buckets", "resolve_sampling"),
-    **{name: ("engine.compile_lease", name)
-       for name in ("TAKE_OVER", "WAIT", "GcsLeases", "Holder", "LocalLeases", "decide", "process_alive")},
     "cache_root": ("loading.cache_paths", "cache_root"),
-    **{name: ("loading.checkpoint", name) for name in ("read_config", "read_config_and_digest", "split_gs_uri")},
+    **{name: ("loading.checkpoint", name) for name in ("read_config", "read_config_and_digest")},
     **{name: ("loading.hub", name) for name in ("HubSnapshot", "is_hub_id", "resolve_hub", "with_revision")},
     **{name: ("loading.presets", name) for name in ("PRESET_NAMES", "is_preset", "preset_config")},
     "validate_variant": ("loading.weight_files", "validate_variant"),
@@ -78,6 +80,16 @@ _LAZY = {
     **{name: ("preflight.fit_report", name) for name in ("Report", "format_bytes")},
     **{name: ("preflight.topology", name)
        for name in ("ATTACHED", "CHIPS", "GiB", "Topology", "TopologyError", "attached_topology", "load_topology")},
+    # JAX- and Beam-free: storage (model/storage/)
+    "gcs_client": ("storage.gcs", "client"),
+    "split_gs_uri": ("storage.gcs", "split"),
+    "join_gs_uri": ("storage.gcs", "join"),
+    "split_gs_object": ("storage.gcs", "split_object"),
+    **{name: ("storage.leases", name)
+       for name in ("TAKE_OVER", "WAIT", "GcsLeases", "Holder", "LocalLeases", "decide", "process_alive")},
+    **{name: ("storage.atomic", name) for name in ("finish_or_abandon", "umask", "write_local_atomic")},
+    **{name: ("storage.crc32c", name) for name in ("checksum_text", "crc32c", "local_digests")},
+    "upload_files": ("storage.transfers", "upload_files"),
 }
 
 JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults")
@@ -91,15 +103,8 @@ __all__ = sorted([
     "RequestError", "UnsafeWeightsError",
     "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
     "EngineOptions", "LoadSettings",
-    "gcs_client", *_LAZY,
+    *_LAZY,
 ])
-
-
-def gcs_client():
-    """The google-cloud-storage client the checkpoint reader uses (anonymous where no credentials are found)."""
-    from .loading.checkpoint import _client
-
-    return _client()
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 Beam passes a worker's error on wrapped (a RuntimeError naming the step; from a worker process, its traceback as
 text), so the disk-full error (ENOSPC, or EDQUOT for a quota) is recognised in the exception chain or in its text.
-transforms/atomic_files.py puts the path of the file being written into it. What was written stays (every write is
+model/storage/atomic.py puts the path of the file being written into it. What was written stays (every write is
 atomic: no torn image), the run's temporary folders are removed (pipeline/output_lease.py), and `--skip_existing`
 resumes once there is room. Pure functions, but for the free-space and image-size look-ups of `disk_full_line`.
 """

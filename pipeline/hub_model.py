@@ -14,7 +14,7 @@ import logging
 import os
 import time
 
-from model import HubError, HubSnapshot, ModelError, resolve_hub, split_gs_uri
+from model import HubError, HubSnapshot, ModelError, join_gs_uri, resolve_hub, split_gs_uri
 
 from .errors import UsageError
 
@@ -56,12 +56,9 @@ def hub_model(model: str, variant: str | None, *, local_runner: bool, model_cach
 def copy_snapshot_to_gcs(snapshot: HubSnapshot, base: str) -> str:
     """Copy the snapshot's files under `{base}/flux2-klein-models/{owner}--{name}@{commit}`, the marker last;
     nothing is copied when the marker is already there. Returns that gs:// prefix."""
-    from google.cloud.storage import transfer_manager
-    from google.cloud.storage.retry import DEFAULT_RETRY
+    from model import gcs_client, upload_files
 
-    from model import gcs_client
-
-    uri = f"{base.rstrip('/')}/{MODELS_FOLDER}/{snapshot.folder_name}"
+    uri = join_gs_uri(base, MODELS_FOLDER, snapshot.folder_name)
     bucket_name, prefix = split_gs_uri(uri)
     bucket = gcs_client().bucket(bucket_name)
     marker = bucket.blob(f"{prefix}/{SNAPSHOT_MARKER}")
@@ -72,11 +69,9 @@ def copy_snapshot_to_gcs(snapshot: HubSnapshot, base: str) -> str:
     for top, _, names in os.walk(snapshot.path):  # the snapshot's files are links into huggingface_hub's blobs
         files += sorted(os.path.relpath(os.path.join(top, n), snapshot.path).replace(os.sep, "/") for n in names)
     start = time.monotonic()
-    # raise_exception: once every upload has ended, the first failure is raised (the marker is then never written)
-    transfer_manager.upload_many_from_filenames(
-        bucket, files, source_directory=snapshot.path, blob_name_prefix=f"{prefix}/",
-        upload_kwargs={"retry": UPLOAD_RETRY or DEFAULT_RETRY}, worker_type=transfer_manager.THREAD,
-        max_workers=_UPLOAD_THREADS, raise_exception=True)
+    # once every upload has ended, the first failure is raised (the marker is then never written)
+    upload_files(bucket, files, source_directory=snapshot.path, prefix=prefix, threads=_UPLOAD_THREADS,
+                 retry=UPLOAD_RETRY)
     total = sum(os.path.getsize(os.path.join(snapshot.path, rel)) for rel in files)
     marker.upload_from_string(json.dumps({
         "repo_id": snapshot.ref.repo_id, "revision": snapshot.ref.revision, "commit": snapshot.commit,

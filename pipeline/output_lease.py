@@ -1,6 +1,6 @@
 """One job per output at a time: a launch takes a lease on `--output` before it writes anything there.
 
-The lease is `{output}/.flux2-job.lease`, made with the compile lease's stores (model/engine/compile_lease.py): a local
+The lease is `{output}/.flux2-job.lease`, made with the storage room's lease stores (model/storage/leases.py): a local
 file created only if absent (a hard link that fails when the name exists), a gs:// object created with
 `if_generation_match=0`. It names the job (this run, or its Dataflow job id), its host and process. A second launch
 on the same output stops (exit 2) naming that job, unless the lease is stale:
@@ -15,7 +15,7 @@ The lease is removed at the end of a local run, whatever its end (finished, fail
 (SIGKILL, power loss) leaves it, for the next launch to take over as above.
 
 Leftovers of earlier runs are cleared by the launch that holds the lease, and only what their makers left:
-Beam's `beam-temp-*` folders and the hidden `.NAME.*.tmp` files of transforms/atomic_files.py, all of them when the
+Beam's `beam-temp-*` folders and the hidden `.NAME.*.tmp` files of model/storage/atomic.py, all of them when the
 previous holder is known gone (no lease was there, or its process or Dataflow job ended), else those untouched for
 the stale limit. A run's own temporary folders are the ones that appeared while it held the lease: it removes them
 when it ends; no run removes another's.
@@ -49,7 +49,7 @@ DATAFLOW_STATE_TIMEOUT_S = 20.0  # how long a launch waits for Dataflow to say a
 DATAFLOW_ENDED = ("JOB_STATE_DONE", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_UPDATED",
                   "JOB_STATE_DRAINED", "JOB_STATE_STOPPED")
 TEMP_FOLDERS = ("", layout.MANIFEST_DIR, layout.ERRORS_DIR)  # where Beam's file sinks put `beam-temp-*`
-# transforms/atomic_files.py: tempfile.mkstemp(prefix="." + name + ".", suffix=".tmp"), 8 random characters
+# model/storage/atomic.py: tempfile.mkstemp(prefix="." + name + ".", suffix=".tmp"), 8 random characters
 ATOMIC_TEMP = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 

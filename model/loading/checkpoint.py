@@ -42,6 +42,9 @@ import tempfile
 import time
 import zlib
 
+from ..storage import gcs
+from ..storage.gcs import split as split_gs_uri
+from ..storage.transfers import SLICE_BYTES, SLICE_THREADS, download_object, read_range
 from .cache_paths import cache_root
 from .config import PipelineConfig
 from ..errors import CheckpointError, ConfigError, UnsafeWeightsError
@@ -52,8 +55,8 @@ logger = logging.getLogger(__name__)
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 COMPLETE_MARKER = ".flux2-complete.json"
 _DOWNLOAD_THREADS = 4   # objects copied at once
-_SLICE_THREADS = 16     # byte-range requests in flight, shared by those objects
-_SLICE = 32 * 1024 * 1024  # one range request (transfer_manager's own default chunk size)
+_SLICE_THREADS = SLICE_THREADS  # byte-range requests in flight, shared by those objects
+_SLICE = SLICE_BYTES  # one range request
 _CHUNK = 8 * 1024 * 1024
 GZIP_HEAD_CHUNK = 256 * 1024  # stored bytes read at a time for the header of a gzip-encoded weight file
 SUPERSEDED_COPY_AGE_S = 3600.0
@@ -69,17 +72,6 @@ def copies_made() -> int:
 def default_cache_root() -> str:
     """Where gs:// checkpoints are copied when no `cache_dir` is given: `checkpoints/` in the project's cache."""
     return os.path.join(cache_root(), "checkpoints")
-
-
-def split_gs_uri(uri: str) -> tuple[str, str]:
-    """`gs://bucket/some/prefix/` -> ("bucket", "some/prefix") (no trailing slash; "" for a whole bucket)."""
-    if not uri.startswith("gs://"):
-        raise CheckpointError("not a gs:// URI", path=uri)
-    rest = uri[len("gs://"):]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise CheckpointError("gs:// URI has no bucket", path=uri)
-    return bucket, prefix.strip("/")
 
 
 def resolve_checkpoint(uri: str, cache_dir: str | None = None, variant: str | None = None) -> str:
@@ -136,7 +128,7 @@ def read_config_and_digest(uri: str, variant: str | None = None, *, check_weight
         return config, checkpoint_digest(recorded or _local_contents(folder, variant), folder)
     uri = uri.rstrip("/")
     bucket, prefix = split_gs_uri(uri)
-    blobs = {_relative(b.name, prefix): b for b in _list_objects(_client(), uri, variant)}
+    blobs = {_relative(b.name, prefix): b for b in _list_objects(gcs.client(), uri, variant)}
     with tempfile.TemporaryDirectory(prefix="flux2-configs-") as tmp:
         for rel in CONFIG_FILES:
             if rel in blobs:  # a missing one is named by PipelineConfig below
@@ -199,19 +191,7 @@ class GcsFolder:
         if (blob.content_encoding or "").strip().lower() == "gzip":  # its stored size is not the file's
             return SafetensorsFile(uri, size=None, read_range=_GzipPrefix(blob, uri).read)
         return SafetensorsFile(uri, size=int(blob.size or 0),
-                               read_range=lambda offset, length: _read_range(blob, offset, length, uri))
-
-
-def _read_range(blob, offset: int, length: int, object_uri: str) -> bytes:
-    """Bytes [offset, offset + length) of a gs:// object as stored (fewer where it ends first)."""
-    end = min(offset + length, int(blob.size or 0))
-    if end <= offset:
-        return b""
-    try:
-        return blob.download_as_bytes(start=offset, end=end - 1, raw_download=True, checksum=None)
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint object (bytes {offset}-{end - 1}): {type(e).__name__}: {e}",
-                              path=object_uri) from e
+                               read_range=lambda offset, length: read_range(blob, offset, length, uri))
 
 
 class _GzipPrefix:
@@ -225,7 +205,7 @@ class _GzipPrefix:
 
     def read(self, offset: int, length: int) -> bytes:
         while len(self._data) < offset + length and self._stored < int(self._blob.size or 0):
-            raw = _read_range(self._blob, self._stored, GZIP_HEAD_CHUNK, self._uri)
+            raw = read_range(self._blob, self._stored, GZIP_HEAD_CHUNK, self._uri)
             self._stored += len(raw)
             try:
                 self._data += self._inflate.decompress(raw)
@@ -311,18 +291,6 @@ def checkpoint_digest(listing: dict[str, tuple[int, str]], config_folder: str) -
 
 
 # --------------------------------------------------------------------------------------------- GCS
-def _client():
-    from google.cloud import storage
-
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT") or "emulator")
-    try:
-        return storage.Client()
-    except Exception as e:  # no credentials on this machine: public buckets still work anonymously
-        logger.info("no Google Cloud credentials (%s); reading the checkpoint anonymously", e)
-        return storage.Client.create_anonymous_client()
-
-
 def _list_objects(client, uri: str, variant: str | None = None) -> list:
     bucket, prefix = split_gs_uri(uri)
     list_prefix = prefix + "/" if prefix else ""
@@ -400,40 +368,12 @@ def _file_lock(path: str, wait: bool = True):
 
 
 def _download_one(blob, dest: str, object_uri: str, threads: int = _SLICE_THREADS) -> int:
-    """Copy one object to `dest` as stored (raw: the bytes its checksums cover) with transfer_manager's
-    download_chunks_concurrently: `_SLICE` byte ranges on `threads` threads, each written in place while its crc32c
-    is computed; the combined crc32c must be the one the listing gave. A gzip-encoded object is then decompressed.
-    A short read, a size or checksum mismatch raises CheckpointError naming the object (the caller removes the
-    partial copy). Returns the size of the file written."""
-    from google.cloud.storage import transfer_manager
-    from google.cloud.storage.exceptions import DataCorruption
-
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    # From the listing: a download overwrites the blob's properties with its response headers.
-    gzip_encoded = (blob.content_encoding or "").strip().lower() == "gzip"
-    listed_crc32c, size = blob.crc32c, int(blob.size or 0)
-    if listed_crc32c is None:
-        raise CheckpointError("checkpoint object has no crc32c checksum to verify against", path=object_uri)
-    try:
-        transfer_manager.download_chunks_concurrently(
-            blob, dest, chunk_size=_SLICE, download_kwargs={"raw_download": True},
-            worker_type=transfer_manager.THREAD, max_workers=max(1, threads), crc32c_checksum=True)
-    except Exception as e:
-        written = os.path.getsize(dest) if os.path.exists(dest) else 0
-        if written < size:  # a range read past the stored bytes: an error, or an empty range transfer_manager trips on
-            raise CheckpointError(f"short read: the copy has {written} of the {size} bytes GCS lists "
-                                  f"({type(e).__name__}: {e})", path=object_uri) from e
-        if isinstance(e, DataCorruption):
-            raise CheckpointError(f"checksum mismatch: crc32c of the copy is not the {listed_crc32c} GCS lists "
-                                  f"({e})", path=object_uri) from e
-        raise CheckpointError(f"cannot download checkpoint object: {type(e).__name__}: {e}", path=object_uri) from e
-    written = os.path.getsize(dest)
-    if written != size:
-        raise CheckpointError(f"size mismatch: copy has {written} bytes, GCS says {size} (a short read)",
-                              path=object_uri)
-    if size and blob.crc32c not in (None, listed_crc32c):  # transfer_manager checked against a newer object's
-        raise CheckpointError(f"checksum mismatch: the object changed since it was listed (crc32c {blob.crc32c}, "
-                              f"listed {listed_crc32c})", path=object_uri)
+    """Copy one object to `dest` as stored, checked against its listed crc32c (model/storage/transfers.py:
+    `_SLICE`-byte ranges on `threads` threads), then decompress a gzip-encoded one. CheckpointError naming the
+    object for a short read, a size or checksum mismatch (the caller removes the partial copy). Returns the size of
+    the file written."""
+    gzip_encoded = (blob.content_encoding or "").strip().lower() == "gzip"  # a download resets it: read it first
+    download_object(blob, dest, object_uri, threads=threads, chunk_size=_SLICE)
     if gzip_encoded:
         _gunzip_in_place(dest, object_uri)
     return os.path.getsize(dest)
@@ -454,7 +394,7 @@ def _gunzip_in_place(path: str, object_uri: str) -> None:
 def _resolve_gcs(uri: str, cache_dir: str | None, variant: str | None = None) -> str:
     uri = uri.rstrip("/")
     bucket, prefix = split_gs_uri(uri)
-    client = _client()
+    client = gcs.client()
     blobs = _list_objects(client, uri, variant)
     rels = {b.name: _relative(b.name, prefix) for b in blobs}
 

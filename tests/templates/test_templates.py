@@ -1028,7 +1028,7 @@ def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket
     assert ("TPU preflight: fits v5e:1x1 with 1 model shard(s) at batch 2 (picked)" in printed) == \
         (s.variant == "tpu"), printed
     if s.variant == "tpu":  # what it compiled is in the workers' shared compilation cache, under --temp_location
-        from model.loading.checkpoint import _client
+        from model.storage.gcs import client as _client
 
         cached = [b.name for b in _client().list_blobs(bucket, prefix="temp/flux2-klein-xla-cache/")]
         assert cached, "the launch's TPU programs did not reach the job's compilation cache"
