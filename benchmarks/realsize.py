@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ml_dtypes
 import numpy as np
 
-from model.loading.config import PipelineConfig
+from model.config.configs import PipelineConfig
 from model.engine.factory import Networks
 from model.loading.loader import expected_tensors
 

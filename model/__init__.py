@@ -73,7 +73,7 @@ _LAZY = {
     **{name: ("loading.checkpoint", name) for name in ("read_config", "read_config_and_digest")},
     **{name: ("loading.hub", name) for name in ("HubSnapshot", "is_hub_id", "resolve_hub", "with_revision")},
     **{name: ("loading.presets", name) for name in ("PRESET_NAMES", "is_preset", "preset_config")},
-    "validate_variant": ("loading.weight_files", "validate_variant"),
+    "validate_variant": ("options", "validate_variant"),
     "ShardCountError": ("parallel.mesh", "ShardCountError"),
     "shard_counts": ("parallel.mesh", "shard_counts"),
     **{name: ("preflight.estimate", name) for name in ("V5E_CALIBRATION", "ProgramStats")},

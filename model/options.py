@@ -9,9 +9,20 @@ picks it from the platform.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from .contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, is_integer, optional_count
-from .loading.weight_files import validate_variant
+
+VARIANT_NAME = re.compile(r"[A-Za-z0-9_-]+")  # e.g. fp16, bf16: it goes into file names between dots
+
+
+def validate_variant(variant, name: str = "variant") -> None:
+    """A variant is None or a name that can sit between dots in a file name (fp16, bf16, ...); `name` is what the
+    caller calls it in the error (the job: --model_variant)."""
+    if variant is not None and (not isinstance(variant, str) or not VARIANT_NAME.fullmatch(variant)):
+        raise ValueError(f"{name} must be a weight-file variant name such as 'fp16' (letters, digits, _ and -), "
+                         f"got {variant!r}")
+
 
 DTYPE_NAMES = ("bfloat16", "float32")
 # Weight and activation quantization of the transformer's block projections (model.nets.quantize): none | int8.

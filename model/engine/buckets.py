@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..loading.config import PipelineConfig
+from ..config.configs import PipelineConfig
 
 # The checkpoint's defaults, exactly as diffusers' Flux2KleinPipeline: a guidance-distilled model runs 4 steps
 # without guidance, a base model 50 steps with classifier-free guidance 4.0.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..nets.attention import resolve_implementation
-from ..loading.config import PipelineConfig
+from ..config.configs import PipelineConfig
 from .programs import CompiledPrograms
 from ..errors import ConfigError
 from ..options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions
@@ -22,10 +22,9 @@ from ..nets.qwen3 import Qwen3TextEncoder
 from ..nets.transformer import Flux2Transformer
 from ..nets.vae import Flux2VAEDecoder, Flux2VAEEncoder
 from ..loading.loader import expected_tensors
+from ..loading.stored_tensors import COMPONENT_FOLDERS
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# The checkpoint's folders whose weights the loader reads, in the order it loads them.
-COMPONENT_FOLDERS = ("text_encoder", "transformer", "vae")
 
 
 def check_text_width(config: PipelineConfig, out_layers, path: str | None = None) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from .. import contract
 from ..parallel import shard_order
 from ..nets import scheduler as sched
-from ..loading.config import PipelineConfig
+from ..config.configs import PipelineConfig
 from .programs import DecodedBatch, enable_compilation_cache
 from ..errors import CheckpointError, NonFiniteImageError, RequestError
 from .factory import COMPONENT_FOLDERS, DTYPES, Networks, build_programs, check_text_width

@@ -46,7 +46,7 @@ from ..storage import gcs
 from ..storage.gcs import split as split_gs_uri
 from ..storage.transfers import SLICE_BYTES, SLICE_THREADS, download_object, read_range
 from .cache_paths import cache_root
-from .config import PipelineConfig
+from ..config.configs import PipelineConfig
 from ..errors import CheckpointError, ConfigError, UnsafeWeightsError
 from .weight_files import select_weight_files, weight_file_variant
 
@@ -146,13 +146,12 @@ def read_config_and_digest(uri: str, variant: str | None = None, *, check_weight
 
 def check_weight_files(config: PipelineConfig, folder_of, variant: str | None = None) -> None:
     """Check the weight files of each component folder the loader reads (`folder_of(name)`: a local path or a
-    `GcsFolder`) as the loader does before reading any weight (model.loading.loader.validate_component, with the
-    tensors `Networks.stored_tensors` names), from headers and sizes only; CheckpointError naming the file otherwise."""
-    from ..engine.factory import COMPONENT_FOLDERS, Networks  # JAX: the names come from the model's modules, as shapes
-    from .loader import validate_component
+    `GcsFolder`) as the loader does before reading any weight (`validate_component`, with the tensors the config
+    says a complete checkpoint holds: model/loading/stored_tensors.py), from headers and sizes only; CheckpointError
+    naming the file otherwise. JAX-free."""
+    from .stored_tensors import COMPONENT_FOLDERS, stored_tensors, validate_component
 
-    # Which hidden states the transformer reads does not change what a complete checkpoint holds (every layer).
-    stored = Networks(config, out_layers=(-1,)).stored_tensors()
+    stored = stored_tensors(config)
     for name in COMPONENT_FOLDERS:
         expected, optional = stored[name]
         validate_component(folder_of(name), expected=expected, optional=optional, variant=variant)

@@ -34,7 +34,7 @@ REVISION = re.compile(r"[\w./-]+")  # a branch, tag or commit, as HUB_ID allows 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
 HUB_PACKAGE = "huggingface_hub==2.4.0"
-# The folders of a diffusers-layout FLUX.2 [klein] repository that the pipeline reads (model/loading/config.py).
+# The folders of a diffusers-layout FLUX.2 [klein] repository that the pipeline reads (model/config/configs.py).
 COMPONENT_FOLDERS = ("transformer", "text_encoder", "vae", "scheduler", "tokenizer")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _TRUE = ("1", "true", "yes", "on")

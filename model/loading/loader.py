@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ..errors import CheckpointError
 from ..nets.quantize import QuantScale, is_quantized, quantize_columns, scale_path, source_dtype
-from .safetensors_file import FLOAT_DTYPES, ReadBuffers, open_component
+from .safetensors_file import ReadBuffers
+from .stored_tensors import validate_component
 
 
 # Threads that read, lay out and place tensors at once (host memory holds at most one tensor per thread).
@@ -207,37 +208,6 @@ def expected_tensors(full_abstract, extra: dict[str, tuple[int, ...]] | None = N
     names = {n: torch_shape(n, v.shape) for n, v in flat_params(full_abstract).items()}
     names.update(extra or {})
     return names
-
-
-def validate_component(folder, *, expected: dict[str, tuple[int, ...]], optional: Iterable[str] = (),
-                       variant: str | None = None):
-    """Check a component folder against the names/shapes a complete checkpoint holds, reading headers only.
-
-    Every name of `expected` must be present with its shape, except those in `optional`; any other name in the
-    checkpoint is an error. `variant`: which weight files (see `select_weight_files`). `folder`: as `open_component`
-    takes it. Returns {tensor name: file} for `load_component`.
-    """
-    tensor_to_file = open_component(folder, variant)
-    where = folder if isinstance(folder, str) else folder.path
-    optional = set(optional)
-    unexpected = sorted(set(tensor_to_file) - set(expected))
-    if unexpected:
-        sf = tensor_to_file[unexpected[0]]
-        raise CheckpointError(f"unexpected tensor in checkpoint ({len(unexpected)} in all: {unexpected[:5]})",
-                              path=sf.path, tensor=unexpected[0])
-    missing = sorted(set(expected) - set(tensor_to_file) - optional)
-    if missing:
-        raise CheckpointError(f"tensor missing from checkpoint ({len(missing)} in all: {missing[:5]})",
-                              path=where, tensor=missing[0])
-    for name, sf in tensor_to_file.items():
-        dtype, shape, _, _ = sf.entries[name]
-        if tuple(shape) != tuple(expected[name]) and not (len(expected[name]) == 2 and tuple(shape) == (
-                *expected[name], 1, 1)):
-            raise CheckpointError(f"shape mismatch: checkpoint has {list(shape)}, model expects "
-                                  f"{list(expected[name])}", path=sf.path, tensor=name)
-        if dtype not in FLOAT_DTYPES and not name.endswith("num_batches_tracked"):
-            raise CheckpointError(f"weight has non-float dtype {dtype}", path=sf.path, tensor=name)
-    return tensor_to_file
 
 
 @dataclasses.dataclass

@@ -16,7 +16,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import ml_dtypes
 import numpy as np
 
 from ..contract import is_integer
@@ -30,15 +29,25 @@ logger = logging.getLogger(__name__)
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
+# Bytes per element of each dtype a header may name: what checking a header needs (ml_dtypes, for bfloat16's numpy
+# type, is imported only where a tensor is read: `numpy_dtype`).
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 # How a Git LFS pointer file starts ("version https://git-lfs.github.com/spec/v1"): a clone made without git-lfs
 # holds these in place of the weights.
 LFS_POINTER_START = b"version "
+
+
+def numpy_dtype(name: str):
+    """The numpy type of a safetensors dtype name (bfloat16: ml_dtypes')."""
+    if name == "BF16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+            "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}[name]
 
 
 class SafetensorsFile:
@@ -79,7 +88,7 @@ class SafetensorsFile:
                                       path=path, tensor=name)
             if dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"unsupported safetensors dtype {dtype}", path=path, tensor=name)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+            nbytes = int(np.prod(shape, dtype=np.int64)) * SAFETENSORS_DTYPES[dtype]
             if end - begin != nbytes or begin < 0:
                 raise CheckpointError(f"tensor byte range [{begin}, {end}) does not match dtype {dtype} and shape "
                                       f"{list(shape)}", path=path, tensor=name)
@@ -123,7 +132,7 @@ class SafetensorsFile:
         raw = np.empty(end - begin, np.uint8) if buffers is None else buffers.take(end - begin)
         if raw.nbytes:
             read_into(self.path, memoryview(raw), self.data_start + begin, tensor=name)
-        return raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
+        return raw.view(numpy_dtype(dtype)).reshape(shape)
 
 
 # Bytes one positioned read asks for, and how many such reads run at once (for every tensor being loaded): a file

@@ -10,20 +10,12 @@ import re
 from typing import Iterable
 
 from ..errors import CheckpointError
+from ..options import validate_variant
 
 logger = logging.getLogger(__name__)
 
-VARIANT_NAME = re.compile(r"[A-Za-z0-9_-]+")  # e.g. fp16, bf16: it goes into file names between dots
 _SHARD_NUMBER = re.compile(r"-\d+-of-\d+$")
 _INDEX_NAME = re.compile(r".+\.safetensors\.index(?:\.([^/]+))?\.json")
-
-
-def validate_variant(variant, name: str = "variant") -> None:
-    """A variant is None or a name that can sit between dots in a file name (fp16, bf16, ...); `name` is what the
-    caller calls it in the error (the job: --model_variant)."""
-    if variant is not None and (not isinstance(variant, str) or not VARIANT_NAME.fullmatch(variant)):
-        raise ValueError(f"{name} must be a weight-file variant name such as 'fp16' (letters, digits, _ and -), "
-                         f"got {variant!r}")
 
 
 def weight_file_variant(name: str) -> tuple[str, str | None] | None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..loading.config import ACTIVATIONS as CONFIG_ACTIVATIONS
+from ..config.configs import ACTIVATIONS as CONFIG_ACTIVATIONS
 from ..parallel.sharding import param
 
 
@@ -52,7 +52,7 @@ _ACTIVATION_FORMS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
 }
-# transformers' ACT2FN by name, for the names the configs accept (model.loading.config.ACTIVATIONS).
+# transformers' ACT2FN by name, for the names the configs accept (model.config.configs.ACTIVATIONS).
 ACTIVATIONS = {name: _ACTIVATION_FORMS[form] for name, form in CONFIG_ACTIVATIONS.items()}
 
 

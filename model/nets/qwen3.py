@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from .attention import attention
-from ..loading.config import TextEncoderConfig
+from ..config.configs import TextEncoderConfig
 from .layers import ACTIVATIONS, Embed, Linear, RMSNorm, traced_once_per_structure
 from .quantize import Int8Linear
 

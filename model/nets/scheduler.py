@@ -9,7 +9,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ..loading.config import SchedulerConfig
+from ..config.configs import SchedulerConfig
 from .layers import round_to_dtype
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from . import heads_kernel
 from .attention import attention, attention_heads, traced_devices, traced_forms, traced_platform
-from ..loading.config import TransformerConfig
+from ..config.configs import TransformerConfig
 from .layers import Linear, RMSNorm, layer_norm, precision_for, round_to_dtype, traced_once_per_structure
 from .quantize import Int8Linear
 from ..parallel.shard_order import join_parts, split_parts

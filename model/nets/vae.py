@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from .attention import traced_forms
-from ..loading.config import VAEConfig
+from ..config.configs import VAEConfig
 from .layers import Conv2d, GroupNorm, Linear, precision_for
 from .platform_forms import UPSAMPLE_FORMS
 from ..parallel.sharding import param

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 
-from ..loading.config import PipelineConfig
+from ..config.configs import PipelineConfig
 from ..engine.factory import Networks, build_programs, check_text_width
 from .batch_search import Trial, best_batch, next_batch
 from .fit_report import Report, fit_advice, format_bytes

@@ -60,7 +60,7 @@ def test_transformer_with_the_kernel_gives_the_same_velocity(tiny_ckpt, monkeypa
     import jax.numpy as jnp
     from flax import nnx
     import model.nets.transformer as transformer_lib
-    from model.loading.config import PipelineConfig
+    from model.config.configs import PipelineConfig
     from model.nets import heads_kernel
     from model.nets.heads_kernel import head_major
     from model.nets.platform_forms import PlatformForms

@@ -70,7 +70,7 @@ def test_every_hidden_state_including_the_normed_last(tiny_ckpt, reference_pipe)
     import jax.numpy as jnp
     from flax import nnx
 
-    from model.loading.config import PipelineConfig
+    from model.config.configs import PipelineConfig
     from model.nets.qwen3 import Qwen3TextEncoder
     from model.loading.loader import expected_tensors, load_component
 
@@ -227,7 +227,7 @@ def test_scheduler_matches_diffusers(steps, seq_len, reference_pipe):
 
 
 def _sched_cfg(pipe):
-    from model.loading.config import SchedulerConfig
+    from model.config.configs import SchedulerConfig
 
     return SchedulerConfig.from_dict(dict(pipe.scheduler.config))
 
@@ -415,7 +415,7 @@ def test_held_out_text_encoder_variants_end_to_end(tmp_path):
 
 
 def test_text_encoder_config_variants_are_read_or_refused():
-    from model.loading.config import TextEncoderConfig
+    from model.config.configs import TextEncoderConfig
 
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}

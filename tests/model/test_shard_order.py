@@ -38,7 +38,7 @@ def test_transformer_laid_out_for_any_shard_count_gives_the_same_velocity(tiny_c
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from model.loading.config import PipelineConfig
+    from model.config.configs import PipelineConfig
     from model.parallel.shard_order import order_for_shards, stored_to_order
     from model.nets.transformer import Flux2Transformer
     from transformer_inputs import transformer_inputs

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import model
-from model.loading.config import PipelineConfig, TextEncoderConfig, TransformerConfig, VAEConfig
+from model.config.configs import PipelineConfig, TextEncoderConfig, TransformerConfig, VAEConfig
 from model.nets.qwen3 import Qwen3TextEncoder
 from model.nets.transformer import Flux2Transformer
 from model.nets.vae import Flux2VAEDecoder

@@ -47,7 +47,7 @@ def test_transformer_with_the_kernel_within_bf16_rounding(monkeypatch):
     from flax import nnx
 
     import model.nets.transformer as transformer_lib
-    from model.loading.config import TransformerConfig
+    from model.config.configs import TransformerConfig
     from model.nets.layers import precision_scope
     from model.nets.platform_forms import forms_for
     from model.nets.transformer import Flux2Transformer, image_ids, rope_tables, text_ids

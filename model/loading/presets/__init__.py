@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ..config import PipelineConfig
+from ...config.configs import PipelineConfig
 from ...errors import ConfigError
 
 PRESETS_DIR = os.path.dirname(os.path.abspath(__file__))
