@@ -34,7 +34,9 @@ not load JAX: the request contract, the errors and the options are imported with
 - Leases (storage; the compile lease's stores, which the job's output lease uses too): `LocalLeases`, `GcsLeases`,
   `Holder`, `decide` (with its verdicts `TAKE_OVER`, `WAIT`), `process_alive`.
 - TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
-  (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
+  (their name, without opening them); the TPU catalogue (model/preflight/tpu_catalogue.py): `TPU_DATAFLOW_CHIPS`
+  (Dataflow accelerator type -> chip name), `TPU_DEVICE_KINDS` (JAX's device kind -> chip name), `tpu_host_topology`,
+  `tpu_machine_topology`; `fit` (compile for the topology and report: `Report`, `ProgramStats`,
   `V5E_CALIBRATION`), `format_bytes`, `GiB`.
 - Errors: `ModelError` and its kinds (model/errors.py), `ShardCountError`, `TopologyError`.
 """
@@ -80,6 +82,10 @@ _LAZY = {
     **{name: ("preflight.fit_report", name) for name in ("Report", "format_bytes")},
     **{name: ("preflight.topology", name)
        for name in ("ATTACHED", "CHIPS", "GiB", "Topology", "TopologyError", "attached_topology", "load_topology")},
+    "TPU_DATAFLOW_CHIPS": ("preflight.tpu_catalogue", "DATAFLOW_CHIPS"),
+    "TPU_DEVICE_KINDS": ("preflight.tpu_catalogue", "DEVICE_KINDS"),
+    "tpu_host_topology": ("preflight.tpu_catalogue", "host_topology"),
+    "tpu_machine_topology": ("preflight.tpu_catalogue", "machine_topology"),
     # JAX- and Beam-free: storage (model/storage/)
     "gcs_client": ("storage.gcs", "client"),
     "split_gs_uri": ("storage.gcs", "split"),

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 
-from model import ATTACHED, attached_topology
+from model import (ATTACHED, TPU_DATAFLOW_CHIPS, TPU_DEVICE_KINDS, attached_topology, tpu_host_topology,
+                   tpu_machine_topology)
 
 from .errors import UsageError
 
@@ -32,12 +32,8 @@ logger = logging.getLogger("pipeline.launch_check")
 # Bytes of HBM per chip to check against instead of the chip's own (leave room for something else on the chip;
 # the tests use it to make a tiny model not fit).
 HBM_BYTES_ENV = "FLUX2_PREFLIGHT_HBM_BYTES"
-# Dataflow's TPU accelerator types -> libtpu's chip names in topology names ("v5e:2x2").
-TPU_CHIP_NAMES = {"tpu-v5-lite-podslice": "v5e", "tpu-v6e-slice": "v6e", "tpu-v5p-slice": "v5p"}
-# TPU machine types -> topology, for a job that names the machine but no accelerator option.
-_MACHINE_TOPOLOGY = re.compile(r"^(ct5lp-hightpu|ct6e-standard)-(1|4|8)t$")
-_MACHINE_CHIPS = {"ct5lp-hightpu": "v5e", "ct6e-standard": "v6e"}
-_CHIP_GRIDS = {"1": "1x1", "4": "2x2", "8": "2x4"}
+# Dataflow's TPU accelerator types -> libtpu's chip names in topology names ("v5e:2x2"): the TPU catalogue's.
+TPU_CHIP_NAMES = TPU_DATAFLOW_CHIPS
 
 
 def accelerator_fields(spec: str) -> dict[str, str]:
@@ -64,10 +60,7 @@ def tpu_topology(service_options: list[str], machine_type: str | None = None) ->
             if not fields.get("topology"):
                 raise UsageError(f"worker_accelerator {option!r} names no topology (e.g. topology:2x2)")
             return f"{TPU_CHIP_NAMES[kind]}:{fields['topology']}"
-    match = _MACHINE_TOPOLOGY.match(machine_type or "")
-    if match:
-        return f"{_MACHINE_CHIPS[match.group(1)]}:{_CHIP_GRIDS[match.group(2)]}"
-    return None
+    return tpu_machine_topology(machine_type)  # a job that names the machine but no accelerator option
 
 
 def job_topology(options) -> str | None:
@@ -138,9 +131,6 @@ def local_tpu_topology(job, *, tpu_attached: bool) -> str | None:
     return attached_topology(accelerator) or attached_topology() or probe_local_devices(env)
 
 
-# JAX's device kinds -> libtpu's chip names in topology names; devices of one host -> its grid.
-_DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e"}
-_LOCAL_GRIDS = {1: "1x1", 4: "2x2", 8: "2x4"}
 _PROBE = "import jax; d = jax.devices('tpu'); print(d[0].device_kind, len(d), sep=';')"
 
 
@@ -154,10 +144,11 @@ def probe_local_devices(worker_env: dict, timeout_s: float = 180) -> str | None:
     except subprocess.TimeoutExpired:
         return None
     kind, _, count = (out.stdout.strip().splitlines() or [""])[-1].partition(";")
-    if out.returncode or kind not in _DEVICE_KINDS or not count.isdigit() or int(count) not in _LOCAL_GRIDS:
+    topology = (tpu_host_topology(TPU_DEVICE_KINDS[kind], int(count))
+                if not out.returncode and kind in TPU_DEVICE_KINDS and count.isdigit() else None)
+    if topology is None:
         logger.info("no TPU topology found by JAX here (%s)", (out.stderr.strip().splitlines() or ["-"])[-1])
-        return None
-    return f"{_DEVICE_KINDS[kind]}:{_LOCAL_GRIDS[int(count)]}"
+    return topology
 
 
 def pick_local_batch(job, topology: str) -> dict:

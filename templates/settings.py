@@ -30,6 +30,7 @@ Each output argument is printed on its own line (values may contain `;`, never a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -73,16 +74,27 @@ GCLOUD_FLAGS = {
 # using Flex Templates, use the gcloud dataflow flex-template run command" with --additional-experiments.
 GCLOUD_LIST_FLAGS = {"dataflow_service_options": "--additional-experiments"}
 
+
+
+def _tpu_catalogue():
+    """model/preflight/tpu_catalogue.py, loaded by its path (standard library only): this script runs from a
+    checkout with any python3, without the package installed."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "model", "preflight",
+                        "tpu_catalogue.py")
+    spec = importlib.util.spec_from_file_location("flux2_tpu_catalogue", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses looks its module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+_TPUS = _tpu_catalogue()
 # Dataflow TPU types -> {topology: the machine type Dataflow requires} (Dataflow TPU docs; a mismatch is rejected
 # at submission with "The requested accelerator type ... requires setting the worker machine type to ...").
-TPU_MACHINE_TYPES = {
-    "tpu-v5-lite-podslice": {"1x1": "ct5lp-hightpu-1t", "2x2": "ct5lp-hightpu-4t", "2x4": "ct5lp-hightpu-8t"},
-    "tpu-v6e-slice": {"1x1": "ct6e-standard-1t", "2x2": "ct6e-standard-4t", "2x4": "ct6e-standard-8t"},
-}
-
+TPU_MACHINE_TYPES = _TPUS.MACHINE_TYPES
 # Dataflow TPU types -> the TPU_ACCELERATOR_TYPE name of the TPU runtime (v5litepod-1, v6e-4, ...: version and chip
 # count), as Dataflow's TPU troubleshooting page sets it for custom images.
-TPU_RUNTIME_NAMES = {"tpu-v5-lite-podslice": "v5litepod", "tpu-v6e-slice": "v6e"}
+TPU_RUNTIME_NAMES = _TPUS.RUNTIME_NAMES
 # TPU types whose VMs take only Hyperdisk (Cloud TPU "Attach durable block storage": v6e supports Hyperdisk Balanced
 # and Hyperdisk ML), so their settings must name the disk type.
 HYPERDISK_ONLY = {"tpu-v6e-slice": ("hyperdisk-balanced", "hyperdisk-ml")}

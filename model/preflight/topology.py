@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from ..errors import ModelError
+from .tpu_catalogue import GOOGLE_PCI_VENDOR, PCI_DEVICES, host_topology, runtime_topology
 
 GiB = 1024**3
 # Topology names libtpu 0.0.52 compiled for on a CPU machine (shown when a name is refused).
@@ -162,37 +163,27 @@ def attached_chips() -> Topology:
                     devices_per_chip=per_chip, hosts=1)
 
 
-# The TPU runtime's accelerator types (TPU_ACCELERATOR_TYPE, as the settings files set it: version-chips) of one-host
-# slices -> libtpu's topology names.
-_ACCELERATOR_TYPES = {"v5litepod": "v5e", "v6e": "v6e"}
-_GRIDS = {1: "1x1", 4: "2x2", 8: "2x4"}
-# Chips on the PCI bus: Google's vendor id and its TPU chips' device ids (the table JAX's own hardware check reads).
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-_TPU_PCI_DEVICES = {"0x0063": "v5e", "0x006f": "v6e"}
 
 
 def attached_topology(accelerator_type: str | None = None, pci_devices: str = "/sys/bus/pci/devices") -> str | None:
     """The topology name ("v5e:1x1") of the TPU chips of this machine, without starting the TPU runtime: from the
     runtime's accelerator type when one is given ("v5litepod-1", "v6e-4"), else from the TPU chips on the PCI bus;
     None when neither names a one-host v5e or v6e slice."""
-    if accelerator_type:
-        version, _, chips = accelerator_type.strip().partition("-")
-        if version in _ACCELERATOR_TYPES and chips.isdigit() and int(chips) in _GRIDS:
-            return f"{_ACCELERATOR_TYPES[version]}:{_GRIDS[int(chips)]}"
-        return None
+    if accelerator_type:  # the TPU runtime's TPU_ACCELERATOR_TYPE, as the settings files set it: version-chips
+        return runtime_topology(accelerator_type)
     found = []
     try:
         for name in sorted(os.listdir(pci_devices)):
             folder = os.path.join(pci_devices, name)
             try:
                 with open(os.path.join(folder, "vendor")) as v, open(os.path.join(folder, "device")) as d:
-                    if v.read().strip() == _GOOGLE_PCI_VENDOR:
-                        found.append(_TPU_PCI_DEVICES.get(d.read().strip()))
+                    if v.read().strip() == GOOGLE_PCI_VENDOR:  # the ids JAX's own hardware check reads
+                        found.append(PCI_DEVICES.get(d.read().strip()))
             except OSError:
                 continue
     except OSError:
         return None
     kinds = set(found)
-    if len(kinds) != 1 or None in kinds or len(found) not in _GRIDS:
+    if len(kinds) != 1 or None in kinds:
         return None
-    return f"{kinds.pop()}:{_GRIDS[len(found)]}"
+    return host_topology(kinds.pop(), len(found))
