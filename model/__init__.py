@@ -10,7 +10,8 @@
 This package is the model's one public surface: the job (pipeline/) and its Beam building blocks (transforms/)
 import from `model` only (tests/model/test_front_door.py checks it). Its rooms (storage/, config/, parallel/, nets/,
 loading/, engine/, preflight/, in layers: tests/model/test_rooms.py) are internals: they may be split, merged or
-renamed without notice. Importing `model` is cheap and does not load JAX: the request contract, the errors and the options are imported with it, every other name on first use.
+renamed without notice. Importing `model` is cheap and does not load JAX: the request contract, the errors and the
+options are imported with it, every other name on first use.
 
 - Loading and generating: `load` (which starts the accelerator runtime itself; `start_runtime` starts it earlier, on a
   thread, in a process that will load; `apply_runtime_defaults` sets the runtime's settings before either),

@@ -3,10 +3,10 @@
 A local file's crc32c is computed here, the very value GCS stores for it (a folder and its upload have one digest):
 CHUNK-byte slices read with `os.pread` by READ_THREADS threads (both the read and google_crc32c's C loop release the
 GIL), their crcs joined with `crc32c_combine` (model/storage/crc32c.py). Each result is cached under
-`file-crc32c/` in the project's cache folder (model/loading/cache_paths.py), one small JSON file per path written atomically (concurrent launches never see half a
-record), and trusted only while the file's path, size, mtime, ctime, inode and device are those recorded: a second
-launch on the same files reads none of their bytes, and an edit in place (even one that restores the mtime: the ctime
-moves) is read again.
+`file-crc32c/` in the project's cache folder (model/loading/cache_paths.py), one small JSON file per path written
+atomically (concurrent launches never see half a record), and trusted only while the file's path, size, mtime, ctime,
+inode and device are those recorded: a second launch on the same files reads none of their bytes, and an edit in
+place (even one that restores the mtime: the ctime moves) is read again.
 
 `python -m model.loading.content_ids FOLDER` prints `{relative path: [size, crc32c]}` of every file under FOLDER: what a
 Flex Template build records beside the configs it gives the launcher (RECORD_FILE), which cannot see the weights.

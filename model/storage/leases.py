@@ -192,8 +192,8 @@ class LocalLeases:
 
 
 class GcsLeases:
-    """Leases as objects under `{prefix}/leases/` (`{prefix}/{subfolder}/`), created with `if_generation_match=0` (GCS answers 412 if the
-    object exists) and removed by generation."""
+    """Leases as objects under `{prefix}/leases/` (`{prefix}/{subfolder}/`), created with `if_generation_match=0`
+    (GCS answers 412 if the object exists) and removed by generation."""
 
     def __init__(self, cache_dir: str, client=None, subfolder: str = LEASES):
         from . import gcs
