@@ -113,3 +113,29 @@ def test_the_launch_checks_load_no_jax(tiny_ckpt, tmp_path):
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))[:5])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def third_party_roots(source: str) -> set[str]:
+    """The top-level packages `source` imports, at any depth (relative imports left out)."""
+    roots = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            roots.update(a.name.split(".")[0] for a in node.names)
+    return roots
+
+
+def test_the_storage_room_imports_neither_beam_nor_jax():
+    """model/storage/ is what the model, the job and its Beam building blocks all reach storage through: it may use
+    google-cloud-storage, never Beam (the model must not need it) nor JAX (a launch must not load it)."""
+    assert third_party_roots("def f():\n    from apache_beam.io import gcsio\nimport jax.numpy\n") == {
+        "apache_beam", "jax"}
+    folder = os.path.join(REPO, "model", "storage")
+    found = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
+        with open(os.path.join(folder, file), encoding="utf-8") as f:
+            bad = third_party_roots(f.read()) & {"apache_beam", "jax", "jaxlib", "flax"}
+        if bad:
+            found[file] = sorted(bad)
+    assert found == {}, found
