@@ -64,9 +64,9 @@ def _gcs_client():
 
 
 def _retry():
-    from apache_beam.io.gcp import gcsio_retry
+    from .beam_adapter import gcs_retry
 
-    return gcsio_retry.DEFAULT_RETRY_WITH_THROTTLING_COUNTER
+    return gcs_retry()
 
 
 def _split(uri: str) -> tuple[str, str]:
