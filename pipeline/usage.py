@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import re
 import shutil
 import sys
@@ -358,28 +359,14 @@ def format_beam_help() -> str:
                                          f"job's own):")
     for cls in option_classes():
         if cls is not Flux2KleinOptions:
-            beam_adapter.declare_options(cls, _Section(parser.add_argument_group(cls.__name__), parser))
+            section = parser.add_argument_group(cls.__name__)
+            section.add_value_provider_argument = functools.partial(beam_adapter.add_value_provider_argument, section)
+            beam_adapter.declare_options(cls, section)
     return parser.format_help()
 
 
 def _help_formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.HelpFormatter(prog, width=_help_width())
-
-
-class _Section:
-    """An argument group of --help_beam, as an option class sees its parser."""
-
-    def __init__(self, group, parser: _CheckingParser):
-        self._group, self._parser = group, parser
-
-    def add_argument(self, *args, **kwargs):
-        return self._group.add_argument(*args, **kwargs)
-
-    def add_value_provider_argument(self, *args, **kwargs):
-        beam_adapter.add_value_provider_argument(self, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._group, name)
 
 
 def markdown_table() -> str:
