@@ -16,17 +16,10 @@ Every option takes `--name=value`, which is how Dataflow Flex Templates pass par
 
 from __future__ import annotations
 
-from apache_beam.options.pipeline_options import PipelineOptions
+from transforms.beam_adapter import options_class
 
-from .option_specs import options_by_group
+from .usage import declare_job_options
 
-
-class Flux2KleinOptions(PipelineOptions):
-    """Options of `python -m pipeline.run` (FLUX.2 [klein] batch text-to-image), from `OPTIONS`."""
-
-    @classmethod
-    def _add_argparse_args(cls, parser):
-        for title, options in options_by_group():
-            group = parser.add_argument_group(f"FLUX.2 [klein] job: {title}")
-            for option in options:
-                option.add_to(group)
+Flux2KleinOptions = options_class(
+    "Flux2KleinOptions", __name__, "Options of `python -m pipeline.run` (FLUX.2 [klein] batch text-to-image), from "
+                                   "`OPTIONS`.", declare_job_options)

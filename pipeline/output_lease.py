@@ -69,17 +69,11 @@ def dataflow_job_running(runner: str, job_id: str, timeout_s: float = DATAFLOW_S
     if not (project and region and job_id):
         return None
 
-    def ask():
-        from apache_beam.options.pipeline_options import PipelineOptions
-        from apache_beam.runners.dataflow.internal.apiclient import DataflowApplicationClient
-
-        client = DataflowApplicationClient(PipelineOptions([f"--project={project}", f"--region={region}"]))
-        state = client.get_job(job_id).current_state
-        return getattr(state, "name", str(state))
+    from transforms.beam_adapter import dataflow_job_state
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
-        state = pool.submit(ask).result(timeout=timeout_s)
+        state = pool.submit(dataflow_job_state, project, region, job_id).result(timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 - any failure means: cannot be told
         logger.info("cannot ask Dataflow for the state of job %s: %s", job_id, e)
         return None

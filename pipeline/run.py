@@ -37,7 +37,7 @@ if __name__ == "__main__":  # `python -m pipeline.run`: --help and argument erro
 
     exit_on_usage_error(sys.argv[1:])
 
-from apache_beam.io.filesystems import FileSystems  # noqa: E402 - after the command line's own check
+from apache_beam.io.filesystems import FileSystems  # noqa: E402 - after the command line's quick check
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions
 
 from transforms import layout, retries
@@ -53,12 +53,21 @@ from .options import Flux2KleinOptions
 from .usage import BEAM_HELP_FLAG, HELP_FLAGS, check_arguments, format_beam_help, format_help
 
 
+def parse(argv: list[str]) -> PipelineOptions:
+    """The command line's options, parsed once: UsageError for an argument that is not an option of the job or of
+    Beam, or a value that does not parse; FnApiRunner when no --runner is given."""
+    check_arguments(argv)
+    return launch.pipeline_options(argv)
+
+
 def run(argv: list[str] | None = None, *, wait: bool | None = None):
     """Build and run the job; returns (PipelineResult, summary dict or None). Local runners wait for the end.
     UsageError before any work for an argument that is not an option of the job or of Beam, or a bad value."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    check_arguments(argv)
-    options = launch.pipeline_options(argv)
+    return run_options(parse(list(sys.argv[1:] if argv is None else argv)), wait=wait)
+
+
+def run_options(options: PipelineOptions, *, wait: bool | None = None):
+    """`run` with the command line already parsed (`parse`)."""
     retries.install()
     retries.take_pending()  # count only this job's retries (an earlier job in this process may have left some)
     discard_pending_model_loads()  # and only its model loads
@@ -145,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     failures.quiet_worker_tracebacks()
     log_filters.quiet_replaced_row_files()  # a rerun replaces the row files under their fixed names: no warning
     previous = interrupts.install()
+    options = None
     try:
-        return _run_to_status(argv)
+        options = parse(argv)
+        return _run_to_status(options)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -158,26 +169,31 @@ def main(argv: list[str] | None = None) -> int:
         signum = interrupts.STATE.received or interrupts.interrupting_signal(e)
         if signum is None:
             raise
-        return _stop_after_signal(argv, signum)
+        return _stop_after_signal(options, argv, signum)
     finally:
         if interrupts.STATE.received is None:  # after a signal the process leaves at once (interrupts.exit_process)
             interrupts.restore(previous)
 
 
-def _run_to_status(argv: list[str]) -> int:
+def _run_to_status(options: PipelineOptions) -> int:
     """Run the job; 0, or 1 with one line when a finished run generated nothing (unless --allow_empty)."""
-    _, summary = run(argv)
+    _, summary = run_options(options)
     reason = empty_run_reason(summary)
-    if reason and not PipelineOptions(argv).view_as(Flux2KleinOptions).allow_empty:
+    if reason and not options.view_as(Flux2KleinOptions).allow_empty:
         print(f"error: {reason} (--allow_empty accepts such a run)", file=sys.stderr)
         return 1
     return 0
 
 
-def _stop_after_signal(argv: list[str], signum: int) -> int:
-    """One line on what was written and how to resume; Beam's temporary folders removed; 128 + the signal."""
+def _stop_after_signal(options: PipelineOptions | None, argv: list[str], signum: int) -> int:
+    """One line on what was written and how to resume; Beam's temporary folders removed; 128 + the signal.
+    `options`: the parsed command line (None when the signal came while it was parsed)."""
     logging.disable(logging.CRITICAL)  # Beam's threads report the interrupt at length: the line below says it
-    output = PipelineOptions(argv).view_as(Flux2KleinOptions).output or DEFAULT_OUTPUT
+    try:
+        options = options or launch.pipeline_options(argv)
+        output = options.view_as(Flux2KleinOptions).output or DEFAULT_OUTPUT
+    except Exception:  # noqa: BLE001 - a command line that does not parse: where a run writes by default
+        output = DEFAULT_OUTPUT
     cleanup = launch.CLEANUP  # this run's own temporary folders, removed by run()
     removed = cleanup["temp_removed"] if cleanup["output"] == output else 0
     try:

@@ -20,10 +20,13 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import re
 import shutil
 import sys
 import textwrap
+
+from transforms import beam_adapter
 
 from .errors import OptionValueError, UnknownOptionError, UsageError
 from .option_specs import AUTO_BATCH, Option, options_by_group
@@ -49,16 +52,32 @@ DESCRIPTION = (
 
 class _CheckingParser(argparse.ArgumentParser):
     """An argument parser like Beam's, raising the job's UsageError instead of printing argparse's usage and
-    exiting."""
+    exiting, that keeps the arguments declared on it (`arguments`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._declared: list[argparse.Action] = []
 
     def error(self, message):
         raise UsageError(message)
 
-    def add_value_provider_argument(self, *args, **kwargs):
-        """Beam's option classes declare some options with this, which only Beam's parser class has."""
-        from apache_beam.options.pipeline_options import _BeamArgumentParser
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        self._declared.append(action)
+        return action
 
-        _BeamArgumentParser.add_value_provider_argument(self, *args, **kwargs)
+    def add_value_provider_argument(self, *args, **kwargs):
+        """Beam's option classes may declare options with this, which only Beam's parser class has."""
+        beam_adapter.add_value_provider_argument(self, *args, **kwargs)
+
+    @property
+    def arguments(self) -> list[argparse.Action]:
+        """The arguments declared, in order; one a later declaration replaced entirely (conflict_handler="resolve"
+        takes its option strings away) is left out."""
+        return [action for action in self._declared if action.option_strings]
+
+    def option_strings(self) -> list[str]:
+        return [s for action in self.arguments for s in action.option_strings]
 
 
 def _new_parser() -> _CheckingParser:
@@ -69,28 +88,39 @@ def _new_parser() -> _CheckingParser:
 
 
 def option_classes() -> list[type]:
-    """The job's options class and every registered Beam `PipelineOptions` class that declares options (subclasses
-    of subclasses included), each once. Imports Beam."""
-    from apache_beam.options.pipeline_options import PipelineOptions
-
+    """The job's options class and every registered Beam `PipelineOptions` class that declares options, each once,
+    in Beam's order. Imports Beam."""
     from .options import Flux2KleinOptions  # noqa: F401 - registers the job's class
 
-    found: dict[str, type] = {}
-    pending = list(PipelineOptions.__subclasses__())
-    while pending:
-        cls = pending.pop(0)
-        pending.extend(cls.__subclasses__())
-        if "_add_argparse_args" in cls.__dict__:
-            found.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
-    return list(found.values())
+    return beam_adapter.option_classes()
+
+
+def declare_job_options(parser) -> None:
+    """The job's options (the table `OPTIONS`) on an argparse parser, in their --help groups."""
+    for title, options in options_by_group():
+        group = parser.add_argument_group(f"FLUX.2 [klein] job: {title}")
+        for option in options:
+            option.add_to(group)
 
 
 def known_options_parser() -> _CheckingParser:
     """A parser that knows every option of the job and of Beam (the arguments `PipelineOptions` would use)."""
+    from .options import Flux2KleinOptions
+
     parser = _new_parser()
     for cls in option_classes():
-        cls._add_argparse_args(parser)  # noqa: SLF001 - Beam's declared extension point for option classes
+        if cls is Flux2KleinOptions:
+            _declare_flat(parser)
+        else:
+            beam_adapter.declare_options(cls, parser)
     return parser
+
+
+def _declare_flat(parser) -> None:
+    """The job's options straight on `parser` (no groups: the checking parser keeps what is declared on it)."""
+    for _, options in options_by_group():
+        for option in options:
+            option.add_to(parser)
 
 
 def check_arguments(argv: list[str]) -> None:
@@ -129,9 +159,7 @@ def quick_parser() -> tuple[_CheckingParser, set[str]]:
         if choices is not None:
             kwargs["choices"] = choices
         parser.add_argument(*flags, **kwargs)
-    for _, options in options_by_group():
-        for option in options:
-            option.add_to(parser)
+    _declare_flat(parser)
     return parser, unchecked
 
 
@@ -149,9 +177,9 @@ def beam_flag_specs() -> list[tuple[tuple[str, ...], object, str | None, tuple[s
     parser = _new_parser()
     for cls in option_classes():
         if cls is not Flux2KleinOptions:
-            cls._add_argparse_args(parser)  # noqa: SLF001
+            beam_adapter.declare_options(cls, parser)
     specs = []
-    for action in parser._actions:  # noqa: SLF001
+    for action in parser.arguments:
         type_name = None if action.type is None else getattr(action.type, "__name__", "other")
         if type_name not in (None, *_QUICK_TYPES) or type(action).__module__ != "argparse":
             type_name = "other"
@@ -190,16 +218,15 @@ def _check(parser: _CheckingParser, argv: list[str]) -> None:
     except argparse.ArgumentError as e:
         raise _value_error(e) from None
     if unknown:
-        known = [s for action in parser._actions for s in action.option_strings]  # noqa: SLF001
-        raise UnknownOptionError(_unknown_arguments(unknown, known),
+        raise UnknownOptionError(_unknown_arguments(unknown, parser.option_strings()),
                                  f"'{PROG} --help' lists the job's options, '{PROG} {BEAM_HELP_FLAG}' Beam's")
 
 
 def exit_on_usage_error(argv: list[str]) -> None:
-    """The command line's first step, before the job's heavy imports (Beam's ML modules, JAX, the transforms): print
-    --help and exit 0, or print the one-line error of an argument that is no option or a value that does not parse
-    and exit 2. A typo or a value that does not parse is answered without importing Beam (`check_arguments_quickly`);
-    arguments it passes are checked against Beam's own option classes too. Anything else returns."""
+    """The command line's first step, before the job's heavy imports (Beam, JAX, the transforms): print --help and
+    exit 0, or print the one-line error of an argument that is no option or a value that does not parse and exit 2,
+    from the job's option table and the snapshot of Beam's flags (`check_arguments_quickly`). Anything else returns:
+    the job parses its arguments once, against Beam's own option classes (`check_arguments`, pipeline/run.py)."""
     if any(arg in HELP_FLAGS for arg in argv):
         print(format_help(), end="")
         sys.exit(0)
@@ -207,7 +234,6 @@ def exit_on_usage_error(argv: list[str]) -> None:
         return  # Beam's own option classes: every one is registered only once the job's modules are imported
     try:
         check_arguments_quickly(argv)
-        check_arguments(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -325,21 +351,22 @@ EXIT_STATUSES = (
 
 def format_beam_help() -> str:
     """What `python -m pipeline.run --help_beam` prints: every registered Beam option class's options and help."""
-    from apache_beam.options.pipeline_options import _BeamArgumentParser
-
     from .options import Flux2KleinOptions
 
-    formatter = argparse.HelpFormatter(PROG, width=_help_width())
-    formatter.add_text(f"Beam's options, which {PROG} passes to Beam ('{PROG} --help' lists the job's own):")
+    parser = _CheckingParser(prog=PROG, usage=argparse.SUPPRESS, add_help=False, allow_abbrev=False,
+                             conflict_handler="resolve", formatter_class=_help_formatter,
+                             description=f"Beam's options, which {PROG} passes to Beam ('{PROG} --help' lists the "
+                                         f"job's own):")
     for cls in option_classes():
-        if cls is Flux2KleinOptions:
-            continue
-        parser = _BeamArgumentParser(add_help=False, allow_abbrev=False, conflict_handler="resolve")
-        cls._add_argparse_args(parser)  # noqa: SLF001
-        formatter.start_section(cls.__name__)
-        formatter.add_arguments(parser._actions)  # noqa: SLF001
-        formatter.end_section()
-    return formatter.format_help()
+        if cls is not Flux2KleinOptions:
+            section = parser.add_argument_group(cls.__name__)
+            section.add_value_provider_argument = functools.partial(beam_adapter.add_value_provider_argument, section)
+            beam_adapter.declare_options(cls, section)
+    return parser.format_help()
+
+
+def _help_formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.HelpFormatter(prog, width=_help_width())
 
 
 def markdown_table() -> str:

@@ -30,9 +30,9 @@ class Stored:
 
 
 def _retry():
-    from apache_beam.io.gcp import gcsio_retry
+    from .beam_adapter import gcs_retry
 
-    return gcsio_retry.DEFAULT_RETRY_WITH_THROTTLING_COUNTER
+    return gcs_retry()
 
 
 def stored(uri: str) -> Stored | None:

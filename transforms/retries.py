@@ -1,72 +1,38 @@
 """Counts the Google Cloud client's retries in this process, so the job can report how many it rode over.
 
-Every GCS call Beam's GCS filesystem makes (reads, listings, uploads, the renames that finalise the manifest) goes
-through google-api-core's `Retry`, which logs one "Retrying due to ..." debug line per retry through the logger
-`google.api_core.retry`. `install()` adds a filter to that logger that counts those lines (what reaches the handlers
-is unchanged); `flush_to_metrics()`, called from inside a bundle, moves the count into the Beam counter `gcs_retries`.
-Retries outside any bundle (the launcher's checks) stay pending and are read with `take_pending()`.
+Every GCS call Beam's GCS filesystem makes (reads, listings, uploads, the renames that finalise the manifest) and
+every call of the job's own storage client retries under a google-api-core `Retry` policy. `install()` hooks this
+count into those policies' `on_error` (transforms/beam_adapter.py: the policies' own handlers still run);
+`flush_to_metrics()`, called from inside a bundle, moves the count into the Beam counter `gcs_retries`. Retries outside
+any bundle (the launcher's checks) stay pending and are read with `take_pending()`.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
+from . import beam_adapter
 from .metrics import NAMESPACE as METRICS_NAMESPACE
 
 GCS_RETRIES = "gcs_retries"
-RETRY_LOGGER = "google.api_core.retry"  # the logger google-api-core's Retry reports each retry through, at DEBUG
-_RETRY_MESSAGE = "Retrying due to"
 
 _lock = threading.Lock()
 _pending = 0
 
 
-# The retry logger's level while counting: below DEBUG, so the retry lines are made, and unlike any level a user
-# sets, so that a level set later (`setLevel`, a test's caplog) is told apart from this one and honoured.
-_COUNTING_LEVEL = logging.DEBUG - 1
-
-
-class _RetryCounter(logging.Filter):
-    """Counts the retry logger's "Retrying due to" lines; passes a record on only at the level the logger would have
-    without counting (one set on it since, else the one it had before, else its parent's), so logs read as before."""
-
-    def __init__(self):
-        super().__init__()
-        self.wanted = logging.NOTSET  # the logger's own level before counting began
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.DEBUG and str(record.msg).startswith(_RETRY_MESSAGE):
-            _note_retry()
-        logger = logging.getLogger(RETRY_LOGGER)
-        level = self.wanted if logger.level == _COUNTING_LEVEL else logger.level
-        if level == logging.NOTSET:
-            level = logger.parent.getEffectiveLevel() if logger.parent else logging.WARNING
-        return record.levelno >= level
-
-
-_COUNTER = _RetryCounter()
-
-
-def _note_retry() -> None:
+def _note_retry(exc: Exception) -> None:
     global _pending
     with _lock:
         _pending += 1
 
 
 def install() -> None:
-    """Start counting retries in this process (idempotent). A level someone set on the retry logger since the last
-    call is kept as the level its records are passed on at."""
-    logger = logging.getLogger(RETRY_LOGGER)
-    with _lock:
-        if _COUNTER not in logger.filters:
-            logger.addFilter(_COUNTER)
-        if logger.level != _COUNTING_LEVEL:
-            _COUNTER.wanted = logger.level
-            logger.setLevel(_COUNTING_LEVEL)
+    """Start counting the GCS retries of this process (idempotent; again after a policy was replaced)."""
+    for policy in beam_adapter.gcs_retry_policies():
+        beam_adapter.hook_retries(policy, _note_retry)
 
 
 def take_pending() -> int:

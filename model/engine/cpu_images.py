@@ -30,10 +30,6 @@ CPU_COMPILER_OPTIONS: tuple = (("encode", EIGEN_DOTS), ("decode", EIGEN_DOTS))
 # per second (docs/performance.md); an image's bytes are those of the one-image programs whatever the batch.
 CONCURRENT_IMAGES = 2
 
-# Positions of the per-image arguments of each program (the rest are shared: parameters, schedule, RoPE tables).
-BATCHED_ARGS = {"encode": (1, 2), "denoise": (1, 2, 3, 4), "decode": (1,)}  # denoise: latents, text, neg, refs
-
-
 def on_cpu(mesh: Mesh) -> bool:
     """Whether every device of `mesh` is a CPU."""
     return all(d.platform == "cpu" for d in mesh.devices.flat)
@@ -82,10 +78,10 @@ class ImageThreads:
         self.runs = collections.Counter()  # one-image program runs by program name
         self._pool = None  # started on first use
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, batched: tuple[int, ...]):
         """`fn`, the one-image program `name`, over any number of images: each image's slice of the per-image
-        arguments in its own call; outputs concatenated in order."""
-        batched = BATCHED_ARGS[name]
+        arguments (at positions `batched`; the rest are shared: parameters, schedule, RoPE tables) in its own call;
+        outputs concatenated in order."""
 
         def run(*args):
             if self._pool is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -70,93 +71,144 @@ _TOKENIZER_LOADER = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
 
 
 def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
-    options, variant = settings.engine, settings.variant
-    enable_compilation_cache(options.compilation_cache_dir)
+    """The load in four jobs: the checkpoint's folder, the preparations that need no device (configs, modules as
+    shapes, every file's header checked), the weights placed on the mesh, and the generator assembled."""
+    enable_compilation_cache(settings.engine.compilation_cache_dir)
     runtime = start_runtime()  # beside the preparations below, none of which needs a device
+    root = checkpoint_folder(settings)
+    clock = StepClock()
+    prepared = prepare_load(settings, root, clock)
+    placed = place_weights(prepared, settings.engine, runtime, clock)
+    return assemble_generator(settings, prepared, placed, clock)
+
+
+def checkpoint_folder(settings: LoadSettings) -> str:
+    """The local folder of the checkpoint: a gs:// prefix or Hub id copied (or found) in the cache, a folder as is;
+    CheckpointError for a folder that does not exist."""
     root = settings.model
     from ..loading.hub import is_hub_id
 
     if root.startswith("gs://") or is_hub_id(root):
         from ..loading.checkpoint import resolve_checkpoint
 
-        root = resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=variant)
-    elif not os.path.isdir(root):
+        return resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=settings.variant)
+    if not os.path.isdir(root):
         raise CheckpointError("checkpoint folder does not exist", path=root)
-    start = time.perf_counter()
-    steps = {}  # the preparations' own steps, seconds each (benchmarks.startup reports them)
-    mark = [start]
+    return root
 
-    def step(name):
+
+class StepClock:
+    """Seconds of each named step of the load since the previous one (benchmarks.startup reports them)."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.steps: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
         now = time.perf_counter()
-        steps[name], mark[0] = now - mark[0], now
+        self.steps[name], self.last = now - self.last, now
 
+
+@dataclasses.dataclass
+class PreparedLoad:
+    """What the load knows before any weight is read: the configs, the modules to fill (as shapes), each component's
+    (folder, module, every tensor a complete checkpoint holds, tensors that may be absent) and its checked files."""
+
+    root: str
+    config: PipelineConfig
+    networks: Networks
+    components: list  # (folder name, module, expected tensors, optional tensors), in COMPONENT_FOLDERS order
+    files: list  # each component's tensor -> file, from the headers
+    tokenizing: object  # the tokenizer's Future, loading on its own thread
+
+
+def prepare_load(settings: LoadSettings, root: str, clock: StepClock) -> PreparedLoad:
+    """The configs read, the tokenizer started on its own thread, the modules made as shapes and every component's
+    files, names, shapes and dtypes validated (headers only) before any weight is read: a broken shard anywhere fails
+    in seconds, not after minutes of loading the components before it."""
     config = PipelineConfig.from_folder(root)
-    te_cfg = config.text_encoder
     # The tokenizer (with the transformers import it needs, seconds on a TPU host) loads, and is checked against the
     # text encoder, on its own thread beside the preparations and the weights' placing.
     tokenizing = _TOKENIZER_LOADER.submit(load_tokenizer, os.path.join(root, "tokenizer"),
-                                          settings.max_sequence_length, te_cfg.vocab_size)
+                                          settings.max_sequence_length, config.text_encoder.vocab_size)
     check_text_width(config, settings.text_encoder_out_layers, path=os.path.join(root, "transformer", "config.json"))
-    # The modules the programs run, as shapes, for the loader to fill.
-    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, options.quantize)
+    networks = Networks(config, settings.dtype, settings.text_encoder_out_layers, settings.engine.quantize)
     run_te, transformer_abs, run_vae = networks.run_modules()
     stored = networks.stored_tensors(transformer_abs)
-    # (folder, module to fill, every tensor a complete checkpoint holds, tensors that may be absent)
     components = [(name, module, *stored[name])
                   for name, module in zip(COMPONENT_FOLDERS, (run_te, transformer_abs, run_vae))]
-    # Validate every component's files, names, shapes and dtypes (headers only) before reading any weight, so a
-    # broken shard anywhere fails in seconds, not after minutes of loading the components before it.
-    step("shapes")
-    files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
+    clock.mark("shapes")
+    files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=settings.variant)
              for name, _, exp, opt in components]
-    step("validate")
+    clock.mark("validate")
+    return PreparedLoad(root, config, networks, components, files, tokenizing)
 
-    # Each weight goes straight to its place on the mesh as it is read (split over the model axis, fused projections
-    # laid out per shard), so a model larger than one chip is never whole on the first one.
+
+@dataclasses.dataclass
+class PlacedWeights:
+    """The loaded modules on their mesh, the tokenizer, and where the load's time went."""
+
+    modules: tuple  # (text_encoder, transformer, vae)
+    mesh: object
+    tokenizer: PromptTokenizer
+    phases: dict  # model.loading.loader.LoadTimes, with the runtime's start, the wall time and the preparations' steps
+    placed_at: float
+
+
+def place_weights(prepared: PreparedLoad, options: EngineOptions, runtime, clock: StepClock) -> PlacedWeights:
+    """Each weight straight to its place on the mesh as it is read (split over the model axis, fused projections
+    laid out per shard), so a model larger than one chip is never whole on the first one."""
     waiting = time.perf_counter()
     runtime_start_s = runtime.result()  # the runtime's own error (no chip, chip busy) is raised here
     runtime_wait_s = time.perf_counter() - waiting
-    step("runtime_wait")
+    clock.mark("runtime_wait")
     mesh = make_mesh(options)
-
+    transformer_abs = prepared.components[1][1]
     shard_order.order_for_shards(transformer_abs, model_shards(mesh))
-    loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_order.stored_to_order(module))
-             for (name, module, exp, opt), f in zip(components, files)]
-    step("mesh")
-
+    loads = [ComponentLoad(os.path.join(prepared.root, name), module, exp, opt, f, shard_order.stored_to_order(module))
+             for (name, module, exp, opt), f in zip(prepared.components, prepared.files)]
+    clock.mark("mesh")
     # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime had
     # started); a broken one stops the loading threads as soon as it has failed. The device transposes the weights
     # need compile first (model.loading.loader.load_components), before any other program takes the compiler.
+    tokenizing = prepared.tokenizing
     times, placing = LoadTimes(), time.perf_counter()
-    text_encoder, transformer, vae = load_components(
-        loads, placement=placement(mesh), times=times,
-        should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
+    modules = load_components(loads, placement=placement(mesh), times=times,
+                              should_stop=lambda: tokenizing.exception() if tokenizing.done() else None)
     placed = time.perf_counter()
     tokenizer = tokenizing.result()  # its CheckpointError, if it failed after the last tensor was read
+    clock.steps["tokenizer_wait_after_placing"] = time.perf_counter() - placed
+    phases = dict(times.as_dict(), runtime_start_s=runtime_start_s, runtime_wait_s=runtime_wait_s,
+                  prepare_s=placing - clock.start, wall_s=placed - placing,
+                  prepare_steps_s={k: round(v, 3) for k, v in clock.steps.items()})
+    return PlacedWeights(tuple(modules), mesh, tokenizer, phases, placed)
+
+
+def load_vae_encoder(folder: str, networks: Networks, expected, optional, variant: str | None):
+    """The VAE encoder for reference images, read from the (already validated) vae folder on first use."""
+    return load_component(folder, networks.vae_encoder(), expected=expected, optional=optional,
+                          tensor_to_file=validate_component(folder, expected=expected, optional=optional,
+                                                            variant=variant))
+
+
+def assemble_generator(settings: LoadSettings, prepared: PreparedLoad, placed: PlacedWeights,
+                       clock: StepClock) -> "Flux2KleinGenerator":
+    """The generator over the placed modules (its programs built over the mesh), with the load's phases."""
     finishing = time.perf_counter()
-    steps["tokenizer_wait_after_placing"] = finishing - placed
-    load_phases = dict(times.as_dict(), runtime_start_s=runtime_start_s, runtime_wait_s=runtime_wait_s,
-                       prepare_s=placing - start, wall_s=placed - placing,
-                       prepare_steps_s={k: round(v, 3) for k, v in steps.items()})
-    vae_folder, (_, _, vae_expected, vae_optional) = os.path.join(root, "vae"), components[2]
-
-    def load_vae_encoder():
-        """The VAE encoder for reference images, read from the (already validated) vae folder on first use."""
-        return load_component(vae_folder, networks.vae_encoder(), expected=vae_expected, optional=vae_optional,
-                              tensor_to_file=validate_component(vae_folder, expected=vae_expected,
-                                                                optional=vae_optional, variant=variant))
-
+    phases = placed.phases
+    _, _, vae_expected, vae_optional = prepared.components[2]
+    vae_encoder = functools.partial(load_vae_encoder, os.path.join(prepared.root, "vae"), prepared.networks,
+                                    vae_expected, vae_optional, settings.variant)
     release_host_memory()  # the host copies are gone: return their pages, the weights live on the devices
     logger.info("loaded %s (%s) in %.1f s; %d tensors, %.2f GB placed in %.1f s, thread-seconds: read %.1f, host "
                 "layout %.1f, transfer %.1f, device layout %.1f", settings.model, settings.dtype,
-                time.perf_counter() - start, load_phases["tensors"], load_phases["bytes"] / 1e9, load_phases["wall_s"],
-                load_phases["read_s"], load_phases["host_layout_s"], load_phases["transfer_s"],
-                load_phases["device_layout_s"])
-    generator = Flux2KleinGenerator(config, tokenizer, text_encoder, transformer, vae, dtype=settings.dtype,
-                                    options=options, model_id=settings.model, root=root, mesh=mesh,
-                                    vae_encoder_loader=load_vae_encoder)
-    generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
-    load_phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
+                time.perf_counter() - clock.start, phases["tensors"], phases["bytes"] / 1e9, phases["wall_s"],
+                phases["read_s"], phases["host_layout_s"], phases["transfer_s"], phases["device_layout_s"])
+    generator = Flux2KleinGenerator(prepared.config, placed.tokenizer, *placed.modules, dtype=settings.dtype,
+                                    options=settings.engine, model_id=settings.model, root=prepared.root,
+                                    mesh=placed.mesh, vae_encoder_loader=vae_encoder)
+    generator.load_phases = phases  # where the weights' load went (benchmarks.startup reports it)
+    phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
     return generator
 
 

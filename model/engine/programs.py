@@ -12,11 +12,12 @@ references with the same token count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 import warnings
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -82,8 +83,196 @@ def one_image_per_replica(replicas: int, batched: NamedSharding):
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ the programs
+# Each program is a module-level function of `TraceSettings` (what it is traced with) and its arguments; the settings
+# are bound with functools.partial when it is jitted, so the functions themselves close over nothing.
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSettings:
+    """What every program is traced with: the modules' graphs, the compute dtype, the attention kernels, the mesh, and
+    how a batch is split into turns (`rows` for encode and denoise, `decode_rows` for the decode)."""
+
+    text_encoder: nnx.GraphDef
+    transformer: nnx.GraphDef
+    vae: nnx.GraphDef
+    dtype: Any
+    attention: str  # the transformer's attention kernels (model.nets.attention.IMPLEMENTATIONS)
+    text_attention: str
+    mesh: Mesh
+    rows: Callable
+    decode_rows: Callable
+
+
+def encode(s: TraceSettings, state, ids, mask):
+    """The text encoder's hidden states for token ids and their mask."""
+    return s.rows(functools.partial(_encode_rows, nnx.merge(s.text_encoder, state), s), ids, mask)
+
+
+def _encode_rows(model, s: TraceSettings, ids, mask):
+    return model(ids, mask, implementation=s.text_attention).astype(s.dtype)
+
+
+def velocity(s: TraceSettings, state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs):
+    """The target tokens' velocity; `refs` (reference tokens, or None) follow them in the image sequence and are the
+    same in both CFG branches, as in diffusers."""
+    model = nnx.merge(s.transformer, state)
+    kw = dict(implementation=s.attention, target_tokens=x.shape[1])
+    if refs is not None:
+        x = jnp.concatenate([x, refs.astype(x.dtype)], axis=1)
+    if neg_txt is None:
+        return model(x, txt, t, cos, sin, **kw)
+    both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]), cos, sin, **kw)
+    pos, neg = jnp.split(both, 2)
+    return guidance_mix(pos, neg, guidance_scale)
+
+
+def denoise(s: TraceSettings, state, latents, txt, neg_txt, refs, sigmas, timesteps, cos, sin, guidance_scale):
+    """The whole denoising loop, in the batch's turns."""
+    loop = functools.partial(denoise_batch, s, state, sigmas=sigmas, timesteps=timesteps, cos=cos, sin=sin,
+                             guidance_scale=guidance_scale)
+    return s.rows(loop, latents, txt, neg_txt, refs)
+
+
+def denoise_batch(s: TraceSettings, state, latents, txt, neg_txt, refs, *, sigmas, timesteps, cos, sin,
+                  guidance_scale):
+    """The denoising loop over one turn's rows: one `lax.scan` of Euler steps, sigmas indexed by the step."""
+    step = functools.partial(_denoise_step, s, state, txt=txt, neg_txt=neg_txt, refs=refs, sigmas=sigmas,
+                             timesteps=timesteps, cos=cos, sin=sin, guidance_scale=guidance_scale)
+    out, _ = jax.lax.scan(step, latents, jnp.arange(timesteps.shape[0]))
+    return out
+
+
+def _denoise_step(s: TraceSettings, state, x, i, *, txt, neg_txt, refs, sigmas, timesteps, cos, sin,
+                  guidance_scale):
+    t = model_timestep(timesteps[i], x.dtype, x.shape[0])
+    v = velocity(s, state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs)
+    return euler_step(x, v, sigmas[i], sigmas[i + 1]), None
+
+
+def velocity_at(s: TraceSettings, state, x, txt, neg_txt, refs, timestep, cos, sin, guidance_scale):
+    """One step's velocity (as the denoising loop computes it) at latents `x`: drift measures compare it."""
+    one = functools.partial(_velocity_rows, s, state, timestep=timestep, cos=cos, sin=sin,
+                            guidance_scale=guidance_scale)
+    return s.rows(one, x, txt, neg_txt, refs)
+
+
+def _velocity_rows(s: TraceSettings, state, x, txt, neg_txt, refs, *, timestep, cos, sin, guidance_scale):
+    return velocity(s, state, x, txt, model_timestep(timestep, x.dtype, x.shape[0]), cos, sin, neg_txt,
+                    guidance_scale, refs)
+
+
+def decode(s: TraceSettings, state, tokens, grid_h, grid_w):
+    """uint8 pixels of the denoised latent tokens, and per image the share of non-finite values in each."""
+    model = nnx.merge(s.vae, state)
+    image = s.decode_rows(functools.partial(_decode_rows, model, grid_h, grid_w), tokens)
+    # The share of values that are not finite, per image, in what the denoising loop handed over and in the decoded
+    # pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
+    latents_bad = jnp.mean(~jnp.isfinite(tokens.astype(jnp.float32)), axis=(1, 2))
+    image_bad = jnp.mean(~jnp.isfinite(image), axis=(1, 2, 3))
+    pixels = jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)  # only uint8 to the host
+    return DecodedBatch(pixels, latents_bad, image_bad)
+
+
+def _decode_rows(model, grid_h, grid_w, tokens):
+    return model.decode_latents(tokens, grid_h, grid_w).astype(jnp.float32)
+
+
+def traced_on_mesh(fn, s: TraceSettings):
+    """`fn` with its settings bound, traced for their mesh: the attention kernels partition themselves over it, and
+    the forms of its platform are the ones traced (model.nets.platform_forms). Keeps `fn`'s name (profiles group
+    programs by it)."""
+    traced = functools.partial(_on_mesh, fn, s)
+    traced.__name__ = traced.__qualname__ = fn.__name__  # not functools.wraps: jit reads the signature, (*args)
+    return traced
+
+
+def _on_mesh(fn, s: TraceSettings, *args):
+    with attention_lib.mesh_context(s.mesh), precision_scope(s.dtype):
+        return fn(s, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramDef:
+    """One program of a bucket's compiled set: its function, the module whose parameters it takes first, how it is
+    jitted, its arguments' shapes for a bucket, and which of them hold one row per image (run image by image)."""
+
+    fn: Callable  # fn(TraceSettings, state, *args)
+    module: str  # "text_encoder", "transformer" or "vae"
+    arg_specs: Callable  # arg_specs(CompiledPrograms, Bucket, Dims) -> the arguments after the state, as shapes
+    batched_args: tuple[int, ...]  # positions (counting the state as 0) of the per-image arguments
+    donate_argnums: tuple[int, ...] = ()
+    static_argnums: tuple[int, ...] = ()  # given when lowered, dropped when the compiled program is called
+
+
+class Dims(NamedTuple):
+    """The transformer's sizes the programs' argument shapes need."""
+
+    in_channels: int
+    joint_dim: int
+    head_dim: int
+
+
+def _encode_specs(p: "CompiledPrograms", b: Bucket, d: Dims):
+    return (p.spec((b.batch, p.text_len), jnp.int32), p.spec((b.batch, p.text_len), jnp.int32))
+
+
+def _denoise_specs(p: "CompiledPrograms", b: Bucket, d: Dims):
+    seq = p.text_len + b.grid_h * b.grid_w + b.ref_tokens
+    txt = p.spec((b.batch, p.text_len, d.joint_dim), p.dtype)
+    refs = p.spec((b.batch, b.ref_tokens, d.in_channels), p.dtype) if b.ref_tokens else None
+    return (p.latents_spec(b, d.in_channels), txt, txt if b.cfg else None, refs,
+            p.spec((b.steps + 1,), jnp.float32, False), p.spec((b.steps,), jnp.float32, False),
+            p.spec((seq, d.head_dim), jnp.float32, False), p.spec((seq, d.head_dim), jnp.float32, False),
+            p.spec((), jnp.float32, False))
+
+
+def _decode_specs(p: "CompiledPrograms", b: Bucket, d: Dims):
+    return (p.latents_spec(b, d.in_channels), b.grid_h, b.grid_w)
+
+
+# A bucket's compiled set, in the order of model.options.PROGRAMS (the names the preflight and the CPU options use).
+# To add a program: a module-level function of (TraceSettings, state, ...), an entry here, and its name in PROGRAMS.
+BUCKET_PROGRAMS: dict[str, ProgramDef] = {
+    "encode": ProgramDef(encode, "text_encoder", _encode_specs, batched_args=(1, 2)),
+    "denoise": ProgramDef(denoise, "transformer", _denoise_specs, batched_args=(1, 2, 3, 4),  # latents, text, neg, refs
+                          donate_argnums=(1,)),
+    "decode": ProgramDef(decode, "vae", _decode_specs, batched_args=(1,), donate_argnums=(1,),
+                         static_argnums=(2, 3)),
+}
+if tuple(BUCKET_PROGRAMS) != PROGRAMS:
+    raise ImportError(f"the compiled programs {tuple(BUCKET_PROGRAMS)} are not model.options.PROGRAMS {PROGRAMS}")
+
+
+def jit_program(name: str, s: TraceSettings, program: ProgramDef | None = None):
+    """The program `name` jitted for `s`'s mesh, with its compiler options (they ride on the jitted function, so AOT
+    `.lower().compile()` and plain jit both get them)."""
+    program = program or BUCKET_PROGRAMS[name]
+    return jax.jit(traced_on_mesh(program.fn, s), donate_argnums=program.donate_argnums,
+                   static_argnums=program.static_argnums, compiler_options=compiler_options_for(s.mesh, name))
+
+
+def decode_rows_for(mesh: Mesh, batched: NamedSharding, rows):
+    """How the decode splits a batch: image by image where every program does, else one image per data replica at a
+    time on every platform: its activations grow with the batch, so a whole batch at once needs more memory (the
+    largest program at batch 2 and above) and runs slower per image than the same images one by one
+    (docs/performance.md)."""
+    return rows if per_image_for(mesh) else one_image_per_replica(data_replicas(mesh), batched)
+
+
+def drop_static_args(compiled, static_argnums: tuple[int, ...]):
+    """A compiled program callable with the jitted function's arguments: the static ones (baked in) are dropped."""
+    if not static_argnums:
+        return compiled
+    return functools.partial(_call_without, compiled, frozenset(static_argnums))
+
+
+def _call_without(compiled, static: frozenset, *args):
+    return compiled(*(a for i, a in enumerate(args) if i not in static))
+
+
 class CompiledPrograms:
-    """Builds and caches the three jitted/AOT-compiled programs for each bucket."""
+    """Builds and caches the jitted/AOT-compiled programs of BUCKET_PROGRAMS for each bucket."""
 
     def __init__(self, text_encoder, transformer, vae, *, dtype, options: EngineOptions, text_len: int,
                  attention: str, text_attention: str, mesh: Mesh, abstract: bool = False):
@@ -91,22 +280,18 @@ class CompiledPrograms:
         (`lowered`), never run: how the preflight compiles for a TPU topology this machine does not have."""
         self.dtype = dtype
         self.options = options
-        self.attention = attention  # the transformer's attention kernels (model.nets.attention.IMPLEMENTATIONS)
+        self.attention = attention
         self.text_len = text_len
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
-        # The batch axis is split over the mesh's data replicas.
-        self.batched = NamedSharding(mesh, P("data"))
+        self.batched = NamedSharding(mesh, P("data"))  # the batch axis is split over the mesh's data replicas
         # Fused projections laid out per shard (model.parallel.shard_order); a no-op when the loader did it already.
         shard_order.order_for_shards(transformer, model_shards(mesh))
-        te_graph, te_state = nnx.split(text_encoder)
-        tr_graph, tr_state = nnx.split(transformer)
-        vae_graph, vae_state = nnx.split(vae)
+        graphs, states = zip(*(nnx.split(module) for module in (text_encoder, transformer, vae)))
         # Parameters are placed on the devices once, split over the model axis as they declare
         # (model.parallel.sharding); every program takes them as arguments.
-        self.te_state, self.tr_state, self.vae_state = (self._place(state, abstract)
-                                                        for state in (te_state, tr_state, vae_state))
-        self._graphs = (te_graph, tr_graph, vae_graph)
+        self.te_state, self.tr_state, self.vae_state = (self._place(state, abstract) for state in states)
+        self._graphs = graphs
         self.compile_count = 0
         self.build_seconds: dict = {}  # bucket -> seconds lowering, and compiling each program (AOT builds)
         self._lock = threading.RLock()  # re-entered when a batch's programs are built from the one-image ones
@@ -114,81 +299,16 @@ class CompiledPrograms:
         self.concurrent_images = concurrent_images_for(mesh)
         self.threads = ImageThreads(self.concurrent_images)  # used when concurrent_images > 1
         rows = image_by_image(per_image_for(mesh))
-        # The decode runs one image per replica at a time on every platform: its activations grow with the batch,
-        # so a whole batch at once needs more memory (the largest program at batch 2 and above) and runs slower per
-        # image than the same images one by one (docs/performance.md).
-        decode_rows = rows if per_image_for(mesh) else one_image_per_replica(data_replicas(mesh), self.batched)
+        self.settings = TraceSettings(*graphs, dtype=dtype, attention=attention, text_attention=text_attention,
+                                      mesh=mesh, rows=rows, decode_rows=decode_rows_for(mesh, self.batched, rows))
+        self._jitted = {name: jit_program(name, self.settings) for name in BUCKET_PROGRAMS}
+        # One step's velocity, with the denoising loop's compiler options (benchmarks.drift).
+        self.velocity = jax.jit(traced_on_mesh(velocity_at, self.settings),
+                                compiler_options=compiler_options_for(mesh, "denoise"))
 
-        def on_mesh(fn):
-            """`fn` traced for this mesh: the attention kernels partition themselves over it, and the forms of its
-            platform are the ones traced (model.nets.platform_forms)."""
-            def traced(*args):
-                with attention_lib.mesh_context(mesh), precision_scope(dtype):
-                    return fn(*args)
-
-            traced.__name__ = traced.__qualname__ = fn.__name__  # programs keep their names (profiles group by them)
-            return traced
-
-        @on_mesh
-        def encode(state, ids, mask):
-            model = nnx.merge(te_graph, state)
-            return rows(lambda i, m: model(i, m, implementation=text_attention).astype(dtype), ids, mask)
-
-        def velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs):
-            """The target tokens' velocity; `refs` (reference tokens, or None) follow them in the image sequence and
-            are the same in both CFG branches, as in diffusers."""
-            model = nnx.merge(tr_graph, state)
-            kw = dict(implementation=attention, target_tokens=x.shape[1])
-            if refs is not None:
-                x = jnp.concatenate([x, refs.astype(x.dtype)], axis=1)
-            if neg_txt is None:
-                return model(x, txt, t, cos, sin, **kw)
-            both = model(jnp.concatenate([x, x]), jnp.concatenate([txt, neg_txt]), jnp.concatenate([t, t]),
-                         cos, sin, **kw)
-            pos, neg = jnp.split(both, 2)
-            return guidance_mix(pos, neg, guidance_scale)
-
-        @on_mesh
-        def denoise(state, latents, txt, neg_txt, refs, sigmas, timesteps, cos, sin, guidance_scale):
-            return rows(lambda x, tx, ntx, r: denoise_batch(state, x, tx, ntx, r, sigmas, timesteps, cos, sin,
-                                                            guidance_scale), latents, txt, neg_txt, refs)
-
-        def denoise_batch(state, latents, txt, neg_txt, refs, sigmas, timesteps, cos, sin, guidance_scale):
-            batch = latents.shape[0]
-
-            def step(x, i):
-                t = model_timestep(timesteps[i], x.dtype, batch)
-                v = velocity(state, x, txt, t, cos, sin, neg_txt, guidance_scale, refs)
-                return euler_step(x, v, sigmas[i], sigmas[i + 1]), None
-
-            out, _ = jax.lax.scan(step, latents, jnp.arange(timesteps.shape[0]))
-            return out
-
-        @on_mesh
-        def velocity_at(state, x, txt, neg_txt, refs, timestep, cos, sin, guidance_scale):
-            """One step's velocity (as the denoising loop computes it) at latents `x`: drift measures compare it."""
-            return rows(lambda x, tx, ntx, r: velocity(state, x, tx, model_timestep(timestep, x.dtype, x.shape[0]),
-                                                       cos, sin, ntx, guidance_scale, r), x, txt, neg_txt, refs)
-
-        @on_mesh
-        def decode(state, tokens, grid_h, grid_w):
-            model = nnx.merge(vae_graph, state)
-            image = decode_rows(lambda t: model.decode_latents(t, grid_h, grid_w).astype(jnp.float32), tokens)
-            # The share of values that are not finite, per image, in what the denoising loop handed over and in the
-            # decoded pixels (clipping would turn NaN into plausible-looking pixels): DecodedBatch.nonfinite.
-            latents_bad = jnp.mean(~jnp.isfinite(tokens.astype(jnp.float32)), axis=(1, 2))
-            image_bad = jnp.mean(~jnp.isfinite(image), axis=(1, 2, 3))
-            pixels = jnp.round(jnp.clip(image / 2 + 0.5, 0.0, 1.0) * 255.0).astype(jnp.uint8)  # only uint8 to host
-            return DecodedBatch(pixels, latents_bad, image_bad)
-
-        # Compiler options ride on the jitted functions, so AOT `.lower().compile()` and plain jit both get them.
-        def copts(program):
-            return compiler_options_for(mesh, program)
-
-        self._encode = jax.jit(encode, compiler_options=copts("encode"))
-        self._denoise = jax.jit(denoise, donate_argnums=(1,), compiler_options=copts("denoise"))
-        self.velocity = jax.jit(velocity_at, compiler_options=copts("denoise"))
-        self._decode = jax.jit(decode, static_argnums=(2, 3), donate_argnums=(1,), compiler_options=copts("decode"))
+    def state_of(self, module: str):
+        """The device-resident parameters of "text_encoder", "transformer" or "vae"."""
+        return {"text_encoder": self.te_state, "transformer": self.tr_state, "vae": self.vae_state}[module]
 
     def decode_turns(self, batch: int) -> int:
         """How many times the decode program runs its body for a batch (a loop XLA's cost analysis counts once)."""
@@ -204,9 +324,8 @@ class CompiledPrograms:
 
     def parameter_bytes_per_device(self) -> dict:
         """Bytes of each module's parameters one device holds: {'text_encoder', 'transformer', 'vae'}."""
-        states = {"text_encoder": self.te_state, "transformer": self.tr_state, "vae": self.vae_state}
         return {name: sharding.bytes_per_device(state, jax.tree.map(lambda x: x.sharding, state))
-                for name, state in states.items()}
+                for name, state in ((m, self.state_of(m)) for m in ("text_encoder", "transformer", "vae"))}
 
     @property
     def image_runs(self):
@@ -225,68 +344,52 @@ class CompiledPrograms:
 
     # ---------------------------------------------------------------------------------------------- specs
 
-    def _spec(self, shape, dtype, batched=True):
+    def spec(self, shape, dtype, batched=True):
+        """An argument's shape, split over the data replicas (`batched`) or on every device."""
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batched if batched else self.replicated)
 
-    def _latents_spec(self, b: "Bucket", in_channels):
-        return self._spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype)
-
-    def _encode_args(self, batch):
-        return (self.te_state, self._spec((batch, self.text_len), jnp.int32),
-                self._spec((batch, self.text_len), jnp.int32))
-
-    def _denoise_args(self, b: Bucket, in_channels, joint_dim, head_dim):
-        seq = self.text_len + b.grid_h * b.grid_w + b.ref_tokens
-        txt = self._spec((b.batch, self.text_len, joint_dim), self.dtype)
-        refs = self._spec((b.batch, b.ref_tokens, in_channels), self.dtype) if b.ref_tokens else None
-        return (self.tr_state, self._latents_spec(b, in_channels), txt,
-                txt if b.cfg else None, refs, self._spec((b.steps + 1,), jnp.float32, False),
-                self._spec((b.steps,), jnp.float32, False), self._spec((seq, head_dim), jnp.float32, False),
-                self._spec((seq, head_dim), jnp.float32, False), self._spec((), jnp.float32, False))
-
-    def _decode_args(self, b: Bucket, in_channels):
-        return (self.vae_state, self._latents_spec(b, in_channels), b.grid_h, b.grid_w)
+    def latents_spec(self, b: Bucket, in_channels):
+        return self.spec((b.batch, b.grid_h * b.grid_w, in_channels), self.dtype)
 
     def programs(self, b: Bucket, in_channels, joint_dim, head_dim):
-        """(encode, denoise, decode) callables for a bucket, compiled once (concurrently) and then reused while the
-        bucket is among the `max_buckets` most recently used."""
+        """The bucket's callables in PROGRAMS order (encode, denoise, decode), compiled once (concurrently) and then
+        reused while the bucket is among the `max_buckets` most recently used."""
         with self._lock:
             if self.concurrent_images > 1 and b.batch > 1:  # the one-image programs, run image by image
                 one = self.programs(dataclasses.replace(b, batch=1), in_channels, joint_dim, head_dim)
-                return tuple(self.threads.wrap(name, fn) for name, fn in zip(PROGRAMS, one))
-            return self._compiled.get_or_make(b, lambda: self._build(b, in_channels, joint_dim, head_dim))
+                return tuple(self.threads.wrap(name, fn, BUCKET_PROGRAMS[name].batched_args)
+                             for name, fn in zip(BUCKET_PROGRAMS, one))
+            dims = Dims(in_channels, joint_dim, head_dim)
+            return self._compiled.get_or_make(b, lambda: self._build(b, dims))
 
     def lower(self, b: Bucket, in_channels, joint_dim, head_dim):
-        """[encode, denoise (the whole loop), decode] lowered for the bucket's shapes."""
-        return [self._encode.lower(*self._encode_args(b.batch)),
-                self._denoise.lower(*self._denoise_args(b, in_channels, joint_dim, head_dim)),
-                self._decode.lower(*self._decode_args(b, in_channels))]
+        """The bucket's programs lowered for its shapes, in PROGRAMS order (denoise: the whole loop)."""
+        dims = Dims(in_channels, joint_dim, head_dim)
+        return [self._jitted[name].lower(self.state_of(program.module), *program.arg_specs(self, b, dims))
+                for name, program in BUCKET_PROGRAMS.items()]
 
-    def _build(self, b: Bucket, in_channels, joint_dim, head_dim):
-        """The bucket's programs, compiled ahead of time (the three concurrently)."""
+    def _build(self, b: Bucket, dims: Dims):
+        """The bucket's programs, compiled ahead of time (all of them concurrently)."""
         start = time.perf_counter()
-        lowered = self.lower(b, in_channels, joint_dim, head_dim)
+        lowered = self.lower(b, *dims)
         lowered_at = time.perf_counter()
         devices = list(self.mesh.devices.flat)
-
-        def compile_one(low):
-            """(the program compiled, seconds)."""
-            began = time.perf_counter()
-            return compile_lowered(low, devices), time.perf_counter() - began
-
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(len(lowered)) as pool:
             # Under a compile lease: of the workers sharing the compilation cache only the first compiles a program,
             # the others wait and then load it from the cache (model/engine/compile_lease.py).
-            (encode_c, encode_s), (denoise_c, denoise_s), (decode_c, decode_s) = pool.map(compile_one, lowered)
-        # where the bucket's build went: lowering the three, then each one's compile (or persistent-cache load)
-        self.build_seconds[b] = {"lower": lowered_at - start, "encode": encode_s, "denoise": denoise_s,
-                                 "decode": decode_s}
-        self.compile_count += 3
+            built = list(pool.map(functools.partial(_compile_timed, devices=devices), lowered))
+        # where the bucket's build went: lowering them all, then each one's compile (or persistent-cache load)
+        self.build_seconds[b] = {"lower": lowered_at - start,
+                                 **{name: seconds for name, (_, seconds) in zip(BUCKET_PROGRAMS, built)}}
+        self.compile_count += len(built)
         # The compilers free most of the host memory they took, but glibc keeps it unless asked (docs/performance.md).
         release_host_memory()
         logger.info("compiled bucket %s in %.1f s", b, time.perf_counter() - start)
+        return tuple(drop_static_args(compiled, program.static_argnums)
+                     for (compiled, _), program in zip(built, BUCKET_PROGRAMS.values()))
 
-        def decode_fn(state, tokens, grid_h, grid_w):
-            return decode_c(state, tokens)
 
-        return (encode_c, denoise_c, decode_fn)
+def _compile_timed(lowered, devices):
+    """(the program compiled, seconds)."""
+    began = time.perf_counter()
+    return compile_lowered(lowered, devices), time.perf_counter() - began

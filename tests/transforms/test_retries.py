@@ -1,47 +1,14 @@
-"""transforms/retries.py: the Google Cloud client's retries are counted through the public logger google-api-core
-reports them on, with real `Retry` objects, and what the logs show is what it was without the count."""
+"""transforms/retries.py: the Google Cloud client's retries are counted through the retry policies' own `on_error`
+hook, with real `Retry` calls, whatever the logs show."""
 
 import logging
 
-import pytest
-from google.api_core import exceptions, retry as api_retry
+from google.api_core import exceptions
 
-from transforms import retries
-
-LOGGER = logging.getLogger("google.api_core.retry")  # the name google-api-core reports retries under
+from transforms import beam_adapter, retries
 
 
-class _Seen(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.NOTSET)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def seen():
-    """A handler at NOTSET (as logging.basicConfig's is) on the retry logger itself: what the logger passes on to
-    any handler, whether or not records go on up to the root's (google-api-core's client logging stops the "google"
-    logger propagating once a generated client starts in the process). The root's level is WARNING meanwhile; the
-    retry logger's own level and filters are put back afterwards."""
-    level, filters = LOGGER.level, list(LOGGER.filters)
-    root_level = logging.getLogger().level
-    logging.getLogger().setLevel(logging.WARNING)
-    handler = _Seen()
-    LOGGER.addHandler(handler)
-    retries.take_pending()
-    try:
-        yield handler
-    finally:
-        LOGGER.removeHandler(handler)
-        logging.getLogger().setLevel(root_level)
-        LOGGER.setLevel(level)
-        LOGGER.filters[:] = filters
-
-
-def _fails_then_works(times: int):
+def _fails_then_works(policy, times: int):
     calls = []
 
     def call():
@@ -50,37 +17,43 @@ def _fails_then_works(times: int):
             raise exceptions.ServiceUnavailable("try again")
         return "ok"
 
-    return api_retry.Retry(initial=0.001, maximum=0.002, timeout=5)(call)
+    return policy.with_delay(initial=0.001, maximum=0.002).with_timeout(5)(call)
 
 
-def test_retries_are_counted_and_the_logs_unchanged(seen):
-    LOGGER.setLevel(logging.NOTSET)  # as it is in a fresh process: the root's WARNING applies
+def test_gcs_retries_are_counted_once_each():
     retries.install()
     retries.install()  # idempotent: each retry counted once
-    assert _fails_then_works(2)() == "ok"
-    assert retries.take_pending() == 2 and retries.take_pending() == 0
-    assert seen.lines == []  # debug lines stay below the WARNING the logger had: nothing more is printed
+    retries.take_pending()
+    for policy in beam_adapter.gcs_retry_policies():
+        assert _fails_then_works(policy, 2)() == "ok"
+    assert retries.take_pending() == 4 and retries.take_pending() == 0
 
 
-def test_a_level_set_on_the_retry_logger_is_honoured(seen):
-    """A level someone sets later (a test's caplog, --sdk_harness_log_level_overrides) decides what is shown; the
-    count goes on either way."""
+def test_the_count_does_not_depend_on_the_logs():
+    """Retries are counted with the retry logger silenced (the count used to be read from its debug lines)."""
+    logger = logging.getLogger("google.api_core.retry")
+    level, disabled = logger.level, logger.disabled
+    logger.setLevel(logging.CRITICAL)
+    logger.disabled = True
+    try:
+        retries.install()
+        retries.take_pending()
+        assert _fails_then_works(beam_adapter.gcs_retry(), 3)() == "ok"
+        assert retries.take_pending() == 3
+    finally:
+        logger.setLevel(level)
+        logger.disabled = disabled
+
+
+def test_a_policy_replaced_since_is_counted_after_the_next_install(monkeypatch):
+    """A job's tests replace Beam's policy with a faster copy (tests/support/fault_jobs.py); the job's launch counts
+    that one too."""
+    from apache_beam.io.gcp import gcsio_retry
+
+    fresh = type(gcsio_retry.DEFAULT_RETRY_WITH_THROTTLING_COUNTER)(
+        predicate=lambda e: isinstance(e, exceptions.ServiceUnavailable), timeout=5)
+    monkeypatch.setattr(gcsio_retry, "DEFAULT_RETRY_WITH_THROTTLING_COUNTER", fresh)
     retries.install()
-    LOGGER.setLevel(logging.DEBUG)
-    assert _fails_then_works(1)() == "ok"
+    retries.take_pending()
+    assert _fails_then_works(beam_adapter.gcs_retry(), 1)() == "ok"
     assert retries.take_pending() == 1
-    assert len(seen.lines) == 1 and seen.lines[0].startswith("Retrying due to")
-    retries.install()  # the next job in this process: DEBUG is kept as the level shown
-    assert _fails_then_works(1)() == "ok"
-    assert retries.take_pending() == 1 and len(seen.lines) == 2
-
-
-def test_retries_are_counted_through_the_logger_name_whatever_object_the_module_holds(seen, monkeypatch):
-    """How google-api-core's retry module holds its logger is its own business (here a LoggerAdapter over the same
-    logger, as a release may change it to): what is counted is what reaches the logger of that name."""
-    from google.api_core.retry import retry_base
-
-    monkeypatch.setattr(retry_base, "_LOGGER", logging.LoggerAdapter(LOGGER, {}))
-    retries.install()
-    assert _fails_then_works(3)() == "ok"
-    assert retries.take_pending() == 3

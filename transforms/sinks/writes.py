@@ -19,9 +19,8 @@ import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
-from apache_beam.utils.windowed_value import WindowedValue
 
-from .. import layout, retries
+from .. import beam_adapter, layout, retries
 from ..atomic_files import write_local_atomic, write_object_atomic
 from ..checksums import crc32c
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
@@ -149,7 +148,7 @@ class StoreImagesFn(retries.CountingRetriesFn):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def _take_oldest(self) -> WindowedValue:
+    def _take_oldest(self):
         """Wait for the oldest pending image; its manifest row in its element's window. A failed write cancels the
         images not yet started and fails the bundle (the runner retries it)."""
         future, generated, place, window, timestamp = self._pending.popleft()
@@ -170,4 +169,4 @@ class StoreImagesFn(retries.CountingRetriesFn):
             guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
             model=generated.model, quantize=generated.quantize, generation_ms=generated.generation_ms,
             model_fingerprint=self._model_fingerprint, key=place.key, crc32c=stored.crc32c)
-        return WindowedValue(row, timestamp, [window])
+        return beam_adapter.windowed_value(row, timestamp, window)
