@@ -44,8 +44,8 @@ from .contract import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX
                        MAX_IMAGES_PER_REQUEST, Limits, count, is_integer, optional_count, show, validate,
                        validate_prompt, validate_reference_count, validate_seed)
 from .engine.noise import initial_noise
-from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFiniteImageError, ReferenceImageError,
-                     RequestError, UnsafeWeightsError)
+from .errors import (CheckpointError, ConfigError, HubError, LoraError, ModelError, NonFiniteImageError,
+                     ReferenceImageError, RequestError, UnsafeWeightsError)
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
 
@@ -87,8 +87,8 @@ __all__ = sorted([
     "DEFAULT_MAX_SEQUENCE_LENGTH", "DEFAULT_SIZE", "DEFAULT_SIZE_MULTIPLE", "MAX_IMAGES_PER_REQUEST", "Limits", "count",
     "is_integer", "optional_count", "show", "validate", "validate_prompt", "validate_reference_count", "validate_seed",
     "initial_noise",
-    "CheckpointError", "ConfigError", "HubError", "ModelError", "NonFiniteImageError", "ReferenceImageError",
-    "RequestError", "UnsafeWeightsError",
+    "CheckpointError", "ConfigError", "HubError", "LoraError", "ModelError", "NonFiniteImageError",
+    "ReferenceImageError", "RequestError", "UnsafeWeightsError",
     "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
     "EngineOptions", "LoadSettings",
     "gcs_client", *_LAZY,

@@ -39,6 +39,7 @@ from .runtime import start_runtime
 from ..parallel.sharding import placement
 from ..loading.tokenizer import PromptTokenizer
 from ..nets.transformer import image_ids, reference_ids, rope_tables, text_ids
+from ..loading.lora_source import merged_deltas, open_adapters
 from ..loading.loader import (ComponentLoad, LoadTimes, load_component, load_components, release_host_memory,
                               validate_component)
 
@@ -48,19 +49,21 @@ logger = logging.getLogger(__name__)
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         cache_dir: str | None = None, variant: str | None = None, **engine_overrides) -> "Flux2KleinGenerator":
+         cache_dir: str | None = None, variant: str | None = None, loras=(), **engine_overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
     layout) in `dtype` and prepare it for generation.
 
     `settings` is a `LoadSettings` (as the job passes it), or the checkpoint's path with the other arguments.
     `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
     `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
-    others. The weights are cast to `dtype` whatever the files hold. `engine_overrides` name fields of
-    `EngineOptions`."""
+    others. The weights are cast to `dtype` whatever the files hold. `loras`: LoRA adapters (`[NAME=]SOURCE[:SCALE]`
+    or model.loading.lora_spec.LoraSpec) merged into the transformer's weights as they are placed, before any int8
+    quantization. `engine_overrides` name fields of `EngineOptions`."""
     if not isinstance(settings, LoadSettings):
         settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
                                        batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
-                                       options=options, cache_dir=cache_dir, variant=variant, **engine_overrides)
+                                       options=options, cache_dir=cache_dir, variant=variant, loras=loras,
+                                       **engine_overrides)
     elif engine_overrides:
         settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
     return _load(settings)
@@ -109,6 +112,10 @@ def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
     step("shapes")
     files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=variant)
              for name, _, exp, opt in components]
+    # LoRA adapters: checked from their headers against the transformer, their factors read (small) to be merged
+    # into its weights on the devices as they are placed.
+    adapters = open_adapters(settings.loras, stored["transformer"][0], settings.cache_dir) if settings.loras else []
+    deltas = {"transformer": merged_deltas(adapters)} if adapters else {}
     step("validate")
 
     # Each weight goes straight to its place on the mesh as it is read (split over the model axis, fused projections
@@ -120,8 +127,8 @@ def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
     mesh = make_mesh(options)
 
     shard_order.order_for_shards(transformer_abs, model_shards(mesh))
-    loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_order.stored_to_order(module))
-             for (name, module, exp, opt), f in zip(components, files)]
+    loads = [ComponentLoad(os.path.join(root, name), module, exp, opt, f, shard_order.stored_to_order(module),
+                           deltas.get(name)) for (name, module, exp, opt), f in zip(components, files)]
     step("mesh")
 
     # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime had
@@ -156,6 +163,7 @@ def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
                                     options=options, model_id=settings.model, root=root, mesh=mesh,
                                     vae_encoder_loader=load_vae_encoder)
     generator.load_phases = load_phases  # where the weights' load went (benchmarks.startup reports it)
+    generator.loras = tuple(a.identity for a in adapters)  # merged adapters: the images' identity names them
     load_phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
     return generator
 
@@ -246,6 +254,7 @@ class Flux2KleinGenerator:
         self.config = config
         self.tokenizer = tokenizer
         self.load_phases: dict = {}  # model.load's weight-loading phases (model.loading.loader.LoadTimes, plus wall_s)
+        self.loras: tuple = ()  # the merged LoRA adapters' identities (model.loading.lora_source.LoraAdapter.identity)
         self.dtype = dtype
         self.options = options
         self.model_id = model_id

@@ -274,6 +274,7 @@ class ComponentLoad:
     optional: Iterable[str] = ()
     tensor_to_file: dict | None = None
     permutations: dict | None = None
+    deltas: dict | None = None  # {parameter name: (LoraDelta, ...)}: merged into those weights (model.loading.lora)
 
 
 def prepare_device_transposes(components: list[ComponentLoad], placement) -> int:
@@ -419,6 +420,9 @@ def place(placing: Placing, job) -> list:
     if tuple(path) in component.permutations:  # along the JAX layout's `axis`, which is torch's axis order[axis]
         perm, axis = component.permutations[tuple(path)]
         array = np.take(array, perm, axis=axis if order is None else order[axis])
+    deltas = (component.load.deltas or {}).get(name)
+    if deltas:
+        deltas = _permuted_deltas(deltas, component.permutations.get(tuple(path)), order)
     array = array.astype(_stored_dtype(var, target), copy=False)
     on_device = order is not None and accelerator
     if on_device:
@@ -433,6 +437,8 @@ def place(placing: Placing, job) -> list:
         # copies it would take instead were most of the load on a TPU host (docs/performance.md).
         stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
         transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
+        if deltas:  # in torch's layout, before the transpose (and the int8 quantization it may make)
+            stored = merge_deltas(stored, deltas, _permuted(sharding, order), transposed=False)
         transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding,
                                                                 scale_sharding))
         placed = jax.block_until_ready(transpose(stored))
@@ -440,6 +446,8 @@ def place(placing: Placing, job) -> list:
         placed = jnp.asarray(array) if placing.placement is None else jax.device_put(array, sharding)
         placed = placed.block_until_ready()
         transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
+        if deltas:  # in JAX's layout, before any int8 quantization
+            placed = merge_deltas(placed, deltas, sharding, transposed=order is not None)
         if scale_sharding is not None:  # int8 on the device that holds the float copy (model.nets.quantize)
             placed = jax.block_until_ready(_quantizer(sharding, scale_sharding)(placed))
     if accelerator:
@@ -451,6 +459,37 @@ def place(placing: Placing, job) -> list:
         return [((index, path), var.replace(placed))]
     values, scale = placed
     return [((index, path), var.replace(values)), ((index, scale_path(path)), scale_var.replace(scale))]
+
+
+def _permuted_deltas(deltas: tuple, permutation, order) -> tuple:
+    """LoRA factors whose product is permuted as the weight is (`permutation` (perm, JAX axis), model.parallel.
+    shard_order): the up factor's rows for torch's axis 0, the down factor's columns for its axis 1."""
+    if permutation is None:
+        return deltas
+    perm, axis = permutation
+    torch_axis = axis if order is None else order[axis]
+    return tuple(dataclasses.replace(d, up=d.up[perm]) if torch_axis == 0 else
+                 dataclasses.replace(d, down=d.down[:, perm]) for d in deltas)
+
+
+@functools.lru_cache(maxsize=None)
+def _merger(sharding, transposed: bool):
+    """W + sum(scale * up @ down) on the device, in float32, the result in W's dtype and placed by `sharding`."""
+    def merge(weight, downs, ups, scales):
+        delta = sum(scales[k] * jnp.matmul(ups[k], downs[k], precision=jax.lax.Precision.HIGHEST)
+                    for k in range(len(downs)))
+        return (weight.astype(jnp.float32) + (delta.T if transposed else delta)).astype(weight.dtype)
+
+    return jax.jit(merge, out_shardings=sharding)
+
+
+def merge_deltas(weight, deltas: tuple, sharding, *, transposed: bool):
+    """`weight` (on its devices) with its LoRA deltas merged; `transposed`: the weight is in JAX's [in, out] layout,
+    the deltas in torch's [out, in]."""
+    merge = _merger(sharding, transposed)
+    downs, ups = tuple(d.down for d in deltas), tuple(d.up for d in deltas)
+    scales = np.asarray([d.scale for d in deltas], np.float32)
+    return jax.block_until_ready(merge(weight, downs, ups, scales))
 
 
 def _file_position(resolved: list[ResolvedComponent], job):
