@@ -48,6 +48,7 @@ from .errors import (CheckpointError, ConfigError, HubError, LoraError, ModelErr
                      ReferenceImageError, RequestError, UnsafeWeightsError)
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
+from .loading.lora_spec import LoraSpec
 
 # Imported on first use, so that `import model` stays light and JAX-free: name -> (module, attribute). JAX_NAMES load
 # JAX; the others do not.
@@ -72,6 +73,7 @@ _LAZY = {
     **{name: ("loading.hub", name) for name in ("HubSnapshot", "is_hub_id", "resolve_hub", "with_revision")},
     **{name: ("loading.presets", name) for name in ("PRESET_NAMES", "is_preset", "preset_config")},
     "validate_variant": ("loading.weight_files", "validate_variant"),
+    "check_loras": ("loading.lora_source", "check_loras"),
     "ShardCountError": ("parallel.mesh", "ShardCountError"),
     "shard_counts": ("parallel.mesh", "shard_counts"),
     **{name: ("preflight.estimate", name) for name in ("V5E_CALIBRATION", "ProgramStats")},
@@ -90,7 +92,7 @@ __all__ = sorted([
     "CheckpointError", "ConfigError", "HubError", "LoraError", "ModelError", "NonFiniteImageError",
     "ReferenceImageError", "RequestError", "UnsafeWeightsError",
     "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
-    "EngineOptions", "LoadSettings",
+    "EngineOptions", "LoadSettings", "LoraSpec",
     "gcs_client", *_LAZY,
 ])
 

@@ -152,3 +152,13 @@ def merged_deltas(adapters: list[LoraAdapter]) -> dict[str, tuple]:
         for name, delta in adapter.deltas().items():
             out[name] = out.get(name, ()) + (delta,)
     return out
+
+
+def check_loras(specs, config, cache_dir: str | None = None) -> tuple[dict, ...]:
+    """The launch's check of the job's adapters against the checkpoint's transformer (`config`: its PipelineConfig),
+    from their headers as the weights are checked: each adapter's identity (name, sha256, scale), or LoraError naming
+    the key that fits no parameter."""
+    from ..engine.factory import Networks  # JAX: the names come from the model's modules, as shapes
+
+    parameters = Networks(config, out_layers=(-1,)).stored_tensors()["transformer"][0]
+    return tuple(a.identity for a in open_adapters(specs, parameters, cache_dir))
