@@ -202,7 +202,8 @@ class ModelSpec:
 
     def __post_init__(self):
         _set(self, model=with_revision(self.model, self.model_revision))
-        _set(self, lora=tuple(LoraSpec.parse(text) for text in self.lora or ()))
+        _set(self, lora=tuple(LoraSpec.parse(text.strip()) for value in self.lora or ()
+                              for text in str(value).split(",") if text.strip()))
         validate_variant(self.model_variant, name="--model_variant")
         count("--max_sequence_length", self.max_sequence_length)
         _set(self, dtype=Dtype(self.dtype), quantize=Quantize(self.quantize),

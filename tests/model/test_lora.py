@@ -239,3 +239,24 @@ def test_bad_adapter_is_refused_naming_the_key(tmp_path, linear_shapes, tensors,
 def test_lora_spec_parse(text, spec):
     assert LoraSpec.parse(text) == spec
     assert LoraSpec.parse("gs://b/x/style.safetensors:0.8").label == "style"
+
+
+def test_int8_quantizes_the_merged_weight(tiny_ckpt, lora_files):
+    """With --quantize int8 the adapter is merged first: the int8 weight and scale are those of the merged float
+    weight (a fused q/k/v adapter's third for to_k), not the base weight's with an adapter added after."""
+    from safetensors.numpy import load_file
+
+    from model.nets.quantize import quantize_columns
+
+    plain = model.load(tiny_ckpt, dtype="float32", max_sequence_length=8)
+    int8 = model.load(tiny_ckpt, dtype="float32", max_sequence_length=8, quantize="int8",
+                      loras=[f"{lora_files['bfl']}:0.6"])
+    attn = lambda gen: gen.programs.modules()[1].transformer_blocks[0].attn  # noqa: E731
+    base = np.asarray(attn(plain).to_k.weight[...])  # [in, out]
+    tensors = load_file(lora_files["bfl"])
+    down = tensors["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"]
+    up = np.split(tensors["diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight"], 3)[1]
+    values, scale = quantize_columns(base + 0.6 * (up @ down).T)
+    # int8 steps apart by at most one (a float32 sum in another order may round a half the other way)
+    assert np.abs(np.asarray(attn(int8).to_k.weight[...], np.int32) - np.asarray(values, np.int32)).max() <= 1
+    np.testing.assert_allclose(np.asarray(attn(int8).to_k.weight_scale[...]), np.asarray(scale), rtol=1e-6)
