@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         cache_dir: str | None = None, variant: str | None = None, loras=(), **engine_overrides) -> "Flux2KleinGenerator":
+         cache_dir: str | None = None, variant: str | None = None, loras=(),
+         **engine_overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
     layout) in `dtype` and prepare it for generation.
 
