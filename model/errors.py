@@ -23,6 +23,11 @@ class UnsafeWeightsError(CheckpointError):
     """A pickle-based weight file (.bin/.pt/.ckpt/.pth) was found where safetensors are required."""
 
 
+class LoraError(CheckpointError):
+    """A LoRA adapter cannot be applied to this transformer: a key that maps to no parameter, a shape that does not
+    match, a text-encoder adapter (only transformer adapters are read), or an unreadable source."""
+
+
 class HubError(CheckpointError):
     """A Hugging Face Hub model id (`owner/name[@revision]`) cannot be turned into a local snapshot. `model` is the
     id as given, `endpoint` the Hub it was asked of (None when no request was made)."""

@@ -23,6 +23,7 @@ def validate_variant(variant, name: str = "variant") -> None:
         raise ValueError(f"{name} must be a weight-file variant name such as 'fp16' (letters, digits, _ and -), "
                          f"got {variant!r}")
 
+from .config.lora_spec import LoraSpec
 
 DTYPE_NAMES = ("bfloat16", "float32")
 # Weight and activation quantization of the transformer's block projections (model.nets.quantize): none | int8.
@@ -83,6 +84,7 @@ class LoadSettings:
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     cache_dir: str | None = None       # local cache for copies of gs:// checkpoints
     engine: EngineOptions = EngineOptions()
+    loras: tuple = ()                  # LoRA adapters merged into the transformer (model.config.lora_spec.LoraSpec)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:
@@ -91,16 +93,19 @@ class LoadSettings:
         count("max_sequence_length", self.max_sequence_length)
         object.__setattr__(self, "model", str(self.model))
         object.__setattr__(self, "text_encoder_out_layers", tuple(int(k) for k in self.text_encoder_out_layers))
+        object.__setattr__(self, "loras", tuple(s if isinstance(s, LoraSpec) else LoraSpec.parse(s)
+                                                for s in self.loras))
 
     @classmethod
     def create(cls, model: str, dtype: str = "bfloat16", *, max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
                batch_size: int | None = None, text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS,
                options: EngineOptions | None = None, cache_dir: str | None = None, variant: str | None = None,
-               **engine_overrides) -> "LoadSettings":
+               loras=(), **engine_overrides) -> "LoadSettings":
         """Settings from `model.load`'s keyword arguments: `batch_size` and any EngineOptions field override
         `options`."""
         if batch_size is not None:
             engine_overrides["batch_size"] = batch_size
         engine = dataclasses.replace(options or EngineOptions(), **engine_overrides)
         return cls(model=model, dtype=dtype, variant=variant, max_sequence_length=max_sequence_length,
-                   text_encoder_out_layers=text_encoder_out_layers, cache_dir=cache_dir, engine=engine)
+                   text_encoder_out_layers=text_encoder_out_layers, cache_dir=cache_dir, engine=engine,
+                   loras=tuple(loras))

@@ -186,6 +186,9 @@ OPTIONS = (
     Option("model_cache", "model", "gs:// prefix to which a Dataflow launch copies a Hugging Face Hub --model "
                                    "for its workers, once per commit.", metavar="GS_PREFIX",
            shown_default="--temp_location"),
+    Option("lora", "model", "LoRA adapter merged into the transformer: a .safetensors file or folder, gs:// path or "
+                            "Hub id; repeat or use commas.",
+           repeat=True, metavar="[NAME=]SOURCE[:SCALE]", shown_default="none"),
     Option("checkpoint_cache_dir", "model", "Local folder for the copy of a gs:// checkpoint.", metavar="FOLDER",
            shown_default="checkpoints/ in $FLUX2_KLEIN_CACHE or ~/.cache/flux2-klein-beam"),
     # --- generation

@@ -126,6 +126,20 @@ def read_checkpoint(location: str, variant: str | None) -> Checkpoint:
     return Checkpoint(location=location, size_multiple=config.size_multiple, digest=digest)
 
 
+def check_loras(spec, location: str) -> tuple[dict, ...]:
+    """The --lora adapters checked from their headers against the checkpoint at `location`: their identities (name,
+    sha256, scale) for the model fingerprint; UsageError naming the adapter and its key that fits no parameter."""
+    if not spec.lora:
+        return ()
+    import model
+
+    try:
+        return model.check_loras(spec.lora, model.read_config(location, spec.model_variant),
+                                 spec.checkpoint_cache_dir)
+    except ModelError as e:
+        raise UsageError(f"--lora cannot be applied to this checkpoint's transformer: {type(e).__name__}: {e}") from e
+
+
 def check_bigquery(spec: InputSpec, runner: Runner) -> None:
     """What BigQuery reads need from the runner's options: --bigquery_temp_dataset in --project (or named whole),
     and a gs:// --temp_location to export the rows through."""

@@ -18,7 +18,8 @@ import re
 from typing import Any
 
 from model import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
-                   EngineOptions, LoadSettings, count, is_integer, optional_count, validate_variant, with_revision)
+                   EngineOptions, LoadSettings, LoraSpec, count, is_integer, optional_count, validate_variant,
+                   with_revision)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
@@ -197,10 +198,13 @@ class ModelSpec:
     quantize: Quantize
     max_sequence_length: int
     model_cache: str | None
-    checkpoint_cache_dir: str | None
+    lora: tuple = ()  # model.config.lora_spec.LoraSpec, each checked from its header at launch (probes.check_loras)
+    checkpoint_cache_dir: str | None = None
 
     def __post_init__(self):
         _set(self, model=with_revision(self.model, self.model_revision))
+        _set(self, lora=tuple(LoraSpec.parse(text.strip()) for value in self.lora or ()
+                              for text in str(value).split(",") if text.strip()))
         validate_variant(self.model_variant, name="--model_variant")
         count("--max_sequence_length", self.max_sequence_length)
         _set(self, dtype=Dtype(self.dtype), quantize=Quantize(self.quantize),
@@ -346,6 +350,7 @@ class JobSpec:
             return LoadSettings(
                 model=location, dtype=str(self.model.dtype), variant=self.model.model_variant,
                 max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
+                loras=self.model.lora,
                 engine=EngineOptions(batch_size=batch, model_shards=limits.model_shards, compilation_cache_dir=cache,
                                      quantize=str(self.model.quantize)))
         except ValueError as e:

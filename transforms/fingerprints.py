@@ -42,9 +42,11 @@ def request_fingerprint(task) -> str:
 
 
 def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length: int,
-                      text_encoder_out_layers=(), quantize: str = "none") -> str:
+                      text_encoder_out_layers=(), quantize: str = "none", loras=()) -> str:
     """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels
-    (an int8 model's images are another model's: a resume never mixes them with bf16 ones)."""
+    (an int8 model's images are another model's: a resume never mixes them with bf16 ones). `loras`: the merged LoRA
+    adapters' identities ({name, sha256, scale}, model.loading.lora_source): another adapter or scale is another
+    model."""
     settings = {
         "v": VERSION,
         "checkpoint": checkpoint_digest,
@@ -54,4 +56,6 @@ def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length
     }
     if quantize != "none":  # unquantized models keep the fingerprint they always had (their outputs still resume)
         settings["quantize"] = quantize
+    if loras:  # models without adapters keep the fingerprint they always had
+        settings["loras"] = [{"sha256": lora["sha256"], "scale": float(lora["scale"])} for lora in loras]
     return _digest(settings)

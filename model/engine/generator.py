@@ -40,6 +40,7 @@ from .runtime import start_runtime
 from ..parallel.sharding import placement
 from ..loading.tokenizer import PromptTokenizer
 from ..nets.transformer import image_ids, reference_ids, rope_tables, text_ids
+from ..loading.lora_source import merged_deltas, open_adapters
 from ..loading.loader import (ComponentLoad, LoadTimes, load_component, load_components, release_host_memory,
                               validate_component)
 
@@ -49,19 +50,22 @@ logger = logging.getLogger(__name__)
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         cache_dir: str | None = None, variant: str | None = None, **engine_overrides) -> "Flux2KleinGenerator":
+         cache_dir: str | None = None, variant: str | None = None, loras=(),
+         **engine_overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
     layout) in `dtype` and prepare it for generation.
 
     `settings` is a `LoadSettings` (as the job passes it), or the checkpoint's path with the other arguments.
     `variant`: which weight files, as diffusers' `from_pretrained(variant=...)` (e.g. "fp16" for
     `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
-    others. The weights are cast to `dtype` whatever the files hold. `engine_overrides` name fields of
-    `EngineOptions`."""
+    others. The weights are cast to `dtype` whatever the files hold. `loras`: LoRA adapters (`[NAME=]SOURCE[:SCALE]`
+    or model.config.lora_spec.LoraSpec) merged into the transformer's weights as they are placed, before any int8
+    quantization. `engine_overrides` name fields of `EngineOptions`."""
     if not isinstance(settings, LoadSettings):
         settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
                                        batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
-                                       options=options, cache_dir=cache_dir, variant=variant, **engine_overrides)
+                                       options=options, cache_dir=cache_dir, variant=variant, loras=loras,
+                                       **engine_overrides)
     elif engine_overrides:
         settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
     return _load(settings)
@@ -120,6 +124,7 @@ class PreparedLoad:
     components: list  # (folder name, module, expected tensors, optional tensors), in COMPONENT_FOLDERS order
     files: list  # each component's tensor -> file, from the headers
     tokenizing: object  # the tokenizer's Future, loading on its own thread
+    adapters: list = dataclasses.field(default_factory=list)  # LoRA adapters opened and checked, merged as placed
 
 
 def prepare_load(settings: LoadSettings, root: str, clock: StepClock) -> PreparedLoad:
@@ -140,8 +145,11 @@ def prepare_load(settings: LoadSettings, root: str, clock: StepClock) -> Prepare
     clock.mark("shapes")
     files = [validate_component(os.path.join(root, name), expected=exp, optional=opt, variant=settings.variant)
              for name, _, exp, opt in components]
+    # LoRA adapters: checked from their headers against the transformer, their factors read (small) to be merged
+    # into its weights on the devices as they are placed.
+    adapters = open_adapters(settings.loras, stored["transformer"][0], settings.cache_dir) if settings.loras else []
     clock.mark("validate")
-    return PreparedLoad(root, config, networks, components, files, tokenizing)
+    return PreparedLoad(root, config, networks, components, files, tokenizing, adapters)
 
 
 @dataclasses.dataclass
@@ -165,7 +173,9 @@ def place_weights(prepared: PreparedLoad, options: EngineOptions, runtime, clock
     mesh = make_mesh(options)
     transformer_abs = prepared.components[1][1]
     shard_order.order_for_shards(transformer_abs, model_shards(mesh))
-    loads = [ComponentLoad(os.path.join(prepared.root, name), module, exp, opt, f, shard_order.stored_to_order(module))
+    deltas = {"transformer": merged_deltas(prepared.adapters)} if prepared.adapters else {}
+    loads = [ComponentLoad(os.path.join(prepared.root, name), module, exp, opt, f,
+                           shard_order.stored_to_order(module), deltas.get(name))
              for (name, module, exp, opt), f in zip(prepared.components, prepared.files)]
     clock.mark("mesh")
     # The tokenizer goes on loading beside the weights (on a TPU host it still needed seconds after the runtime had
@@ -208,6 +218,7 @@ def assemble_generator(settings: LoadSettings, prepared: PreparedLoad, placed: P
                                     options=settings.engine, model_id=settings.model, root=prepared.root,
                                     mesh=placed.mesh, vae_encoder_loader=vae_encoder)
     generator.load_phases = phases  # where the weights' load went (benchmarks.startup reports it)
+    generator.loras = tuple(a.identity for a in prepared.adapters)  # merged adapters: part of the images' identity
     phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
     return generator
 
@@ -298,6 +309,7 @@ class Flux2KleinGenerator:
         self.config = config
         self.tokenizer = tokenizer
         self.load_phases: dict = {}  # model.load's weight-loading phases (model.loading.loader.LoadTimes, plus wall_s)
+        self.loras: tuple = ()  # the merged LoRA adapters' identities (model.loading.lora_source.LoraAdapter.identity)
         self.dtype = dtype
         self.options = options
         self.model_id = model_id

@@ -244,6 +244,7 @@ class ComponentLoad:
     optional: Iterable[str] = ()
     tensor_to_file: dict | None = None
     permutations: dict | None = None
+    deltas: dict | None = None  # {parameter name: (LoraDelta, ...)}: merged into those weights (model.loading.lora)
 
 
 def prepare_device_transposes(components: list[ComponentLoad], placement) -> int:
@@ -301,110 +302,196 @@ def load_component(folder: str, abstract_module, *, expected: dict[str, tuple[in
     return module
 
 
-def load_components(components: list[ComponentLoad], *, placement=None, times: LoadTimes | None = None,
-                    should_stop=None) -> list:
-    """`load_component` for several components at once, their tensors in one queue for the same loading threads:
-    no thread waits for the last large tensors of one component before the next component's start.
-    `should_stop()`: an exception to raise instead of reading the next tensor (e.g. a tokenizer that failed to load
-    meanwhile), or None to go on."""
-    jobs = []  # (component index, path, abstract variable)
-    graphs = []
-    resolved = []  # the components with their validated tensor files
-    for index, c in enumerate(components):
+@dataclasses.dataclass
+class ResolvedComponent:
+    """A component ready to load: its module split into graph and flat abstract state, with its validated tensor
+    files, its shard permutations and the parameters read from the files (an int8 weight's scale is no checkpoint
+    tensor: its weight's job fills it, model.nets.quantize)."""
+
+    load: ComponentLoad
+    graphdef: object
+    flat: list
+    tensor_to_file: dict
+    permutations: dict
+    variables: dict
+    read: list
+
+
+def resolve(components: list[ComponentLoad]) -> list[ResolvedComponent]:
+    """Validate each component's files (unless given) and check every parameter it reads has a tensor there."""
+    resolved = []
+    for c in components:
         tensor_to_file = c.tensor_to_file
         if tensor_to_file is None:
             tensor_to_file = validate_component(c.folder, expected=c.expected, optional=c.optional)
         graphdef, abstract_state = nnx.split(c.abstract_module)
         flat = nnx.to_flat_state(abstract_state)
-        # An int8 weight's scale is no checkpoint tensor: its weight's job fills it (model.nets.quantize).
         read = [(path, var) for path, var in flat if not isinstance(var, QuantScale)]
         for path, _ in read:
             name = ".".join(str(p) for p in path)
             if name not in tensor_to_file:
                 raise CheckpointError("model parameter has no tensor in the checkpoint", path=c.folder, tensor=name)
-        graphs.append((graphdef, flat, tensor_to_file, c.permutations or {}, dict(flat)))
-        resolved.append(dataclasses.replace(c, tensor_to_file=tensor_to_file))
-        jobs.extend((index, path, var) for path, var in read)
+        resolved.append(ResolvedComponent(dataclasses.replace(c, tensor_to_file=tensor_to_file), graphdef, flat,
+                                          tensor_to_file, c.permutations or {}, dict(flat), read))
+    return resolved
 
+
+@dataclasses.dataclass
+class Placing:
+    """What every loading thread shares while it places tensors (see `load_components`)."""
+
+    resolved: list[ResolvedComponent]
+    placement: object  # (path, variable) -> sharding, or None: the default device
+    default_sharding: object
+    buffers: ReadBuffers
+    times: LoadTimes | None
+    should_stop: object
+
+    def sharding(self, path, var):
+        return self.placement(path, var) if self.placement is not None else self.default_sharding
+
+
+def prepare(resolved: list[ResolvedComponent], *, placement=None, times: LoadTimes | None = None,
+            should_stop=None) -> Placing:
+    """The loading threads' shared state; starts compiling every transpose the tensors need (or reading it from the
+    compilation cache) on the transposes' threads while the first tensors are read (a no-op for those a caller
+    prepared already)."""
     default_sharding = SingleDeviceSharding(jax.devices()[0]) if placement is None else None
-    buffers = ReadBuffers()
-    # Every transpose the tensors need, compiled (or read from the compilation cache) on the transposes' threads
-    # while the first tensors are read (a no-op for those a caller prepared already).
-    prepare_device_transposes(resolved, placement or (lambda path, var: default_sharding))
+    prepare_device_transposes([r.load for r in resolved], placement or (lambda path, var: default_sharding))
+    return Placing(resolved, placement, default_sharding, ReadBuffers(), times, should_stop)
 
-    def place(job):
-        index, path, var = job
-        if should_stop is not None:
-            stop = should_stop()
-            if stop is not None:
-                raise stop
-        _, _, tensor_to_file, permutations, variables = graphs[index]
-        name = ".".join(str(p) for p in path)
-        target = var.get_value() if hasattr(var, "get_value") else var.value
-        sf = tensor_to_file[name]
-        sharding = placement(path, var) if placement is not None else default_sharding
-        scale_sharding = None
-        if is_quantized(var):
-            scale_var = variables[scale_path(path)]
-            scale_sharding = placement(scale_path(path), scale_var) if placement is not None else default_sharding
-        accelerator = _platform(sharding) in DEVICE_TRANSPOSE_PLATFORMS
-        clock = time.perf_counter()
-        array = squeezed(sf.read(name, buffers if accelerator else None), len(target.shape))
-        read_s, clock = time.perf_counter() - clock, time.perf_counter()
-        order = jax_axes_order(name, array.ndim, len(target.shape))
-        stored_shape = array.shape if order is None else tuple(array.shape[a] for a in order)
-        if tuple(stored_shape) != tuple(target.shape):
-            raise CheckpointError(f"converted shape {list(stored_shape)} differs from the model's "
-                                  f"{list(target.shape)}", path=sf.path, tensor=name)
-        if tuple(path) in permutations:  # along the JAX layout's `axis`, which is torch's axis order[axis]
-            perm, axis = permutations[tuple(path)]
-            array = np.take(array, perm, axis=axis if order is None else order[axis])
-        array = array.astype(_stored_dtype(var, target), copy=False)
-        on_device = order is not None and accelerator
-        if on_device:
-            array = np.ascontiguousarray(array)
-        else:
-            array = contiguous(array if order is None else array.transpose(order))
-        host_s, clock = time.perf_counter() - clock, time.perf_counter()
-        # Each step is waited on, so the host copy is released as soon as the device holds the tensor (host memory
-        # holds at most one tensor per loading thread, whatever the model's size) and each phase is timed.
-        if on_device:
-            # Sent in torch's layout and transposed by the device, whose memory does it in microseconds; the host
-            # copies it would take instead were most of the load on a TPU host (docs/performance.md).
-            stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
-            transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
-            transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding,
-                                                                    scale_sharding))
-            placed = jax.block_until_ready(transpose(stored))
-        else:
-            placed = jnp.asarray(array) if placement is None else jax.device_put(array, sharding)
-            placed = placed.block_until_ready()
-            transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
-            if scale_sharding is not None:  # int8 on the device that holds the float copy (model.nets.quantize)
-                placed = jax.block_until_ready(_quantizer(sharding, scale_sharding)(placed))
-        if accelerator:
-            buffers.keep_unless_aliased(placed[0] if scale_sharding is not None else placed)
-        if times is not None:
-            times.add(array.nbytes, read_s=read_s, host_layout_s=host_s, transfer_s=transfer_s,
-                      device_layout_s=time.perf_counter() - clock)
-        if scale_sharding is None:
-            return [((index, path), var.replace(placed))]
-        values, scale = placed
-        return [((index, path), var.replace(values)), ((index, scale_path(path)), scale_var.replace(scale))]
 
+def place(placing: Placing, job) -> list:
+    """Read one parameter's tensor, lay it out and put it on its devices (int8 weights quantized there): its
+    ((component index, path), variable) leaves, the scale's too for an int8 weight."""
+    index, path, var = job
+    if placing.should_stop is not None:
+        stop = placing.should_stop()
+        if stop is not None:
+            raise stop
+    component = placing.resolved[index]
+    name = ".".join(str(p) for p in path)
+    target = var.get_value() if hasattr(var, "get_value") else var.value
+    sf = component.tensor_to_file[name]
+    sharding = placing.sharding(path, var)
+    scale_sharding = None
+    if is_quantized(var):
+        scale_var = component.variables[scale_path(path)]
+        scale_sharding = placing.sharding(scale_path(path), scale_var)
+    accelerator = _platform(sharding) in DEVICE_TRANSPOSE_PLATFORMS
+    clock = time.perf_counter()
+    array = squeezed(sf.read(name, placing.buffers if accelerator else None), len(target.shape))
+    read_s, clock = time.perf_counter() - clock, time.perf_counter()
+    order = jax_axes_order(name, array.ndim, len(target.shape))
+    stored_shape = array.shape if order is None else tuple(array.shape[a] for a in order)
+    if tuple(stored_shape) != tuple(target.shape):
+        raise CheckpointError(f"converted shape {list(stored_shape)} differs from the model's "
+                              f"{list(target.shape)}", path=sf.path, tensor=name)
+    if tuple(path) in component.permutations:  # along the JAX layout's `axis`, which is torch's axis order[axis]
+        perm, axis = component.permutations[tuple(path)]
+        array = np.take(array, perm, axis=axis if order is None else order[axis])
+    deltas = (component.load.deltas or {}).get(name)
+    if deltas:
+        deltas = _permuted_deltas(deltas, component.permutations.get(tuple(path)), order)
+    array = array.astype(_stored_dtype(var, target), copy=False)
+    on_device = order is not None and accelerator
+    if on_device:
+        array = np.ascontiguousarray(array)
+    else:
+        array = contiguous(array if order is None else array.transpose(order))
+    host_s, clock = time.perf_counter() - clock, time.perf_counter()
+    # Each step is waited on, so the host copy is released as soon as the device holds the tensor (host memory
+    # holds at most one tensor per loading thread, whatever the model's size) and each phase is timed.
+    if on_device:
+        # Sent in torch's layout and transposed by the device, whose memory does it in microseconds; the host
+        # copies it would take instead were most of the load on a TPU host (docs/performance.md).
+        stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
+        transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
+        if deltas:  # in torch's layout, before the transpose (and the int8 quantization it may make)
+            stored = merge_deltas(stored, deltas, _permuted(sharding, order), transposed=False)
+        transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding,
+                                                                scale_sharding))
+        placed = jax.block_until_ready(transpose(stored))
+    else:
+        placed = jnp.asarray(array) if placing.placement is None else jax.device_put(array, sharding)
+        placed = placed.block_until_ready()
+        transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
+        if deltas:  # in JAX's layout, before any int8 quantization
+            placed = merge_deltas(placed, deltas, sharding, transposed=order is not None)
+        if scale_sharding is not None:  # int8 on the device that holds the float copy (model.nets.quantize)
+            placed = jax.block_until_ready(_quantizer(sharding, scale_sharding)(placed))
+    if accelerator:
+        placing.buffers.keep_unless_aliased(placed[0] if scale_sharding is not None else placed)
+    if placing.times is not None:
+        placing.times.add(array.nbytes, read_s=read_s, host_layout_s=host_s, transfer_s=transfer_s,
+                          device_layout_s=time.perf_counter() - clock)
+    if scale_sharding is None:
+        return [((index, path), var.replace(placed))]
+    values, scale = placed
+    return [((index, path), var.replace(values)), ((index, scale_path(path)), scale_var.replace(scale))]
+
+
+def _permuted_deltas(deltas: tuple, permutation, order) -> tuple:
+    """LoRA factors whose product is permuted as the weight is (`permutation` (perm, JAX axis), model.parallel.
+    shard_order): the up factor's rows for torch's axis 0, the down factor's columns for its axis 1."""
+    if permutation is None:
+        return deltas
+    perm, axis = permutation
+    torch_axis = axis if order is None else order[axis]
+    return tuple(dataclasses.replace(d, up=d.up[perm]) if torch_axis == 0 else
+                 dataclasses.replace(d, down=d.down[:, perm]) for d in deltas)
+
+
+@functools.lru_cache(maxsize=None)
+def _merger(sharding, transposed: bool):
+    """W + sum(scale * up @ down) on the device, in float32, the result in W's dtype and placed by `sharding`."""
+    def merge(weight, downs, ups, scales):
+        delta = sum(scales[k] * jnp.matmul(ups[k], downs[k], precision=jax.lax.Precision.HIGHEST)
+                    for k in range(len(downs)))
+        return (weight.astype(jnp.float32) + (delta.T if transposed else delta)).astype(weight.dtype)
+
+    return jax.jit(merge, out_shardings=sharding)
+
+
+def merge_deltas(weight, deltas: tuple, sharding, *, transposed: bool):
+    """`weight` (on its devices) with its LoRA deltas merged; `transposed`: the weight is in JAX's [in, out] layout,
+    the deltas in torch's [out, in]."""
+    merge = _merger(sharding, transposed)
+    downs, ups = tuple(d.down for d in deltas), tuple(d.up for d in deltas)
+    scales = np.asarray([d.scale for d in deltas], np.float32)
+    return jax.block_until_ready(merge(weight, downs, ups, scales))
+
+
+def _file_position(resolved: list[ResolvedComponent], job):
+    """Where a job's tensor lies: (file, offset)."""
+    index, path, _ = job
+    name = ".".join(str(p) for p in path)
+    sf = resolved[index].tensor_to_file[name]
+    return sf.path, sf.entries[name][2]
+
+
+def assemble(resolved: list[ResolvedComponent], placed: dict) -> list:
+    """The concrete modules from their graphs and placed leaves {(component index, path): variable}."""
+    modules = []
+    for index, r in enumerate(resolved):
+        leaves = [(path, placed[(index, path)]) for path, _ in r.flat]
+        modules.append(nnx.merge(r.graphdef, nnx.from_flat_state(leaves)))
+    return modules
+
+
+def load_components(components: list[ComponentLoad], *, placement=None, times: LoadTimes | None = None,
+                    should_stop=None) -> list:
+    """`load_component` for several components at once, their tensors in one queue for the same loading threads:
+    no thread waits for the last large tensors of one component before the next component's start.
+    `should_stop()`: an exception to raise instead of reading the next tensor (e.g. a tokenizer that failed to load
+    meanwhile), or None to go on. Runs resolve -> prepare -> place (per tensor) -> assemble."""
+    resolved = resolve(components)
+    placing = prepare(resolved, placement=placement, times=times, should_stop=should_stop)
+    jobs = [(index, path, var) for index, r in enumerate(resolved) for path, var in r.read]
     # Tensors are read, laid out and sent to the devices by several threads at once: file reads, the layout copies
     # (as 16-bit integers for 2-byte floats, which numpy copies without the GIL) and host-to-device transfers overlap.
     # They are taken in the order they lie in the files, so the threads' reads move through each file together.
-    def position(job):
-        index, path, _ = job
-        name = ".".join(str(p) for p in path)
-        sf = graphs[index][2][name]
-        return sf.path, sf.entries[name][2]
-
+    jobs.sort(key=functools.partial(_file_position, resolved))
     with ThreadPoolExecutor(LOAD_THREADS) as pool:
-        placed = dict(leaf for leaves in pool.map(place, sorted(jobs, key=position)) for leaf in leaves)
-    modules = []
-    for index, (graphdef, flat, _, _, _) in enumerate(graphs):
-        leaves = [(path, placed[(index, path)]) for path, _ in flat]
-        modules.append(nnx.merge(graphdef, nnx.from_flat_state(leaves)))
-    return modules
+        placed = dict(leaf for leaves in pool.map(functools.partial(place, placing), jobs) for leaf in leaves)
+    return assemble(resolved, placed)

@@ -73,7 +73,9 @@ class SafetensorsFile:
             raise CheckpointError(f"safetensors header is not valid JSON: {e}", path=path) from e
         if not isinstance(header, dict):
             raise CheckpointError("safetensors header is not a JSON object", path=path)
-        header.pop("__metadata__", None)
+        # Free-form strings (a LoRA's adapter config, for one: model.loading.lora).
+        metadata = header.pop("__metadata__", None)
+        self.metadata: dict = metadata if isinstance(metadata, dict) else {}
         self.data_start = 8 + header_len
         data_len = None if size is None else size - self.data_start
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}

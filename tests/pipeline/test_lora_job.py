@@ -1,0 +1,51 @@
+"""--lora at launch: each adapter checked from its header against the checkpoint's transformer (a key that fits no
+parameter stops the launch, naming it), and its content and scale in the model fingerprint (a resume never keeps an
+image made with another adapter or scale)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
+from safetensors.numpy import save_file
+
+from pipeline.errors import UsageError
+from pipeline.launch import resolve_job
+
+
+def _adapter(path, rows=96, seed=0):
+    """A BFL-layout adapter of the tiny transformer's first double block's image q/k/v (inner width 32)."""
+    rng = np.random.default_rng(seed)
+    save_file({"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": rng.standard_normal((4, 32), np.float32),
+               "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": rng.standard_normal((rows, 4),
+                                                                                                 np.float32)},
+              str(path))
+    return str(path)
+
+
+def _job(tiny_ckpt, tmp_path, *loras):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    return resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}",
+                                        *(f"--lora={lora}" for lora in loras)]))
+
+
+def test_adapters_are_in_the_model_fingerprint(tiny_ckpt, tmp_path):
+    style, other = _adapter(tmp_path / "style.safetensors"), _adapter(tmp_path / "other.safetensors", seed=1)
+    plain = _job(tiny_ckpt, tmp_path)
+    job = _job(tiny_ckpt, tmp_path, f"{style}:0.5")
+    assert [(s.label, s.scale) for s in job.load.loras] == [("style", 0.5)]
+    fingerprints = {plain.model_fingerprint, job.model_fingerprint,
+                    _job(tiny_ckpt, tmp_path, f"{style}:0.6").model_fingerprint,
+                    _job(tiny_ckpt, tmp_path, f"{other}:0.5").model_fingerprint}
+    assert len(fingerprints) == 4  # no adapter, another scale, another adapter: each another model
+    # The name records pick an adapter by does not make another model.
+    assert _job(tiny_ckpt, tmp_path, f"renamed={style}:0.5").model_fingerprint == job.model_fingerprint
+
+
+def test_adapter_that_fits_no_parameter_stops_the_launch(tiny_ckpt, tmp_path):
+    bad = _adapter(tmp_path / "bad.safetensors", rows=90)
+    with pytest.raises(UsageError, match=r"--lora.*img_attn\.qkv\.lora_B\.weight.*bad\.safetensors"):
+        _job(tiny_ckpt, tmp_path, bad)
+    with pytest.raises(UsageError, match="--lora"):
+        _job(tiny_ckpt, tmp_path, str(tmp_path / "missing.safetensors"))
