@@ -364,9 +364,13 @@ class CompiledPrograms:
 
     def lower(self, b: Bucket, in_channels, joint_dim, head_dim):
         """The bucket's programs lowered for its shapes, in PROGRAMS order (denoise: the whole loop)."""
-        dims = Dims(in_channels, joint_dim, head_dim)
-        return [self._jitted[name].lower(self.state_of(program.module), *program.arg_specs(self, b, dims))
-                for name, program in BUCKET_PROGRAMS.items()]
+        return [self.lower_program(name, b, in_channels, joint_dim, head_dim) for name in BUCKET_PROGRAMS]
+
+    def lower_program(self, name: str, b: Bucket, in_channels, joint_dim=0, head_dim=0):
+        """One program of the bucket lowered for its shapes (`joint_dim` and `head_dim`: the denoising loop's)."""
+        program = BUCKET_PROGRAMS[name]
+        specs = program.arg_specs(self, b, Dims(in_channels, joint_dim, head_dim))
+        return self._jitted[name].lower(self.state_of(program.module), *specs)
 
     def _build(self, b: Bucket, dims: Dims):
         """The bucket's programs, compiled ahead of time (all of them concurrently)."""

@@ -286,8 +286,7 @@ def test_decode_program_forms_by_platform(libtpu):
         mesh = make_mesh(topology_options(1), devices=devices)
         programs = build_programs(modules, dtype="bfloat16", mesh=mesh, options=topology_options(1), text_len=32,
                                   abstract=True)
-        text = programs._decode.lower(*programs._decode_args(Bucket(1, 16, 16, 4, False),
-                                                             config.transformer.in_channels)).as_text()
+        text = programs.lower_program("decode", Bucket(1, 16, 16, 4, False), config.transformer.in_channels).as_text()
         return len(re.findall(r"lhs_dilate = \[2, 2\]", text)), count_kernel_calls(text, "lowered")
 
     assert (forms_for("tpu").upsample, forms_for("cpu").upsample) == ("dilated", "phases")
