@@ -27,7 +27,7 @@ def client():
     try:
         return storage.Client()
     except Exception as e:  # no credentials on this machine: public buckets still work anonymously
-        logger.info("no Google Cloud credentials (%s); reading the checkpoint anonymously", e)
+        logger.info("no Google Cloud credentials (%s); using Cloud Storage anonymously (public buckets only)", e)
         return storage.Client.create_anonymous_client()
 
 
