@@ -151,7 +151,7 @@ def quiet_tpu_runtime() -> None:
 
 def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> JobConfig:
     """For TPU workers (unless --skip_preflight): compile the job for their topology first; UsageError (nothing
-    submitted) if it cannot fit. With --batch_size auto the batch is the largest up to --max_batch_size that fits
+    submitted) if it cannot fit. With --batch_size auto the batch is the fastest per image up to --max_batch_size that fits
     there, also on a local run with this machine's TPU (pipeline/launch_check.py); with no TPU topology to fit, the
     default (model.DEFAULT_BATCH_SIZE, at most --max_batch_size). Returns the job with its batch; the submitted
     options carry it too."""
@@ -175,7 +175,7 @@ def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> J
     figures = (launch_check.pick_local_batch(job, topology) if local
                else launch_check.check_fits(job, topology).to_json())
     if auto:
-        job = _with_batch(options, job, figures["batch"], f"the largest up to {figures['max_batch_size']} whose "
+        job = _with_batch(options, job, figures["batch"], f"the fastest per image up to {figures['max_batch_size']} whose "
                                                            f"programs fit {topology} (TPU preflight at launch)")
     print(f"TPU preflight: fits {topology} with {figures['model_shards']} model shard(s) at batch "
           f"{figures['batch']}{' (picked)' if auto else ''}: peak {figures['peak_bytes_per_chip'] / 2**30:.2f} of "

@@ -7,7 +7,7 @@ The programs it compiles are written to the job's shared compilation cache (`--c
 under `--temp_location`): a worker whose JAX, libtpu and chips match the launcher's loads them instead of compiling.
 The check compiles at the job's default size, batch, steps, dtype and `--model_shards` (records that ask for more
 pixels are not covered); `--skip_preflight` skips it. With `--batch_size auto` (the default) it picks the batch: the
-largest up to `--max_batch_size` whose programs fit (model.fit's search), which the job then runs at.
+fastest per image up to `--max_batch_size` whose programs fit (model.fit's search), which the job then runs at.
 
 A local run checks nothing, except that with `--batch_size auto` on a machine with a TPU attached the batch is picked
 the same way, for the chips found here (`local_tpu_topology`), by the preflight in a child process that never opens
@@ -90,7 +90,7 @@ def hbm_bytes_override() -> int | None:
 
 
 def check_fits(job, topology: str):
-    """Compile `job`'s programs for `topology` at its defaults; with --batch_size auto, the largest batch up to
+    """Compile `job`'s programs for `topology` at its defaults; with --batch_size auto, the fastest batch per image up to
     --max_batch_size that fits. UsageError naming the shortfall and what would fit (a smaller batch first) when they
     do not. Returns the preflight's report (its `batch` is the one to run)."""
     from .preflight import PreflightRequest, format_report, preflight, shortfall_message
@@ -161,8 +161,8 @@ def probe_local_devices(worker_env: dict, timeout_s: float = 180) -> str | None:
 
 
 def pick_local_batch(job, topology: str) -> dict:
-    """--batch_size auto on this machine's TPU: the preflight (`python -m pipeline.preflight`) searches the largest
-    batch up to --max_batch_size that fits `topology` at the job's defaults, in a child process kept to the CPU
+    """--batch_size auto on this machine's TPU: the preflight (`python -m pipeline.preflight`) searches the fastest
+    batch per image up to --max_batch_size that fits `topology` at the job's defaults, in a child process kept to the CPU
     (JAX_PLATFORMS=cpu: it compiles with libtpu but never opens the chips, and this process, the local worker, does
     not load libtpu before its own runtime starts). Should libtpu refuse to compile for that topology here, the child
     compiles on the chips themselves instead (`--topology=attached`, with the worker's environment; it releases them

@@ -7,7 +7,7 @@ model shards, parameters as shapes only), compiles them with libtpu's compiler, 
 bytes, FLOPs per image, the calibrated time, the Mosaic kernels and the compile time; then whether everything fits
 in the chip's HBM and an estimate of seconds per image: the compiler's FLOPs and bytes at the efficiencies measured on
 a TPU v5e chip (`V5E_CALIBRATION`), labelled "calibrated on v5e, not measured" for other chips. `--batch_size auto`
-(the default, as the job's) searches the largest batch up to `--max_batch_size` that fits, as the job's launch does.
+(the default, as the job's) searches the fastest batch per image up to `--max_batch_size` that fits, as the job's launch does.
 
 Two corrections to XLA's cost analysis, both said in the output:
 - it counts a loop body once: the denoising loop's FLOPs, bytes and seconds are multiplied by its steps;
@@ -47,7 +47,7 @@ class PreflightRequest:
     topology: str
     height: int
     width: int
-    batch_size: int | None  # None: the largest up to max_batch_size that fits
+    batch_size: int | None  # None: the fastest per image up to max_batch_size that fits
     dtype: str = "bfloat16"
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
@@ -110,7 +110,7 @@ def _seconds(s: float) -> str:
 def format_report(report: Report) -> str:
     """The human-readable tables: one row per program, then the whole worker."""
     topo = report.topology
-    picked = f"; picked: the largest up to {report.max_batch_size} that fits" if report.batch_picked else ""
+    picked = f"; picked: the fastest per image up to {report.max_batch_size} that fits" if report.batch_picked else ""
     if report.batch_picked and not report.fits:
         picked = f"; none up to {report.max_batch_size} fits"
     quantized = " with int8 projections" if report.quantize == "int8" else ""
@@ -194,7 +194,7 @@ pip install -e '.[preflight]', and the demo's: '.[demo]'):
       --max_sequence_length=32
 then the real model, from its preset (configs only, no weights needed), on four chips:
   python -m pipeline.preflight --model=klein-4b --topology=v5e:2x2 --height=1024 --width=1024
-(without --batch_size it finds the largest batch up to --max_batch_size that fits, as the job's launch does)
+(without --batch_size it finds the fastest batch per image up to --max_batch_size that fits, as the job's launch does)
 """
 
 
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, required=True, help="Image width in pixels, as the job's --width.")
     parser.add_argument("--batch_size", type=batch_size_value, default=None, metavar="N|auto",
                         help="The job's --batch_size (images per compiled batch, rounded up to whole data replicas); "
-                             "default auto: the largest up to --max_batch_size that fits.")
+                             "default auto: the fastest per image up to --max_batch_size that fits.")
     parser.add_argument("--max_batch_size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                         help="The most images per batch --batch_size auto tries, as the job's --max_batch_size "
                              "(default: %(default)s).")

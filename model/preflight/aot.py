@@ -17,10 +17,10 @@ import time
 
 from ..loading.config import PipelineConfig
 from ..engine.factory import Networks, build_programs, check_text_width
-from .batch_search import Trial, best_batch, next_batch
+from .batch_search import Trial, best_batch, fastest, next_batch
 from .fit_report import Report, fit_advice, format_bytes
 from .hlo_stats import is_out_of_hbm, program_stats, program_text, refused_program_stats
-from .estimate import attention_flops_per_image, kernel_split
+from .estimate import attention_flops_per_image, batch_term, kernel_split
 from ..parallel.mesh import check_model_shards, make_mesh, shard_counts
 from ..options import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, PROGRAMS, EngineOptions
 from ..engine.buckets import bucket_for, resolve_sampling
@@ -188,6 +188,30 @@ class _Fitting:
         best = best_batch([t for t in self.trials(shards) if t.batch <= cap], cap)
         return self.report(shards, best) if best else None
 
+    def fastest(self, shards: int, cap: int) -> Report | None:
+        """The complete report of the batch per data replica up to `cap` that fits with `shards` shards and is the
+        fastest per image (a near-tie goes to the smaller: batch_search.fastest), or None when one image per replica
+        does not fit. One image is compiled first; its figures, with the calibrated batch terms (estimate.batch_term),
+        name the likely fastest batch, which is compiled next; should it not fit, the largest smaller batch that does
+        (the figures' time per image falls up to the fastest batch, so that one is the fastest of those that fit).
+        Compiles one batch when one image is the likely fastest, two when the likely fastest fits."""
+        one = self.report(shards, 1, complete=False)
+        if not one.fits:
+            return None
+        int8 = self.quantize == "int8"
+        predicted = {b: one.est_seconds_per_image + batch_term(b, int8=int8) for b in range(1, cap + 1)}
+        likely = fastest(predicted)
+        logger.info("batch %d per data replica is the likely fastest per image (%.1f ms by the estimate)", likely,
+                    predicted[likely] * 1e3)
+        if likely == 1:
+            return one
+        candidate = self.report(shards, likely, complete=False)
+        if not candidate.fits:
+            candidate = self.largest(shards, likely - 1)
+        replicas = self.devices // shards
+        by_batch = {1: one, candidate.batch // replicas: candidate}
+        return by_batch[fastest({b: r.est_seconds_per_image for b, r in by_batch.items()})]
+
     def searched(self) -> tuple:
         """Every batch compiled, in order: (batch, model shards, peak bytes per chip, fits)."""
         return tuple((r.batch, s, r.peak_bytes_per_chip, r.fits) for (s, _), (r, _) in sorted(self._reports.items()))
@@ -200,8 +224,8 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, quantize: str = "none") -> Report:
     """Compile the programs of `config` (named `model` in the report) for `topology` and report; without
     `model_shards`, the fewest shards (a divisor of the worker's devices) whose programs fit, else the most shards'
-    report with advice. `batch_size` None: the largest batch up to `max_batch_size` (at least one image per data
-    replica) that fits, searched at the fewest shards where one image per replica fits; a given batch that does not
+    report with advice. `batch_size` None: the fastest batch per image up to `max_batch_size` (at least one image per
+    data replica) that fits (`_Fitting.fastest`), searched at the fewest shards where one image per replica fits; a given batch that does not
     fit gets the largest smaller batch that does in its advice. Steps and guidance None: the checkpoint's.
     ShardCountError for a `model_shards` that does not divide the devices; the arguments are otherwise taken as
     valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and their time)."""
@@ -226,10 +250,10 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
 
     if batch_size is None:
         for shards in usable:
-            best = fitting.largest(shards, cap(shards))
+            best = fitting.fastest(shards, cap(shards))
             if best is not None:
-                logger.info("picked batch %d: the largest up to %d that fits with %d model shard(s)", best.batch,
-                            max_batch_size, shards)
+                logger.info("picked batch %d: the fastest per image up to %d that fits with %d model shard(s) (%d "
+                            "batch(es) compiled)", best.batch, max_batch_size, shards, len(fitting.searched()))
                 return dataclasses.replace(best, batch_picked=True, max_batch_size=max_batch_size,
                                            batch_trials=fitting.searched())
             logger.info("%d model shard(s): one image per data replica does not fit", shards)
