@@ -170,16 +170,16 @@ def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> J
         why = "--skip_preflight" if skip else "no TPU topology to fit it to"
         batch = job.load.engine.batch_size
         return _with_batch(options, job, batch, f"the default, {batch} ({why})")
-    print(f"TPU preflight: compiling the job for {topology}{' to pick its batch' if auto else ''} (minutes for a "
-          f"real-size model)", flush=True)
     figures = (launch_check.pick_local_batch(job, topology) if local
-               else launch_check.check_fits(job, topology).to_json())
+               else launch_check.check_fits(job, topology))
     if auto:
         job = _with_batch(options, job, figures["batch"], f"the fastest per image up to {figures['max_batch_size']} whose "
                                                            f"programs fit {topology} (TPU preflight at launch)")
+    source = figures.get("answer_source", "compiled")
+    source = "compiled now" if source == "compiled" else f"stored answer {source}, compiled nothing"
     print(f"TPU preflight: fits {topology} with {figures['model_shards']} model shard(s) at batch "
           f"{figures['batch']}{' (picked)' if auto else ''}: peak {figures['peak_bytes_per_chip'] / 2**30:.2f} of "
-          f"{figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip (compiler's estimate)", flush=True)
+          f"{figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip (compiler's estimate; {source})", flush=True)
     return job
 
 

@@ -9,10 +9,12 @@ shapes, model.preflight.estimate).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
+import threading
 import time
 
 from ..loading.config import PipelineConfig
@@ -46,9 +48,33 @@ def programs_for_topology(modules, topology: Topology, *, dtype: str, model_shar
     return build_programs(modules, dtype=dtype, mesh=mesh, options=options, text_len=text_len, abstract=True)
 
 
+# Seconds between the progress lines while one program compiles (a real-size program takes minutes).
+PROGRESS_EVERY_S = 15.0
+
+
+@contextlib.contextmanager
+def progress_lines(what: str, every_s: float = PROGRESS_EVERY_S):
+    """Log `what` now and, with the seconds since, every `every_s` until the block ends: a compile of minutes is
+    never minutes of silence."""
+    start = time.perf_counter()
+    logger.info("%s", what)
+    done = threading.Event()
+
+    def tick():
+        while not done.wait(every_s):
+            logger.info("%s, %.0f s", what, time.perf_counter() - start)
+
+    ticker = threading.Thread(target=tick, name="compile-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dict, *,
                      dump_dir: str | None = None, transient_limit: float | None = None,
-                     order: tuple[str, ...] = PROGRAMS) -> dict:
+                     order: tuple[str, ...] = PROGRAMS, label: str = "") -> dict:
     """Lower and compile encode, the fused denoise loop and decode for `bucket`, in `order`; {name: ProgramStats}.
     With `transient_limit` (bytes per device beyond the parameters) the compiling stops at the first program that is
     refused or needs more: the batch cannot fit, and the others' figures would not change that (so `order` puts the
@@ -59,7 +85,7 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
     params = programs.parameter_bytes_per_device()
     modules = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
     stats = {}
-    for name in order:
+    for number, name in enumerate(order, 1):
         low = lowered[name]
         key = (programs.mesh.devices.flat[0].device_kind, programs.mesh.devices.shape,
                hashlib.sha256(low.as_text().encode()).hexdigest())
@@ -67,7 +93,9 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
         if fresh:  # e.g. the same VAE decode for klein-4B and klein-9B on the same mesh
             start = time.perf_counter()
             try:
-                compiled = low.compile()
+                with progress_lines(f"compiling {label or f'batch {bucket.batch}'}: program {number} of "
+                                    f"{len(order)} ({name})"):
+                    compiled = low.compile()
             except Exception as e:  # noqa: BLE001 - JaxRuntimeError; only running out of HBM is an answer
                 if not is_out_of_hbm(e):
                     raise
@@ -156,7 +184,8 @@ class _Fitting:
             limit = (self.capacity / self.topology.devices_per_chip) - sum(parameters.values())
             order = self._largest_first(shards)
         stats = compile_programs(programs, self.config, bucket, per_device, dump_dir=self.dump_dir,
-                                 transient_limit=limit, order=order)
+                                 transient_limit=limit, order=order,
+                                 label=f"batch {bucket.batch} for {self.topology.name}")
         report = Report(model=self.model, topology=self.topology, dtype=self.dtype, height=self.height,
                         width=self.width, batch=bucket.batch, steps=steps, cfg=cfg, model_shards=shards,
                         attention=programs.attention, parameter_bytes=parameters, programs=stats,
