@@ -151,8 +151,8 @@ def quiet_tpu_runtime() -> None:
 
 def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> JobConfig:
     """For TPU workers (unless --skip_preflight): compile the job for their topology first; UsageError (nothing
-    submitted) if it cannot fit. With --batch_size auto the batch is the fastest per image up to --max_batch_size that fits
-    there, also on a local run with this machine's TPU (pipeline/launch_check.py); with no TPU topology to fit, the
+    submitted) if it cannot fit. With --batch_size auto the batch is the fastest per image up to --max_batch_size that
+    fits there, also on a local run with this machine's TPU (pipeline/launch_check.py); with no TPU topology to fit, the
     default (model.DEFAULT_BATCH_SIZE, at most --max_batch_size). Returns the job with its batch; the submitted
     options carry it too."""
     auto = job.spec.limits.auto_batch
@@ -173,8 +173,8 @@ def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> J
     figures = (launch_check.pick_local_batch(job, topology) if local
                else launch_check.check_fits(job, topology))
     if auto:
-        job = _with_batch(options, job, figures["batch"], f"the fastest per image up to {figures['max_batch_size']} whose "
-                                                           f"programs fit {topology} (TPU preflight at launch)")
+        job = _with_batch(options, job, figures["batch"], f"the fastest per image up to {figures['max_batch_size']} "
+                                                           f"whose programs fit {topology} (TPU preflight at launch)")
     source = figures.get("answer_source", "compiled")
     source = "compiled now" if source == "compiled" else f"stored answer {source}, compiled nothing"
     print(f"TPU preflight: fits {topology} with {figures['model_shards']} model shard(s) at batch "

@@ -3,11 +3,15 @@ submitted, so a job whose programs cannot fit the chips' HBM never starts (and b
 
 The topology comes from the job's `worker_accelerator` service option (as the settings files and `templates/run.sh`
 pass it: `--dataflow_service_options` or, through a Flex Template, `--experiments`), else from a TPU machine type.
-The programs it compiles are written to the job's shared compilation cache (`--compilation_cache_dir`, by default
-under `--temp_location`): a worker whose JAX, libtpu and chips match the launcher's loads them instead of compiling.
 The check compiles at the job's default size, batch, steps, dtype and `--model_shards` (records that ask for more
 pixels are not covered); `--skip_preflight` skips it. With `--batch_size auto` (the default) it picks the batch: the
 fastest per image up to `--max_batch_size` whose programs fit (model.fit's search), which the job then runs at.
+
+Its answer is kept beside the job's compilation cache (`--compilation_cache_dir`, by default under
+`--temp_location`; pipeline/preflight_store.py): a launch whose key is stored compiles nothing for the check. Else
+`python -m pipeline.preflight` compiles in a child process (its progress lines shown as they come; Ctrl-C kills it),
+writing the programs to that cache, where a worker whose JAX, libtpu and chips match finds them instead of
+compiling, and the answer is stored.
 
 A local run checks nothing, except that with `--batch_size auto` on a machine with a TPU attached the batch is picked
 the same way, for the chips found here (`local_tpu_topology`), by the preflight in a child process that never opens

@@ -35,7 +35,8 @@ from transforms.sinks import registry as sink_registry
 from .demo import DEMO_DTYPE, DEMO_SIZE
 
 DEFAULT_OUTPUT = "./output"
-AUTO_BATCH = "auto"  # --batch_size: the fastest batch per image up to --max_batch_size that fits the TPU chips (the launch picks)
+# --batch_size: the fastest batch per image up to --max_batch_size that fits the TPU chips (the launch picks)
+AUTO_BATCH = "auto"
 INPUT_FORMATS = ("auto",) + FORMATS
 DEFAULT_MAX_IMAGES = 10_000_000
 ACCELERATORS = ("tpu", "gpu")  # JAX platform names that --require_accelerator accepts

@@ -7,7 +7,11 @@ model shards, parameters as shapes only), compiles them with libtpu's compiler, 
 bytes, FLOPs per image, the calibrated time, the Mosaic kernels and the compile time; then whether everything fits
 in the chip's HBM and an estimate of seconds per image: the compiler's FLOPs and bytes at the efficiencies measured on
 a TPU v5e chip (`V5E_CALIBRATION`), labelled "calibrated on v5e, not measured" for other chips. `--batch_size auto`
-(the default, as the job's) searches the fastest batch per image up to `--max_batch_size` that fits, as the job's launch does.
+(the default, as the job's) searches the fastest batch per image up to `--max_batch_size` that fits, as the job's
+launch does.
+With `--compilation_cache_dir` (the job's) the programs go to JAX's persistent cache there and the answer is kept
+beside it (pipeline/preflight_store.py), the store the launch uses: the same request again answers at once, compiling
+nothing. Each program's compile logs its progress; Ctrl-C ends the command at once (exit 130), storing nothing.
 
 Two corrections to XLA's cost analysis, both said in the output:
 - it counts a loop body once: the denoising loop's FLOPs, bytes and seconds are multiplied by its steps;

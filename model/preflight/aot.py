@@ -254,10 +254,10 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
     """Compile the programs of `config` (named `model` in the report) for `topology` and report; without
     `model_shards`, the fewest shards (a divisor of the worker's devices) whose programs fit, else the most shards'
     report with advice. `batch_size` None: the fastest batch per image up to `max_batch_size` (at least one image per
-    data replica) that fits (`_Fitting.fastest`), searched at the fewest shards where one image per replica fits; a given batch that does not
-    fit gets the largest smaller batch that does in its advice. Steps and guidance None: the checkpoint's.
-    ShardCountError for a `model_shards` that does not divide the devices; the arguments are otherwise taken as
-    valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and their time)."""
+    data replica) that fits (`_Fitting.fastest`), searched at the fewest shards where one image per replica fits; a
+    given batch that does not fit gets the largest smaller batch that does in its advice. Steps and guidance None:
+    the checkpoint's. ShardCountError for a `model_shards` that does not divide the devices; the arguments are
+    otherwise taken as valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and their time)."""
     sampling = resolve_sampling(config, num_inference_steps, guidance_scale)
     devices = len(topology.devices)
     if model_shards is not None:
