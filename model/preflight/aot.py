@@ -257,7 +257,8 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
     data replica) that fits (`_Fitting.fastest`), searched at the fewest shards where one image per replica fits; a
     given batch that does not fit gets the largest smaller batch that does in its advice. Steps and guidance None:
     the checkpoint's. ShardCountError for a `model_shards` that does not divide the devices; the arguments are
-    otherwise taken as valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and their time)."""
+    otherwise taken as valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and
+    their time)."""
     sampling = resolve_sampling(config, num_inference_steps, guidance_scale)
     devices = len(topology.devices)
     if model_shards is not None:
