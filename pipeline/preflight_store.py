@@ -74,7 +74,7 @@ def answer_fields(config, request) -> dict:
     """Everything the answer to `request` (pipeline.preflight.PreflightRequest) for the model of `config` depends on;
     the checkpoint's defaults filled in, so a request that leaves steps or guidance to them and one that names them
     ask the same."""
-    from model.engine.buckets import resolve_sampling
+    from model import resolve_sampling
 
     sampling = resolve_sampling(config, request.num_inference_steps, request.guidance_scale)
     return {"format": FORMAT, "model": model_identity(config), "code": code_identity(),

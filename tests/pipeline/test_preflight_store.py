@@ -156,3 +156,48 @@ def test_ctrl_c_while_compiling_ends_the_command_at_once_and_stores_nothing(libt
     assert "interrupted: the preflight stopped; nothing was stored" in rest
     answers = tmp_path / "preflight-answers"
     assert not answers.exists() or not os.listdir(answers)
+
+
+LAUNCH_CHILD = """
+import sys
+from pipeline.launch_check import _child_preflight
+try:
+    _child_preflight(dict(model=sys.argv[1], topology="v5e:1x1", height=64, width=64, batch_size=1,
+                          max_sequence_length=32, compilation_cache_dir=sys.argv[2]), {"JAX_PLATFORMS": "cpu"})
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
+def test_ctrl_c_at_launch_kills_the_compiling_child(libtpu, tiny_ckpt, tmp_path):
+    """The launch shows the child preflight's progress as it comes, and Ctrl-C there kills the child (in its own
+    session, so the terminal's signal would not reach it) before the launch goes on up: nothing is left running."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    launch = subprocess.Popen([sys.executable, "-c", LAUNCH_CHILD, tiny_ckpt, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in launch.stdout:
+            if line.startswith("TPU preflight: compiling batch 1 for v5e:1x1: program 1 of 3"):
+                break
+        else:
+            pytest.fail("no progress line from the child: " + launch.stderr.read()[-2000:])
+        (child,) = _children(launch.pid)
+        launch.send_signal(signal.SIGINT)
+        assert launch.wait(timeout=30) == 130
+    finally:
+        launch.kill()
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"

@@ -1067,8 +1067,8 @@ def dataflow_argv(bucket: str, name: str) -> list[str]:
 def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket, monkeypatch, capsys):
     s = load_settings(name)
     bucket = dataflow_bucket
-    # --batch_size auto (the default): TPU workers get the largest batch up to --max_batch_size that fits their chips
-    # (the tiny model at 64x64 fits 2), GPU workers the default, within --max_batch_size
+    # --batch_size auto (the default): TPU workers get the fastest batch per image up to --max_batch_size that fits
+    # their chips (the tiny model at 64x64: 2), GPU workers the default, within --max_batch_size
     argv = [*dataflow_argv(bucket, name),
             f"--input=gs://{bucket}/prompts/*.jsonl", f"--output=gs://{bucket}/out/{name}",
             f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=64", "--width=64", "--max_batch_size=2"]
