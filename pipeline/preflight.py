@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         answer["shortfall"] = shortfall_message(report)
     if store is not None:
         path = store.save(fields, answer)
-        logger.info("the answer is stored at %s: the same request answers from it without compiling", path)
+        if path:
+            logger.info("the answer is stored at %s: the same request answers from it without compiling", path)
     print(format_report(report))
     print(json.dumps(answer))
     return _exit_status(answer)

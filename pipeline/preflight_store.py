@@ -125,12 +125,18 @@ class AnswerStore:
             logger.warning("ignoring the stored preflight answer %s: %s; compiling instead", path, e)
             return None
 
-    def save(self, fields: dict, answer: dict) -> str:
-        """Store `answer` for `fields`, whole or not at all; returns where."""
+    def save(self, fields: dict, answer: dict) -> str | None:
+        """Store `answer` for `fields`, whole or not at all; returns where, or None when it could not be written (a
+        warning says why: the answer in hand is still good, the next launch compiles again)."""
         key = answer_key(fields)
         path = self.path(key)
         data = json.dumps({"key": key, "fields": fields, "answer": answer}, sort_keys=True).encode()
-        _write(path, data)
+        try:
+            _write(path, data)
+        except Exception as e:  # noqa: BLE001 - any storage error (OSError, GCS's own) only loses the keeping
+            logger.warning("the preflight answer could not be stored at %s (%s: %s); the next launch compiles "
+                           "again", path, type(e).__name__, e)
+            return None
         return path
 
 

@@ -86,6 +86,11 @@ def test_a_corrupt_or_another_keys_entry_is_ignored_with_a_warning(tmp_path, cap
     assert store.load(fields) is None and "lacks fits or batch" in caplog.text
     store.save(fields, ANSWER)
     assert store.load(fields) == ANSWER and os.listdir(store.folder) == [os.path.basename(path)]
+    caplog.clear()
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert AnswerStore(str(blocked)).save(fields, ANSWER) is None  # cannot be written: a warning, not an error
+    assert "could not be stored" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------ the command line
