@@ -33,7 +33,7 @@ def estimate(report: dict) -> float:
     """Seconds per image per worker by the current calibration (model.preflight.estimate) from the report's compiled
     figures, so a recalibration reaches every row that has them without compiling again (older rows keep their
     estimate)."""
-    from model.preflight.estimate import V5E_CALIBRATION, ProgramStats
+    from model.preflight.estimate import V5E_CALIBRATION, ProgramStats, batch_term
     from model.preflight.fit_report import runs_flash_kernel
     from model.preflight.topology import CHIPS
 
@@ -47,7 +47,10 @@ def estimate(report: dict) -> float:
                              0.0, kernel, 0.0, 0, 1)
         seconds += stats.est_seconds(chip, report["devices_per_chip"], int8=report.get("quantize") == "int8",
                                      flash=flash)
-    return seconds / report["batch"] + V5E_CALIBRATION.host_seconds_per_image
+    int8 = report.get("quantize") == "int8"
+    per_replica = report.get("batch_per_replica", report["batch"] // report.get("data_replicas", 1))
+    return (seconds / report["batch"] + V5E_CALIBRATION.host_seconds_per_image
+            + batch_term(per_replica, int8=int8))
 
 
 def _cell(row: dict) -> list[str]:

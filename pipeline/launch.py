@@ -153,8 +153,8 @@ def quiet_tpu_runtime() -> None:
 
 def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> JobConfig:
     """For TPU workers (unless --skip_preflight): compile the job for their topology first; UsageError (nothing
-    submitted) if it cannot fit. With --batch_size auto the batch is the largest up to --max_batch_size that fits
-    there, also on a local run with this machine's TPU (pipeline/launch_check.py); with no TPU topology to fit, the
+    submitted) if it cannot fit. With --batch_size auto the batch is the fastest per image up to --max_batch_size that
+    fits there, also on a local run with this machine's TPU (pipeline/launch_check.py); with no TPU topology to fit, the
     default (model.DEFAULT_BATCH_SIZE, at most --max_batch_size). Returns the job with its batch; the submitted
     options carry it too."""
     auto = job.spec.limits.auto_batch
@@ -172,16 +172,16 @@ def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> J
         why = "--skip_preflight" if skip else "no TPU topology to fit it to"
         batch = job.load.engine.batch_size
         return _with_batch(options, job, batch, f"the default, {batch} ({why})")
-    print(f"TPU preflight: compiling the job for {topology}{' to pick its batch' if auto else ''} (minutes for a "
-          f"real-size model)", flush=True)
     figures = (launch_check.pick_local_batch(job, topology) if local
-               else launch_check.check_fits(job, topology).to_json())
+               else launch_check.check_fits(job, topology))
     if auto:
-        job = _with_batch(options, job, figures["batch"], f"the largest up to {figures['max_batch_size']} whose "
-                                                           f"programs fit {topology} (TPU preflight at launch)")
+        job = _with_batch(options, job, figures["batch"], f"the fastest per image up to {figures['max_batch_size']} "
+                                                           f"whose programs fit {topology} (TPU preflight at launch)")
+    source = figures.get("answer_source", "compiled")
+    source = "compiled now" if source == "compiled" else f"stored answer {source}, compiled nothing"
     print(f"TPU preflight: fits {topology} with {figures['model_shards']} model shard(s) at batch "
           f"{figures['batch']}{' (picked)' if auto else ''}: peak {figures['peak_bytes_per_chip'] / 2**30:.2f} of "
-          f"{figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip (compiler's estimate)", flush=True)
+          f"{figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip (compiler's estimate; {source})", flush=True)
     return job
 
 

@@ -3,11 +3,15 @@ submitted, so a job whose programs cannot fit the chips' HBM never starts (and b
 
 The topology comes from the job's `worker_accelerator` service option (as the settings files and `templates/run.sh`
 pass it: `--dataflow_service_options` or, through a Flex Template, `--experiments`), else from a TPU machine type.
-The programs it compiles are written to the job's shared compilation cache (`--compilation_cache_dir`, by default
-under `--temp_location`): a worker whose JAX, libtpu and chips match the launcher's loads them instead of compiling.
 The check compiles at the job's default size, batch, steps, dtype and `--model_shards` (records that ask for more
 pixels are not covered); `--skip_preflight` skips it. With `--batch_size auto` (the default) it picks the batch: the
-largest up to `--max_batch_size` whose programs fit (model.fit's search), which the job then runs at.
+fastest per image up to `--max_batch_size` whose programs fit (model.fit's search), which the job then runs at.
+
+Its answer is kept beside the job's compilation cache (`--compilation_cache_dir`, by default under
+`--temp_location`; pipeline/preflight_store.py): a launch whose key is stored compiles nothing for the check. Else
+`python -m pipeline.preflight` compiles in a child process (its progress lines shown as they come; Ctrl-C kills it),
+writing the programs to that cache, where a worker whose JAX, libtpu and chips match finds them instead of
+compiling, and the answer is stored.
 
 A local run checks nothing, except that with `--batch_size auto` on a machine with a TPU attached the batch is picked
 the same way, for the chips found here (`local_tpu_topology`), by the preflight in a child process that never opens
@@ -82,40 +86,82 @@ def hbm_bytes_override() -> int | None:
     return int(value)
 
 
-def check_fits(job, topology: str):
-    """Compile `job`'s programs for `topology` at its defaults; with --batch_size auto, the largest batch up to
-    --max_batch_size that fits. UsageError naming the shortfall and what would fit (a smaller batch first) when they
-    do not. Returns the preflight's report (its `batch` is the one to run)."""
-    from .preflight import PreflightRequest, format_report, preflight, shortfall_message
+def job_request(job, topology: str):
+    """The preflight request of `job` at its defaults for `topology` (pipeline.preflight.PreflightRequest)."""
+    from .preflight import PreflightRequest
 
     d, limits, load = job.defaults, job.spec.limits, job.load
-    request = PreflightRequest(model=load.model, topology=topology, height=d.height, width=d.width,
-                               batch_size=None if limits.auto_batch else load.engine.batch_size, dtype=load.dtype,
-                               num_inference_steps=d.num_inference_steps, guidance_scale=d.guidance_scale,
-                               model_shards=load.engine.model_shards, max_sequence_length=load.max_sequence_length,
-                               hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size,
-                               quantize=load.engine.quantize)
-    logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %s, %d model shard(s) (--skip_preflight skips)",
-                load.model, topology, d.height, d.width,
-                f"auto (up to {limits.max_batch_size})" if limits.auto_batch else load.engine.batch_size,
-                request.model_shards)
-    cache = load.engine.compilation_cache_dir
-    if cache:  # the workers' shared cache: what the launch compiles for their chips is there when they start
-        from model import enable_compilation_cache
+    return PreflightRequest(model=load.model, topology=topology, height=d.height, width=d.width,
+                            batch_size=None if limits.auto_batch else load.engine.batch_size, dtype=load.dtype,
+                            num_inference_steps=d.num_inference_steps, guidance_scale=d.guidance_scale,
+                            model_shards=load.engine.model_shards, max_sequence_length=load.max_sequence_length,
+                            hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size,
+                            quantize=load.engine.quantize)
 
-        enable_compilation_cache(cache)
-        logger.info("TPU preflight: compiled programs go to the job's compilation cache %s", cache)
-    try:
-        report = preflight(request)
-    except UsageError as e:
-        raise UsageError(f"TPU preflight for {topology}: {e} (--skip_preflight launches without it)") from None
-    logger.info("TPU preflight:\n%s", format_report(report))
-    if not report.fits:
-        advice = "; ".join(report.advice)
-        raise UsageError(f"TPU preflight for {topology}: {shortfall_message(report)}"
+
+def stored_answer(job, topology: str):
+    """(the store, the key's fields, the answer stored for `job` on `topology` or None); (None, None, None) when the
+    job has no compilation cache to keep answers beside (pipeline/preflight_store.py)."""
+    cache = job.load.engine.compilation_cache_dir
+    if not cache:
+        return None, None, None
+    from .preflight import resolve_model
+    from .preflight_store import AnswerStore, answer_fields
+
+    store = AnswerStore(cache)
+    fields = answer_fields(resolve_model(job.load.model), job_request(job, topology))
+    return store, fields, store.load(fields)
+
+
+def check_fits(job, topology: str) -> dict:
+    """The preflight's answer for `job`'s programs on `topology` at its defaults (with --batch_size auto, the fastest
+    batch per image up to --max_batch_size that fits): the stored one when the job's compilation cache holds it for
+    the same key, else compiled in a child process (`python -m pipeline.preflight`, its progress shown, its programs
+    written to the job's compilation cache for the workers) and stored. UsageError naming the shortfall and what
+    would fit (a smaller batch first) when they do not fit. The answer's "answer_source" says where it came from."""
+    store, fields, answer = stored_answer(job, topology)
+    if answer is None:
+        request = job_request(job, topology)
+        logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %s, %s model shard(s) (--skip_preflight "
+                    "skips)", request.model, topology, request.height, request.width,
+                    f"auto (up to {request.max_batch_size})" if request.batch_size is None else request.batch_size,
+                    request.model_shards or "auto")
+        cache = job.load.engine.compilation_cache_dir
+        if cache:
+            logger.info("TPU preflight: compiled programs go to the job's compilation cache %s", cache)
+        say_compiling(topology, cache, request.batch_size is None)
+        answer, why = _child_preflight(preflight_args(request, cache), {})
+        if answer is None:
+            raise UsageError(f"TPU preflight for {topology}: {why} (--skip_preflight launches without it)")
+        if store is not None:
+            store.save(fields, answer)
+        answer = {**answer, "answer_source": "compiled"}
+    else:
+        answer = {**answer, "answer_source": store.path_for(fields)}
+    if not answer["fits"]:
+        advice = "; ".join(answer.get("advice") or [])
+        raise UsageError(f"TPU preflight for {topology}: {answer.get('shortfall') or 'does not fit'}"
                          f"{'; would fit: ' + advice if advice else ''}. The job was not submitted "
                          f"(--skip_preflight launches it anyway)")
-    return report
+    return answer
+
+
+def say_compiling(topology: str, cache: str | None, auto: bool) -> None:
+    """The launch's line before it compiles: for what, and why (no stored answer)."""
+    where = f"no stored answer in {cache}" if cache else "no compilation cache to keep its answer"
+    print(f"TPU preflight: compiling the job for {topology}{' to pick its batch' if auto else ''} ({where}; "
+          f"minutes for a real-size model, its progress below)", flush=True)
+
+
+def preflight_args(request, cache: str | None) -> dict:
+    """`python -m pipeline.preflight`'s arguments for `request`, writing to the compilation cache `cache`."""
+    return {"model": request.model, "topology": request.topology, "height": request.height,
+            "width": request.width,
+            "batch_size": "auto" if request.batch_size is None else request.batch_size,
+            "max_batch_size": request.max_batch_size, "dtype": request.dtype, "quantize": request.quantize,
+            "model_shards": request.model_shards, "max_sequence_length": request.max_sequence_length,
+            "num_inference_steps": request.num_inference_steps, "guidance_scale": request.guidance_scale,
+            "hbm_bytes": request.hbm_bytes, "compilation_cache_dir": cache}
 
 
 def local_tpu_topology(job, *, tpu_attached: bool) -> str | None:
@@ -152,47 +198,88 @@ def probe_local_devices(worker_env: dict, timeout_s: float = 180) -> str | None:
 
 
 def pick_local_batch(job, topology: str) -> dict:
-    """--batch_size auto on this machine's TPU: the preflight (`python -m pipeline.preflight`) searches the largest
-    batch up to --max_batch_size that fits `topology` at the job's defaults, in a child process kept to the CPU
-    (JAX_PLATFORMS=cpu: it compiles with libtpu but never opens the chips, and this process, the local worker, does
-    not load libtpu before its own runtime starts). Should libtpu refuse to compile for that topology here, the child
-    compiles on the chips themselves instead (`--topology=attached`, with the worker's environment; it releases them
-    when it ends). Returns the preflight's JSON report; UsageError when nothing fits or the preflight cannot run."""
-    d, limits, load = job.defaults, job.spec.limits, job.load
-    args = {"model": load.model, "height": d.height, "width": d.width, "batch_size": "auto",
-            "max_batch_size": limits.max_batch_size, "dtype": load.dtype, "quantize": load.engine.quantize,
-            "model_shards": load.engine.model_shards,
-            "max_sequence_length": load.max_sequence_length, "num_inference_steps": d.num_inference_steps,
-            "guidance_scale": d.guidance_scale, "hbm_bytes": hbm_bytes_override()}
-    logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "
-                "skips)", topology)
-    report, why = _child_preflight({**args, "topology": topology}, {"JAX_PLATFORMS": "cpu"})
+    """--batch_size auto on this machine's TPU: the preflight's answer for the job on `topology` at its defaults,
+    the stored one when the job's compilation cache holds it for the same key, else found by `python -m
+    pipeline.preflight` in a child process kept to the CPU (JAX_PLATFORMS=cpu: it compiles with libtpu but never
+    opens the chips, and this process, the local worker, does not load libtpu before its own runtime starts) and
+    stored. Should libtpu refuse to compile for that topology here, the child compiles on the chips themselves
+    instead (`--topology=attached`, with the worker's environment; it releases them when it ends). Either child
+    writes the programs to the job's compilation cache, where the job's own first compile finds them. Returns the
+    preflight's JSON answer ("answer_source": where it came from); UsageError when nothing fits or the preflight
+    cannot run."""
+    store, fields, report = stored_answer(job, topology)
+    why = "does not fit"
     if report is None:
-        # The usual case on a TPU machine itself: its libtpu compiles for its own chips' layout only.
-        logger.info("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
-        on_chips = {**dict(job.spec.reliability.worker_env), "JAX_PLATFORMS": "tpu"}
-        report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
-    if report is None:
-        raise UsageError(f"TPU preflight for this machine's {topology}: {why} (--skip_preflight, or a --batch_size, "
-                         f"runs without it)")
+        request = job_request(job, topology)
+        args = preflight_args(request, job.load.engine.compilation_cache_dir)
+        logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "
+                    "skips)", topology)
+        say_compiling(topology, job.load.engine.compilation_cache_dir, request.batch_size is None)
+        report, why = _child_preflight(args, {"JAX_PLATFORMS": "cpu"})
+        if report is None:
+            # The usual case on a TPU machine itself: its libtpu compiles for its own chips' layout only.
+            logger.info("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
+            on_chips = {**dict(job.spec.reliability.worker_env), "JAX_PLATFORMS": "tpu"}
+            report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
+        if report is None:
+            raise UsageError(f"TPU preflight for this machine's {topology}: {why} (--skip_preflight, or a "
+                             f"--batch_size, runs without it)")
+        if store is not None:
+            store.save(fields, report)
+        report = {**report, "answer_source": "compiled"}
+    else:
+        report = {**report, "answer_source": store.path_for(fields)}
     if not report["fits"]:
         advice = "; ".join(report.get("advice") or [])
-        raise UsageError(f"TPU preflight for this machine's {topology}: {why}"
+        raise UsageError(f"TPU preflight for this machine's {topology}: {report.get('shortfall') or why}"
                          f"{'; would fit: ' + advice if advice else ''}")
     return report
 
 
 def _child_preflight(args: dict, env: dict) -> tuple[dict | None, str]:
     """(the JSON report, its error line) of `python -m pipeline.preflight` with `args` in a child process with `env`
-    added to this one's environment; (None, why) when it gave no report."""
+    added to this one's environment; (None, why) when it gave no report. The child's progress lines are shown as
+    they come; Ctrl-C (or any exception here) kills the child and waits for it before it goes on up, so nothing of
+    it is left running (and it stores nothing: its answer is stored only once it has one)."""
+    import threading
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this `pipeline` package is
     env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    out = subprocess.run([sys.executable, "-m", "pipeline.preflight",
-                          *(f"--{k}={v}" for k, v in args.items() if v is not None)],
-                         env=env, capture_output=True, text=True)
-    errors = [line.removeprefix("error: ") for line in out.stderr.strip().splitlines() if line.startswith("error: ")]
-    reports = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    child = subprocess.Popen([sys.executable, "-m", "pipeline.preflight",
+                              *(f"--{k}={v}" for k, v in args.items() if v is not None)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)  # its own group: this process alone decides when it ends
+    stdout: list[str] = []
+    reader = threading.Thread(target=lambda: stdout.append(child.stdout.read()), daemon=True)
+    reader.start()
+    stderr = []
+    try:
+        for line in child.stderr:
+            stderr.append(line)
+            shown = progress_line(line)
+            if shown:
+                print(f"TPU preflight: {shown}", flush=True)
+        child.wait()
+        reader.join()
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    out, err = "".join(stdout), "".join(stderr)
+    errors = [line.removeprefix("error: ") for line in err.strip().splitlines() if line.startswith("error: ")]
+    reports = [line for line in out.splitlines() if line.startswith("{")]
     if not reports:
-        return None, (errors or out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
-    logger.info("TPU preflight:\n%s", out.stdout[:out.stdout.rfind(reports[-1])].rstrip())
+        return None, (errors or err.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+    logger.info("TPU preflight:\n%s", out[:out.rfind(reports[-1])].rstrip())
     return json.loads(reports[-1]), (errors or ["does not fit"])[-1]
+
+
+_PROGRESS_LOGGERS = ("INFO model.preflight.aot: ", "INFO pipeline.preflight: ")
+
+
+def progress_line(line: str) -> str | None:
+    """The message of a child preflight's progress line (its compiling, logged at INFO), else None."""
+    for prefix in _PROGRESS_LOGGERS:
+        if line.startswith(prefix):
+            return line[len(prefix):].rstrip()
+    return None

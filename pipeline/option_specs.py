@@ -35,7 +35,8 @@ from transforms.sinks import registry as sink_registry
 from .demo import DEMO_DTYPE, DEMO_SIZE
 
 DEFAULT_OUTPUT = "./output"
-AUTO_BATCH = "auto"  # --batch_size: the largest batch up to --max_batch_size that fits the TPU chips (the launch picks)
+# --batch_size: the fastest batch per image up to --max_batch_size that fits the TPU chips (the launch picks)
+AUTO_BATCH = "auto"
 INPUT_FORMATS = ("auto",) + FORMATS
 DEFAULT_MAX_IMAGES = 10_000_000
 ACCELERATORS = ("tpu", "gpu")  # JAX platform names that --require_accelerator accepts
@@ -209,7 +210,7 @@ OPTIONS = (
            type=int, default=DEFAULT_SEED, metavar="SEED"),
     # --- performance and limits
     Option("batch_size", "limits", "Images per generate call (the compiled batch; a short one is padded); auto: the "
-                                   "largest that fits the TPU chips.",
+                                   "fastest that fits the TPU chips.",
            type=batch_size_value, default=AUTO_BATCH, metavar="N|auto",
            shown_default=f"auto (found at launch for TPU workers and a local TPU; else {DEFAULT_BATCH_SIZE})"),
     Option("max_batch_size", "limits", "Largest batch --batch_size auto may pick.", type=int,
@@ -225,8 +226,8 @@ OPTIONS = (
     Option("encode_threads", "limits", "Threads per worker process that encode and upload images while the "
                                        "device generates the next batch.", type=int, metavar="N",
            shown_default="the worker's cores"),
-    Option("compilation_cache_dir", "limits", "XLA compilation cache (folder or gs://) shared by the job's workers; "
-                                              "'off' turns it off.", metavar="FOLDER",
+    Option("compilation_cache_dir", "limits", "XLA compilation cache (folder or gs://) shared by the workers, and "
+                                              "the TPU preflight's answers; 'off' turns it off.", metavar="FOLDER",
            shown_default="{temp_location}/flux2-klein-xla-cache on Dataflow, the project's cache folder locally"),
     Option("max_pixels", "limits", "Largest height x width a record may ask for.", type=int,
            default=DEFAULT_MAX_PIXELS, metavar="PIXELS", shown_default=f"{DEFAULT_MAX_PIXELS} = 2048 x 2048"),

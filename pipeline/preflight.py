@@ -7,7 +7,11 @@ model shards, parameters as shapes only), compiles them with libtpu's compiler, 
 bytes, FLOPs per image, the calibrated time, the Mosaic kernels and the compile time; then whether everything fits
 in the chip's HBM and an estimate of seconds per image: the compiler's FLOPs and bytes at the efficiencies measured on
 a TPU v5e chip (`V5E_CALIBRATION`), labelled "calibrated on v5e, not measured" for other chips. `--batch_size auto`
-(the default, as the job's) searches the largest batch up to `--max_batch_size` that fits, as the job's launch does.
+(the default, as the job's) searches the fastest batch per image up to `--max_batch_size` that fits, as the job's
+launch does.
+With `--compilation_cache_dir` (the job's) the programs go to JAX's persistent cache there and the answer is kept
+beside it (pipeline/preflight_store.py), the store the launch uses: the same request again answers at once, compiling
+nothing. Each program's compile logs its progress; Ctrl-C ends the command at once (exit 130), storing nothing.
 
 Two corrections to XLA's cost analysis, both said in the output:
 - it counts a loop body once: the denoising loop's FLOPs, bytes and seconds are multiplied by its steps;
@@ -38,6 +42,8 @@ from model import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_
 
 from .errors import UsageError
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class PreflightRequest:
@@ -47,7 +53,7 @@ class PreflightRequest:
     topology: str
     height: int
     width: int
-    batch_size: int | None  # None: the largest up to max_batch_size that fits
+    batch_size: int | None  # None: the fastest per image up to max_batch_size that fits
     dtype: str = "bfloat16"
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
@@ -110,7 +116,7 @@ def _seconds(s: float) -> str:
 def format_report(report: Report) -> str:
     """The human-readable tables: one row per program, then the whole worker."""
     topo = report.topology
-    picked = f"; picked: the largest up to {report.max_batch_size} that fits" if report.batch_picked else ""
+    picked = f"; picked: the fastest per image up to {report.max_batch_size} that fits" if report.batch_picked else ""
     if report.batch_picked and not report.fits:
         picked = f"; none up to {report.max_batch_size} fits"
     quantized = " with int8 projections" if report.quantize == "int8" else ""
@@ -194,7 +200,7 @@ pip install -e '.[preflight]', and the demo's: '.[demo]'):
       --max_sequence_length=32
 then the real model, from its preset (configs only, no weights needed), on four chips:
   python -m pipeline.preflight --model=klein-4b --topology=v5e:2x2 --height=1024 --width=1024
-(without --batch_size it finds the largest batch up to --max_batch_size that fits, as the job's launch does)
+(without --batch_size it finds the fastest batch per image up to --max_batch_size that fits, as the job's launch does)
 """
 
 
@@ -211,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, required=True, help="Image width in pixels, as the job's --width.")
     parser.add_argument("--batch_size", type=batch_size_value, default=None, metavar="N|auto",
                         help="The job's --batch_size (images per compiled batch, rounded up to whole data replicas); "
-                             "default auto: the largest up to --max_batch_size that fits.")
+                             "default auto: the fastest per image up to --max_batch_size that fits.")
     parser.add_argument("--max_batch_size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                         help="The most images per batch --batch_size auto tries, as the job's --max_batch_size "
                              "(default: %(default)s).")
@@ -229,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_sequence_length", type=int, default=DEFAULT_MAX_SEQUENCE_LENGTH,
                         help="Text-encoder tokens per prompt, as the job's --max_sequence_length "
                              "(default: %(default)s).")
+    parser.add_argument("--compilation_cache_dir", default=None, metavar="DIR",
+                        help="The job's --compilation_cache_dir (local or gs://): the compiled programs go to JAX's "
+                             "persistent cache there, and the answer is kept beside it (preflight-answers/), so a "
+                             "run with the same model, options, versions and compiler flags answers at once.")
     parser.add_argument("--dump_dir", default=None, help="Write each compiled program's text to DIR/<program>.txt.")
     parser.add_argument("--hbm_bytes", type=int, default=None, help=argparse.SUPPRESS)  # testing: force a capacity
     return parser
@@ -269,17 +279,84 @@ def main(argv: list[str] | None = None) -> int:
                                model_shards=args.model_shards, max_sequence_length=args.max_sequence_length,
                                hbm_bytes=args.hbm_bytes, max_batch_size=args.max_batch_size,
                                quantize=args.quantize)
+    store = fields = None
     try:
-        report = preflight(request, dump_dir=args.dump_dir)
+        if args.compilation_cache_dir and args.dump_dir is None:  # a dump asks for the programs' text: compile
+            from .preflight_store import AnswerStore, answer_fields
+
+            store = AnswerStore(args.compilation_cache_dir)
+            fields = answer_fields(resolve_model(request.model), request)
+            answer = store.load(fields)
+            if answer is not None:
+                print(format_stored(answer, store.path_for(fields)))
+                print(json.dumps(answer))
+                return _exit_status(answer)
+        if args.compilation_cache_dir:
+            from model import enable_compilation_cache
+
+            enable_compilation_cache(args.compilation_cache_dir)
+        report = interruptible(lambda: preflight(request, dump_dir=args.dump_dir))
     except (UsageError, ModelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_report(report))
-    print(json.dumps(report.to_json()))
+    answer = report.to_json()
     if not report.fits:
-        print(f"error: {shortfall_message(report)}", file=sys.stderr)
-        return 1
-    return 0
+        answer["shortfall"] = shortfall_message(report)
+    if store is not None:
+        path = store.save(fields, answer)
+        if path:
+            logger.info("the answer is stored at %s: the same request answers from it without compiling", path)
+    print(format_report(report))
+    print(json.dumps(answer))
+    return _exit_status(answer)
+
+
+def _exit_status(answer: dict) -> int:
+    """0 when the programs fit, else 1 with the shortfall on stderr."""
+    if answer["fits"]:
+        return 0
+    print(f"error: {answer.get('shortfall') or 'does not fit'}", file=sys.stderr)
+    return 1
+
+
+def format_stored(answer: dict, path: str) -> str:
+    """The lines of a stored answer: where it came from, and what it says."""
+    picked = " (picked)" if answer.get("batch_picked") else ""
+    return (f"preflight answer stored at {path} (compiled nothing): {answer['model']} on {answer['topology']}, "
+            f"batch {answer['batch']}{picked}, {answer['model_shards']} model shard(s); peak "
+            f"{format_bytes(answer['peak_bytes_per_chip'])} of {format_bytes(answer['hbm_bytes_per_chip'])} per "
+            f"chip; fits: {'yes' if answer['fits'] else 'NO'}; estimated "
+            f"{_seconds(answer['est_seconds_per_image'] or float('nan'))} per image")
+
+
+INTERRUPTED_STATUS = 130
+
+
+def interruptible(work):
+    """`work()`'s result, run on a thread while this (main) thread waits, so that Ctrl-C ends the process at once
+    with status 130 even while the compiler holds its thread for minutes; nothing is stored (the answer is stored
+    only after `work` returns)."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = work()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread as it is
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="preflight", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+    except KeyboardInterrupt:
+        print("interrupted: the preflight stopped; nothing was stored", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED_STATUS)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 if __name__ == "__main__":

@@ -20,12 +20,17 @@
 #   --tag TAG                this build's tag (default VARIANT-<UTC time>); must start with VARIANT-
 #   --local-docker           build with the local Docker engine (BuildKit) and push, instead of Cloud Build
 #   --template GCS_PATH      where to write the template spec (default above)
+#   --compile-ahead NAMES    tpu builds with --weights: the TPU settings (comma-separated) whose default job is
+#                            compiled ahead in the new launcher image (default: every tpu-* settings file); their
+#                            programs and preflight answers go to gs://BUCKET/temp/flux2-klein-xla-cache, so a launch
+#                            of those settings with the baked weights compiles nothing
+#   --no-compile-ahead       skip that step (a launch then compiles on its launcher; run.sh sizes it for that)
 #   --dry-run                print the commands (on stderr) instead of running them
 #
 # Needs: gcloud (authenticated, with the project's Cloud Build, Artifact Registry and Dataflow APIs enabled).
 set -euo pipefail
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
 
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
@@ -34,7 +39,7 @@ case "${1:-}" in -h|--help) usage 0 ;; esac
 PROJECT=$1 REGION=$2 BUCKET=${3#gs://} IMAGE=$4 VARIANT=$5
 shift 5
 
-WEIGHTS="" GPU_JAX_EXTRA=cuda12 LOCAL_DOCKER=0 TEMPLATE="" TAG=""
+WEIGHTS="" GPU_JAX_EXTRA=cuda12 LOCAL_DOCKER=0 TEMPLATE="" TAG="" COMPILE_AHEAD=all
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --weights) WEIGHTS=${2:?--weights needs a value}; shift 2 ;;
@@ -42,6 +47,8 @@ while [ "$#" -gt 0 ]; do
     --tag) TAG=${2:?--tag needs a value}; shift 2 ;;
     --local-docker) LOCAL_DOCKER=1; shift ;;
     --template) TEMPLATE=${2:?--template needs a value}; shift 2 ;;
+    --compile-ahead) COMPILE_AHEAD=${2:?--compile-ahead needs a value}; shift 2 ;;
+    --no-compile-ahead) COMPILE_AHEAD=none; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     *) echo "build.sh: unknown option $1" >&2; usage ;;
   esac
@@ -119,6 +126,27 @@ run gcloud dataflow flex-template build "$TEMPLATE" \
   --image "$LAUNCHER_IMAGE" \
   --sdk-language PYTHON \
   --metadata-file "$HERE/metadata.json"
+
+# Compile ahead (tpu builds with baked-in weights): each TPU settings file's default job through the launch's own
+# TPU preflight, in the launcher image just built (its jax, libtpu and code are a launch's), so its programs and its
+# answer are in the jobs' shared compilation cache before the first launch (templates/compile_ahead_steps.py).
+if [ "$VARIANT" = tpu ] && [ "$COMPILE_AHEAD" != none ] && [ -n "$WEIGHTS" ]; then
+  PYTHON=${PYTHON:-python3}
+  AHEAD_ARGS=(--launcher-image "$LAUNCHER_IMAGE" --worker-image "$WORKER_IMAGE" --project "$PROJECT"
+    --region "$REGION" --bucket "$BUCKET")
+  if [ "$COMPILE_AHEAD" != all ]; then AHEAD_ARGS+=(--settings "$COMPILE_AHEAD"); fi
+  if [ "$LOCAL_DOCKER" = 1 ]; then
+    while IFS= read -r line; do
+      [ -n "$line" ] && run bash -c "$line"
+    done < <("$PYTHON" "$HERE/compile_ahead_steps.py" "${AHEAD_ARGS[@]}" --format docker)
+  else
+    "$PYTHON" "$HERE/compile_ahead_steps.py" "${AHEAD_ARGS[@]}" --format cloudbuild > "$CTX/compile-ahead.json"
+    run gcloud builds submit --no-source --project "$PROJECT" --config "$CTX/compile-ahead.json"
+  fi
+elif [ "$VARIANT" = tpu ] && [ "$COMPILE_AHEAD" != none ]; then
+  echo "No --weights: the TPU jobs' preflight is not compiled ahead (a launch compiles it, on the launcher" \
+    "templates/run.sh sizes for that)." >&2
+fi
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "Dry run: nothing was built or pushed; the commands above would build $WORKER_IMAGE (worker, $VARIANT)," \

@@ -22,10 +22,15 @@
 #                      (by default a job whose programs exceed the chips' HBM is refused before any worker starts)
 #   --template         the template spec to launch (default: the one build.sh wrote for IMAGE's tag)
 #
+# TPU settings (without --skip-preflight) launch on a launcher VM of LAUNCHER_MACHINE_TYPE (default e2-standard-4)
+# with a LAUNCHER_TIMEOUT_S (default 1800) s launch timeout: a launch whose preflight answer is not stored compiles
+# the job there (minutes, over 5 GB of memory for klein-4B int8), which Dataflow's default n1-standard-1 cannot hold.
+# GCLOUD_FLAGS --launcher-machine-type=... or --launcher-vm-timeout-secs=... replace them.
+#
 # Needs: gcloud (authenticated) and python3 (3.8+, standard library only) to read the settings file.
 set -euo pipefail
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
+usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
 
 DRY_RUN=0 USE_RESERVATION=0 SKIP_PREFLIGHT=0 TEMPLATE=""
 while [ "$#" -gt 0 ]; do
@@ -120,6 +125,21 @@ CMD=(gcloud dataflow flex-template run "$JOB_NAME"
   "$(param output "$OUTPUT")"
   "${KEPT[@]}")
 if [ -n "$MODEL" ]; then CMD+=("$(param model "$MODEL")"); fi
+# A TPU job's launcher runs its preflight: sized for one that must compile (see above), unless the caller sizes it.
+VARIANT=$("$PYTHON" "$HERE/settings.py" "$SETTINGS" --format variant)
+if [ "$VARIANT" = tpu ] && [ "$SKIP_PREFLIGHT" = 0 ]; then
+  LAUNCHER=("--launcher-machine-type=${LAUNCHER_MACHINE_TYPE:-e2-standard-4}"
+    "--launcher-vm-timeout-secs=${LAUNCHER_TIMEOUT_S:-1800}")
+  for i in "${!LAUNCHER[@]}"; do
+    given=0
+    for extra in "${EXTRA[@]+"${EXTRA[@]}"}"; do
+      if [ "${extra%%=*}" = "${LAUNCHER[$i]%%=*}" ]; then given=1; LAUNCHER[i]=$extra; fi
+    done
+    if [ "$given" = 0 ]; then CMD+=("${LAUNCHER[$i]}"); fi
+  done
+  echo "run.sh: TPU launcher ${LAUNCHER[0]#*=}, launch timeout ${LAUNCHER[1]#*=} s (room to compile the preflight" \
+    "should no stored answer match; build.sh compiles ahead so a matching launch compiles nothing)" >&2
+fi
 if [ "$SKIP_PREFLIGHT" = 1 ]; then CMD+=("$(param skip_preflight true)"); fi
 if [ "${#EXTRA[@]}" -gt 0 ]; then CMD+=("${EXTRA[@]}"); fi
 

@@ -9,18 +9,20 @@ shapes, model.preflight.estimate).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
+import threading
 import time
 
 from ..config.configs import PipelineConfig
 from ..engine.factory import Networks, build_programs, check_text_width
-from .batch_search import Trial, best_batch, next_batch
+from .batch_search import Trial, best_batch, fastest, next_batch
 from .fit_report import Report, fit_advice, format_bytes
 from .hlo_stats import is_out_of_hbm, program_stats, program_text, refused_program_stats
-from .estimate import attention_flops_per_image, kernel_split
+from .estimate import attention_flops_per_image, batch_term, kernel_split
 from ..parallel.mesh import check_model_shards, make_mesh, shard_counts
 from ..options import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, PROGRAMS, EngineOptions
 from ..engine.buckets import bucket_for, resolve_sampling
@@ -46,9 +48,33 @@ def programs_for_topology(modules, topology: Topology, *, dtype: str, model_shar
     return build_programs(modules, dtype=dtype, mesh=mesh, options=options, text_len=text_len, abstract=True)
 
 
+# Seconds between the progress lines while one program compiles (a real-size program takes minutes).
+PROGRESS_EVERY_S = 15.0
+
+
+@contextlib.contextmanager
+def progress_lines(what: str, every_s: float = PROGRESS_EVERY_S):
+    """Log `what` now and, with the seconds since, every `every_s` until the block ends: a compile of minutes is
+    never minutes of silence."""
+    start = time.perf_counter()
+    logger.info("%s", what)
+    done = threading.Event()
+
+    def tick():
+        while not done.wait(every_s):
+            logger.info("%s, %.0f s", what, time.perf_counter() - start)
+
+    ticker = threading.Thread(target=tick, name="compile-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dict, *,
                      dump_dir: str | None = None, transient_limit: float | None = None,
-                     order: tuple[str, ...] = PROGRAMS) -> dict:
+                     order: tuple[str, ...] = PROGRAMS, label: str = "") -> dict:
     """Lower and compile encode, the fused denoise loop and decode for `bucket`, in `order`; {name: ProgramStats}.
     With `transient_limit` (bytes per device beyond the parameters) the compiling stops at the first program that is
     refused or needs more: the batch cannot fit, and the others' figures would not change that (so `order` puts the
@@ -59,7 +85,7 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
     params = programs.parameter_bytes_per_device()
     modules = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
     stats = {}
-    for name in order:
+    for number, name in enumerate(order, 1):
         low = lowered[name]
         key = (programs.mesh.devices.flat[0].device_kind, programs.mesh.devices.shape,
                hashlib.sha256(low.as_text().encode()).hexdigest())
@@ -67,7 +93,9 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
         if fresh:  # e.g. the same VAE decode for klein-4B and klein-9B on the same mesh
             start = time.perf_counter()
             try:
-                compiled = low.compile()
+                with progress_lines(f"compiling {label or f'batch {bucket.batch}'}: program {number} of "
+                                    f"{len(order)} ({name})"):
+                    compiled = low.compile()
             except Exception as e:  # noqa: BLE001 - JaxRuntimeError; only running out of HBM is an answer
                 if not is_out_of_hbm(e):
                     raise
@@ -156,7 +184,8 @@ class _Fitting:
             limit = (self.capacity / self.topology.devices_per_chip) - sum(parameters.values())
             order = self._largest_first(shards)
         stats = compile_programs(programs, self.config, bucket, per_device, dump_dir=self.dump_dir,
-                                 transient_limit=limit, order=order)
+                                 transient_limit=limit, order=order,
+                                 label=f"batch {bucket.batch} for {self.topology.name}")
         report = Report(model=self.model, topology=self.topology, dtype=self.dtype, height=self.height,
                         width=self.width, batch=bucket.batch, steps=steps, cfg=cfg, model_shards=shards,
                         attention=programs.attention, parameter_bytes=parameters, programs=stats,
@@ -188,6 +217,30 @@ class _Fitting:
         best = best_batch([t for t in self.trials(shards) if t.batch <= cap], cap)
         return self.report(shards, best) if best else None
 
+    def fastest(self, shards: int, cap: int) -> Report | None:
+        """The complete report of the batch per data replica up to `cap` that fits with `shards` shards and is the
+        fastest per image (a near-tie goes to the smaller: batch_search.fastest), or None when one image per replica
+        does not fit. One image is compiled first; its figures, with the calibrated batch terms (estimate.batch_term),
+        name the likely fastest batch, which is compiled next; should it not fit, the largest smaller batch that does
+        (the figures' time per image falls up to the fastest batch, so that one is the fastest of those that fit).
+        Compiles one batch when one image is the likely fastest, two when the likely fastest fits."""
+        one = self.report(shards, 1, complete=False)
+        if not one.fits:
+            return None
+        int8 = self.quantize == "int8"
+        predicted = {b: one.est_seconds_per_image + batch_term(b, int8=int8) for b in range(1, cap + 1)}
+        likely = fastest(predicted)
+        logger.info("batch %d per data replica is the likely fastest per image (%.1f ms by the estimate)", likely,
+                    predicted[likely] * 1e3)
+        if likely == 1:
+            return one
+        candidate = self.report(shards, likely, complete=False)
+        if not candidate.fits:
+            candidate = self.largest(shards, likely - 1)
+        replicas = self.devices // shards
+        by_batch = {1: one, candidate.batch // replicas: candidate}
+        return by_batch[fastest({b: r.est_seconds_per_image for b, r in by_batch.items()})]
+
     def searched(self) -> tuple:
         """Every batch compiled, in order: (batch, model shards, peak bytes per chip, fits)."""
         return tuple((r.batch, s, r.peak_bytes_per_chip, r.fits) for (s, _), (r, _) in sorted(self._reports.items()))
@@ -200,11 +253,12 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, quantize: str = "none") -> Report:
     """Compile the programs of `config` (named `model` in the report) for `topology` and report; without
     `model_shards`, the fewest shards (a divisor of the worker's devices) whose programs fit, else the most shards'
-    report with advice. `batch_size` None: the largest batch up to `max_batch_size` (at least one image per data
-    replica) that fits, searched at the fewest shards where one image per replica fits; a given batch that does not
-    fit gets the largest smaller batch that does in its advice. Steps and guidance None: the checkpoint's.
-    ShardCountError for a `model_shards` that does not divide the devices; the arguments are otherwise taken as
-    valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and their time)."""
+    report with advice. `batch_size` None: the fastest batch per image up to `max_batch_size` (at least one image per
+    data replica) that fits (`_Fitting.fastest`), searched at the fewest shards where one image per replica fits; a
+    given batch that does not fit gets the largest smaller batch that does in its advice. Steps and guidance None:
+    the checkpoint's. ShardCountError for a `model_shards` that does not divide the devices; the arguments are
+    otherwise taken as valid (model.contract checks them). `quantize`: as EngineOptions.quantize (int8 weights and
+    their time)."""
     sampling = resolve_sampling(config, num_inference_steps, guidance_scale)
     devices = len(topology.devices)
     if model_shards is not None:
@@ -226,10 +280,10 @@ def fit(config: PipelineConfig, topology: Topology, *, model: str, dtype: str, h
 
     if batch_size is None:
         for shards in usable:
-            best = fitting.largest(shards, cap(shards))
+            best = fitting.fastest(shards, cap(shards))
             if best is not None:
-                logger.info("picked batch %d: the largest up to %d that fits with %d model shard(s)", best.batch,
-                            max_batch_size, shards)
+                logger.info("picked batch %d: the fastest per image up to %d that fits with %d model shard(s) (%d "
+                            "batch(es) compiled)", best.batch, max_batch_size, shards, len(fitting.searched()))
                 return dataclasses.replace(best, batch_picked=True, max_batch_size=max_batch_size,
                                            batch_trials=fitting.searched())
             logger.info("%d model shard(s): one image per data replica does not fit", shards)

@@ -1,5 +1,6 @@
-"""Which batch to compile next when searching the largest batch whose programs fit a chip: pure arithmetic on the
-batches compiled so far, so the search is tested without compiling. Importing it does not load JAX.
+"""Which batch to compile next when searching the largest batch whose programs fit a chip, and which of the batches
+that fit is the fastest per image: pure arithmetic on the batches compiled so far (and on the estimates), so the
+search is tested without compiling. Importing it does not load JAX.
 
 A program's bytes grow with its batch, so the largest batch that fits lies below the smallest that did not. Each
 next batch is where a line through the bytes of the batches nearest that boundary meets the chip's free HBM, kept
@@ -58,3 +59,14 @@ def next_batch(trials, capacity_left: float, cap: int) -> int | None:
         slope = (y1 - y0) / (x1 - x0)
         guess = int(x0 + (capacity_left - y0) // slope) if slope > 0 else failing - 1
     return min(max(guess, fitting + 1), failing - 1)
+
+
+# Estimates within this share of the fastest are a tie, and the smallest of them wins: a smaller batch starts its
+# first image sooner and needs less of the chip, for no time that the estimate can tell apart.
+NEAR_TIE = 0.01
+
+
+def fastest(seconds_per_image: dict) -> int:
+    """The batch whose estimated seconds per image is the least, or the smallest within NEAR_TIE of it."""
+    least = min(seconds_per_image.values())
+    return min(b for b, s in seconds_per_image.items() if s <= least * (1 + NEAR_TIE))

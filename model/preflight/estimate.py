@@ -25,14 +25,34 @@ class Calibration:
     memory: float                 # the roofline's bytes leg (not measured apart: no measured program was bytes-bound)
     host_seconds_per_image: float
     source: str
+    # What the batch per data replica adds to an image's time beyond the compiler's figures, which scale with it (see
+    # `batch_term`): seconds per batch (shared by its images) and seconds per image per further image in the batch.
+    batch_overhead: float = 0.0
+    batch_growth: float = 0.0
+    int8_batch_overhead: float = 0.0
+    int8_batch_growth: float = 0.0
 
 
 # Fitted to klein-4B's stage times at 1024x1024, batch 1, on one TPU v5e chip (benchmarks/tpu_measured.json); how each
 # share follows from those times is in docs/performance.md. The convolution share folds in the decode's memory-bound
 # passes, which the roofline's bytes leg does not bind; the text encoder is left out of the fit to check it.
+# The batch terms are fitted to klein-4B's measured seconds per image at batches 1, 2 and 4 (int8) and 1 and 2 (bf16)
+# on the same chip (docs/performance.md); bf16's growth, with two batches measured, is taken as int8's.
 V5E_CALIBRATION = Calibration("TPU v5e", matmul=0.838, int8_matmul=1.347, attention=0.781, flash_attention=0.851,
                               convolution=0.706, memory=1.0,
-                              host_seconds_per_image=0.0111, source="benchmarks/tpu_measured.json")
+                              host_seconds_per_image=0.0111, source="benchmarks/tpu_measured.json",
+                              batch_overhead=0.04907, batch_growth=0.02303,
+                              int8_batch_overhead=0.11107, int8_batch_growth=0.02303)
+
+
+def batch_term(per_replica: int, *, int8: bool, calibration: Calibration = V5E_CALIBRATION) -> float:
+    """Seconds per image that a batch of `per_replica` images on each data replica adds to (or takes from) the time at
+    one image, beyond what the compiler's FLOPs and bytes say: a per-batch cost shared by the batch's images (the
+    launch of each program and its steps) less at larger batches, and a cost per image that grows with the batch
+    (larger activations, the decode's turns). Zero at one image, where the shares were fitted."""
+    overhead = calibration.int8_batch_overhead if int8 else calibration.batch_overhead
+    growth = calibration.int8_batch_growth if int8 else calibration.batch_growth
+    return overhead * (1.0 / per_replica - 1.0) + growth * (per_replica - 1)
 
 
 def _padded(n: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .estimate import V5E_CALIBRATION, ProgramStats
+from .estimate import V5E_CALIBRATION, ProgramStats, batch_term
 from .topology import CHIPS, GiB, Topology
 
 
@@ -39,7 +39,7 @@ class Report:
     hbm_bytes_per_chip: int
     auto_shards: bool = False   # the shard count was picked by the preflight
     advice: tuple = ()
-    batch_picked: bool = False  # the batch is the largest up to `max_batch_size` that fits (model.preflight.aot.fit)
+    batch_picked: bool = False  # the batch is the fastest up to `max_batch_size` that fits (model.preflight.aot.fit)
     max_batch_size: int | None = None
     batch_trials: tuple = ()    # every batch compiled to find it: (batch, model shards, peak bytes per chip, fits)
     quantize: str = "none"      # EngineOptions.quantize the programs were built with
@@ -94,8 +94,10 @@ class Report:
 
     @property
     def est_seconds_per_image(self) -> float:
-        """The programs' calibrated time per image plus the host's measured time per image."""
-        return self.est_seconds_per_batch / self.batch + V5E_CALIBRATION.host_seconds_per_image
+        """The programs' calibrated time per image plus the host's measured time per image and what the batch per
+        data replica adds to it (model.preflight.estimate.batch_term)."""
+        return (self.est_seconds_per_batch / self.batch + V5E_CALIBRATION.host_seconds_per_image
+                + batch_term(self.batch // self.data_replicas, int8=self.quantize == "int8"))
 
     @property
     def estimate_label(self) -> str:

@@ -69,3 +69,31 @@ def test_best_batch_ignores_a_fit_above_a_failure():
     that failed."""
     trials = [Trial(1, True, 5), Trial(3, False, 41), Trial(4, True, 39)]
     assert best_batch(trials, 8) == 1 and next_batch(trials, 40, 8) is None
+
+
+# ------------------------------------------------------------------------------------------------ the fastest batch
+def test_the_fastest_batch_and_a_near_tie_goes_to_the_smaller():
+    from model.preflight.batch_search import fastest
+
+    assert fastest({1: 0.6666, 2: 0.6341, 4: 0.6524}) == 2
+    assert fastest({1: 0.9306, 2: 0.9291}) == 1  # 0.16 % apart: a tie, the smaller batch
+    assert fastest({1: 0.700, 2: 0.650, 4: 0.6499}) == 2  # a tie at the minimum: the smaller again
+    assert fastest({2: 0.5, 8: 0.4}) == 8
+
+
+@pytest.mark.parametrize("int8, measured, picked", [
+    (True, {1: 0.6666, 2: 0.6341, 4: 0.6524}, 2),  # klein-4B, 1024x1024, 4 steps, one v5e chip
+    (False, {1: 0.9306, 2: 0.9291}, 1),
+])
+def test_the_batch_terms_reproduce_the_chips_times_per_image(int8, measured, picked):
+    """From the time at one image, the calibrated batch terms give the chip's times at the other batches (the
+    compiler's figures per image barely change with the batch, as test_preflight's auto test checks), and the
+    fastest of them is the one the chip measured fastest, or the smaller of a tie."""
+    from model.preflight.batch_search import fastest
+    from model.preflight.estimate import batch_term
+
+    assert batch_term(1, int8=int8) == 0.0
+    predicted = {b: measured[1] + batch_term(b, int8=int8) for b in (1, 2, 4, 8)}
+    for b, seconds in measured.items():
+        assert predicted[b] == pytest.approx(seconds, abs=2e-4), b
+    assert fastest(predicted) == picked

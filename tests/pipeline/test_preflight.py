@@ -402,9 +402,10 @@ def test_libtpu_start_up_noise_is_held_back_and_other_lines_kept(capfd):
 
 # ------------------------------------------------------------------------------------------------ batch auto
 def test_auto_batch_is_the_largest_that_fits_and_a_batch_too_large_names_it(libtpu, tiny_ckpt, preflight_main):
-    """--batch_size auto (the default): the largest batch up to --max_batch_size whose programs fit, found by
-    compiling (a chip that holds one image per data replica but not two gets one); a given batch that does not fit
-    is refused with the batch that does named first, before larger chips. In this process the programs for one
+    """--batch_size auto (the default): the fastest batch per image up to --max_batch_size whose programs fit, found
+    by compiling one image per replica and the batch its figures and the batch terms name (a chip that holds one image
+    per data replica but not two gets one); a given batch that does not fit is refused with the largest batch that
+    does named first, before larger chips. In this process the programs for one
     image per replica are those test_two_shards_compile_splash_and_halve_the_weights compiled."""
     from pipeline.preflight import PreflightRequest, parse_args, preflight
 
@@ -425,8 +426,9 @@ def test_auto_batch_is_the_largest_that_fits_and_a_batch_too_large_names_it(libt
     assert status == 0, stderr[-3000:]
     report = json.loads(stdout.strip().splitlines()[-1])
     assert (report["batch"], report["batch_picked"], report["max_batch_size"], report["fits"]) == (2, True, 8, True)
+    # the batch terms name 2 images per replica the likely fastest for the tiny model: compiled, they do not fit
     assert [(t["batch"], t["fits"]) for t in report["batch_search"]] == [(2, True), (4, False)]
-    assert "picked: the largest up to 8 that fits" in stdout and "batch search (up to 8): 2 fits" in stdout
+    assert "picked: the fastest per image up to 8 that fits" in stdout and "batch search (up to 8): 2 fits" in stdout
 
     asked = preflight(PreflightRequest(model=tiny_ckpt, model_shards=2, hbm_bytes=hbm, **{**TINY, "batch_size": 4}))
     assert not asked.fits and not asked.batch_picked

@@ -532,6 +532,57 @@ def test_run_sh_skip_preflight_reaches_the_launcher(fake_gcloud):
     assert params["skip_preflight"] == "true" and params["model_shards"] == "4"
 
 
+def test_run_sh_sizes_a_tpu_jobs_launcher_and_says_so(fake_gcloud):
+    """A TPU job's launcher runs the preflight, which compiles when no stored answer matches: run.sh asks for a
+    launcher machine and a launch timeout for that (and one line says so); the caller's flags replace them; a GPU job
+    or one that skips the preflight keeps Dataflow's default launcher."""
+    env, calls = fake_gcloud
+
+    def launch(*args, settings_name="tpu-v5e", image=IMAGES["tpu"], extra=()):
+        proc = subprocess.run([str(TEMPLATES / "run.sh"), *args, "p", "us-central1", "b", image, settings_name,
+                               "gs://b/in.jsonl", "gs://b/out", "--", *extra], env=env, check=True,
+                              capture_output=True, text=True)
+        return calls()[-1]["args"], proc.stderr
+
+    args, said = launch()
+    assert "--launcher-machine-type=e2-standard-4" in args and "--launcher-vm-timeout-secs=1800" in args
+    assert "run.sh: TPU launcher e2-standard-4, launch timeout 1800 s" in said
+    args, said = launch(extra=("--launcher-machine-type=n2-highmem-4",))
+    assert [a for a in args if a.startswith("--launcher-machine-type")] == ["--launcher-machine-type=n2-highmem-4"]
+    assert "TPU launcher n2-highmem-4" in said
+    for args, said in (launch("--skip-preflight"), launch(settings_name="gpu-l4", image=IMAGES["gpu"])):
+        assert not [a for a in args if a.startswith("--launcher-")] and "TPU launcher" not in said
+
+
+def test_build_sh_compiles_each_tpu_settings_default_job_ahead_in_the_launcher_image(fake_gcloud, tmp_path):
+    env, calls = fake_gcloud
+    proc = subprocess.run([str(TEMPLATES / "build.sh"), "p", "us-central1", "b", IMAGE_NAME, "tpu", "--weights",
+                           "gs://b/weights", "--tag", "tpu-7"], env=env, check=True, capture_output=True, text=True)
+    submit, template, ahead = calls()
+    assert ahead["args"][:3] == ["builds", "submit", "--no-source"]
+    sys.path.insert(0, str(TEMPLATES))
+    try:
+        import compile_ahead_steps
+    finally:
+        sys.path.remove(str(TEMPLATES))
+    out = subprocess.run([sys.executable, str(TEMPLATES / "compile_ahead_steps.py"), "--launcher-image",
+                          f"{IMAGE_NAME}-launcher:tpu-7", "--worker-image", f"{IMAGE_NAME}:tpu-7", "--project", "p",
+                          "--region", "us-central1", "--bucket", "b", "--format", "cloudbuild"],
+                         check=True, capture_output=True, text=True).stdout
+    config = json.loads(out)
+    tpu = [n for n in settings.available() if settings.load(n).variant == "tpu"]
+    assert [step["id"] for step in config["steps"]] == [f"compile-ahead-{n}" for n in tpu]
+    for name, step in zip(tpu, config["steps"]):
+        assert step["name"] == f"{IMAGE_NAME}-launcher:tpu-7"  # this build's jax, libtpu and code
+        assert step["args"][:3] == ["-m", "pipeline.compile_ahead", "--temp_location=gs://b/temp"]
+        assert set(compile_ahead_steps.job_args(name, f"{IMAGE_NAME}:tpu-7", "p", "us-central1", "b")) == \
+            set(step["args"])
+        assert f"--machine_type={settings.load(name).get('machine_type')}" in step["args"]
+    proc = subprocess.run([str(TEMPLATES / "build.sh"), "p", "us-central1", "b", IMAGE_NAME, "tpu", "--weights",
+                           "gs://b/weights", "--no-compile-ahead"], env=env, check=True, capture_output=True)
+    assert len(calls()) == 5  # the images and the spec only
+
+
 def test_run_sh_adds_service_options_without_dropping_the_accelerator(fake_gcloud):
     env, calls = fake_gcloud
     s = load_settings("tpu-v5e")
@@ -1018,8 +1069,8 @@ def dataflow_argv(bucket: str, name: str) -> list[str]:
 def test_dataflow_dry_run_through_the_template_entry_point(name, dataflow_bucket, monkeypatch, capsys):
     s = load_settings(name)
     bucket = dataflow_bucket
-    # --batch_size auto (the default): TPU workers get the largest batch up to --max_batch_size that fits their chips
-    # (the tiny model at 64x64 fits 2), GPU workers the default, within --max_batch_size
+    # --batch_size auto (the default): TPU workers get the fastest batch per image up to --max_batch_size that fits
+    # their chips (the tiny model at 64x64: 2), GPU workers the default, within --max_batch_size
     argv = [*dataflow_argv(bucket, name),
             f"--input=gs://{bucket}/prompts/*.jsonl", f"--output=gs://{bucket}/out/{name}",
             f"--model=gs://{bucket}/models/FLUX.2-klein-4B", "--height=64", "--width=64", "--max_batch_size=2"]
