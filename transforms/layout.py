@@ -47,8 +47,8 @@ INFERENCE_FAILED = "inference_failed"
 INFERENCE_TIMEOUT = "inference_timeout"  # a batch ran past --inference_timeout_s (or waited on one that did)
 INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
 NON_FINITE_IMAGE = "non_finite_image"  # generation gave NaN or inf values: nothing is written for that image
-ERROR_KINDS = (INVALID_RECORD, DUPLICATE_ID, FILE_NAME_COLLISION, UNREADABLE_INPUT, INFERENCE_FAILED, INVALID_REFERENCE,
-               NON_FINITE_IMAGE)  # every kind above (the runbooks list them; a test checks both)
+ERROR_KINDS = (INVALID_RECORD, DUPLICATE_ID, FILE_NAME_COLLISION, UNREADABLE_INPUT, INFERENCE_FAILED, INFERENCE_TIMEOUT,
+               INVALID_REFERENCE, NON_FINITE_IMAGE)  # every kind above (the runbooks list them; tests check both)
 
 MANIFEST_FIELDS = (
     "id",
