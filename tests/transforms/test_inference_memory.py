@@ -5,6 +5,7 @@ machine that holds fewer images at once (klein-4B at 1024x1024 on one v5e chip h
 import numpy as np
 import pytest
 
+from model.engine.generator import GenerationResult
 from transforms.inference import Flux2KleinModelHandler
 from transforms.requests import GenerationRequest, ImageTask
 
@@ -32,9 +33,9 @@ class HoldsAtMost:
         if compiled > self.fits:
             raise RuntimeError(OOM)
         n = len(prompts)
-        return {"images": np.stack([np.full((height, width, 3), s % 251, np.uint8) for s in seeds]),
-                "truncated": [False] * n, "nonfinite": [None] * n, "num_inference_steps": 4, "guidance_scale": 1.0,
-                "model": "m", "seconds": 0.01 * n, "loader_pid": 0}
+        return GenerationResult(images=np.stack([np.full((height, width, 3), s % 251, np.uint8) for s in seeds]),
+                                prompt_truncated=(False,) * n, nonfinite=(None,) * n, num_inference_steps=4,
+                                guidance_scale=1.0, model="m", seconds=0.01 * n)
 
 
 def _tasks(n: int, height: int = 32, first: int = 0) -> list[ImageTask]:

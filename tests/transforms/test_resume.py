@@ -45,7 +45,7 @@ def task(id, prompt="a fox", **kw) -> ImageTask:
 def _png(t: ImageTask, model_fp=MODEL, level=None) -> bytes:
     pixels = np.random.default_rng(t.seed).integers(0, 256, (t.request.height, t.request.width, 3), dtype=np.uint8)
     return encode_png(pixels, png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m",
-                                       model_fingerprint=model_fp), compress_level=level)
+                                       model_identity=model_fp), compress_level=level)
 
 
 def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00000-of-00001.jsonl", level=None):
@@ -55,7 +55,7 @@ def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00
         data = _png(t, model_fp, level)
         uri = layout.join(out, t.file_name)
         write_bytes_atomic(uri, data)
-        rows.append(existing_manifest_row(t, data, uri, model_fingerprint=model_fp))
+        rows.append(existing_manifest_row(t, data, uri, model_identity=model_fp))
     if manifest:
         write_bytes_atomic(layout.join(out, f"manifest/{name}"),
                            "".join(layout.to_json_line(r) + "\n" for r in rows).encode())
@@ -292,7 +292,7 @@ def test_webdataset_rerun_reuses_the_images_a_killed_run_staged(tmp_path):
     for rid, prompt in (("a", "a fox"), ("b", "a fox"), ("e", "a fox"), ("c", "another prompt")):
         t = task(rid, prompt=prompt, line="abcde".index(rid) + 1)
         write_bytes_atomic(staged_path(out, keys[rid], "png"), encode_png(_pixels(t), png_text(
-            t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_fingerprint=MODEL)))
+            t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_identity=MODEL)))
     got = _wds(out, tasks, skip_existing=True)
     assert got["generated"] == [keys["c"], keys["d"]]  # c's staged image is another request's
     assert sorted(r["key"] for r in got["existing"]) == [keys["a"], keys["b"], keys["e"]]
