@@ -14,7 +14,7 @@ from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that
 
 from transforms import layout
-from model.engine.generator import GenerationResult
+from model import GenerationResult
 from transforms.inference import Flux2KleinModelHandler, InferenceTimeout, is_retriable
 from transforms.generation import failed_batch_rows
 from transforms.requests import GenerationRequest, ImageTask

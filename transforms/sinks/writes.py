@@ -87,8 +87,9 @@ class StoreImagesFn(retries.CountingRetriesFn):
     most `max_in_flight` images wait or run in the pool (back-pressure: `process` then waits for the oldest), which
     bounds memory when the store is slow. Every image is stored before its bundle ends (`finish_bundle` waits), and
     a failed write fails the bundle, so a retry stores the same bytes again: nothing is lost, nothing partial.
-    `model_identity` (transforms/identity.py: the job's model) goes into each image's text and manifest row. Counted in every
-    sink alike: `images_generated`, `image_bytes_written`, `generation_ms_per_image`, the progress line.
+    `model_identity` (transforms/identity.py: the job's model) goes into each image's text and manifest row.
+    Counted in every sink alike: `images_generated`, `image_bytes_written`, `generation_ms_per_image`, the progress
+    line.
     """
 
     def __init__(self, place: Callable[..., Placement], encoding: ImageEncoding | None = None,
