@@ -156,8 +156,9 @@ def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding |
 class _SkipExistingFn(retries.CountingRetriesFn):
     """Reads and checks each listed image (the listing as a side input {file name: Stored}): a task whose image
     checks out -> its manifest row (tagged `skipped`); else the task, to be generated (an image made for another
-    request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
-    does for an image no earlier manifest row describes; alone, the whole check of runs before fingerprints."""
+    request or model is counted `stale` and tagged so; a damaged one is counted replaced and tagged `damaged`; one
+    not there is tagged `missing`). What --skip_existing does for an image no earlier manifest row describes; alone,
+    the whole check of runs before fingerprints."""
 
     def __init__(self, output: str, encoding: ImageEncoding | None = None,
                  model_identity: ModelIdentity | str | None = None):
