@@ -337,7 +337,8 @@ def _wds(out: str, tasks, skip_existing: bool, model_fp=MODEL, per_shard=4) -> d
                 sinks.FAILED: p | "NoFailures" >> beam.Create([])}
         written = {**made, **planned} | sink
         found = {"generated": todo | beam.Map(lambda t: t.key), "manifest": written[sinks.MANIFEST],
-                 "existing": written[sinks.EXISTING], "stale": written[sinks.STALE]}
+                 "existing": written[sinks.EXISTING], "stale": written[sinks.STALE],
+                 "missing": written[sinks.MISSING], "damaged": written[sinks.DAMAGED]}
         for name, pcoll in found.items():
             path = os.path.join(folder, name)
             _ = (pcoll | f"Collect{name}" >> beam.combiners.ToList()
@@ -347,6 +348,7 @@ def _wds(out: str, tasks, skip_existing: bool, model_fp=MODEL, per_shard=4) -> d
         with open(os.path.join(folder, name), "rb") as f:
             got[name] = pickle.load(f)
     got["generated"] = sorted(got["generated"])
+    got["missing"] = sorted(got["missing"])
     return got
 
 
@@ -370,6 +372,7 @@ def test_webdataset_shard_with_an_edited_prompt_is_generated_again(tmp_path):
     edited = [tasks[0], task("b", prompt="a hen", line=2), tasks[2]]
     again = _wds(out, edited, skip_existing=True)
     assert len(again["generated"]) == 3 and again["stale"] == ["000000001"] and again["existing"] == []
+    assert again["missing"] == again["damaged"] == []  # a whole shard made again: counted by its stale samples
     assert [r["prompt"] for r in _sidecar(out)] == ["a fox", "a hen", "a fox"]
     other = _wds(out, edited, skip_existing=True, model_fp=OTHER_LENGTH)  # another model
     assert len(other["generated"]) == 3 and len(other["stale"]) == 3
@@ -391,6 +394,7 @@ def test_webdataset_rerun_reuses_the_images_a_killed_run_staged(tmp_path):
             t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_identity=MODEL)))
     got = _wds(out, tasks, skip_existing=True)
     assert got["generated"] == [keys["c"], keys["d"]]  # c's staged image is another request's
+    assert got["missing"] == [keys["c"], keys["d"]] and got["damaged"] == []  # no whole shard holds them
     assert sorted(r["key"] for r in got["existing"]) == [keys["a"], keys["b"], keys["e"]]
     assert all(r["generation_ms"] is None for r in got["existing"])
     assert not os.path.exists(staging_dir(out))
