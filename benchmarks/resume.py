@@ -37,8 +37,8 @@ def _fake_images(n: int, model_fp: str):
                                            width=32, num_inference_steps=4, guidance_scale=1.0, num_images=1,
                                            source="p.jsonl", line=i + 1), 0)
         data = encode_png(pixels, png_text(task, num_inference_steps=4, guidance_scale=1.0, model="bench",
-                                           model_fingerprint=model_fp))
-        out.append((task, data, existing_manifest_row(task, data, "", model_fingerprint=model_fp)))
+                                           model_identity=model_fp))
+        out.append((task, data, existing_manifest_row(task, data, "", model_identity=model_fp)))
     return out
 
 

@@ -68,6 +68,7 @@ _LAZY = {
     "start_runtime": ("engine.runtime", "start_runtime"),
     "apply_runtime_defaults": ("engine.runtime", "apply_runtime_defaults"),
     # JAX-free
+    "GenerationResult": ("engine.results", "GenerationResult"),
     "compile_counts": ("engine.compile_events", "counts"),
     "MIN_REFERENCE_SIDE": ("engine.reference_preprocess", "MIN_SIDE"),
     "check_reference_size": ("engine.reference_preprocess", "check_size"),

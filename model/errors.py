@@ -111,7 +111,7 @@ class ReferenceImageError(RequestError):
 
 class NonFiniteImageError(ModelError):
     """`generate()` produced images whose values are not finite (NaN or inf: overflow, broken weights, a kernel
-    fault); such pixels are not an image. `images`: {index in the call: model.engine.generator.NonFinite}.
+    fault); such pixels are not an image. `images`: {index in the call: model.engine.results.NonFinite}.
     `generate_result()` reports them per image instead of raising."""
 
     def __init__(self, images: dict):

@@ -59,7 +59,8 @@ def make_sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     images are stored."""
     out = job.spec.output
     settings = sinks.SinkSettings(out.output, out.encoding, job.model_fingerprint or None, out.skip_existing,
-                                  job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize)
+                                  job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize,
+                                  dtype=job.load.dtype)
     return sink_registry.sink_class(out.output_format).from_options(settings, out)
 
 
@@ -97,6 +98,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
         "images_generated": manifest,
         "skipped": existing,
         "stale": written[sinks.STALE],
+        "damaged": written[sinks.DAMAGED],
+        "missing": written[sinks.MISSING],
         "invalid": invalid,
         "duplicates": dedup[DUPLICATE_TAG],
         "failed": failed,

@@ -7,7 +7,9 @@ that `--skip_existing` can tell a kept image from a stale one without reading th
                           file: `model.loading.checkpoint.checkpoint_digest`, so any changed tensor changes it), dtype,
                           max_sequence_length and the text encoder's output layers
 
-Each is the sha256 of a canonical JSON object, cut to FINGERPRINT_HEX hex digits. Pure functions: no Beam, no I/O.
+Each is the sha256 of a canonical JSON object, cut to FINGERPRINT_HEX hex digits. Both are recorded through the
+image-identity record (transforms/identity.py); a task computes its request fingerprint once
+(`ImageTask.request_fingerprint`). Pure functions: no Beam, no I/O.
 """
 
 from __future__ import annotations

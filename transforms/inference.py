@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import threading
 import typing
@@ -272,7 +271,9 @@ def flush_compile_metrics() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedImage:
-    """One image out of the handler: host pixels plus the parameters that were actually used."""
+    """One image of a generate call (its slice of the model's GenerationResult) with its task: what every sink
+    receives. Host pixels plus the parameters that were actually used; what the image is made by is the sink's
+    to record (transforms/identity.py)."""
 
     task: ImageTask
     pixels: np.ndarray  # uint8 [H, W, 3]
@@ -282,32 +283,47 @@ class GeneratedImage:
     model: str
     generation_ms: float  # this image's share of its batch's generate() wall time
     nonfinite: str | None = None  # why its values are not an image (NaN or inf: stage and share), else None
-    quantize: str = "none"  # the model's quantization (EngineOptions.quantize): recorded with the image
 
 
 class LoadedGenerator:
     """What `load_model` returns: the generator behind one method, so that a model shared across processes (served
-    through a Beam proxy, which forwards method calls only) costs one round trip per batch and returns numpy. The
-    generator serialises its own calls (Beam runs bundles on several threads of a process)."""
+    through a Beam proxy, which forwards method calls only) costs one round trip per batch and returns the model's
+    own GenerationResult, pickled as it is (numpy images, NonFinite records). The generator serialises its own
+    calls (Beam runs bundles on several threads of a process)."""
 
     def __init__(self, generator: Any):
         self._gen = generator
-        self.loader_pid = os.getpid()
 
     def generate_batch(self, prompts: list[str], seeds: list[int], height: int, width: int,
                        num_inference_steps: int | None, guidance_scale: float | None,
-                       reference_images: list[list] | None = None, batch_size: int | None = None) -> dict:
+                       reference_images: list[list] | None = None, batch_size: int | None = None):
         """One image per prompt; None steps/guidance take the checkpoint's defaults (generate resolves them).
         `reference_images`: one list of references (PIL images) per prompt, or None for text-to-image.
-        `batch_size`: the programs' batch for this call (None: the engine's; see generate_result)."""
+        `batch_size`: the programs' batch for this call (None: the engine's; see generate_result). Returns the
+        generator's GenerationResult, its images as a numpy array."""
         extra = {} if reference_images is None else {"reference_images": reference_images}
         out = self._gen.generate_result(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
                                         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                         batch_size=batch_size, **extra)
-        return {"images": np.asarray(out.images), "truncated": list(out.prompt_truncated),
-                "nonfinite": [None if n is None else n.describe() for n in out.nonfinite],
-                "num_inference_steps": out.num_inference_steps, "guidance_scale": out.guidance_scale,
-                "model": str(out.model), "seconds": out.seconds, "loader_pid": self.loader_pid}
+        return out if isinstance(out.images, np.ndarray) else dataclasses.replace(out, images=np.asarray(out.images))
+
+
+def split_result(tasks: list[ImageTask], out) -> list[PredictionResult]:
+    """A generate call's GenerationResult (model.engine.generator) -> one PredictionResult per task, whose
+    `inference` is the task's GeneratedImage; counts the prompts that were truncated."""
+    images = np.asarray(out.images)
+    if images.shape[0] != len(tasks):
+        raise RuntimeError(f"generate returned {images.shape[0]} images for {len(tasks)} prompts")
+    per_image_ms = out.seconds * 1000.0 / len(tasks)
+    truncated = sum(1 for t, flag in zip(tasks, out.prompt_truncated) if flag and t.index == 0)
+    if truncated:
+        Metrics.counter(METRICS_NAMESPACE, "prompts_truncated").inc(truncated)
+    nonfinite = tuple(out.nonfinite) or (None,) * len(tasks)
+    return [PredictionResult(task, GeneratedImage(
+        task=task, pixels=images[i], num_inference_steps=out.num_inference_steps, guidance_scale=out.guidance_scale,
+        prompt_truncated=bool(out.prompt_truncated[i]), model=str(out.model), generation_ms=per_image_ms,
+        nonfinite=None if nonfinite[i] is None else nonfinite[i].describe()), model_id=str(out.model))
+        for i, task in enumerate(tasks)]
 
 
 class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult, LoadedGenerator]):
@@ -449,22 +465,7 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
             model, lambda: model.generate_batch(prompts, seeds, first.height, first.width, first.num_inference_steps,
                                                 first.guidance_scale, refs, **extra),
             self._inference_timeout_s, len(tasks), first.id)
-        images = out["images"]
-        if images.shape[0] != len(tasks):
-            raise RuntimeError(f"generate returned {images.shape[0]} images for {len(tasks)} prompts")
-        per_image_ms = out["seconds"] * 1000.0 / len(tasks)
-        truncated = sum(1 for t, flag in zip(tasks, out["truncated"]) if flag and t.index == 0)
-        if truncated:
-            Metrics.counter(METRICS_NAMESPACE, "prompts_truncated").inc(truncated)
-        results = []
-        for i, task in enumerate(tasks):
-            image = GeneratedImage(task=task, pixels=images[i], num_inference_steps=out["num_inference_steps"],
-                                   guidance_scale=out["guidance_scale"], prompt_truncated=bool(out["truncated"][i]),
-                                   model=out["model"], generation_ms=per_image_ms,
-                                   nonfinite=out.get("nonfinite", [None] * len(tasks))[i],
-                                   quantize=self.settings.engine.quantize)
-            results.append(PredictionResult(task, image, model_id=out["model"]))
-        return results
+        return split_result(tasks, out)
 
     def get_num_bytes(self, batch: Sequence[ImageTask]) -> int:
         return sum(len(t.request.prompt.encode("utf-8")) for t in batch)

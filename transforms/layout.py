@@ -26,6 +26,8 @@ import re
 import unicodedata
 from typing import Any
 
+from .identity import RECORDED_FIELDS, ImageIdentity
+
 IMAGES_DIR = "images"
 MANIFEST_DIR = "manifest"
 ERRORS_DIR = "errors"
@@ -47,8 +49,8 @@ INFERENCE_FAILED = "inference_failed"
 INFERENCE_TIMEOUT = "inference_timeout"  # a batch ran past --inference_timeout_s (or waited on one that did)
 INVALID_REFERENCE = "invalid_reference"  # a reference image that is missing, unreadable or unusable
 NON_FINITE_IMAGE = "non_finite_image"  # generation gave NaN or inf values: nothing is written for that image
-ERROR_KINDS = (INVALID_RECORD, DUPLICATE_ID, FILE_NAME_COLLISION, UNREADABLE_INPUT, INFERENCE_FAILED, INVALID_REFERENCE,
-               NON_FINITE_IMAGE)  # every kind above (the runbooks list them; a test checks both)
+ERROR_KINDS = (INVALID_RECORD, DUPLICATE_ID, FILE_NAME_COLLISION, UNREADABLE_INPUT, INFERENCE_FAILED, INFERENCE_TIMEOUT,
+               INVALID_REFERENCE, NON_FINITE_IMAGE)  # every kind above (the runbooks list them; tests check both)
 
 MANIFEST_FIELDS = (
     "id",
@@ -62,14 +64,14 @@ MANIFEST_FIELDS = (
     "num_inference_steps",
     "guidance_scale",
     "model",
-    "quantize",  # none | int8: the model's quantization (EngineOptions.quantize)
     "sha256",
     "bytes",
     "crc32c",  # of the stored bytes, as GCS lists it: --skip_existing keeps an image only when the object has it
     "generation_ms",
     "metadata",
-    "request_fingerprint",  # transforms/fingerprints.py: what --skip_existing compares, without reading the image
-    "model_fingerprint",
+    # transforms/identity.py: request_fingerprint, model_fingerprint (what --skip_existing compares, without reading
+    # the image), dtype and quantize (none | int8) of the model that made it
+    *RECORDED_FIELDS,
 )
 
 
@@ -272,23 +274,21 @@ def manifest_row(
     prompt_truncated: bool | None,
     model: str,
     generation_ms: float | None,
-    model_fingerprint: str | None,
+    identity: ImageIdentity | None = None,
     key: str | None = None,
-    quantize: str = "none",
     crc32c: str | None = None,
 ) -> dict:
     """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
     metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
     record's extra columns, typed as read; {} when it had none), `reference_images` ([{uri, sha256}] in the
-    record's order; the row has the key only when there are any), the request fingerprint and `source`/`line`; the
-    caller gives where the image is (`file_name`, `uri`), its bytes' sha256, size and CRC32C (transforms/checksums.py;
-    None only where an older row did not record it), what its generate call reported (steps, guidance, truncation,
-    model and its `quantize`, `generation_ms`: None for an image found already written, whose time was not
-    measured) and the model fingerprint (None where an older image does not record it). `key`: the sample's key in a
-    WebDataset shard, last."""
-    from .fingerprints import request_fingerprint
-
+    record's order; the row has the key only when there are any) and `source`/`line`; the caller gives where the
+    image is (`file_name`, `uri`), its bytes' sha256, size and CRC32C (transforms/checksums.py; None only where an
+    older row did not record it), what its generate call reported (steps, guidance, truncation, model,
+    `generation_ms`: None for an image found already written, whose time was not measured) and the image's
+    `identity` (transforms/identity.py: its fields close the row; None: the task's, by an unknown model). `key`: the
+    sample's key in a WebDataset shard, last."""
     r = task.request
+    identity = identity or ImageIdentity.of(task)
     row = {
         "id": r.id,
         "file_name": file_name,
@@ -301,14 +301,12 @@ def manifest_row(
         "num_inference_steps": int(num_inference_steps),
         "guidance_scale": float(guidance_scale),
         "model": model,
-        "quantize": quantize,
         "sha256": sha256,
         "bytes": int(num_bytes),
         "crc32c": crc32c,
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
         "metadata": dict(r.metadata_values()),
-        "request_fingerprint": request_fingerprint(task),
-        "model_fingerprint": model_fingerprint,
+        **identity.fields(),
     }
     if r.reference_images:
         row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in r.reference_entries()]

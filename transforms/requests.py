@@ -8,6 +8,7 @@ Records become requests in transforms/inputs/ (readers, coercion, validation, id
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import apache_beam as beam
@@ -85,6 +86,21 @@ class ImageTask:
     @property
     def file_name(self) -> str:
         return layout.image_file_name(self.request.id, self.index, self.request.num_images)
+
+    @functools.cached_property
+    def request_fingerprint(self) -> str:
+        """transforms/fingerprints.py's request fingerprint of this image, computed once: it is kept with the task
+        (pickled with it) wherever the task goes, and a task placed elsewhere keeps it (`placed`)."""
+        from .fingerprints import request_fingerprint
+
+        return request_fingerprint(self)
+
+    def keeping_fingerprint(self, placed: "ImageTask") -> "ImageTask":
+        """`placed` (this image's task as a sink places it: a subclass with its shard and key) with this task's
+        request fingerprint, when it is already computed."""
+        if "request_fingerprint" in self.__dict__:
+            placed.__dict__["request_fingerprint"] = self.__dict__["request_fingerprint"]
+        return placed
 
     @property
     def shape_key(self) -> str:

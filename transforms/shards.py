@@ -31,7 +31,7 @@ import shutil
 import tarfile
 from typing import Iterable
 
-from . import layout
+from . import identity, layout
 from .atomic_files import umask, write_local_atomic, write_object_atomic
 from .checksums import checksum_text
 
@@ -208,23 +208,21 @@ def is_complete(stats: dict, planned: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- sidecar rows
+# The image's identity record (transforms/identity.py) closes every row.
 SIDECAR_COLUMNS = ("key", "status", "error_message", "id", "file_name", "uri", "prompt", "prompt_truncated", "seed",
-                   "height", "width", "num_inference_steps", "guidance_scale", "model", "quantize", "sha256", "bytes",
-                   "crc32c",
-                   "generation_ms", "metadata", "source", "line", "request_fingerprint", "model_fingerprint")
+                   "height", "width", "num_inference_steps", "guidance_scale", "model", "sha256", "bytes", "crc32c",
+                   "generation_ms", "metadata", "source", "line", *identity.RECORDED_FIELDS)
 
 
 def sidecar_schema():
     import pyarrow as pa
 
-    types = {"key": pa.string(), "status": pa.string(), "error_message": pa.string(), "id": pa.string(),
-             "file_name": pa.string(), "uri": pa.string(), "prompt": pa.string(), "prompt_truncated": pa.bool_(),
-             "seed": pa.int64(), "height": pa.int64(), "width": pa.int64(), "num_inference_steps": pa.int64(),
-             "guidance_scale": pa.float64(), "model": pa.string(), "quantize": pa.string(), "sha256": pa.string(),
-             "bytes": pa.int64(), "crc32c": pa.string(), "generation_ms": pa.float64(), "metadata": pa.string(),
-             "source": pa.string(), "line": pa.int64(),
-             "request_fingerprint": pa.string(), "model_fingerprint": pa.string()}
-    return pa.schema([(name, types[name]) for name in SIDECAR_COLUMNS])
+    types = {"key": "string", "status": "string", "error_message": "string", "id": "string", "file_name": "string",
+             "uri": "string", "prompt": "string", "prompt_truncated": "bool_", "seed": "int64", "height": "int64",
+             "width": "int64", "num_inference_steps": "int64", "guidance_scale": "float64", "model": "string",
+             "sha256": "string", "bytes": "int64", "crc32c": "string", "generation_ms": "float64",
+             "metadata": "string", "source": "string", "line": "int64", **identity.ARROW_TYPES}
+    return pa.schema([(name, getattr(pa, types[name])()) for name in SIDECAR_COLUMNS])
 
 
 def success_sidecar_row(row: dict) -> dict:
@@ -236,10 +234,9 @@ def success_sidecar_row(row: dict) -> dict:
     return out
 
 
-def failed_sidecar_row(key: str, task, error: dict, model_fingerprint: str | None = None) -> dict:
-    """A failed image's sidecar row: what was asked for, status failed and the error row's kind and reason."""
-    from .fingerprints import request_fingerprint
-
+def failed_sidecar_row(key: str, task, error: dict, model_identity=None) -> dict:
+    """A failed image's sidecar row: what was asked for (its identity, transforms/identity.py, by the job's model
+    `model_identity`), status failed and the error row's kind and reason."""
     r = task.request
     out = {name: None for name in SIDECAR_COLUMNS}
     out.update(key=key, status="failed", error_message=f"{error.get('kind')}: {error.get('reason')}", id=r.id,
@@ -247,7 +244,7 @@ def failed_sidecar_row(key: str, task, error: dict, model_fingerprint: str | Non
                num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale,
                metadata=json.dumps(r.metadata_values(), ensure_ascii=False, sort_keys=True),
                source=layout.writable_text(r.source),
-               line=r.line, request_fingerprint=request_fingerprint(task), model_fingerprint=model_fingerprint)
+               line=r.line, **identity.ImageIdentity.of(task, model_identity).fields())
     return out
 
 
@@ -324,15 +321,14 @@ class DigestingWriter:
         return Digest(self.size, checksum_text(self._crc))
 
 
-def sidecar_row_matches(row: dict, task, model_fingerprint: str | None) -> bool:
-    """Whether a success sidecar row is the sample `task` asks for, made by the model of `model_fingerprint`:
-    their fingerprints agree. A row of a run before fingerprints (none recorded) is compared field by field
-    (id, prompt, seed, size; steps and guidance where the request sets them), its model taken on trust."""
-    from .fingerprints import request_fingerprint
-
+def sidecar_row_matches(row: dict, task, model_identity) -> bool:
+    """Whether a success sidecar row is the sample `task` asks for, made by the model of `model_identity`
+    (transforms/identity.py; a bare model fingerprint will do): the decisive fields of their identity records
+    agree. A row of a run before fingerprints (none recorded) is compared field by field (id, prompt, seed, size;
+    steps and guidance where the request sets them), its model taken on trust."""
     if row.get("request_fingerprint"):
-        return row["request_fingerprint"] == request_fingerprint(task) \
-            and row.get("model_fingerprint") == model_fingerprint
+        mine = identity.ImageIdentity.of(task, model_identity).fields()
+        return all(row.get(name) == mine[name] for name in identity.DECISIVE_FIELDS)
     r = task.request
     expected = {"id": r.id, "prompt": r.prompt, "seed": task.seed, "height": r.height, "width": r.width}
     if r.num_inference_steps is not None:

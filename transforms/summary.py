@@ -17,9 +17,11 @@ from . import layout, retries
 from .sinks.writes import write_bytes_atomic
 
 
-# stale: images already there (--skip_existing) made for another request or model, so generated again.
-SUMMARY_FIGURES = ("records_read", "requests", "images_planned", "images_generated", "skipped", "stale", "invalid",
-                   "duplicates", "failed", "prompts_truncated")
+# What a --skip_existing run generated again, and why: stale (the image there was made for another request or
+# model), damaged (unreadable or damaged bytes), missing (not there, or not in a whole shard).
+SUMMARY_FIGURES = ("records_read", "requests", "images_planned", "images_generated", "skipped", "stale", "damaged",
+                   "missing", "invalid", "duplicates", "failed", "prompts_truncated")
+REMADE = {"stale": "stale", "damaged": "damaged", "missing": "missing"}  # figure -> its words in the summary line
 
 
 def build_summary(counts: dict[str, int], *, started_at: float, finished_at: float, extra: dict | None = None) -> dict:
@@ -38,7 +40,8 @@ def build_summary(counts: dict[str, int], *, started_at: float, finished_at: flo
 def format_summary(summary: dict) -> str:
     text = (f"records read {summary['records_read']}, images generated {summary['images_generated']}, "
             f"skipped {summary['skipped']}, "
-            + (f"stale (generated again) {summary['stale']}, " if summary.get("stale") else "")
+            + "".join(f"{words} (generated again) {summary[name]}, " for name, words in REMADE.items()
+                      if summary.get(name))
             + f"invalid {summary['invalid']}, failed {summary['failed']}, "
             f"wall time {summary['wall_time_s']:.1f} s, {summary['images_per_s']:.3f} images/s")
     retried = summary.get("retries")

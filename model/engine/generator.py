@@ -36,6 +36,7 @@ from ..options import DEFAULT_TEXT_ENCODER_OUT_LAYERS, EngineOptions, LoadSettin
 from .buckets import Bucket, Sampling, bucket_for, default_guidance, default_steps, latent_grid, resolve_sampling
 from .reference_encoder import ReferenceEncoder
 from .reference_preprocess import ProcessedReference, preprocess_all, reference_signature as _reference_signature
+from .results import GenerationResult, NonFinite  # noqa: F401 - GenerationResult: generate_result's type
 from .runtime import start_runtime
 from ..parallel.sharding import placement
 from ..loading.tokenizer import PromptTokenizer
@@ -271,32 +272,6 @@ class PreparedBucket:
     @property
     def batch(self) -> int:
         return self.bucket.batch
-
-
-@dataclasses.dataclass(frozen=True)
-class NonFinite:
-    """An image whose values stopped being finite (overflow, bad weights, a kernel fault): the stage whose output
-    first held NaN or inf, and the share of that output's values that are not finite."""
-
-    stage: str       # "denoise" (the latents) or "decode" (the pixels)
-    fraction: float
-
-    def describe(self) -> str:
-        return f"non-finite values after {self.stage}: {self.fraction:.1%} of the values are NaN or inf"
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationResult:
-    """What `generate_result` returns: the images and the facts a caller reports with them."""
-
-    images: np.ndarray                 # uint8 [N, H, W, 3]
-    prompt_truncated: tuple[bool, ...]  # per image: its prompt was longer than max_sequence_length tokens
-    num_inference_steps: int           # as resolved (the checkpoint's default when not given)
-    guidance_scale: float
-    model: str
-    seconds: float                     # wall time of the call (the lock's wait not counted)
-    # per image: None, or where its values stopped being finite (its pixels are then not an image: do not save them)
-    nonfinite: tuple = ()
 
 
 class Flux2KleinGenerator:

@@ -127,6 +127,8 @@ def test_reference_job_gives_the_models_pixels(gcs_emulator, gcs_bucket, tiny_ck
     assert image_names(out) == {"gs-ref.png", "local-ref.png", "two-refs.png", "plain.png",
                                 f"{ids['same-a']}.png", f"{ids['same-c']}.png"}
     assert rows(out, "errors") == [] and summary["images_generated"] == 6
+    # Each file read and decoded once: resolving read it, and the generate calls found it in the process's cache.
+    assert counters(result)["reference_reads"] == 2
     manifest = {r["id"]: r for r in rows(out, "manifest")}
     sha = {f"{b}/refs/a.png": hashlib.sha256(a_bytes).hexdigest(),
            c_uri: hashlib.sha256(c_bytes).hexdigest()}

@@ -22,6 +22,7 @@ import json
 import threading
 
 from transforms import layout
+from transforms.identity import ModelIdentity
 from transforms.inference import Flux2KleinModelHandler
 from transforms.sinks.encoding import encode_png, png_text
 
@@ -116,11 +117,12 @@ def load_cached(model: str, *, dtype="float32", max_sequence_length=32, batch_si
     load_kwargs = {"compilation_cache_dir": compilation_cache_dir} if compilation_cache_dir else {}
     loaded = CachedHandler(model, dtype=dtype, max_sequence_length=max_sequence_length, batch_size=batch_size,
                            load_kwargs=load_kwargs).load_model()
-    _FINGERPRINTS[id(loaded)] = job_model_fingerprint(model, dtype=dtype, max_sequence_length=max_sequence_length)
+    _FINGERPRINTS[id(loaded)] = ModelIdentity(
+        job_model_fingerprint(model, dtype=dtype, max_sequence_length=max_sequence_length), dtype=dtype)
     return loaded
 
 
-_FINGERPRINTS: dict[int, str] = {}  # id(loaded generator) -> the model fingerprint a job with its settings records
+_FINGERPRINTS: dict = {}  # id(loaded generator) -> the model identity a job with its settings records
 
 
 def job_model_fingerprint(model: str, *, dtype: str, max_sequence_length: int) -> str:
@@ -137,10 +139,10 @@ def job_model_fingerprint(model: str, *, dtype: str, max_sequence_length: int) -
 def expected_png(loaded, task) -> bytes:
     r = task.request
     out = loaded.generate_batch([r.prompt], [task.seed], r.height, r.width, r.num_inference_steps, r.guidance_scale)
-    return encode_png(out["images"][0], png_text(task, num_inference_steps=out["num_inference_steps"],
-                                                 guidance_scale=out["guidance_scale"], model=out["model"],
-                                                 prompt_truncated=out["truncated"][0],
-                                                 model_fingerprint=_FINGERPRINTS.get(id(loaded))))
+    return encode_png(out.images[0], png_text(task, num_inference_steps=out.num_inference_steps,
+                                              guidance_scale=out.guidance_scale, model=out.model,
+                                              prompt_truncated=out.prompt_truncated[0],
+                                              model_identity=_FINGERPRINTS.get(id(loaded))))
 
 
 def fast_gcs_retries(monkeypatch, *, initial=0.02, maximum=0.3, timeout=60.0):

@@ -138,10 +138,10 @@ def test_local_and_gcs_copies_of_a_checkpoint_have_one_digest(tiny_ckpt, gcs_emu
 
 def test_rows_and_image_text_carry_the_fingerprints():
     t = task(num_inference_steps=4, guidance_scale=1.0)
-    text = png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m", model_fingerprint="mfp")
+    text = png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m", model_identity="mfp")
     assert text["request_fingerprint"] == request_fingerprint(t) and text["model_fingerprint"] == "mfp"
     data = encode_png(np.zeros((32, 32, 3), np.uint8), text)
-    row = existing_manifest_row(t, data, "u", model_fingerprint="mfp")
+    row = existing_manifest_row(t, data, "u", model_identity="mfp")
     assert (row["request_fingerprint"], row["model_fingerprint"]) == (request_fingerprint(t), "mfp")
     assert list(row)[:len(layout.MANIFEST_FIELDS)] == list(layout.MANIFEST_FIELDS)
     # The sidecar keeps them: a kept shard's rows are compared by them (shards.sidecar_row_matches).

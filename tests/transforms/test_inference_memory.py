@@ -5,6 +5,7 @@ machine that holds fewer images at once (klein-4B at 1024x1024 on one v5e chip h
 import numpy as np
 import pytest
 
+from model import GenerationResult
 from transforms.inference import Flux2KleinModelHandler
 from transforms.requests import GenerationRequest, ImageTask
 
@@ -32,9 +33,9 @@ class HoldsAtMost:
         if compiled > self.fits:
             raise RuntimeError(OOM)
         n = len(prompts)
-        return {"images": np.stack([np.full((height, width, 3), s % 251, np.uint8) for s in seeds]),
-                "truncated": [False] * n, "nonfinite": [None] * n, "num_inference_steps": 4, "guidance_scale": 1.0,
-                "model": "m", "seconds": 0.01 * n, "loader_pid": 0}
+        return GenerationResult(images=np.stack([np.full((height, width, 3), s % 251, np.uint8) for s in seeds]),
+                                prompt_truncated=(False,) * n, nonfinite=(None,) * n, num_inference_steps=4,
+                                guidance_scale=1.0, model="m", seconds=0.01 * n)
 
 
 def _tasks(n: int, height: int = 32, first: int = 0) -> list[ImageTask]:
@@ -101,3 +102,30 @@ def test_a_short_batch_padded_to_the_engines_batch_runs_compiled_for_fewer_image
     model.calls.clear(), model.compiled.clear()
     handler.run_inference(_tasks(2, height=64), model)  # its shape's later batches start at what fitted
     assert list(zip(model.calls, model.compiled)) == [(1, 1), (1, 1)]
+
+
+def test_a_generate_call_s_result_crosses_to_another_process_without_jax():
+    """A shared model (--large_model) hands the model's own GenerationResult to the process that asked: unpickling
+    it there imports no JAX, and the handler slices it into the GeneratedImage every sink receives."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from model.engine.results import NonFinite
+    from transforms.inference import split_result
+
+    result = GenerationResult(images=np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3),
+                              prompt_truncated=(True, False), num_inference_steps=4, guidance_scale=1.0, model="m",
+                              seconds=0.5, nonfinite=(None, NonFinite("decode", 0.25)))
+    code = ("import pickle, sys; r = pickle.loads(sys.stdin.buffer.read()); "
+            "print(type(r).__name__, 'jax' in sys.modules, r.nonfinite[1].describe())")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(result), cwd=repo, env=env,
+                         capture_output=True, check=True, timeout=120)
+    assert out.stdout.decode().split(" ", 2)[:2] == ["GenerationResult", "False"]
+    images = [p.inference for p in split_result(_tasks(2), result)]
+    assert [im.prompt_truncated for im in images] == [True, False] and images[0].generation_ms == 250.0
+    assert (images[1].pixels == result.images[1]).all() and images[0].nonfinite is None
+    assert images[1].nonfinite == "non-finite values after decode: 25.0% of the values are NaN or inf"

@@ -14,6 +14,7 @@ from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that
 
 from transforms import layout
+from model import GenerationResult
 from transforms.inference import Flux2KleinModelHandler, InferenceTimeout, is_retriable
 from transforms.generation import failed_batch_rows
 from transforms.requests import GenerationRequest, ImageTask
@@ -39,9 +40,9 @@ class StandIn:
         self.calls.append(list(prompts))
         if "hang" in prompts[0]:
             self.release.wait(60)  # bounded, so that a failing test cannot leave it blocked for ever
-        return {"images": np.zeros((len(prompts), height, width, 3), np.uint8), "truncated": [False] * len(prompts),
-                "nonfinite": [None] * len(prompts), "num_inference_steps": 4, "guidance_scale": 1.0,
-                "model": "stand-in", "seconds": 0.01}
+        return GenerationResult(images=np.zeros((len(prompts), height, width, 3), np.uint8),
+                                prompt_truncated=(False,) * len(prompts), nonfinite=(None,) * len(prompts),
+                                num_inference_steps=4, guidance_scale=1.0, model="stand-in", seconds=0.01)
 
 
 def handler(**kw):

@@ -20,7 +20,7 @@ from transforms.requests import GenerationRequest, ImageTask
 from transforms.sinks.encoding import encode_png, png_text
 from transforms.sinks.existing import ExistingImageMismatch, SkipExisting, existing_manifest_row
 from transforms.sinks.writes import read_bytes, write_bytes_atomic
-from transforms.summary import build_summary
+from transforms.summary import build_summary, format_summary
 
 
 def request(id="r1", num_images=1, **kw):
@@ -173,6 +173,15 @@ def test_summary_figures():
                       finished_at=103.0, extra={"model": "m"})
     assert s["records_read"] == 10 and s["skipped"] == 0 and s["failed"] == 1
     assert s["wall_time_s"] == 3.0 and s["images_per_s"] == 2.0 and s["model"] == "m"
+
+
+def test_summary_line_says_why_a_resume_made_images_again():
+    s = build_summary({"records_read": 5, "images_generated": 4, "skipped": 1, "stale": 1, "damaged": 2,
+                       "missing": 1}, started_at=100.0, finished_at=104.0)
+    assert (s["stale"], s["damaged"], s["missing"]) == (1, 2, 1)
+    line = format_summary(s)
+    assert "stale (generated again) 1, damaged (generated again) 2, missing (generated again) 1" in line
+    assert "damaged" not in format_summary(build_summary({"images_generated": 1}, started_at=0, finished_at=1))
 
 
 def test_progress_files_and_line(tmp_path):

@@ -199,7 +199,7 @@ def test_manifest_and_image_text_carry_the_references():
         existing_manifest_row(ImageTask(plain, 0), data, "gs://o/images/e.png")
     no_refs = layout.manifest_row(ImageTask(plain, 0), file_name="images/x.png", uri="u", sha256="s",
                                   num_bytes=1, num_inference_steps=4, guidance_scale=1.0, prompt_truncated=False,
-                                  model="m", generation_ms=1.0, model_fingerprint=None)
+                                  model="m", generation_ms=1.0)
     assert "reference_images" not in no_refs  # text-to-image rows are unchanged
 
 

@@ -16,6 +16,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from transforms import layout, shards
 from transforms.checksums import crc32c
 from transforms.fingerprints import model_fingerprint, request_fingerprint
+from transforms.identity import RECORDED_FIELDS, ModelIdentity
 from transforms.inference import GeneratedImage
 from transforms.requests import GenerationRequest, ImageTask
 from transforms.sinks import base as sinks, writes
@@ -45,7 +46,7 @@ def task(id, prompt="a fox", **kw) -> ImageTask:
 def _png(t: ImageTask, model_fp=MODEL, level=None) -> bytes:
     pixels = np.random.default_rng(t.seed).integers(0, 256, (t.request.height, t.request.width, 3), dtype=np.uint8)
     return encode_png(pixels, png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m",
-                                       model_fingerprint=model_fp), compress_level=level)
+                                       model_identity=model_fp), compress_level=level)
 
 
 def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00000-of-00001.jsonl", level=None):
@@ -55,7 +56,7 @@ def _write_run(out: str, tasks, model_fp=MODEL, manifest=True, name="manifest-00
         data = _png(t, model_fp, level)
         uri = layout.join(out, t.file_name)
         write_bytes_atomic(uri, data)
-        rows.append(existing_manifest_row(t, data, uri, model_fingerprint=model_fp))
+        rows.append(existing_manifest_row(t, data, uri, model_identity=model_fp))
     if manifest:
         write_bytes_atomic(layout.join(out, f"manifest/{name}"),
                            "".join(layout.to_json_line(r) + "\n" for r in rows).encode())
@@ -80,24 +81,28 @@ def image_reads(monkeypatch):
 
 
 def _skip(out: str, tasks, model_fp=MODEL):
-    """Run SkipExisting; ({'tasks': file names, 'existing': rows, 'stale': file names})."""
+    """Run SkipExisting; ({'tasks': file names, 'existing': rows, 'stale' / 'damaged' / 'missing': file names})."""
     import pickle
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="skip-")
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as p:
         split = p | beam.Create(tasks) | SkipExisting(out, ImageEncoding(), model_fp)
-        for name in ("tasks", "existing", "stale"):
+        for name in NAMES:
             path = os.path.join(folder, name)
             _ = (split[name] | f"Collect{name}" >> beam.combiners.ToList()
                  | f"Keep{name}" >> beam.Map(lambda items, path=path: open(path, "wb").write(pickle.dumps(items))))
     got = {}
-    for name in ("tasks", "existing", "stale"):
+    for name in NAMES:
         with open(os.path.join(folder, name), "rb") as f:
             got[name] = pickle.load(f)
     got["tasks"] = sorted(t.file_name for t in got["tasks"])
-    got["stale"] = sorted(got["stale"])  # a PCollection has no order
+    for name in ("stale", "damaged", "missing"):
+        got[name] = sorted(got[name])  # a PCollection has no order
     return got
+
+
+NAMES = ("tasks", "existing", "stale", "damaged", "missing")  # what SkipExisting returns
 
 
 def test_same_fingerprints_skip_without_reading_any_image(tmp_path, image_reads):
@@ -124,6 +129,97 @@ def test_an_edited_prompt_is_generated_again_and_counted_stale(tmp_path, image_r
     assert got["tasks"] == ["images/a.png"] and got["stale"] == ["images/a.png"]
     assert [r["file_name"] for r in got["existing"]] == ["images/b.png"]
     assert image_reads == []
+
+
+def test_each_image_a_user_damaged_is_remade_and_counted_by_what_was_wrong(tmp_path):
+    """Issue 57's user: one image copied over another, one truncated, one with a byte flipped, one deleted. All four
+    are generated again, and each is counted: stale (the copy is another request's image), damaged (2), missing."""
+    out = str(tmp_path / "out")
+    tasks = [task(name, prompt=f"prompt {name}") for name in "abcdef"]
+    _write_run(out, tasks)
+    images = os.path.join(out, layout.IMAGES_DIR)
+    with open(os.path.join(images, "a.png"), "rb") as f:
+        copied = f.read()
+    with open(os.path.join(images, "b.png"), "wb") as f:
+        f.write(copied)
+    with open(os.path.join(images, "c.png"), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(images, "c.png")) // 2)
+    with open(os.path.join(images, "d.png"), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(images, "d.png")) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.remove(os.path.join(images, "e.png"))
+    got = _skip(out, tasks)
+    assert got["tasks"] == ["images/b.png", "images/c.png", "images/d.png", "images/e.png"]
+    assert (got["stale"], got["damaged"], got["missing"]) == (["images/b.png"], ["images/c.png", "images/d.png"],
+                                                               ["images/e.png"])
+    assert sorted(r["file_name"] for r in got["existing"]) == ["images/a.png", "images/f.png"]
+
+
+def _old_png(t: ImageTask, model_fp=MODEL) -> bytes:
+    """An image as the code before the identity record wrote it: steps and guidance under two keys each, no dtype."""
+    pixels = np.random.default_rng(t.seed).integers(0, 256, (t.request.height, t.request.width, 3), dtype=np.uint8)
+    text = {"prompt": t.request.prompt, "seed": str(t.seed), "num_inference_steps": "4", "steps": "4",
+            "guidance_scale": "1.0", "guidance": "1.0", "model": "m", "quantize": "none", "id": t.request.id,
+            "height": str(t.request.height), "width": str(t.request.width), "Software": "flux2-klein-beam",
+            "request_fingerprint": request_fingerprint(t), "model_fingerprint": model_fp, "prompt_truncated": "false"}
+    return encode_png(pixels, text)
+
+
+def _old_row(t: ImageTask, data: bytes, uri: str, model_fp=MODEL) -> dict:
+    """A manifest row as the code before the identity record wrote it (no dtype; quantize among the figures)."""
+    r = t.request
+    return {"id": r.id, "file_name": t.file_name, "uri": uri, "prompt": r.prompt, "prompt_truncated": False,
+            "seed": t.seed, "height": r.height, "width": r.width, "num_inference_steps": 4, "guidance_scale": 1.0,
+            "model": "m", "quantize": "none", "sha256": sha256(data), "bytes": len(data), "crc32c": crc32c(data),
+            "generation_ms": 12.5, "metadata": {}, "request_fingerprint": request_fingerprint(t),
+            "model_fingerprint": model_fp, "source": r.source, "line": r.line}
+
+
+def test_an_output_written_before_the_identity_record_still_resumes(tmp_path, image_reads):
+    """Images and rows of the earlier format (both spellings of steps and guidance, no dtype) are kept: those with
+    rows without being read, those without by their text (read under either spelling); the kept rows name the
+    job's dtype, which their model fingerprint covers."""
+    out = str(tmp_path / "out")
+    with_rows, without_rows = [task("a"), task("b", prompt="a hen")], [task("c", prompt="a cat")]
+    rows = []
+    for t in with_rows + without_rows:
+        data = _old_png(t)
+        uri = layout.join(out, t.file_name)
+        write_bytes_atomic(uri, data)
+        if t in with_rows:
+            rows.append(_old_row(t, data, uri))
+    write_bytes_atomic(layout.join(out, "manifest/manifest-00000-of-00001.jsonl"),
+                       "".join(layout.to_json_line(r) + "\n" for r in rows).encode())
+    job = ModelIdentity(MODEL, dtype="float32")
+    got = _skip(out, with_rows + without_rows, job)
+    assert got["tasks"] == [] and (got["stale"], got["damaged"], got["missing"]) == ([], [], [])
+    assert image_reads == [layout.join(out, "images/c.png")]  # only the image no row describes
+    kept = {r["file_name"]: r for r in got["existing"]}
+    assert set(kept) == {"images/a.png", "images/b.png", "images/c.png"}
+    assert {(r["dtype"], r["quantize"], r["num_inference_steps"], r["guidance_scale"]) for r in kept.values()} \
+        == {("float32", "none", 4, 1.0)}
+    # Steps and guidance under the earlier spelling alone are read too.
+    t = task("d", prompt="a dog")
+    text = {k: v for k, v in png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m",
+                                      model_identity=job).items() if k not in ("num_inference_steps", "guidance_scale")}
+    data = encode_png(np.zeros((32, 32, 3), np.uint8), dict(text, steps="4", guidance="1.0"))
+    row = existing_manifest_row(t, data, "u", model_identity=job)
+    assert (row["num_inference_steps"], row["guidance_scale"], row["dtype"]) == (4, 1.0, "float32")
+
+
+def test_images_and_rows_name_their_dtype_once_and_steps_and_guidance_one_way(tmp_path):
+    t = task("a")
+    text = png_text(t, num_inference_steps=4, guidance_scale=1.5, model="m",
+                    model_identity=ModelIdentity(MODEL, dtype="bfloat16", quantize="int8"))
+    assert "steps" not in text and "guidance" not in text
+    assert (text["num_inference_steps"], text["guidance_scale"], text["dtype"], text["quantize"]) == \
+        ("4", "1.5", "bfloat16", "int8")
+    data = encode_png(np.zeros((32, 32, 3), np.uint8), text)
+    row = existing_manifest_row(t, data, "u", model_identity=ModelIdentity(MODEL, dtype="bfloat16", quantize="int8"))
+    assert (row["dtype"], row["quantize"], row["model_fingerprint"]) == ("bfloat16", "int8", MODEL)
+    assert set(RECORDED_FIELDS) <= set(row)
 
 
 @pytest.mark.parametrize("new_model", [OTHER_DTYPE, OTHER_LENGTH, INT8], ids=["dtype", "max_sequence_length", "int8"])
@@ -241,7 +337,8 @@ def _wds(out: str, tasks, skip_existing: bool, model_fp=MODEL, per_shard=4) -> d
                 sinks.FAILED: p | "NoFailures" >> beam.Create([])}
         written = {**made, **planned} | sink
         found = {"generated": todo | beam.Map(lambda t: t.key), "manifest": written[sinks.MANIFEST],
-                 "existing": written[sinks.EXISTING], "stale": written[sinks.STALE]}
+                 "existing": written[sinks.EXISTING], "stale": written[sinks.STALE],
+                 "missing": written[sinks.MISSING], "damaged": written[sinks.DAMAGED]}
         for name, pcoll in found.items():
             path = os.path.join(folder, name)
             _ = (pcoll | f"Collect{name}" >> beam.combiners.ToList()
@@ -251,6 +348,7 @@ def _wds(out: str, tasks, skip_existing: bool, model_fp=MODEL, per_shard=4) -> d
         with open(os.path.join(folder, name), "rb") as f:
             got[name] = pickle.load(f)
     got["generated"] = sorted(got["generated"])
+    got["missing"] = sorted(got["missing"])
     return got
 
 
@@ -274,6 +372,7 @@ def test_webdataset_shard_with_an_edited_prompt_is_generated_again(tmp_path):
     edited = [tasks[0], task("b", prompt="a hen", line=2), tasks[2]]
     again = _wds(out, edited, skip_existing=True)
     assert len(again["generated"]) == 3 and again["stale"] == ["000000001"] and again["existing"] == []
+    assert again["missing"] == again["damaged"] == []  # a whole shard made again: counted by its stale samples
     assert [r["prompt"] for r in _sidecar(out)] == ["a fox", "a hen", "a fox"]
     other = _wds(out, edited, skip_existing=True, model_fp=OTHER_LENGTH)  # another model
     assert len(other["generated"]) == 3 and len(other["stale"]) == 3
@@ -292,9 +391,10 @@ def test_webdataset_rerun_reuses_the_images_a_killed_run_staged(tmp_path):
     for rid, prompt in (("a", "a fox"), ("b", "a fox"), ("e", "a fox"), ("c", "another prompt")):
         t = task(rid, prompt=prompt, line="abcde".index(rid) + 1)
         write_bytes_atomic(staged_path(out, keys[rid], "png"), encode_png(_pixels(t), png_text(
-            t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_fingerprint=MODEL)))
+            t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_identity=MODEL)))
     got = _wds(out, tasks, skip_existing=True)
     assert got["generated"] == [keys["c"], keys["d"]]  # c's staged image is another request's
+    assert got["missing"] == [keys["c"], keys["d"]] and got["damaged"] == []  # no whole shard holds them
     assert sorted(r["key"] for r in got["existing"]) == [keys["a"], keys["b"], keys["e"]]
     assert all(r["generation_ms"] is None for r in got["existing"])
     assert not os.path.exists(staging_dir(out))

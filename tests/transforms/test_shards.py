@@ -94,7 +94,7 @@ def test_stats_completeness_and_sidecar_round_trip():
     data = shards.sidecar_bytes([shards.success_sidecar_row(row)], shards.Digest(10240, "mnG7TA=="))
     back = shards.read_sidecar(data)
     assert back[0] == dict(row, status="success", error_message=None, metadata='{"lang": "en"}',
-                           quantize=None)  # a bf16 row names no quantization
+                           quantize=None, dtype=None)  # a row that names neither
     assert shards.sidecar_tar(data) == shards.Digest(10240, "mnG7TA==")  # the sidecar names its tar
     assert shards.sidecar_tar(shards.sidecar_bytes([])) is None  # as one written before it did
     marked = shards.shard_stats(4, count=3, successes=3, failures=0, duration_s=1.0, start_time=0, end_time=1,

@@ -9,7 +9,8 @@
     writes.py      atomic writes, and the encoder-thread pool every sink stores its images with
     existing.py    what an output already holds (--skip_existing): images checked against their tasks
 
-Every sink's manifest rows come from the one builder, `transforms.layout.manifest_row`.
+Every sink's manifest rows come from the one builder, `transforms.layout.manifest_row`, and every image's identity
+(what it records of its request and model, in its text and rows alike) from `transforms.identity`.
 
 Nothing is imported here, so that a Beam-free module (such as `registry`, which the option table reads) stays so.
 """

@@ -7,7 +7,8 @@ job's one generation stage (transforms/generation.py):
     made = planned[TASKS] | Generate(handler, batch_size)          # {IMAGES, FAILED}
     written = {**made, **the rest of planned} | sink
     # {MANIFEST: rows of the images this run stored, EXISTING: rows of the images found already there,
-    #  ERRORS: error rows of the images that failed, STALE: names of images made again, DONE: the sink's own files}
+    #  ERRORS: error rows of the images that failed, STALE / DAMAGED / MISSING: names of images made again because
+    #  the one there was another request's or model's / unreadable or damaged / not there, DONE: the sink's own files}
 
 `plan()` runs before anything is generated: it looks at what the output already holds (`--skip_existing`) and may
 give the tasks what the sink needs to know of them once generated (a shard and a key); whatever else it returns
@@ -25,6 +26,7 @@ import dataclasses
 import apache_beam as beam
 
 from ..generation import FAILED, IMAGES  # noqa: F401  (re-exported: the keys of what `expand` receives)
+from ..identity import ModelIdentity
 from .encoding import ImageEncoding
 
 TASKS = "tasks"
@@ -32,6 +34,8 @@ MANIFEST = "manifest"
 EXISTING = "existing"
 ERRORS = "errors"
 STALE = "stale"
+DAMAGED = "damaged"  # names of images already there that were unreadable or damaged, so generated again
+MISSING = "missing"  # names of images a --skip_existing run did not find there (deleted, or never written)
 DONE = "done"
 
 
@@ -48,6 +52,12 @@ class SinkSettings:
     encode_threads: int | None = None
     progress_dir: str | None = None
     quantize: str = "none"  # the model's quantization, which the dataset card states
+    dtype: str | None = None  # the model's dtype (--dtype), which every image records
+
+    @property
+    def model_identity(self) -> ModelIdentity:
+        """What every image records of the model that made it (transforms/identity.py)."""
+        return ModelIdentity(model_fingerprint=self.model_fingerprint, dtype=self.dtype, quantize=self.quantize)
 
 
 class Sink(beam.PTransform):
@@ -82,11 +92,11 @@ class Sink(beam.PTransform):
 
 
 class NothingExisting(beam.PTransform):
-    """Tasks -> {TASKS: all of them, EXISTING and STALE: empty}."""
+    """Tasks -> {TASKS: all of them, EXISTING, STALE, DAMAGED and MISSING: empty}."""
 
     def expand(self, tasks):
-        return {TASKS: tasks, EXISTING: tasks.pipeline | "NoExisting" >> beam.Create([]),
-                STALE: tasks.pipeline | "NoStale" >> beam.Create([])}
+        return {TASKS: tasks, **{name: tasks.pipeline | f"No{name.title()}" >> beam.Create([])
+                                 for name in (EXISTING, STALE, DAMAGED, MISSING)}}
 
 
 def after(rows, done, label: str = "After"):

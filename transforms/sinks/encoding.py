@@ -1,5 +1,5 @@
 """Image encoding, the one place that turns pixels into stored bytes: PNG (text chunks), WebP and JPEG (EXIF), and
-the text every image carries (prompt, seed, steps, guidance, model, the two fingerprints, references).
+the text every image carries (prompt, seed, steps, guidance, model, its identity record, references).
 
 The bytes depend only on the pixels, the image's text and the encoding options, never on the thread that encodes
 them, so a retried bundle writes the same bytes again. Every sink encodes through `ImageEncoding.encode`; a resumed
@@ -16,7 +16,7 @@ import json
 import numpy as np
 
 from .. import layout
-from ..fingerprints import request_fingerprint
+from ..identity import ImageIdentity, ModelIdentity
 # --image_format choices and the encoders' defaults live in layout (light enough for the option table)
 from ..layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 
@@ -29,29 +29,24 @@ JPEG_MAX_EXIF_BYTES = 65_000  # a JPEG APP1 segment holds at most 65,533 bytes o
 
 
 def png_text(task, *, num_inference_steps: int, guidance_scale: float, model: str,
-             prompt_truncated: bool | None = None, model_fingerprint: str | None = None,
-             quantize: str = "none") -> dict[str, str]:
+             prompt_truncated: bool | None = None, model_identity: ModelIdentity | str | None = None) -> dict[str, str]:
     """The text an image of `task` carries (PNG text chunks; WebP/JPEG EXIF): prompt, seed, steps, guidance and
-    model with its quantization (plus the id, size, whether the prompt was truncated and the request's and the
-    model's fingerprints), all as strings; a resumed job rebuilds an image's manifest row from them."""
+    model (plus the id, size, whether the prompt was truncated and the image's identity, transforms/identity.py:
+    the request's and the model's fingerprints, the model's dtype and quantization), all as strings; a resumed job
+    rebuilds an image's manifest row from them. `model_identity`: the job's model (a bare fingerprint: only that)."""
     r = task.request
     text = {
         "prompt": r.prompt,
         "seed": str(task.seed),
         "num_inference_steps": str(int(num_inference_steps)),
-        "steps": str(int(num_inference_steps)),
         "guidance_scale": repr(float(guidance_scale)),
-        "guidance": repr(float(guidance_scale)),
         "model": model,
-        "quantize": quantize,
         "id": r.id,
         "height": str(r.height),
         "width": str(r.width),
         "Software": PNG_SOFTWARE,
-        "request_fingerprint": request_fingerprint(task),
+        **ImageIdentity.of(task, model_identity).text(),
     }
-    if model_fingerprint:
-        text["model_fingerprint"] = model_fingerprint
     if prompt_truncated is not None:
         text["prompt_truncated"] = "true" if prompt_truncated else "false"
     if r.reference_images:
@@ -64,12 +59,11 @@ def reference_text(request) -> str:
     return json.dumps(request.reference_entries(), ensure_ascii=False, separators=(",", ":"))
 
 
-def generated_text(generated, model_fingerprint: str | None = None) -> dict[str, str]:
+def generated_text(generated, model_identity: ModelIdentity | str | None = None) -> dict[str, str]:
     """The text of a GeneratedImage (transforms/inference.py): what its generate call reported."""
     return png_text(generated.task, num_inference_steps=generated.num_inference_steps,
                     guidance_scale=generated.guidance_scale, model=generated.model,
-                    prompt_truncated=generated.prompt_truncated, model_fingerprint=model_fingerprint,
-                    quantize=generated.quantize)
+                    prompt_truncated=generated.prompt_truncated, model_identity=model_identity)
 
 
 def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,
@@ -145,13 +139,23 @@ def exif_description(text: dict[str, str], *, jpeg: bool = False) -> str:
     return out
 
 
+# Image text keys written by earlier versions beside today's (the same values): read when today's key is absent.
+EARLIER_TEXT_KEYS = {"num_inference_steps": "steps", "guidance_scale": "guidance"}
+
+
 def read_image_text(image) -> dict[str, str]:
-    """The text an open PIL image carries: PNG text chunks, or the JSON of a WebP/JPEG EXIF ImageDescription."""
+    """The text an open PIL image carries: PNG text chunks, or the JSON of a WebP/JPEG EXIF ImageDescription; a
+    key an earlier version spelled otherwise (EARLIER_TEXT_KEYS) under today's name."""
     if image.format == "PNG":
-        return dict(getattr(image, "text", {}) or {})
-    raw = image.getexif().get(EXIF_IMAGE_DESCRIPTION)
-    try:
-        text = json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
-    return {str(k): str(v) for k, v in text.items()} if isinstance(text, dict) else {}
+        text = dict(getattr(image, "text", {}) or {})
+    else:
+        raw = image.getexif().get(EXIF_IMAGE_DESCRIPTION)
+        try:
+            found = json.loads(raw) if raw else {}
+        except ValueError:
+            found = {}
+        text = {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+    for key, earlier in EARLIER_TEXT_KEYS.items():
+        if key not in text and earlier in text:
+            text[key] = text[earlier]
+    return text

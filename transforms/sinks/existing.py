@@ -25,7 +25,7 @@ from apache_beam.metrics import Metrics
 
 from .. import layout, retries
 from ..checksums import Stored, crc32c, list_folder, local_digests
-from ..fingerprints import request_fingerprint
+from ..identity import DECISIVE_FIELDS, RECORDED_FIELDS as IDENTITY_FIELDS, ImageIdentity, ModelIdentity
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from . import writes
 from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_text
@@ -33,6 +33,14 @@ from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_tex
 LOGGER = logging.getLogger(__name__)
 SKIPPED_TAG = "skipped"
 STALE_TAG = "stale"
+DAMAGED_TAG = "damaged"
+MISSING_TAG = "missing"
+# Why an image is stale, by the decisive identity field (transforms/identity.py) it records otherwise.
+STALE_BECAUSE = {
+    "request_fingerprint": "was made for another request (its request fingerprint differs)",
+    "model_fingerprint": "was made by another model (its model fingerprint differs: another checkpoint, dtype, "
+                         "quantization or max_sequence_length)",
+}
 
 
 class ExistingImageMismatch(ValueError):
@@ -60,8 +68,7 @@ class FoundImage:
     guidance_scale: float
     prompt_truncated: bool | None
     model: str
-    model_fingerprint: str | None
-    quantize: str = "none"
+    made_by: ModelIdentity  # the model identity it records (the job's, when its model fingerprint is the job's)
     crc32c: str | None = None
 
     def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
@@ -70,11 +77,11 @@ class FoundImage:
             task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
-            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize, crc32c=self.crc32c)
+            identity=ImageIdentity.of(task, self.made_by), key=key, crc32c=self.crc32c)
 
 
 def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
-                         model_fingerprint: str | None = None, name: str | None = None) -> FoundImage:
+                         model_identity: ModelIdentity | str | None = None, name: str | None = None) -> FoundImage:
     """Check that `data` (an image a previous run wrote, named `name` in messages: the task's stored file name by
     default) is `task`'s image, from its bytes and the text it carries (PNG text chunks; the EXIF description of a
     WebP or JPEG).
@@ -82,8 +89,10 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
     Raises ExistingImageMismatch unless the bytes are a complete, undamaged image of the encoding's format (PNG:
     every chunk checksum; WebP/JPEG: all pixels decode), and StaleImage unless it has the task's size and its text
     records the task's id, prompt (or its sha256, for a JPEG whose EXIF could not hold it) and seed, its steps and
-    guidance when the record gives them, and the task's request fingerprint and `model_fingerprint` when the text
-    has them (images of older runs do not; their model_fingerprint is then None)."""
+    guidance when the record gives them, and the decisive fields of the image's identity (transforms/identity.py:
+    the task's request fingerprint, the model fingerprint of `model_identity`) that the text has (images of older
+    runs do not; their model_fingerprint is then None). Text keys of earlier versions are read too
+    (encoding.EARLIER_TEXT_KEYS)."""
     from PIL import Image
 
     encoding = encoding or ImageEncoding()
@@ -119,42 +128,43 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
     for key, value in expected.items():
         if text.get(key) != value:
             raise StaleImage(file_name, f"was made for another request (its {key!r} differs)")
-    fingerprint = request_fingerprint(task)
-    if text.get("request_fingerprint", fingerprint) != fingerprint:
-        raise StaleImage(file_name, "was made for another request (its request fingerprint differs)")
-    if model_fingerprint and text.get("model_fingerprint", model_fingerprint) != model_fingerprint:
-        raise StaleImage(file_name, "was made by another model (its model fingerprint differs: another checkpoint, "
-                                    "dtype, quantization or max_sequence_length)")
+    identity = ImageIdentity.of(task, model_identity)
+    differs = identity.differs_from(text)
+    if differs:
+        raise StaleImage(file_name, STALE_BECAUSE.get(differs, f"was made otherwise (its {differs!r} differs)"))
     try:
         steps, guidance = int(text["num_inference_steps"]), float(text["guidance_scale"])
     except (KeyError, ValueError):
         raise ExistingImageMismatch(file_name, "lacks its steps/guidance text") from None
     truncated = {"true": True, "false": False}.get(text.get("prompt_truncated", ""))
+    made_by = identity.model if identity.model.model_fingerprint and \
+        text.get("model_fingerprint") == identity.model.model_fingerprint else ModelIdentity.recorded_in(text)
     return FoundImage(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data), num_inference_steps=steps,
                       guidance_scale=guidance, prompt_truncated=truncated, model=text.get("model", ""),
-                      model_fingerprint=text.get("model_fingerprint"), quantize=text.get("quantize", "none"),
-                      crc32c=crc32c(data))
+                      made_by=made_by, crc32c=crc32c(data))
 
 
 def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding | None = None,
-                          model_fingerprint: str | None = None) -> dict:
+                          model_identity: ModelIdentity | str | None = None) -> dict:
     """The manifest row of an image a previous run wrote for `task` at `uri` under its stored file name, rebuilt
     from its bytes and text; ExistingImageMismatch / StaleImage as `check_existing_image` says."""
     encoding = encoding or ImageEncoding()
-    found = check_existing_image(task, data, encoding, model_fingerprint)
+    found = check_existing_image(task, data, encoding, model_identity)
     return found.row(task, file_name=encoding.stored_name(task.file_name), uri=uri)
 
 
 class _SkipExistingFn(retries.CountingRetriesFn):
     """Reads and checks each listed image (the listing as a side input {file name: Stored}): a task whose image
     checks out -> its manifest row (tagged `skipped`); else the task, to be generated (an image made for another
-    request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
-    does for an image no earlier manifest row describes; alone, the whole check of runs before fingerprints."""
+    request or model is counted `stale` and tagged so; a damaged one is counted replaced and tagged `damaged`; one
+    not there is tagged `missing`). What --skip_existing does for an image no earlier manifest row describes; alone,
+    the whole check of runs before fingerprints."""
 
-    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None):
+    def __init__(self, output: str, encoding: ImageEncoding | None = None,
+                 model_identity: ModelIdentity | str | None = None):
         self._output = output
         self._encoding = encoding or ImageEncoding()
-        self._model_fingerprint = model_fingerprint or None
+        self._model = ModelIdentity.of(model_identity)
         self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
         self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
         self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
@@ -164,7 +174,7 @@ class _SkipExistingFn(retries.CountingRetriesFn):
 
     def process(self, task, existing):
         if self._encoding.stored_name(task.file_name) not in existing:
-            yield task
+            yield from self._missing_task(task)
             return
         yield from self._read_and_check(task)
 
@@ -174,21 +184,26 @@ class _SkipExistingFn(retries.CountingRetriesFn):
         try:
             data = writes.read_bytes(uri)
         except FileNotFoundError:  # deleted since the listing
-            yield task
+            yield from self._missing_task(task)
             return
         self._read.inc()
         try:
-            row = existing_manifest_row(task, data, uri, self._encoding, self._model_fingerprint)
+            row = existing_manifest_row(task, data, uri, self._encoding, self._model)
         except StaleImage as e:
             yield from self._stale_task(task, str(e))
             return
         except ExistingImageMismatch as e:
             self._replaced.inc()
             LOGGER.warning("--skip_existing: %s; generating it again", e)
+            yield beam.pvalue.TaggedOutput(DAMAGED_TAG, file_name)
             yield task
             return
         self._skipped.inc()
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, row)
+
+    def _missing_task(self, task):
+        yield beam.pvalue.TaggedOutput(MISSING_TAG, self._encoding.stored_name(task.file_name))
+        yield task
 
     def _stale_task(self, task, why: str):
         self._stale.inc()
@@ -198,8 +213,8 @@ class _SkipExistingFn(retries.CountingRetriesFn):
 
 
 # What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
-RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "crc32c", "model",
-                   "prompt_truncated", "num_inference_steps", "guidance_scale")
+RECORDED_FIELDS = ("bytes", "sha256", "crc32c", "model", "prompt_truncated", "num_inference_steps",
+                   "guidance_scale", *IDENTITY_FIELDS)
 
 
 def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
@@ -233,7 +248,7 @@ class _DecideExistingFn(_SkipExistingFn):
         listed, recorded = list(found["listed"]), list(found["recorded"])
         for task in found["tasks"]:
             if not listed:
-                yield task
+                yield from self._missing_task(task)
             elif not recorded:
                 yield from self._read_and_check(task)
             else:
@@ -254,7 +269,7 @@ class _DecideExistingFn(_SkipExistingFn):
     def _decide(self, task, file_name: str, listed: Stored, recorded: list[dict]):
         described = self._describing(file_name, listed, recorded)
         if described is None:
-            yield task
+            yield from self._missing_task(task)
             return
         rows, stored = described
         if not rows:  # the bytes there are not the ones any row names: the image's own text decides
@@ -263,11 +278,14 @@ class _DecideExistingFn(_SkipExistingFn):
                         "run stopped while replacing it?); reading it", file_name)
             yield from self._read_and_check(task)
             return
-        want = (request_fingerprint(task), self._model_fingerprint)
-        prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in rows}
-        if want not in prints:
-            which = "request" if all(p[1] == want[1] for p in prints) else "model"
-            yield from self._stale_task(task, f"{file_name}: its manifest row has another {which} fingerprint")
+        mine = ImageIdentity.of(task, self._model).fields()
+        want = tuple(mine[name] for name in DECISIVE_FIELDS)
+        prints = {tuple(rec.get(name) for name in DECISIVE_FIELDS) for rec in rows}
+        if want not in prints:  # named by the last field that differs: the model's before the request's
+            which = next(name for i, name in reversed(list(enumerate(DECISIVE_FIELDS)))
+                         if any(p[i] != want[i] for p in prints))
+            yield from self._stale_task(task, f"{file_name}: its manifest row has another "
+                                              f"{which.replace('_', ' ')}")
             return
         if len(prints) > 1:  # rows that disagree about these very bytes: look at them
             yield from self._read_and_check(task)
@@ -276,15 +294,15 @@ class _DecideExistingFn(_SkipExistingFn):
         self._skipped.inc()
         found = FoundImage(sha256=rec["sha256"], num_bytes=stored.size, num_inference_steps=rec["num_inference_steps"],
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
-                           model=rec["model"], model_fingerprint=want[1], quantize=rec.get("quantize", "none"),
-                           crc32c=stored.crc32c)
+                           model=rec["model"], made_by=self._model, crc32c=stored.crc32c)
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
                                                               uri=layout.join(self._output, file_name)))
 
 
 class SkipExisting(beam.PTransform):
     """Image tasks -> {'tasks': those still to generate, 'existing': manifest rows of the images already there,
-    'stale': file names of images already there that were made for another request or model}: the files sink's
+    'stale': file names of images already there that were made for another request or model, 'damaged': of images
+    there that are unreadable or damaged, 'missing': of images not there}: the files sink's
     plan (transforms/sinks/files.py) under --skip_existing.
 
     The existing images are listed once (`{output}/images/*.png`, or the extension of the job's --image_format;
@@ -297,12 +315,12 @@ class SkipExisting(beam.PTransform):
     `read_manifest=False`: every listed image is read and checked (the behaviour before fingerprints; benchmarks).
     """
 
-    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None,
-                 read_manifest: bool = True):
+    def __init__(self, output: str, encoding: ImageEncoding | None = None,
+                 model_identity: ModelIdentity | str | None = None, read_manifest: bool = True):
         super().__init__()
         self._output = output
         self._encoding = encoding or ImageEncoding()
-        self._model_fingerprint = model_fingerprint or None
+        self._model = ModelIdentity.of(model_identity)
         self._read_manifest = read_manifest
 
     def expand(self, tasks):
@@ -314,10 +332,10 @@ class SkipExisting(beam.PTransform):
                   | "ImagesFolder" >> beam.Create([layout.join(output, layout.IMAGES_DIR)])
                   | "ListImages" >> beam.FlatMap(lambda folder: ((f"{layout.IMAGES_DIR}/{name}", found)
                                                                  for name, found in list_folder(folder, suffix))))
-        fn_args = (output, encoding, self._model_fingerprint)
+        fn_args = (output, encoding, self._model)
         if not self._read_manifest:
             out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(*fn_args), beam.pvalue.AsDict(listed)) \
-                .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks")
+                .with_outputs(SKIPPED_TAG, STALE_TAG, DAMAGED_TAG, MISSING_TAG, main="tasks")
         else:
             recorded = (tasks.pipeline
                         | "ManifestGlob" >> beam.Create([layout.manifest_rows_glob(output)])
@@ -328,5 +346,6 @@ class SkipExisting(beam.PTransform):
             out = ({"tasks": keyed, "listed": listed, "recorded": recorded}
                    | "JoinExisting" >> beam.CoGroupByKey()
                    | "DecideExisting" >> beam.ParDo(_DecideExistingFn(*fn_args))
-                   .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks"))
-        return {"tasks": out.tasks, "existing": out[SKIPPED_TAG], "stale": out[STALE_TAG]}
+                   .with_outputs(SKIPPED_TAG, STALE_TAG, DAMAGED_TAG, MISSING_TAG, main="tasks"))
+        return {"tasks": out.tasks, "existing": out[SKIPPED_TAG], "stale": out[STALE_TAG],
+                DAMAGED_TAG: out[DAMAGED_TAG], MISSING_TAG: out[MISSING_TAG]}

@@ -12,7 +12,8 @@ import dataclasses
 import apache_beam as beam
 
 from .. import layout
-from .base import DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, STALE, NothingExisting, Sink, after, error_rows
+from .base import DAMAGED, DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, MISSING, STALE, NothingExisting, Sink, \
+    after, error_rows
 from .encoding import ImageEncoding
 from .existing import SkipExisting
 from .writes import Placement, StoreImagesFn
@@ -48,12 +49,12 @@ class FilesSink(Sink):
         s = self.settings
         if not s.skip_existing:
             return NothingExisting()
-        return SkipExisting(s.output, s.encoding, s.model_fingerprint)
+        return SkipExisting(s.output, s.encoding, s.model_identity)
 
     def expand(self, inputs):
         s = self.settings
         manifest = inputs[IMAGES] | "WriteImages" >> beam.ParDo(StoreImagesFn(
-            InImages(s.output, s.encoding), s.encoding, s.encode_threads, model_fingerprint=s.model_fingerprint,
+            InImages(s.output, s.encoding), s.encoding, s.encode_threads, model_identity=s.model_identity,
             progress_dir=s.progress_dir))
         # Rows of the images found already written, released once this run's images are all written.
         existing = after(inputs[EXISTING], manifest, "AfterImages")
@@ -65,4 +66,4 @@ class FilesSink(Sink):
                     | "WriteMetadata" >> beam.io.WriteToText(layout.metadata_path(s.output), shard_name_template="",
                                                              num_shards=1))
         return {MANIFEST: manifest, EXISTING: existing, ERRORS: error_rows(inputs[FAILED]), STALE: inputs[STALE],
-                DONE: metadata}
+                DAMAGED: inputs[DAMAGED], MISSING: inputs[MISSING], DONE: metadata}

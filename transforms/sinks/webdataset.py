@@ -39,10 +39,11 @@ from apache_beam.metrics import Metrics
 
 from .. import dataset_card, layout, retries, shards
 from ..checksums import crc32c, stored
+from ..identity import ImageIdentity, ModelIdentity
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from ..requests import ImageTask
-from .base import DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, STALE, TASKS, Sink, SinkSettings, after, \
-    error_rows
+from .base import DAMAGED, DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, MISSING, STALE, TASKS, Sink, \
+    SinkSettings, after, error_rows
 from .encoding import ImageEncoding
 from .existing import ExistingImageMismatch, check_existing_image
 from .writes import Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
@@ -224,7 +225,8 @@ class _PlanShardFn(retries.CountingRetriesFn):
     def process(self, element):
         shard, grouped = element
         entries = sorted(grouped["entries"], key=lambda e: e[0])
-        tasks = [ShardTask(t.request, t.index, shard, shards.sample_key(shard, i, self._per_shard))
+        tasks = [t.keeping_fingerprint(ShardTask(t.request, t.index, shard,
+                                                 shards.sample_key(shard, i, self._per_shard)))
                  for i, t in entries]
         if not tasks:  # staged images of a shard this input does not have
             return
@@ -248,6 +250,8 @@ class _PlanShardFn(retries.CountingRetriesFn):
         for task in tasks:
             row = self._reuse(task) if task.key in staged else None
             if row is None:
+                if kept is None:  # no whole shard holds it (a stale shard's samples are counted STALE)
+                    yield beam.pvalue.TaggedOutput(MISSING, task.key)
                 yield task
             else:
                 self._reused.inc()
@@ -287,7 +291,7 @@ class _PlanShardFn(retries.CountingRetriesFn):
             if task.key not in by_key:
                 LOGGER.info("--skip_existing: shard %05d lacks key %s; generating it again", shard, task.key)
                 return None
-            if not shards.sidecar_row_matches(by_key[task.key], task, self._s.model_fingerprint):
+            if not shards.sidecar_row_matches(by_key[task.key], task, self._s.model_identity):
                 stale.append(task.key)
         if stale:
             return _Stale(tuple(stale))
@@ -296,9 +300,15 @@ class _PlanShardFn(retries.CountingRetriesFn):
             task, file_name=row["file_name"], uri=uri, sha256=row["sha256"], num_bytes=row["bytes"],
             num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
             prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
-            model_fingerprint=row["model_fingerprint"], key=task.key, quantize=row.get("quantize") or "none",
-            crc32c=row.get("crc32c"))
+            identity=ImageIdentity.of(task, self._made_by(row)), key=task.key, crc32c=row.get("crc32c"))
             for task, row in ((task, by_key[task.key]) for task in tasks)]
+
+    def _made_by(self, row: dict) -> ModelIdentity:
+        """The model a kept sample's row records: the job's when its model fingerprint is the job's (it covers the
+        dtype and quantization), else what the row says (a row of a run before fingerprints)."""
+        job = self._s.model_identity
+        return job if job.model_fingerprint and row.get("model_fingerprint") == job.model_fingerprint \
+            else ModelIdentity.recorded_in(row)
 
     def _not_vouched(self, shard: int, stats: dict, sidecar_data: bytes, rows: list[dict]) -> str | None:
         """Why the shard's objects are not the ones its marker vouches for, or None when they are: the sidecar has
@@ -328,7 +338,7 @@ class _PlanShardFn(retries.CountingRetriesFn):
         place = InShard(self._s.output, self._s.encoding)(task)
         try:
             found = check_existing_image(task, read_bytes(place.write_to), self._s.encoding,
-                                         self._s.model_fingerprint, name=place.write_to)
+                                         self._s.model_identity, name=place.write_to)
         except FileNotFoundError:
             return None
         except ExistingImageMismatch as e:
@@ -338,7 +348,8 @@ class _PlanShardFn(retries.CountingRetriesFn):
 
 
 class PlanShards(beam.PTransform):
-    """ImageTasks -> {TASKS: ShardTasks to generate, EXISTING, STALE, KEPT_SHARDS, REUSED} (see _PlanShardFn); the
+    """ImageTasks -> {TASKS: ShardTasks to generate, EXISTING, STALE, MISSING, KEPT_SHARDS, REUSED} (see
+    _PlanShardFn; DAMAGED: none, a shard that is not whole counts its samples MISSING); the
     staged images are listed once, and only under --skip_existing."""
 
     def __init__(self, settings: SinkSettings, samples_per_shard: int):
@@ -362,9 +373,9 @@ class PlanShards(beam.PTransform):
         out = ({"entries": placed, "staged": staged}
                | "ByShard" >> beam.CoGroupByKey()
                | "PlanShards" >> beam.ParDo(_PlanShardFn(self._s, self._per_shard))
-               .with_outputs(EXISTING, STALE, KEPT_SHARDS, REUSED, main=TASKS))
-        return {TASKS: out[TASKS], EXISTING: out[EXISTING], STALE: out[STALE], KEPT_SHARDS: out[KEPT_SHARDS],
-                REUSED: out[REUSED]}
+               .with_outputs(EXISTING, STALE, MISSING, KEPT_SHARDS, REUSED, main=TASKS))
+        return {TASKS: out[TASKS], EXISTING: out[EXISTING], STALE: out[STALE], MISSING: out[MISSING],
+                DAMAGED: p | "NoDamaged" >> beam.Create([]), KEPT_SHARDS: out[KEPT_SHARDS], REUSED: out[REUSED]}
 
 
 def _staged_key(path: str, size: int, samples_per_shard: int):
@@ -410,7 +421,7 @@ class _PackShardFn(retries.CountingRetriesFn):
         rows.sort(key=lambda r: r["key"])
         failures.sort(key=lambda f: f[0])
         sidecar = [shards.success_sidecar_row(row) for row in rows]
-        sidecar += [shards.failed_sidecar_row(key, task, error, self._s.model_fingerprint)
+        sidecar += [shards.failed_sidecar_row(key, task, error, self._s.model_identity)
                     for key, task, error in failures]
         # The order of publication: first the old marker goes (a run stopped from here on leaves no marker), then
         # the tar, the sidecar naming the tar's size and CRC32C, and last the marker naming both: whatever a stop
@@ -527,7 +538,7 @@ class WebDatasetSink(Sink):
     def expand(self, inputs):
         s = self.settings
         staged = inputs[IMAGES] | "StageImages" >> beam.ParDo(StoreImagesFn(
-            InShard(s.output, s.encoding), s.encoding, s.encode_threads, model_fingerprint=s.model_fingerprint,
+            InShard(s.output, s.encoding), s.encoding, s.encode_threads, model_identity=s.model_identity,
             progress_dir=s.progress_dir))
         per_shard = self.samples_per_shard
         made = staged | "MadeByShard" >> beam.Map(
@@ -547,4 +558,5 @@ class WebDatasetSink(Sink):
         existing = after((inputs[EXISTING], packed[EXISTING]) | "AllExisting" >> beam.Flatten(), manifest,
                          "AfterImages")
         return {MANIFEST: manifest, EXISTING: existing, ERRORS: error_rows(inputs[FAILED]), STALE: inputs[STALE],
+                DAMAGED: inputs[DAMAGED], MISSING: inputs[MISSING],
                 DONE: (indexes, cleaned) | "SinkDone" >> beam.Flatten()}

@@ -23,6 +23,7 @@ from apache_beam.metrics import Metrics
 from .. import beam_adapter, layout, retries
 from ..atomic_files import write_local_atomic, write_object_atomic
 from ..checksums import crc32c
+from ..identity import ImageIdentity, ModelIdentity
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from .encoding import ImageEncoding, generated_text
 
@@ -70,9 +71,9 @@ class StoredImage:
 
 
 def store_image(generated, place: Placement, encoding: ImageEncoding,
-                model_fingerprint: str | None = None) -> StoredImage:
+                model_identity: ModelIdentity | None = None) -> StoredImage:
     """Encode one GeneratedImage and write it atomically to `place.write_to`; thread-safe (no Beam state touched)."""
-    data = encoding.encode(generated.pixels, generated_text(generated, model_fingerprint))
+    data = encoding.encode(generated.pixels, generated_text(generated, model_identity))
     write_bytes_atomic(place.write_to, data, mime_type=encoding.mime_type)
     return StoredImage(len(data), hashlib.sha256(data).hexdigest(), crc32c(data))
 
@@ -85,15 +86,16 @@ class StoreImagesFn(retries.CountingRetriesFn):
     most `max_in_flight` images wait or run in the pool (back-pressure: `process` then waits for the oldest), which
     bounds memory when the store is slow. Every image is stored before its bundle ends (`finish_bundle` waits), and
     a failed write fails the bundle, so a retry stores the same bytes again: nothing is lost, nothing partial.
-    `model_fingerprint` (transforms/fingerprints.py) goes into each image's text and manifest row. Counted in every
-    sink alike: `images_generated`, `image_bytes_written`, `generation_ms_per_image`, the progress line.
+    `model_identity` (transforms/identity.py: the job's model) goes into each image's text and manifest row.
+    Counted in every sink alike: `images_generated`, `image_bytes_written`, `generation_ms_per_image`, the progress
+    line.
     """
 
     def __init__(self, place: Callable[..., Placement], encoding: ImageEncoding | None = None,
-                 threads: int | None = None, max_in_flight: int | None = None, model_fingerprint: str | None = None,
-                 progress_dir: str | None = None):
+                 threads: int | None = None, max_in_flight: int | None = None,
+                 model_identity: ModelIdentity | str | None = None, progress_dir: str | None = None):
         self._place = place
-        self._model_fingerprint = model_fingerprint or None
+        self._model = ModelIdentity.of(model_identity)
         self._progress_dir = progress_dir
         self._encoding = encoding or ImageEncoding()
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -128,7 +130,7 @@ class StoreImagesFn(retries.CountingRetriesFn):
         while len(self._pending) >= self._limit or (self._pending and self._pending[0][0].done()):
             yield self._take_oldest()
         place = self._place(generated.task)
-        future = self._pool.submit(store_image, generated, place, self._encoding, self._model_fingerprint)
+        future = self._pool.submit(store_image, generated, place, self._encoding, self._model)
         self._pending.append((future, generated, place, window, timestamp))
         self._in_flight.update(len(self._pending))
 
@@ -167,6 +169,6 @@ class StoreImagesFn(retries.CountingRetriesFn):
             generated.task, file_name=place.file_name, uri=place.uri, sha256=stored.sha256,
             num_bytes=stored.num_bytes, num_inference_steps=generated.num_inference_steps,
             guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
-            model=generated.model, quantize=generated.quantize, generation_ms=generated.generation_ms,
-            model_fingerprint=self._model_fingerprint, key=place.key, crc32c=stored.crc32c)
+            model=generated.model, generation_ms=generated.generation_ms,
+            identity=ImageIdentity.of(generated.task, self._model), key=place.key, crc32c=stored.crc32c)
         return beam_adapter.windowed_value(row, timestamp, window)
