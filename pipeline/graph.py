@@ -25,6 +25,7 @@ from transforms.preview import WritePreview
 from transforms.progress import ReportTotal
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages
+from transforms.row_files import WriteRowFile
 from transforms.sinks import base as sinks, registry as sink_registry
 from transforms.summary import WriteSummary
 
@@ -136,7 +137,7 @@ def _row_files(output: str, manifest, existing, errors) -> list:
     and existing-* of the latest run list every image of the output exactly once."""
     return [rows
             | f"{name}Json" >> beam.Map(layout.to_json_line)
-            | f"Write{name}" >> beam.io.WriteToText(prefix, file_name_suffix=layout.ROWS_SUFFIX, num_shards=1)
+            | f"Write{name}" >> WriteRowFile(prefix, layout.ROWS_SUFFIX)
             for name, rows, prefix in (("Manifest", manifest, layout.manifest_prefix(output)),
                                        ("Existing", existing, layout.existing_prefix(output)),
                                        ("Errors", errors, layout.errors_prefix(output)))]
