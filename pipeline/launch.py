@@ -19,7 +19,7 @@ from transforms.inputs.validation import RequestDefaults
 
 from model import LoadSettings
 
-from . import launch_check, output_lease, probes
+from . import launch_check, new_folders, output_lease, probes
 from .errors import UsageError
 from .options import Flux2KleinOptions
 from .output_check import check_output
@@ -232,8 +232,10 @@ def holding_output(job: JobConfig, *, overwrite: bool, demo_default_output: bool
     the temporary folders of this run are removed (`CLEANUP` says how many); the lease is released at the end unless
     a submitted job holds it (`HeldOutput.hand_to_job`)."""
     output = job.spec.output.output
+    before = new_folders.folders_before(output)  # a run that fails leaves no empty folder of its own there
     held = HeldOutput(output_lease.take_output_lease(output, job=job.run_token[:12]), None)
     CLEANUP.update(temp_removed=0, output=output)
+    failed = False
     try:
         held.lease.clear_leftovers()  # what stopped or killed runs left behind (never a result: before the check)
         held.replacing = check_output(output, skip_existing=job.spec.output.skip_existing, overwrite=overwrite,
@@ -242,7 +244,10 @@ def holding_output(job: JobConfig, *, overwrite: bool, demo_default_output: bool
         yield held
     except BaseException:
         CLEANUP["temp_removed"] = held.lease.remove_own_temp()
+        failed = True
         raise
     finally:
         if not held.submitted:  # a submitted job holds the lease until its last step
             held.lease.release()
+            if failed:
+                new_folders.remove_new_empty_folders(before)

@@ -204,10 +204,14 @@ def is_case_insensitive_folder(folder: str) -> bool:
 
 
 def case_insensitive_output(output: str) -> bool:
-    """Whether a local --output folder folds case (created if needed); a gs:// output never does."""
+    """Whether a local --output folder folds case; a gs:// output never does. An output not made yet is judged by
+    the nearest folder above it that exists (the same file system), so the launch creates nothing there."""
     if "://" in output:
         return False
+    folder = os.path.abspath(output)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
     try:
-        return is_case_insensitive_folder(output)
+        return is_case_insensitive_folder(folder)
     except OSError as e:
         raise UsageError(f"--output={output!r} cannot be written: {e}") from e
