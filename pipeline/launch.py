@@ -49,9 +49,10 @@ def is_local_runner(options: PipelineOptions) -> bool:
 
 
 def is_dry_run(options: PipelineOptions) -> bool:
-    """`--dry_run=True` on a remote runner (Dataflow): the job is translated, not submitted, and writes nothing. (The
-    local runners ignore the flag and run the job.)"""
-    return bool(options.view_as(TestOptions).dry_run) and not is_local_runner(options)
+    """`--dry_run` on any runner: the launch checks the options, the model and every input record and says what the
+    job would do (pipeline/dry_run.py); nothing is generated or written. A remote runner (Dataflow) also translates
+    the job without submitting it."""
+    return bool(options.view_as(TestOptions).dry_run)
 
 
 def check_dry_run_locations(options: PipelineOptions) -> None:
@@ -85,6 +86,7 @@ class JobConfig:
     # How --batch_size auto became `load.engine.batch_size` (the launch's TPU preflight, or the default); None:
     # --batch_size N.
     batch_choice: str | None = None
+    preflight: dict | None = None  # the TPU preflight's figures (topology, batch, estimate), when it ran
 
 
 def resolve_job(options: PipelineOptions) -> JobConfig:
@@ -180,7 +182,7 @@ def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> J
     print(f"TPU preflight: fits {topology} with {figures['model_shards']} model shard(s) at batch "
           f"{figures['batch']}{' (picked)' if auto else ''}: peak {figures['peak_bytes_per_chip'] / 2**30:.2f} of "
           f"{figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip (compiler's estimate)", flush=True)
-    return job
+    return dataclasses.replace(job, preflight=figures)
 
 
 def _with_batch(options: PipelineOptions, job: JobConfig, batch: int, choice: str) -> JobConfig:

@@ -27,6 +27,7 @@ import textwrap
 
 from .errors import OptionValueError, UnknownOptionError, UsageError
 from .option_specs import AUTO_BATCH, Option, options_by_group
+from .switches import normalized as normalized_switches
 
 PROG = "python -m pipeline.run"
 HELP_FLAGS = ("-h", "--help")
@@ -206,6 +207,7 @@ def exit_on_usage_error(argv: list[str]) -> None:
     if BEAM_HELP_FLAG in argv:
         return  # Beam's own option classes: every one is registered only once the job's modules are imported
     try:
+        argv = normalized_switches(argv)  # Beam's true/false options spelled as the job's switches
         check_arguments_quickly(argv)
         check_arguments(argv)
     except UsageError as e:
