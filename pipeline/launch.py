@@ -98,6 +98,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     spec = job_spec(options.view_as(Flux2KleinOptions), runner)
     probes.check_gcs_reachable(probes.gcs_paths_read(spec, output_checked=not is_dry_run(options)))
     checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
+    vae = probes.check_vae(spec.model.vae, checkpoint.location, spec.model.model_variant,
+                           spec.model.checkpoint_cache_dir)
     defaults = spec.request_defaults(checkpoint.size_multiple)
     load = spec.load_settings(checkpoint.location)
     probes.check_bigquery(spec.input, runner)
@@ -108,7 +110,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      case_insensitive_output=probes.case_insensitive_output(spec.output.output),
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
-                         text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize))
+                         text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize,
+                         vae=vae))
 
 
 # ------------------------------------------------------------------------------------------------ the accelerator

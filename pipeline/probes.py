@@ -126,6 +126,23 @@ def read_checkpoint(location: str, variant: str | None) -> Checkpoint:
     return Checkpoint(location=location, size_multiple=config.size_multiple, digest=digest)
 
 
+def check_vae(source: str | None, location: str, variant: str | None, cache_dir: str | None) -> str | None:
+    """--vae checked against the checkpoint at `location` as its own VAE would be (config, latent channels, every
+    tensor's name and shape from the weights' header: model/loading/vae_swap.py); its content identity, for the model
+    fingerprint (None without --vae). UsageError naming the key or tensor and the file."""
+    if not source:
+        return None
+    from model.loading.checkpoint import read_config
+    from model.loading.vae_swap import check_vae as check_against, vae_files, vae_identity
+
+    try:
+        files = vae_files(source, cache_dir)
+        check_against(files, read_config(location, variant))
+        return vae_identity(files)
+    except ModelError as e:
+        raise UsageError(f"--vae={source!r} cannot replace the checkpoint's VAE: {type(e).__name__}: {e}") from e
+
+
 def check_bigquery(spec: InputSpec, runner: Runner) -> None:
     """What BigQuery reads need from the runner's options: --bigquery_temp_dataset in --project (or named whole),
     and a gs:// --temp_location to export the rows through."""

@@ -5,7 +5,7 @@ that `--skip_existing` can tell a kept image from a stale one without reading th
                           steps, guidance, the references' sha256 and processed sizes
     model fingerprint     the checkpoint by content (its configs' bytes, the name, size and crc32c of each other
                           file: `model.loading.checkpoint.checkpoint_digest`, so any changed tensor changes it), dtype,
-                          max_sequence_length and the text encoder's output layers
+                          max_sequence_length and the text encoder's output layers, and a --vae's content identity
 
 Each is the sha256 of a canonical JSON object, cut to FINGERPRINT_HEX hex digits. Pure functions: no Beam, no I/O.
 """
@@ -42,7 +42,7 @@ def request_fingerprint(task) -> str:
 
 
 def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length: int,
-                      text_encoder_out_layers=(), quantize: str = "none") -> str:
+                      text_encoder_out_layers=(), quantize: str = "none", vae: str | None = None) -> str:
     """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels
     (an int8 model's images are another model's: a resume never mixes them with bf16 ones)."""
     settings = {
@@ -54,4 +54,6 @@ def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length
     }
     if quantize != "none":  # unquantized models keep the fingerprint they always had (their outputs still resume)
         settings["quantize"] = quantize
+    if vae:  # --vae: the swapped VAE's content identity (model/loading/vae_swap.py vae_identity)
+        settings["vae"] = vae
     return _digest(settings)

@@ -698,6 +698,7 @@ BAD_VALUES = {
               "owner/name@", "owner/name@a b", "-owner/name"],
     "model_cache": GS_BAD,
     "model_variant": ["fp16.x", "a/b", "fp 16", "../x"],
+    "vae": ["a b.safetensors", "", " "],
     "model_revision": ["", "v 1", "a@b", "main;rm"],
     "dtype": ["float16", "bf16", "BFLOAT16", "fp32"],
     "quantize": ["int4", "INT8", "fp8", "yes"],
