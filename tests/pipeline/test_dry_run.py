@@ -57,3 +57,12 @@ def test_a_local_dry_run_reads_every_record_and_writes_nothing(tmp_path, tiny_ck
     assert not out.exists()
     assert main([*argv, "--dry_run=maybe"]) == 2
     assert "--dry_run=maybe: expected true or false" in capsys.readouterr().err
+
+
+def test_the_estimate_comes_from_the_preflight_and_the_chip_price():
+    from pipeline.dry_run import estimate_lines
+
+    assert estimate_lines(10, None)[0].startswith("estimate: none")
+    line = estimate_lines(3600, {"est_seconds_per_image": 0.5, "chips": 4, "chip": "v5e", "topology": "v5e:2x2"})[0]
+    assert "0.500 s per image on one v5e:2x2 worker" in line and "0:30:00" in line
+    assert "2.00 chip-hours" in line and "$2.40 at $1.20 per v5e chip-hour" in line
