@@ -150,6 +150,7 @@ def _summary_fields(job: JobConfig) -> dict:
             "input": list(spec.input.files) + [b.source for b in spec.input.bigquery], "demo": spec.demo,
             "batch_size": job.load.engine.batch_size, "batch_size_auto": job.batch_choice is not None,
             "batch_size_chosen": job.batch_choice, "dtype": job.load.dtype, "quantize": job.load.engine.quantize,
+            "vae": job.load.vae,
             "output_format": plain(spec.output.output_format)}
 
 
