@@ -73,3 +73,27 @@ def ensure_checkpoint(preset: str, *, distilled: bool = True, cache_root: str | 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def ensure_small_decoder_vae(cache_root: str | None = None) -> str:
+    """A VAE folder in FLUX.2-small-decoder's shapes (full encoder, decoder widths 96-192-384-384; random bf16
+    weights), built on first use (atomically), for `model.load(..., vae=...)` and `--vae`."""
+    import shutil
+    import tempfile
+
+    from benchmarks.realsize import build_realsize_vae
+
+    root = cache_root or bench_cache_root()
+    final = os.path.join(root, "small-decoder-vae-realsize")
+    if not os.path.isfile(os.path.join(final, "config.json")):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".small-decoder-", dir=root)
+        try:
+            build_realsize_vae(tmp)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final

@@ -136,3 +136,29 @@ def build_realsize_checkpoint(path: str, preset: str = "klein-4b") -> str:
     write_safetensors_component(os.path.join(path, "vae"), expected_tensors(vae, {"bn.num_batches_tracked": ()}),
                                 "diffusion_pytorch_model", 3)
     return path
+
+
+# FLUX.2-small-decoder's decoder widths (its config.json's decoder_block_out_channels); the encoder keeps the full one.
+SMALL_DECODER_CHANNELS = [96, 192, 384, 384]
+
+
+def build_realsize_vae(path: str, decoder_block_out_channels=SMALL_DECODER_CHANNELS) -> str:
+    """A VAE folder (config.json and bf16 safetensors) with the real FLUX.2 encoder and a decoder of these widths:
+    random weights in the shapes of FLUX.2-small-decoder, for `model.load(..., vae=path)`."""
+    from model.loading.config import VAEConfig
+
+    config = {**VAE_CONFIG, "decoder_block_out_channels": list(decoder_block_out_channels)}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    from flax import nnx
+    import jax.numpy as jnp
+
+    from model.nets.vae import Flux2VAEDecoder
+
+    vae_cfg = VAEConfig.from_dict(config, os.path.join(path, "config.json"))
+    abstract = nnx.eval_shape(lambda: Flux2VAEDecoder(vae_cfg, with_encoder=True, dtype=jnp.bfloat16,
+                                                      rngs=nnx.Rngs(0)))
+    write_safetensors_component(path, expected_tensors(abstract, {"bn.num_batches_tracked": ()}),
+                                "diffusion_pytorch_model", 4)
+    return path

@@ -1,6 +1,7 @@
 """Where a real-size image's device time goes: stage times, then a JAX profiler trace summed per program and per op.
 
     python -m benchmarks.tpu_profile --preset klein-4b --height 1024 --width 1024 --batch 1 --out $OUT
+    python -m benchmarks.tpu_profile ... --vae small-decoder     # the decode with FLUX.2-small-decoder's shapes
 
 On the machine it runs on (a TPU chip, or a CPU for a small preset): loads the preset's random-weight checkpoint in
 bf16 (host RSS before and after), times `generate()` end to end and by stage (each stage waited on), then traces
@@ -44,6 +45,9 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="",
                     help="also time these EngineOptions variants (no trace), over the same weights where they fit: "
                     "name:key=value,...;name:..., e.g. \"b2:batch_size=2;b4:batch_size=4\"")
+    ap.add_argument("--vae", default=None,
+                    help="another VAE in place of the checkpoint's (model.load vae=): a folder or file, or "
+                    "'small-decoder' for random weights in FLUX.2-small-decoder's shapes")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = ap.parse_args(argv)
     try:  # a wrong field fails here, before anything loads
@@ -165,7 +169,8 @@ def main(argv=None) -> dict:
     jax.devices()  # the runtime's own host memory (13.6 GB on a v5e chip) counts before the load, not in it
     rss_before = current_rss_mb()
     start = time.perf_counter()
-    gen = model.load(path, dtype=args.dtype, batch_size=args.batch, **args.engine_options)
+    vae = presets.ensure_small_decoder_vae() if args.vae == "small-decoder" else args.vae
+    gen = model.load(path, dtype=args.dtype, batch_size=args.batch, vae=vae, **args.engine_options)
     load_s = time.perf_counter() - start
     rss_after = current_rss_mb()
     host_after_load = host_memory_mb()
@@ -187,7 +192,8 @@ def main(argv=None) -> dict:
     stage_ms = {k: statistics.median(s[k] for s in stages) / args.batch for k in stages[0]}
     finite = bool(images.size) and int(images.min()) >= 0
     result = {"preset": args.preset, "height": args.height, "width": args.width, "batch": args.batch,
-              "dtype": args.dtype, "steps": args.steps, "engine": args.engine,
+              "dtype": args.dtype, "steps": args.steps, "engine": args.engine, "vae": args.vae,
+              "vae_decoder_channels": list(gen.config.vae.block_out_channels),
               "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "ms_per_image": statistics.median(e2e), "ms_per_image_runs": e2e, "stage_ms_per_image": stage_ms,
               "first_call_s": first_s, "load_s": load_s,
@@ -211,6 +217,8 @@ def main(argv=None) -> dict:
         stem = f"profile-{args.preset}-{args.height}x{args.width}-b{args.batch}"
         if args.engine:
             stem += "-" + re.sub(r"[^A-Za-z0-9]+", "_", args.engine)
+        if args.vae:
+            stem += "-vae_" + re.sub(r"[^A-Za-z0-9]+", "_", os.path.basename(args.vae.rstrip("/")))
         with open(os.path.join(args.out, stem + ".json"), "w") as fh:
             json.dump({**result, "profile": summary}, fh, indent=1)
     if args.variants:

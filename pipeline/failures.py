@@ -41,8 +41,6 @@ def explained(error: BaseException, *, model: str, output: str, progress_dir: st
 
 def max_images_error(error: BaseException) -> str | None:
     """The --max_images message when `error` (however the runner wrapped it) is the job's image limit."""
-    if isinstance(error, MaxImagesExceeded):
-        return str(error)
     match = re.search(r"the job would generate \d+ images, above --max_images=\d+; .*?split the input", str(error))
     return match.group(0) if match else None
 
@@ -62,18 +60,20 @@ def model_load_error(error: BaseException) -> str | None:
 
 
 class _WithoutModelLoadTraceback(logging.Filter):
-    """Drops Beam's reports (tracebacks) of a worker's failed model load or of a full disk: `main` says it in one
-    line."""
+    """Drops Beam's reports (tracebacks) of a worker's failed model load, of a full disk or of the --max_images limit:
+    `main` says it in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and (isinstance(record.exc_info[1], ModelError) or disk_full_error(record.exc_info[1])):
+        if record.exc_info and (isinstance(record.exc_info[1], (ModelError, MaxImagesExceeded))
+                                or disk_full_error(record.exc_info[1])):
             return False
         message = record.getMessage()
-        return "model.errors." not in message and disk_full_error(Exception(message)) is None
+        return ("model.errors." not in message and disk_full_error(Exception(message)) is None
+                and max_images_error(Exception(message)) is None)
 
 
 def quiet_worker_tracebacks() -> None:
-    """Keep Beam's reports of a worker's failed model load or full disk off the log (the command line's one line
-    says it)."""
+    """Keep Beam's reports of a worker's failed model load, full disk or --max_images limit off the log (the command
+    line's one line says it)."""
     for name in _WORKER_ERROR_LOGGERS:
         logging.getLogger(name).addFilter(_WithoutModelLoadTraceback())

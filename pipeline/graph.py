@@ -25,6 +25,7 @@ from transforms.preview import WritePreview
 from transforms.progress import ReportTotal
 from transforms.references import ResolveReferences
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages
+from transforms.row_files import WriteRowFile
 from transforms.sinks import base as sinks, registry as sink_registry
 from transforms.summary import WriteSummary
 
@@ -139,7 +140,7 @@ def _row_files(output: str, manifest, existing, errors) -> list:
     and existing-* of the latest run list every image of the output exactly once."""
     return [rows
             | f"{name}Json" >> beam.Map(layout.to_json_line)
-            | f"Write{name}" >> beam.io.WriteToText(prefix, file_name_suffix=layout.ROWS_SUFFIX, num_shards=1)
+            | f"Write{name}" >> WriteRowFile(prefix, layout.ROWS_SUFFIX)
             for name, rows, prefix in (("Manifest", manifest, layout.manifest_prefix(output)),
                                        ("Existing", existing, layout.existing_prefix(output)),
                                        ("Errors", errors, layout.errors_prefix(output)))]
@@ -152,6 +153,7 @@ def _summary_fields(job: JobConfig) -> dict:
             "input": list(spec.input.files) + [b.source for b in spec.input.bigquery], "demo": spec.demo,
             "batch_size": job.load.engine.batch_size, "batch_size_auto": job.batch_choice is not None,
             "batch_size_chosen": job.batch_choice, "dtype": job.load.dtype, "quantize": job.load.engine.quantize,
+            "vae": job.load.vae,
             "output_format": plain(spec.output.output_format)}
 
 

@@ -19,7 +19,7 @@ from transforms.inputs.validation import RequestDefaults
 
 from model import LoadSettings
 
-from . import launch_check, output_lease, probes
+from . import launch_check, new_folders, output_lease, probes
 from .errors import UsageError
 from .options import Flux2KleinOptions
 from .output_check import check_output
@@ -49,9 +49,10 @@ def is_local_runner(options: PipelineOptions) -> bool:
 
 
 def is_dry_run(options: PipelineOptions) -> bool:
-    """`--dry_run=True` on a remote runner (Dataflow): the job is translated, not submitted, and writes nothing. (The
-    local runners ignore the flag and run the job.)"""
-    return bool(options.view_as(TestOptions).dry_run) and not is_local_runner(options)
+    """`--dry_run` on any runner: the launch checks the options, the model and every input record and says what the
+    job would do (pipeline/dry_run.py); nothing is generated or written. A remote runner (Dataflow) also translates
+    the job without submitting it."""
+    return bool(options.view_as(TestOptions).dry_run)
 
 
 def check_dry_run_locations(options: PipelineOptions) -> None:
@@ -85,6 +86,7 @@ class JobConfig:
     # How --batch_size auto became `load.engine.batch_size` (the launch's TPU preflight, or the default); None:
     # --batch_size N.
     batch_choice: str | None = None
+    preflight: dict | None = None  # the TPU preflight's figures (topology, batch, estimate), when it ran
 
 
 def resolve_job(options: PipelineOptions) -> JobConfig:
@@ -97,6 +99,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     probes.check_gcs_reachable(probes.gcs_paths_read(spec, output_checked=not is_dry_run(options)))
     checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
     loras = probes.check_loras(spec.model, checkpoint.location)
+    vae = probes.check_vae(spec.model.vae, checkpoint.location, spec.model.model_variant,
+                           spec.model.checkpoint_cache_dir)
     defaults = spec.request_defaults(checkpoint.size_multiple)
     load = spec.load_settings(checkpoint.location)
     probes.check_bigquery(spec.input, runner)
@@ -108,7 +112,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
                          text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize,
-                         loras=loras))
+                         loras=loras, vae=vae))
 
 
 # ------------------------------------------------------------------------------------------------ the accelerator
@@ -182,7 +186,7 @@ def tpu_preflight(options: PipelineOptions, job: JobConfig, *, local: bool) -> J
     print(f"TPU preflight: fits {topology} with {figures['model_shards']} model shard(s) at batch "
           f"{figures['batch']}{' (picked)' if auto else ''}: peak {figures['peak_bytes_per_chip'] / 2**30:.2f} of "
           f"{figures['hbm_bytes_per_chip'] / 2**30:.2f} GiB per chip (compiler's estimate; {source})", flush=True)
-    return job
+    return dataclasses.replace(job, preflight=figures)
 
 
 def _with_batch(options: PipelineOptions, job: JobConfig, batch: int, choice: str) -> JobConfig:
@@ -234,8 +238,10 @@ def holding_output(job: JobConfig, *, overwrite: bool, demo_default_output: bool
     the temporary folders of this run are removed (`CLEANUP` says how many); the lease is released at the end unless
     a submitted job holds it (`HeldOutput.hand_to_job`)."""
     output = job.spec.output.output
+    before = new_folders.folders_before(output)  # a run that fails leaves no empty folder of its own there
     held = HeldOutput(output_lease.take_output_lease(output, job=job.run_token[:12]), None)
     CLEANUP.update(temp_removed=0, output=output)
+    failed = False
     try:
         held.lease.clear_leftovers()  # what stopped or killed runs left behind (never a result: before the check)
         held.replacing = check_output(output, skip_existing=job.spec.output.skip_existing, overwrite=overwrite,
@@ -244,7 +250,10 @@ def holding_output(job: JobConfig, *, overwrite: bool, demo_default_output: bool
         yield held
     except BaseException:
         CLEANUP["temp_removed"] = held.lease.remove_own_temp()
+        failed = True
         raise
     finally:
         if not held.submitted:  # a submitted job holds the lease until its last step
             held.lease.release()
+            if failed:
+                new_folders.remove_new_empty_folders(before)

@@ -177,6 +177,9 @@ OPTIONS = (
     Option("model_variant", "model", "Weight-file variant of the checkpoint, as diffusers' variant= (fp16 for "
                                      "*.fp16.safetensors).", metavar="VARIANT",
            shown_default="the files without a variant"),
+    Option("vae", "model", "Another VAE in place of the checkpoint's: a folder or .safetensors file with its "
+                           "config.json, gs:// or a Hub id.",
+           metavar="SOURCE", shown_default="the checkpoint's vae/"),
     Option("dtype", "model", "Compute dtype of the model.", choices=DTYPES,
            shown_default=f"{LoadSettings.dtype}; {DEMO_DTYPE} for the demo checkpoint"),
     Option("quantize", "model", "int8: projections in int8 (faster, less memory; images differ slightly: run "

@@ -140,6 +140,23 @@ def check_loras(spec, location: str) -> tuple[dict, ...]:
         raise UsageError(f"--lora cannot be applied to this checkpoint's transformer: {type(e).__name__}: {e}") from e
 
 
+def check_vae(source: str | None, location: str, variant: str | None, cache_dir: str | None) -> str | None:
+    """--vae checked against the checkpoint at `location` as its own VAE would be (config, latent channels, every
+    tensor's name and shape from the weights' header: model/loading/vae_swap.py); its content identity, for the model
+    fingerprint (None without --vae). UsageError naming the key or tensor and the file."""
+    if not source:
+        return None
+    from model.loading.checkpoint import read_config
+    from model.loading.vae_swap import check_vae as check_against, vae_files, vae_identity
+
+    try:
+        files = vae_files(source, cache_dir)
+        check_against(files, read_config(location, variant))
+        return vae_identity(files)
+    except ModelError as e:
+        raise UsageError(f"--vae={source!r} cannot replace the checkpoint's VAE: {type(e).__name__}: {e}") from e
+
+
 def check_bigquery(spec: InputSpec, runner: Runner) -> None:
     """What BigQuery reads need from the runner's options: --bigquery_temp_dataset in --project (or named whole),
     and a gs:// --temp_location to export the rows through."""
@@ -218,10 +235,14 @@ def is_case_insensitive_folder(folder: str) -> bool:
 
 
 def case_insensitive_output(output: str) -> bool:
-    """Whether a local --output folder folds case (created if needed); a gs:// output never does."""
+    """Whether a local --output folder folds case; a gs:// output never does. An output not made yet is judged by
+    the nearest folder above it that exists (the same file system), so the launch creates nothing there."""
     if "://" in output:
         return False
+    folder = os.path.abspath(output)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
     try:
-        return is_case_insensitive_folder(output)
+        return is_case_insensitive_folder(folder)
     except OSError as e:
         raise UsageError(f"--output={output!r} cannot be written: {e}") from e

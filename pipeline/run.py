@@ -47,15 +47,18 @@ from transforms.progress import ProgressReporter
 from . import closing, failures, graph, interrupts, launch, log_filters
 from .demo import DEMO_CHECKPOINT_NOTICE, demo_notice
 from .disk_full import DiskFull
+from .dry_run import check_max_images, summary_lines, survey_inputs
 from .errors import UsageError
 from .option_specs import DEFAULT_OUTPUT
 from .options import Flux2KleinOptions
+from .switches import normalized as normalized_switches
 from .usage import BEAM_HELP_FLAG, HELP_FLAGS, check_arguments, format_beam_help, format_help
 
 
 def parse(argv: list[str]) -> PipelineOptions:
     """The command line's options, parsed once: UsageError for an argument that is not an option of the job or of
     Beam, or a value that does not parse; FnApiRunner when no --runner is given."""
+    argv = normalized_switches(argv)  # --dry_run bare, =true or =false: as the job's switches
     check_arguments(argv)
     return launch.pipeline_options(argv)
 
@@ -75,7 +78,7 @@ def run_options(options: PipelineOptions, *, wait: bool | None = None):
     if local:
         launch.quiet_tpu_runtime()
     dry_run = launch.is_dry_run(options)
-    if dry_run:
+    if dry_run and not local:
         launch.check_dry_run_locations(options)
     job = launch.resolve_job(options)
     o = options.view_as(Flux2KleinOptions)
@@ -98,6 +101,13 @@ def _run_holding(options: PipelineOptions, job: launch.JobConfig, lease, *, loca
     """The rest of `run`, once the output's lease is held (`lease`; None for a dry run, which writes nothing)."""
     o = options.view_as(Flux2KleinOptions)
     job = launch.tpu_preflight(options, job, local=local)
+    if dry_run:  # every record read and checked here; what the job would do, said in a few lines
+        survey = survey_inputs(job)
+        for line in summary_lines(job, survey, launch.runner_name(options)):
+            print(line, flush=True)
+        check_max_images(job, survey)
+        if local:  # a local runner has nothing to translate: nothing more is done
+            return None, None
     if local:
         launch.start_local_runtime(options, job.spec)
     output = job.spec.output.output

@@ -194,6 +194,7 @@ class ModelSpec:
     demo_checkpoint: bool
     model_revision: str | None  # a Hub id's branch, tag or commit, also in `model` as owner/name@rev
     model_variant: str | None
+    vae: str | None  # another VAE in place of the checkpoint's (model/loading/vae_swap.py)
     dtype: Dtype
     quantize: Quantize
     max_sequence_length: int
@@ -352,7 +353,7 @@ class JobSpec:
                 max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
                 loras=self.model.lora,
                 engine=EngineOptions(batch_size=batch, model_shards=limits.model_shards, compilation_cache_dir=cache,
-                                     quantize=str(self.model.quantize)))
+                                     quantize=str(self.model.quantize)), vae=self.model.vae)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

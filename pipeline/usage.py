@@ -30,6 +30,7 @@ from transforms import beam_adapter
 
 from .errors import OptionValueError, UnknownOptionError, UsageError
 from .option_specs import AUTO_BATCH, Option, options_by_group
+from .switches import normalized as normalized_switches
 
 PROG = "python -m pipeline.run"
 HELP_FLAGS = ("-h", "--help")
@@ -233,6 +234,7 @@ def exit_on_usage_error(argv: list[str]) -> None:
     if BEAM_HELP_FLAG in argv:
         return  # Beam's own option classes: every one is registered only once the job's modules are imported
     try:
+        argv = normalized_switches(argv)  # Beam's true/false options spelled as the job's switches
         check_arguments_quickly(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -327,11 +329,12 @@ def format_help() -> str:
     beam = ", ".join(f"--{name}" for name in COMMON_BEAM_OPTIONS)
     lines += ["", _wrap(f"Beam's own options pass through to Beam, for example {beam}. With no --runner the job "
                         f"runs on Beam's FnApiRunner, in this process; templates/README.md shows a Dataflow launch. "
-                        f"With --runner=DataflowRunner, --dry_run=True runs the launch checks and translates the job "
-                        f"without submitting or writing anything (the output is not checked); it reads only what "
-                        f"the launch reads (the checkpoint's configs and weight headers, the first input records: "
-                        f"on GCS when gs://), the TPU preflight writes to the compilation cache (--skip_preflight "
-                        f"skips it), and it needs a valid gs:// --temp_location. Every Beam option, with its help:"),
+                        f"--dry_run (any runner) runs the launch checks, reads and validates every input record and "
+                        f"prints what the job would do (records, images, invalid rows, batch, estimate), generating "
+                        f"and writing nothing (the output is not checked); the TPU preflight writes to the "
+                        f"compilation cache (--skip_preflight skips it). With --runner=DataflowRunner it also "
+                        f"translates the job and needs a valid gs:// --temp_location. Every Beam option, with its "
+                        f"help:"),
               f"  {PROG} {BEAM_HELP_FLAG}", "", "exit status:"]
     lines += [f"  {code}  {_wrap(text, ' ' * 5).strip()}" for code, text in EXIT_STATUSES]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,7 @@ that `--skip_existing` can tell a kept image from a stale one without reading th
                           steps, guidance, the references' sha256 and processed sizes
     model fingerprint     the checkpoint by content (its configs' bytes, the name, size and crc32c of each other
                           file: `model.loading.checkpoint.checkpoint_digest`, so any changed tensor changes it), dtype,
-                          max_sequence_length and the text encoder's output layers
+                          max_sequence_length and the text encoder's output layers, and a --vae's content identity
 
 Each is the sha256 of a canonical JSON object, cut to FINGERPRINT_HEX hex digits. Both are recorded through the
 image-identity record (transforms/identity.py); a task computes its request fingerprint once
@@ -44,7 +44,7 @@ def request_fingerprint(task) -> str:
 
 
 def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length: int,
-                      text_encoder_out_layers=(), quantize: str = "none", loras=()) -> str:
+                      text_encoder_out_layers=(), quantize: str = "none", loras=(), vae: str | None = None) -> str:
     """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels
     (an int8 model's images are another model's: a resume never mixes them with bf16 ones). `loras`: the merged LoRA
     adapters' identities ({name, sha256, scale}, model.loading.lora_source): another adapter or scale is another
@@ -60,4 +60,6 @@ def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length
         settings["quantize"] = quantize
     if loras:  # models without adapters keep the fingerprint they always had
         settings["loras"] = [{"sha256": lora["sha256"], "scale": float(lora["scale"])} for lora in loras]
+    if vae:  # --vae: the swapped VAE's content identity (model/loading/vae_swap.py vae_identity)
+        settings["vae"] = vae
     return _digest(settings)

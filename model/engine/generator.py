@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         cache_dir: str | None = None, variant: str | None = None, loras=(),
+         cache_dir: str | None = None, variant: str | None = None, loras=(), vae: str | None = None,
          **engine_overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
     layout) in `dtype` and prepare it for generation.
@@ -61,11 +61,12 @@ def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
     `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
     others. The weights are cast to `dtype` whatever the files hold. `loras`: LoRA adapters (`[NAME=]SOURCE[:SCALE]`
     or model.config.lora_spec.LoraSpec) merged into the transformer's weights as they are placed, before any int8
-    quantization. `engine_overrides` name fields of `EngineOptions`."""
+    quantization. `vae`: another VAE in place of the checkpoint's (a folder, a .safetensors file with its config.json,
+    gs:// or a Hub id; model/loading/vae_swap.py). `engine_overrides` name fields of `EngineOptions`."""
     if not isinstance(settings, LoadSettings):
         settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
                                        batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
-                                       options=options, cache_dir=cache_dir, variant=variant, loras=loras,
+                                       options=options, cache_dir=cache_dir, variant=variant, loras=loras, vae=vae,
                                        **engine_overrides)
     elif engine_overrides:
         settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
@@ -99,6 +100,10 @@ def checkpoint_folder(settings: LoadSettings) -> str:
         return resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=settings.variant)
     if not os.path.isdir(root):
         raise CheckpointError("checkpoint folder does not exist", path=root)
+    if settings.vae:  # the checkpoint as a folder whose vae/ is the VAE named (read exactly as its own)
+        from ..loading.vae_swap import vae_files, with_vae
+
+        root = with_vae(root, vae_files(settings.vae, settings.cache_dir))
     return root
 
 

@@ -161,15 +161,25 @@ def test_a_line_over_the_cap_is_one_error_row_and_the_file_goes_on():
 
 
 def test_images_per_job_is_bounded(tmp_path, tiny_ckpt):
-    """A job that plans more images than --max_images fails before generating anything, naming the limit."""
+    """A job that plans more images than --max_images fails before generating anything: one `error:` line naming
+    the limit (no ERROR log line, no traceback), exit 2, and nothing made under the output (no empty manifest/ or
+    errors/ folder, not even the output folder)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from pipeline.options import Flux2KleinOptions
-    from pipeline.run import run
 
     assert PipelineOptions([]).view_as(Flux2KleinOptions).max_images == 10_000_000
     (tmp_path / "p.jsonl").write_text('{"prompt": "a", "num_images": 2}\n{"prompt": "b"}\n')
     out = tmp_path / "out"
-    with pytest.raises(Exception) as e:  # the model is never loaded (the launcher reads its configs only)
-        run([f"--model={tiny_ckpt}", f"--input={tmp_path / 'p.jsonl'}", f"--output={out}", "--height=32",
-             "--width=32", "--max_images=2", "--runner=FnApiRunner", "--no_progress"])
-    assert "--max_images=2" in str(e.value) and "3 images" in str(e.value), str(e.value)[:1000]
-    assert not (out / "images").exists() and not (out / "summary.json").exists()
+    proc = subprocess.run([sys.executable, "-m", "pipeline.run", f"--model={tiny_ckpt}",
+                           f"--input={tmp_path / 'p.jsonl'}", f"--output={out}", "--height=32", "--width=32",
+                           "--max_images=2", "--no_progress"], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: the job would generate 3 images, above --max_images=2"), \
+        proc.stderr[-3000:]
+    assert "[while running" not in lines[0]
+    assert not out.exists(), sorted(map(str, out.rglob("*")))

@@ -751,6 +751,7 @@ BAD_VALUES = {
     "model_variant": ["fp16.x", "a/b", "fp 16", "../x"],
     "lora": ["/local/style.safetensors", "style.safetensors", "gs://my-bucket/x.safetensors,",
              "gs://my-bucket/x.safetensors:0.8:1", "owner", "bad name=owner/repo", "gs://my-bucket/x.safetensors:high"],
+    "vae": ["a b.safetensors", "", " "],
     "model_revision": ["", "v 1", "a@b", "main;rm"],
     "dtype": ["float16", "bf16", "BFLOAT16", "fp32"],
     "quantize": ["int4", "INT8", "fp8", "yes"],

@@ -72,15 +72,26 @@ class InputStream:
         self._path = path
         self._opened = False
         self.compressions: list[str] = []
+        self.text_encoding: str | None = None  # UTF-16/32 told by a byte-order mark (None: read as UTF-8)
         self.complete_lines = 0
 
     def read(self, size: int = -1) -> bytes:
         if not self._opened:
             self._opened = True
             self._undo_layers()
+            self._to_utf8()
         piece = self._reader.read(size)
         self.complete_lines += piece.count(b"\n")
         return piece
+
+    def _to_utf8(self):
+        """Text in UTF-16 or UTF-32, told by its byte-order mark, is read as UTF-8 (transforms/inputs/encodings.py)."""
+        from .encodings import sniff_text_encoding
+
+        self._reader, self.text_encoding = sniff_text_encoding(self._reader)
+        if self.text_encoding:
+            logger.info("input file %s is %s text (byte-order mark): reading it as such", self._path,
+                        self.text_encoding)
 
     def _undo_layers(self):
         kind = compression_of(self._path)

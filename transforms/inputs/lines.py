@@ -1,7 +1,8 @@
 """Byte lines of an input file -> decoded text lines, each bounded in size, or the error row of a bad line.
 
 A line longer than MAX_LINE_BYTES is one error row; it is read in bounded chunks and never held whole in memory.
-A line that is not UTF-8 is one error row naming the byte. Shared by the JSONL, text, CSV and TSV readers.
+A line that is not UTF-8 is one error row naming the byte and the encodings read (UTF-16/32 with a byte-order
+mark are re-encoded before: transforms/inputs/encodings.py). Shared by the JSONL, text, CSV and TSV readers.
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ MAX_LINE_BYTES = 16 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
 
 
+# What a line that is not UTF-8 is told to do: which encodings are read.
+ENCODING_HINT = ("inputs are read as UTF-8, or as UTF-16/UTF-32 when the file starts with its byte-order mark: save "
+                 "the file as UTF-8 (in Excel: CSV UTF-8)")
+
+
 def decode_error(source: str, line: int, raw: bytes, err: UnicodeDecodeError) -> RawRecord:
-    reason = f"line is not valid UTF-8: byte {raw[err.start:err.start + 1]!r} at position {err.start}"
+    """The error row of a line that is not UTF-8, saying which encodings are read."""
+    start = err.start
+    looks = " (its NUL bytes look like UTF-16 without a byte-order mark)" if b"\x00" in raw else ""
+    reason = f"line is not valid UTF-8: byte {raw[start:start + 1]!r} at position {start}{looks}; {ENCODING_HINT}"
     return RawRecord(source, line, error=layout.error_row(source=source, line=line, reason=reason, record=raw,
-                                                          field="encoding", value=raw[max(0, err.start - 20):
-                                                                                      err.start + 20]))
+                                                          field="encoding", value=raw[max(0, start - 20):start + 20]))
 
 
 _PREFIX_BYTES = 200  # what an error row keeps of a line that is too long
