@@ -89,16 +89,16 @@ def _load(settings: LoadSettings) -> "Flux2KleinGenerator":
 
 
 def checkpoint_folder(settings: LoadSettings) -> str:
-    """The local folder of the checkpoint: a gs:// prefix or Hub id copied (or found) in the cache, a folder as is;
-    CheckpointError for a folder that does not exist."""
+    """The local folder of the checkpoint: a gs:// prefix or Hub id copied (or found) in the cache, a folder as is,
+    seen with --vae's VAE in place of its own; CheckpointError for a folder that does not exist."""
     root = settings.model
     from ..loading.hub import is_hub_id
 
     if root.startswith("gs://") or is_hub_id(root):
         from ..loading.checkpoint import resolve_checkpoint
 
-        return resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=settings.variant)
-    if not os.path.isdir(root):
+        root = resolve_checkpoint(root, cache_dir=settings.cache_dir, variant=settings.variant)
+    elif not os.path.isdir(root):
         raise CheckpointError("checkpoint folder does not exist", path=root)
     if settings.vae:  # the checkpoint as a folder whose vae/ is the VAE named (read exactly as its own)
         from ..loading.vae_swap import vae_files, with_vae
