@@ -87,3 +87,34 @@ def test_int8_layer_adds_the_chosen_adapter_beside_its_int8_matmul():
     for index in (0, 1, 2):
         y = np.asarray(nnx.merge(graph, choose_adapter(state, jnp.int32(index)))(x))
         np.testing.assert_allclose(y, base + x @ down[index] @ up[index], rtol=1e-5, atol=1e-5)
+
+
+SHARDED = r"""
+import json, sys
+import numpy as np, jax, model
+assert len(jax.devices()) == 4
+ckpt, loras, args = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+gen = model.load(ckpt, dtype="float32", max_sequence_length=32, lora_per_record=True, loras=loras, model_shards=2)
+np.save(sys.argv[4], np.stack([gen.generate(lora=name, **args) for name in (None, "b")]))
+print(gen.programs.compile_count)
+"""
+
+
+def test_banks_split_over_model_shards_give_the_one_device_images(tiny_ckpt, adapters, per_record, tmp_path):
+    """On a (2 data x 2 model) mesh of CPU devices the banks are split with their weights' columns and rows (and laid
+    out per shard for the fused projections): the one-device images."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    args = dict(prompts=PROMPTS, seeds=SEEDS, **ARGS)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    loras = json.dumps([f"{name}={source}" for name, source in adapters.items()])
+    out = subprocess.run([sys.executable, "-c", SHARDED, tiny_ckpt, loras, json.dumps(args), str(tmp_path / "x.npy")],
+                         env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sharded = np.load(tmp_path / "x.npy")
+    for image, name in zip(sharded, (None, "b")):
+        _assert_images_close(image, per_record.generate(PROMPTS, SEEDS, lora=name, **ARGS).astype(np.float64) / 255)
