@@ -97,7 +97,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     probes.check_gcs_reachable(probes.gcs_paths_read(spec, output_checked=not is_dry_run(options)))
     checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
     loras = probes.check_loras(spec.model, checkpoint.location)
-    defaults = spec.request_defaults(checkpoint.size_multiple)
+    defaults = spec.request_defaults(checkpoint.size_multiple, loras)
     load = spec.load_settings(checkpoint.location)
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
@@ -108,7 +108,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
                          text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize,
-                         loras=loras))
+                         # per-record adapters are in each image's request fingerprint instead
+                         loras=() if spec.model.lora_per_record else loras))
 
 
 # ------------------------------------------------------------------------------------------------ the accelerator
