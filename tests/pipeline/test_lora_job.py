@@ -23,11 +23,11 @@ def _adapter(path, rows=96, seed=0):
     return str(path)
 
 
-def _job(tiny_ckpt, tmp_path, *loras):
+def _job(tiny_ckpt, tmp_path, *loras, extra=()):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     return resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}",
-                                        *(f"--lora={lora}" for lora in loras)]))
+                                        *(f"--lora={lora}" for lora in loras), *extra]))
 
 
 def test_adapters_are_in_the_model_fingerprint(tiny_ckpt, tmp_path):
@@ -49,3 +49,15 @@ def test_adapter_that_fits_no_parameter_stops_the_launch(tiny_ckpt, tmp_path):
         _job(tiny_ckpt, tmp_path, bad)
     with pytest.raises(UsageError, match="--lora"):
         _job(tiny_ckpt, tmp_path, str(tmp_path / "missing.safetensors"))
+
+
+def test_per_record_adapters_are_the_records_to_name_not_the_models(tiny_ckpt, tmp_path):
+    """--lora_per_record: the records may name the adapters (their identities in the request defaults), the workers
+    load them unmerged, and the model fingerprint is the plain model's (each image's own adapter is in its request
+    fingerprint)."""
+    style = _adapter(tmp_path / "style.safetensors")
+    job = _job(tiny_ckpt, tmp_path, f"{style}:0.5", extra=["--lora_per_record"])
+    assert job.load.lora_per_record and [s.label for s in job.load.loras] == ["style"]
+    assert [(name, scale) for name, _, scale in job.defaults.loras] == [("style", 0.5)]
+    assert job.model_fingerprint == _job(tiny_ckpt, tmp_path).model_fingerprint
+    assert _job(tiny_ckpt, tmp_path, f"{style}:0.5").defaults.loras == ()  # merged: no record names one
