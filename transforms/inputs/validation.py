@@ -102,7 +102,7 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     steps, guidance, num_images, seed = valid.num_inference_steps, valid.guidance_scale, valid.num_images, valid.seed
 
     refs = as_references(fields, source, defaults.max_reference_images, text_values)
-    lora = _lora(fields, defaults, text_values)
+    lora = _lora(fields, defaults)
 
     if request_id is None:
         request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed, refs, lora[0] if lora else "")
@@ -115,7 +115,7 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
                              **({"lora": lora[0], "lora_sha256": lora[1], "lora_scale": lora[2]} if lora else {}))
 
 
-def _lora(fields: Mapping[str, Any], defaults: RequestDefaults, text_values: bool) -> tuple | None:
+def _lora(fields: Mapping[str, Any], defaults: RequestDefaults) -> tuple | None:
     """The job's adapter the record's `lora` column names, (name, sha256, scale); None when it names none (missing,
     null or empty); InvalidRecord naming the value and the adapters the job has otherwise."""
     value = fields.get("lora")
