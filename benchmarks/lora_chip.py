@@ -1,15 +1,20 @@
-"""What a merged LoRA adapter costs on the chip: the merge's time per adapter rank, and int8 speed after the merge.
+"""What a LoRA adapter costs on the chip: the merge's time per adapter rank, int8 speed after the merge, and the cost
+per image of adapters applied unmerged, chosen per record.
 
     python -m benchmarks.lora_chip --preset klein-4b --height 1024 --width 1024 --out $OUT
+    python -m benchmarks.lora_chip --preset klein-4b --height 1024 --width 1024 --skip_merged --out $OUT
 
 On the machine it runs on (a TPU chip; a CPU with --preset small): writes random BFL-layout adapters of every block
 projection of the preset's random-weight checkpoint (rank 32 and 128), then
 - merge_s: each adapter opened and checked from its header, its factors read, and merged into bf16 weights of the
   transformer's shapes on the device, each merged weight quantized to int8 as the loader does (what the load adds);
 - int8 ms per image (median of --repeats) with no adapter, then with the rank-32 adapter merged by `model.load`
-  (the same programs: the second load compiles nothing new when the compilation cache holds them).
-Per-record adapters applied unmerged are not built yet: `unmerged_ms_per_image` is null. Prints one JSON line last.
-A measurement tool: nothing here is asserted.
+  (the same programs: the second load compiles nothing new when the compilation cache holds them);
+- unmerged (--lora_per_record), for each of --unmerged_dtypes (int8, bfloat16): two rank-32 adapters loaded unmerged,
+  ms per image with no adapter, adapter a and adapter b (one compiled program for all three), against the same dtype
+  loaded without adapters. `unmerged_ms_per_image`: int8's median over the adapters' runs; `unmerged_over_plain`:
+  that over the plain int8 model's. --skip_merged leaves out the merge and the merged model.
+Prints one JSON line last. A measurement tool: nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ def parse_args(argv=None):
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--unmerged_dtypes", default="int8,bfloat16",
+                    help="comma-separated: int8 and/or bfloat16 for the unmerged per-record adapters; '' for none")
+    ap.add_argument("--skip_merged", action="store_true", help="only the plain and unmerged models")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     return ap.parse_args(argv)
 
@@ -102,16 +110,40 @@ def time_merge(path: str, linears: dict[str, tuple[int, int]]) -> dict:
             "parameters_adapted": len(deltas)}
 
 
-def ms_per_image(gen, args) -> list[float]:
+def ms_per_image(gen, args, lora: str | None = None) -> list[float]:
+    """Each of --repeats one-image calls' milliseconds (a first call compiles), with the unmerged adapter `lora`."""
     prompts = ["a photograph of a lighthouse at dusk"]
-    gen.generate(prompts, [0], height=args.height, width=args.width, num_inference_steps=args.steps)  # compile
+    gen.generate(prompts, [0], height=args.height, width=args.width, num_inference_steps=args.steps,
+                 lora=lora)  # compile
     runs = []
     for r in range(args.repeats):
         start = time.perf_counter()
-        gen.generate([f"run {r}: a watercolour of a harbour"], [r], height=args.height, width=args.width,
-                     num_inference_steps=args.steps)
+        # a prompt of its own per run and adapter: every run encodes its prompt, as the plain model's runs do
+        gen.generate([f"run {r} ({lora}): a watercolour of a harbour"], [r], height=args.height, width=args.width,
+                     num_inference_steps=args.steps, lora=lora)
         runs.append((time.perf_counter() - start) * 1e3)
     return runs
+
+
+def time_model(path, cache, args, label, timings, **load) -> None:
+    """Load, then ms per image for each adapter `timings[label]` asks for (None: the base), the model freed after."""
+    import model
+
+    names = (None, "a", "b") if load.get("lora_per_record") else (None,)
+    start = time.perf_counter()
+    gen = model.load(path, dtype="bfloat16", batch_size=1, compilation_cache_dir=cache, **load)
+    load_s = time.perf_counter() - start
+    entry = {"load_s": load_s}
+    for name in names:
+        runs = ms_per_image(gen, args, name)
+        entry[f"{name or 'base'}_ms_per_image"] = statistics.median(runs)
+        entry[f"{name or 'base'}_runs_ms"] = runs
+    entry["ms_per_image"] = entry[f"{names[-1] or 'base'}_ms_per_image"]
+    entry["compiles"] = gen.programs.compile_count
+    timings[label] = entry
+    progress(f"{label}: {entry}")
+    del gen
+    gc.collect()  # this model's device memory is free before the next loads
 
 
 def main(argv=None) -> dict:
@@ -119,7 +151,6 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     import jax
 
-    import model
     from . import presets
 
     path = presets.ensure_checkpoint(args.preset)
@@ -131,23 +162,36 @@ def main(argv=None) -> dict:
               "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, "merge": {}}
     for rank, file in adapters.items():
         params = write_adapter(file, linears, rank)
-        result["merge"][f"rank{rank}"] = {"adapter_parameters": params, **time_merge(file, linears)}
-        progress(f"rank {rank}: {result['merge'][f'rank{rank}']}")
+        if not args.skip_merged:
+            result["merge"][f"rank{rank}"] = {"adapter_parameters": params, **time_merge(file, linears)}
+            progress(f"rank {rank}: {result['merge'][f'rank{rank}']}")
+    second = os.path.join(scratch, "rank32-b.safetensors")
+    write_adapter(second, linears, 32, seed=1)
     cache = os.path.join(scratch, "xla-cache")
     timings = {}
-    for label, loras in (("int8", ()), ("int8_merged_rank32", (f"{adapters[32]}:0.8",))):
-        start = time.perf_counter()
-        gen = model.load(path, dtype="bfloat16", quantize="int8", batch_size=1, compilation_cache_dir=cache,
-                         loras=loras)
-        load_s = time.perf_counter() - start
-        runs = ms_per_image(gen, args)
-        timings[label] = {"load_s": load_s, "ms_per_image": statistics.median(runs), "runs_ms": runs}
-        progress(f"{label}: {timings[label]}")
-        del gen
-        gc.collect()  # the first model's device memory is free before the second loads
+    per_record = dict(lora_per_record=True, loras=(f"a={adapters[32]}:0.8", f"b={second}:1.0"))
+    runs = [("int8", dict(quantize="int8"))]
+    if not args.skip_merged:
+        runs.append(("int8_merged_rank32", dict(quantize="int8", loras=(f"{adapters[32]}:0.8",))))
+    for dtype in filter(None, args.unmerged_dtypes.split(",")):
+        quantize = "int8" if dtype == "int8" else "none"
+        if dtype != "int8":
+            runs.append((dtype, dict(quantize=quantize)))
+        runs.append((f"{dtype}_unmerged_2x_rank32", dict(quantize=quantize, **per_record)))
+    for label, load in runs:
+        time_model(path, cache, args, label, timings, **load)
     result.update(timings)
-    result["merged_over_plain"] = timings["int8_merged_rank32"]["ms_per_image"] / timings["int8"]["ms_per_image"]
-    result["unmerged_ms_per_image"] = None  # per-record adapters applied unmerged: not built yet
+    if "int8_merged_rank32" in timings:
+        result["merged_over_plain"] = timings["int8_merged_rank32"]["ms_per_image"] / timings["int8"]["ms_per_image"]
+    for dtype in filter(None, args.unmerged_dtypes.split(",")):
+        entry, plain = timings[f"{dtype}_unmerged_2x_rank32"], timings[dtype]
+        adapter_ms = statistics.median(entry["a_runs_ms"] + entry["b_runs_ms"])
+        result[f"{dtype}_unmerged_over_plain"] = adapter_ms / plain["ms_per_image"]
+        result[f"{dtype}_unmerged_base_over_plain"] = entry["base_ms_per_image"] / plain["ms_per_image"]
+        if dtype == "int8":
+            result["unmerged_ms_per_image"] = adapter_ms
+            result["unmerged_over_plain"] = result["int8_unmerged_over_plain"]
+    result.setdefault("unmerged_ms_per_image", None)
     with open(os.path.join(args.out, f"lora-{args.preset}-{args.height}x{args.width}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps(result))

@@ -85,6 +85,7 @@ class LoadSettings:
     cache_dir: str | None = None       # local cache for copies of gs:// checkpoints
     engine: EngineOptions = EngineOptions()
     loras: tuple = ()                  # LoRA adapters merged into the transformer (model.config.lora_spec.LoraSpec)
+    lora_per_record: bool = False      # the adapters applied unmerged instead, each call naming one (or none)
     vae: str | None = None             # another VAE in place of the checkpoint's (model/loading/vae_swap.py)
 
     def __post_init__(self):
@@ -101,7 +102,8 @@ class LoadSettings:
     def create(cls, model: str, dtype: str = "bfloat16", *, max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
                batch_size: int | None = None, text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS,
                options: EngineOptions | None = None, cache_dir: str | None = None, variant: str | None = None,
-               loras=(), vae: str | None = None, **engine_overrides) -> "LoadSettings":
+               loras=(), lora_per_record: bool = False, vae: str | None = None,
+               **engine_overrides) -> "LoadSettings":
         """Settings from `model.load`'s keyword arguments: `batch_size` and any EngineOptions field override
         `options`."""
         if batch_size is not None:
@@ -109,4 +111,4 @@ class LoadSettings:
         engine = dataclasses.replace(options or EngineOptions(), **engine_overrides)
         return cls(model=model, dtype=dtype, variant=variant, max_sequence_length=max_sequence_length,
                    text_encoder_out_layers=text_encoder_out_layers, cache_dir=cache_dir, engine=engine,
-                   loras=tuple(loras), vae=vae)
+                   loras=tuple(loras), lora_per_record=bool(lora_per_record), vae=vae)

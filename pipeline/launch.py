@@ -101,7 +101,7 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     loras = probes.check_loras(spec.model, checkpoint.location)
     vae = probes.check_vae(spec.model.vae, checkpoint.location, spec.model.model_variant,
                            spec.model.checkpoint_cache_dir)
-    defaults = spec.request_defaults(checkpoint.size_multiple)
+    defaults = spec.request_defaults(checkpoint.size_multiple, loras)
     load = spec.load_settings(checkpoint.location)
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
@@ -112,7 +112,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
                          text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize,
-                         loras=loras, vae=vae))
+                         # per-record adapters are in each image's request fingerprint instead
+                         loras=() if spec.model.lora_per_record else loras, vae=vae))
 
 
 # ------------------------------------------------------------------------------------------------ the accelerator

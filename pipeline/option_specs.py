@@ -193,6 +193,8 @@ OPTIONS = (
     Option("lora", "model", "LoRA adapter merged into the transformer: a .safetensors file or folder, gs:// path or "
                             "Hub id; repeat or use commas.",
            repeat=True, metavar="[NAME=]SOURCE[:SCALE]", shown_default="none"),
+    Option("lora_per_record", "model", "Apply the --lora adapters unmerged instead: each record picks one by NAME in "
+                                       "its lora column, or none (the base model).", switch=True, default=False),
     Option("checkpoint_cache_dir", "model", "Local folder for the copy of a gs:// checkpoint.", metavar="FOLDER",
            shown_default="checkpoints/ in $FLUX2_KLEIN_CACHE or ~/.cache/flux2-klein-beam"),
     # --- generation

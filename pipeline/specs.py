@@ -200,6 +200,7 @@ class ModelSpec:
     max_sequence_length: int
     model_cache: str | None
     lora: tuple = ()  # model.config.lora_spec.LoraSpec, each checked from its header at launch (probes.check_loras)
+    lora_per_record: bool = False  # the adapters applied unmerged, each record naming one (or none) in `lora`
     checkpoint_cache_dir: str | None = None
 
     def __post_init__(self):
@@ -325,9 +326,10 @@ class JobSpec:
         """Where reference images may be read from: --reference_root, else the folders of the --input files."""
         return self.limits.reference_root or default_roots(self.input.files)
 
-    def request_defaults(self, size_multiple: int) -> RequestDefaults:
+    def request_defaults(self, size_multiple: int, loras=()) -> RequestDefaults:
         """What a record that does not say gets, and the limits it is held to, for a checkpoint of this size
-        multiple; UsageError when they could never give a valid request."""
+        multiple; UsageError when they could never give a valid request. `loras`: the adapters' identities (name,
+        sha256, scale) the launch checked, which records may name with --lora_per_record."""
         g, limits = self.generation, self.limits
         try:
             return RequestDefaults(
@@ -335,7 +337,9 @@ class JobSpec:
                 guidance_scale=g.guidance_scale, num_images=g.num_images, seed=g.seed, max_pixels=limits.max_pixels,
                 max_prompt_bytes=limits.max_prompt_bytes, size_multiple=size_multiple,
                 max_metadata_bytes=self.input.max_metadata_bytes, max_reference_images=limits.max_reference_images,
-                max_reference_pixels=limits.max_reference_pixels).validate()
+                max_reference_pixels=limits.max_reference_pixels,
+                loras=tuple((a["name"], a["sha256"], float(a["scale"])) for a in loras)
+                if self.model.lora_per_record else ()).validate()
         except ValueError as e:
             raise UsageError(str(e)) from None
 
@@ -351,7 +355,7 @@ class JobSpec:
             return LoadSettings(
                 model=location, dtype=str(self.model.dtype), variant=self.model.model_variant,
                 max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
-                loras=self.model.lora,
+                loras=self.model.lora, lora_per_record=self.model.lora_per_record,
                 engine=EngineOptions(batch_size=batch, model_shards=limits.model_shards, compilation_cache_dir=cache,
                                      quantize=str(self.model.quantize)), vae=self.model.vae)
         except ValueError as e:

@@ -30,7 +30,7 @@ def request_fingerprint(task) -> str:
     """The fingerprint of an ImageTask: every request field that changes its pixels (the model's defaults for
     steps/guidance a request leaves unset are covered by the model fingerprint)."""
     r = task.request
-    return _digest({
+    fields = {
         "v": VERSION,
         "prompt": r.prompt,
         "seed": int(task.seed),
@@ -40,7 +40,10 @@ def request_fingerprint(task) -> str:
         "guidance_scale": None if r.guidance_scale is None else float(r.guidance_scale),
         "reference_sha256": list(r.reference_sha256),
         "reference_sizes": [list(s) for s in r.reference_signature],
-    })
+    }
+    if r.lora:  # the per-record adapter by content and scale; images without one keep the fingerprint they had
+        fields["lora"] = {"sha256": r.lora_sha256, "scale": float(r.lora_scale)}
+    return _digest(fields)
 
 
 def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length: int,

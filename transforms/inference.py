@@ -296,12 +296,16 @@ class LoadedGenerator:
 
     def generate_batch(self, prompts: list[str], seeds: list[int], height: int, width: int,
                        num_inference_steps: int | None, guidance_scale: float | None,
-                       reference_images: list[list] | None = None, batch_size: int | None = None):
+                       reference_images: list[list] | None = None, batch_size: int | None = None,
+                       lora: str | None = None):
         """One image per prompt; None steps/guidance take the checkpoint's defaults (generate resolves them).
         `reference_images`: one list of references (PIL images) per prompt, or None for text-to-image.
-        `batch_size`: the programs' batch for this call (None: the engine's; see generate_result). Returns the
-        generator's GenerationResult, its images as a numpy array."""
+        `batch_size`: the programs' batch for this call (None: the engine's; see generate_result). `lora`: the
+        unmerged adapter every image uses (None: none). Returns the generator's GenerationResult, its images as a
+        numpy array."""
         extra = {} if reference_images is None else {"reference_images": reference_images}
+        if lora:
+            extra["lora"] = lora
         out = self._gen.generate_result(prompts=list(prompts), seeds=list(seeds), height=height, width=width,
                                         num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                         batch_size=batch_size, **extra)
@@ -461,6 +465,8 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
                                                           t.request.reference_sha256)] for t in tasks]
         prompts, seeds = [t.request.prompt for t in tasks], [t.seed for t in tasks]
         extra = {} if compiled_batch is None else {"batch_size": compiled_batch}
+        if first.lora:  # batches are grouped by adapter (ImageTask.shape_key)
+            extra["lora"] = first.lora
         out = call_with_timeout(
             model, lambda: model.generate_batch(prompts, seeds, first.height, first.width, first.num_inference_steps,
                                                 first.guidance_scale, refs, **extra),

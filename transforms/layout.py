@@ -310,6 +310,8 @@ def manifest_row(
     }
     if r.reference_images:
         row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in r.reference_entries()]
+    if r.lora:  # the per-record LoRA adapter: {name, sha256, scale}
+        row["lora"] = r.lora_entry()
     if r.source is not None:
         row["source"] = writable_text(r.source)  # a local file name that is not UTF-8, escaped
         row["line"] = r.line

@@ -41,11 +41,20 @@ class GenerationRequest:
     reference_images: tuple[str, ...] = ()
     reference_sha256: tuple[str, ...] = ()
     reference_signature: tuple[tuple[int, int], ...] = ()
+    # The job's unmerged LoRA adapter the record names (--lora_per_record; "" = none) and its identity: the adapter
+    # file's sha256 and the scale, part of the image's fingerprint and manifest row.
+    lora: str = ""
+    lora_sha256: str = ""
+    lora_scale: float = 1.0
 
     def params(self) -> tuple:
         """What makes two records with the same id the same request (where they came from does not)."""
         return (self.prompt, self.seed, self.height, self.width, self.num_inference_steps, self.guidance_scale,
-                self.num_images, self.reference_images)
+                self.num_images, self.reference_images) + ((self.lora,) if self.lora else ())
+
+    def lora_entry(self) -> dict | None:
+        """The adapter as the manifest and the fingerprint carry it: {name, sha256, scale}, None for none."""
+        return {"name": self.lora, "sha256": self.lora_sha256, "scale": self.lora_scale} if self.lora else None
 
     def with_references_read(self, sha256: tuple[str, ...], signature: tuple[tuple[int, int], ...]
                              ) -> "GenerationRequest":
@@ -104,12 +113,15 @@ class ImageTask:
 
     @property
     def shape_key(self) -> str:
-        """Batches never mix these: (height, width, steps, guidance, and the processed size of each reference, so
-        that a batch's rows have the same reference token counts), as a deterministic string key."""
+        """Batches never mix these: (height, width, steps, guidance, the processed size of each reference, so
+        that a batch's rows have the same reference token counts, and the LoRA adapter), as a deterministic string
+        key."""
         r = self.request
         key = f"{r.height}x{r.width}/steps={r.num_inference_steps}/guidance={r.guidance_scale}"
         if r.reference_images:
             key += "/refs=" + ",".join(f"{h}x{w}" for h, w in r.reference_signature)
+        if r.lora:  # one adapter per batch: the generate call names it (model.nets.lora_bank)
+            key += "/lora=" + r.lora
         return key
 
 

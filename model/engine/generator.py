@@ -42,6 +42,7 @@ from ..parallel.sharding import placement
 from ..loading.tokenizer import PromptTokenizer
 from ..nets.transformer import image_ids, reference_ids, rope_tables, text_ids
 from ..loading.lora_source import merged_deltas, open_adapters
+from ..nets.lora_bank import attach_banks
 from ..loading.loader import (ComponentLoad, LoadTimes, load_component, load_components, release_host_memory,
                               validate_component)
 
@@ -51,7 +52,8 @@ logger = logging.getLogger(__name__)
 def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
          max_sequence_length: int = contract.DEFAULT_MAX_SEQUENCE_LENGTH, batch_size: int | None = None,
          text_encoder_out_layers=DEFAULT_TEXT_ENCODER_OUT_LAYERS, options: EngineOptions | None = None,
-         cache_dir: str | None = None, variant: str | None = None, loras=(), vae: str | None = None,
+         cache_dir: str | None = None, variant: str | None = None, loras=(), lora_per_record: bool = False,
+         vae: str | None = None,
          **engine_overrides) -> "Flux2KleinGenerator":
     """Load a checkpoint (local folder, gs:// URI or Hugging Face Hub id `owner/name[@revision]`; diffusers
     layout) in `dtype` and prepare it for generation.
@@ -61,13 +63,15 @@ def load(settings: LoadSettings | str, dtype: str = "bfloat16", *,
     `*.fp16.safetensors`); None takes the files without a variant, or a component's only variant when it has no
     others. The weights are cast to `dtype` whatever the files hold. `loras`: LoRA adapters (`[NAME=]SOURCE[:SCALE]`
     or model.config.lora_spec.LoraSpec) merged into the transformer's weights as they are placed, before any int8
-    quantization. `vae`: another VAE in place of the checkpoint's (a folder, a .safetensors file with its config.json,
-    gs:// or a Hub id; model/loading/vae_swap.py). `engine_overrides` name fields of `EngineOptions`."""
+    quantization; with `lora_per_record` they are applied unmerged instead (model.nets.lora_bank), and each
+    `generate` call names the one its images use (or none). `vae`: another VAE in place of the checkpoint's (a folder,
+    a .safetensors file with its config.json, gs:// or a Hub id; model/loading/vae_swap.py). `engine_overrides` name
+    fields of `EngineOptions`."""
     if not isinstance(settings, LoadSettings):
         settings = LoadSettings.create(settings, dtype, max_sequence_length=max_sequence_length,
                                        batch_size=batch_size, text_encoder_out_layers=text_encoder_out_layers,
-                                       options=options, cache_dir=cache_dir, variant=variant, loras=loras, vae=vae,
-                                       **engine_overrides)
+                                       options=options, cache_dir=cache_dir, variant=variant, loras=loras,
+                                       lora_per_record=lora_per_record, vae=vae, **engine_overrides)
     elif engine_overrides:
         settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **engine_overrides))
     return _load(settings)
@@ -131,6 +135,7 @@ class PreparedLoad:
     files: list  # each component's tensor -> file, from the headers
     tokenizing: object  # the tokenizer's Future, loading on its own thread
     adapters: list = dataclasses.field(default_factory=list)  # LoRA adapters opened and checked, merged as placed
+    per_record: bool = False  # the adapters applied unmerged, chosen per call, instead of merged
 
 
 def prepare_load(settings: LoadSettings, root: str, clock: StepClock) -> PreparedLoad:
@@ -155,7 +160,7 @@ def prepare_load(settings: LoadSettings, root: str, clock: StepClock) -> Prepare
     # into its weights on the devices as they are placed.
     adapters = open_adapters(settings.loras, stored["transformer"][0], settings.cache_dir) if settings.loras else []
     clock.mark("validate")
-    return PreparedLoad(root, config, networks, components, files, tokenizing, adapters)
+    return PreparedLoad(root, config, networks, components, files, tokenizing, adapters, settings.lora_per_record)
 
 
 @dataclasses.dataclass
@@ -179,7 +184,8 @@ def place_weights(prepared: PreparedLoad, options: EngineOptions, runtime, clock
     mesh = make_mesh(options)
     transformer_abs = prepared.components[1][1]
     shard_order.order_for_shards(transformer_abs, model_shards(mesh))
-    deltas = {"transformer": merged_deltas(prepared.adapters)} if prepared.adapters else {}
+    merge = prepared.adapters and not prepared.per_record
+    deltas = {"transformer": merged_deltas(prepared.adapters)} if merge else {}
     loads = [ComponentLoad(os.path.join(prepared.root, name), module, exp, opt, f,
                            shard_order.stored_to_order(module), deltas.get(name))
              for (name, module, exp, opt), f in zip(prepared.components, prepared.files)]
@@ -220,11 +226,19 @@ def assemble_generator(settings: LoadSettings, prepared: PreparedLoad, placed: P
                 "layout %.1f, transfer %.1f, device layout %.1f", settings.model, settings.dtype,
                 time.perf_counter() - clock.start, phases["tensors"], phases["bytes"] / 1e9, phases["wall_s"],
                 phases["read_s"], phases["host_layout_s"], phases["transfer_s"], phases["device_layout_s"])
+    if prepared.per_record and prepared.adapters:  # one bank of every adapter's factors per adapted layer
+        transformer = placed.modules[1]
+        attach_banks(transformer, [a.deltas() for a in prepared.adapters], DTYPES[settings.dtype],
+                     shard_order.stored_to_order(transformer))
     generator = Flux2KleinGenerator(prepared.config, placed.tokenizer, *placed.modules, dtype=settings.dtype,
                                     options=settings.engine, model_id=settings.model, root=prepared.root,
                                     mesh=placed.mesh, vae_encoder_loader=vae_encoder)
     generator.load_phases = phases  # where the weights' load went (benchmarks.startup reports it)
-    generator.loras = tuple(a.identity for a in prepared.adapters)  # merged adapters: part of the images' identity
+    identities = tuple(a.identity for a in prepared.adapters)
+    if prepared.per_record:  # each image's own adapter is part of its identity (`adapter_identity`)
+        generator.adapters = identities
+    else:
+        generator.loras = identities  # merged adapters: part of every image's identity
     phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
     return generator
 
@@ -253,6 +267,7 @@ class GenerationInputs:
     use_cfg: bool
     # Image-conditioned calls: each image's processed references (all with the same sizes); None = text-to-image.
     references: tuple[tuple[ProcessedReference, ...], ...] | None = None
+    adapter: int = 0  # the unmerged LoRA adapter of every image (its bank entry; 0 = none)
 
     @property
     def reference_sizes(self) -> tuple[tuple[int, int], ...]:
@@ -290,6 +305,7 @@ class Flux2KleinGenerator:
         self.tokenizer = tokenizer
         self.load_phases: dict = {}  # model.load's weight-loading phases (model.loading.loader.LoadTimes, plus wall_s)
         self.loras: tuple = ()  # the merged LoRA adapters' identities (model.loading.lora_source.LoraAdapter.identity)
+        self.adapters: tuple = ()  # the unmerged adapters' identities, in bank order (entry i + 1 is adapters[i])
         self.dtype = dtype
         self.options = options
         self.model_id = model_id
@@ -330,6 +346,27 @@ class Flux2KleinGenerator:
         (height, width) of each reference, what a call's reference token counts (and compiled programs) depend on."""
         return _reference_signature(images, self.size_multiple)
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The names calls choose unmerged adapters by (`lora=`), in bank order."""
+        return tuple(a["name"] for a in self.adapters)
+
+    def adapter_index(self, name: str | None) -> int:
+        """The bank entry of the unmerged adapter `name` (0 for None or "": the base model); RequestError naming the
+        value and the adapters this generator has."""
+        if not name:
+            return 0
+        if name in self.adapter_names:
+            return self.adapter_names.index(name) + 1
+        have = (f"its adapters are {list(self.adapter_names)}" if self.adapters else
+                "its adapters are merged into every image" if self.loras else "it was loaded without adapters")
+        raise RequestError(f"unknown LoRA adapter {name!r}: {have}", field="lora", value=name)
+
+    def adapter_identity(self, name: str | None) -> dict | None:
+        """The identity (name, sha256, scale) of the unmerged adapter `name`, None for the base model."""
+        index = self.adapter_index(name)
+        return self.adapters[index - 1] if index else None
+
     def rope(self, grid_h: int, grid_w: int, reference_grids: tuple[tuple[int, int], ...] = ()):
         """RoPE cos/sin tables of the [text ; target ; references] sequence for a target latent grid and the
         references' latent grids, on the devices (cached)."""
@@ -355,7 +392,7 @@ class Flux2KleinGenerator:
     # ------------------------------------------------------------------------------------------------ stages
 
     def check_inputs(self, prompts, seeds, height, width, num_inference_steps=None, guidance_scale=None,
-                     num_images_per_prompt=1, reference_images=None) -> GenerationInputs:
+                     num_images_per_prompt=1, reference_images=None, lora: str | None = None) -> GenerationInputs:
         """Validate a call by the request contract (model.contract) and resolve the checkpoint's defaults; one
         entry per image. Every prompt is checked up front: a bad one in a later batch would otherwise discard the
         batches computed before it. Reference images are preprocessed here (model.engine.reference_preprocess); with
@@ -369,6 +406,7 @@ class Flux2KleinGenerator:
         if references is not None and self.reference_encoder is None:
             raise RequestError("this generator was built without a VAE encoder: no reference images",
                                field="reference_images", value=len(references[0]))
+        adapter = self.adapter_index(lora)
         first = references[0][0].size if references else (contract.DEFAULT_SIZE, contract.DEFAULT_SIZE)
         height = first[0] if height is None else height
         width = first[1] if width is None else width
@@ -389,7 +427,7 @@ class Flux2KleinGenerator:
                                 num_inference_steps=sampling.num_inference_steps,
                                 guidance_scale=sampling.guidance_scale, use_cfg=sampling.use_cfg,
                                 references=None if references is None else tuple(
-                                    r for r in references for _ in range(k)))
+                                    r for r in references for _ in range(k)), adapter=adapter)
 
     def prepare_bucket(self, inputs: GenerationInputs, sigmas=None, batch_size: int | None = None) -> PreparedBucket:
         """The bucket of a call's shape, its programs (compiled on first use), RoPE tables and schedule; the
@@ -475,11 +513,13 @@ class Flux2KleinGenerator:
         self.stats["references_encoded"] += self.reference_encoder.encoded - before
         return tokens
 
-    def denoise(self, latents, txt, neg, prepared: PreparedBucket, refs=None):
+    def denoise(self, latents, txt, neg, prepared: PreparedBucket, refs=None, adapter: int = 0):
         """Every denoising step, in one program (a lax.scan over the steps). `refs`: the reference tokens of
-        image-conditioned calls (`reference_tokens`), else None."""
+        image-conditioned calls (`reference_tokens`), else None; `adapter`: the unmerged LoRA adapter's bank entry
+        (`adapter_index`; 0 = none)."""
         return prepared.denoise_fn(self.programs.tr_state, latents, txt, neg, refs, prepared.sigmas,
-                                   prepared.timesteps, prepared.cos, prepared.sin, prepared.guidance)
+                                   prepared.timesteps, prepared.cos, prepared.sin, prepared.guidance,
+                                   jnp.int32(adapter))
 
     def velocity(self, latents, txt, neg, prepared: PreparedBucket, step: int, refs=None):
         """The velocity the denoising loop takes at `step` from `latents` (for drift measures: benchmarks.drift)."""
@@ -516,7 +556,7 @@ class Flux2KleinGenerator:
     def generate(self, prompts, seeds, height: int | None = None, width: int | None = None,
                  num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, num_images_per_prompt: int = 1, sigmas=None,
-                 reference_images=None) -> np.ndarray:
+                 reference_images=None, lora: str | None = None) -> np.ndarray:
         """Images for `prompts` (image j of prompt i uses seed seeds[i] + j) as uint8 [N, H, W, 3]. Safe to call from
         several threads: calls run one after the other.
 
@@ -524,9 +564,10 @@ class Flux2KleinGenerator:
         Flux2KleinPipeline(image=[...])): one list of references per prompt, each a PIL image or a uint8 HxWx3 /
         HxWx4 array; None or all lists empty = text-to-image. Every prompt's references must have the same processed
         sizes (`reference_signature`), else ReferenceImageError(reason="signature"). height/width None: the first
-        reference's processed size with references, else contract.DEFAULT_SIZE."""
+        reference's processed size with references, else contract.DEFAULT_SIZE. `lora`: the name of one of the
+        unmerged adapters (`adapter_names`, loaded with lora_per_record) every image uses; None = the base model."""
         result = self.generate_result(prompts, seeds, height, width, num_inference_steps, guidance_scale,
-                                      num_images_per_prompt, sigmas, reference_images)
+                                      num_images_per_prompt, sigmas, reference_images, lora=lora)
         bad = {i: n for i, n in enumerate(result.nonfinite) if n is not None}
         if bad:
             raise NonFiniteImageError(bad)
@@ -535,7 +576,7 @@ class Flux2KleinGenerator:
     def generate_result(self, prompts, seeds, height: int | None = None, width: int | None = None,
                         num_inference_steps: int | None = None, guidance_scale: float | None = None,
                         num_images_per_prompt: int = 1, sigmas=None, reference_images=None,
-                        batch_size: int | None = None) -> GenerationResult:
+                        batch_size: int | None = None, lora: str | None = None) -> GenerationResult:
         """`generate`, with the facts a caller reports beside the images: the resolved steps and guidance and
         whether each image's prompt was truncated (from the same tokenization that encoded it). `batch_size`: the
         images the programs of this call take at once, instead of the engine's (EngineOptions.batch_size): a
@@ -543,7 +584,7 @@ class Flux2KleinGenerator:
         with self._generate_lock:
             start = time.perf_counter()
             inputs = self.check_inputs(prompts, seeds, height, width, num_inference_steps, guidance_scale,
-                                       num_images_per_prompt, reference_images)
+                                       num_images_per_prompt, reference_images, lora)
             if batch_size is not None:
                 contract.count("batch_size", batch_size)
             images, truncated, nonfinite = self._run(inputs, sigmas, batch_size)
@@ -575,7 +616,7 @@ class Flux2KleinGenerator:
             refs = (self.reference_tokens(inputs.references[start:start + prepared.batch], prepared, pad,
                                           reference_cache)
                     if inputs.references else None)
-            pixels = self.decode(self.denoise(latents, txt, neg, prepared, refs), prepared)
+            pixels = self.decode(self.denoise(latents, txt, neg, prepared, refs, inputs.adapter), prepared)
             # Dispatch is asynchronous: the previous batch's pixels are copied to the host (and the next batch
             # tokenized) while the device works on this one.
             if pending is not None:

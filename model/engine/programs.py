@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .compile_lease import compile_lowered
 from .cpu_images import ImageThreads, compiler_options_for, concurrent_images_for, image_by_image, per_image_for
 from ..nets.layers import precision_scope
+from ..nets.lora_bank import choose_adapter
 from .lru import LRUCache
 from ..options import PROGRAMS, EngineOptions
 from ..nets import attention as attention_lib
@@ -127,8 +128,11 @@ def velocity(s: TraceSettings, state, x, txt, t, cos, sin, neg_txt, guidance_sca
     return guidance_mix(pos, neg, guidance_scale)
 
 
-def denoise(s: TraceSettings, state, latents, txt, neg_txt, refs, sigmas, timesteps, cos, sin, guidance_scale):
-    """The whole denoising loop, in the batch's turns."""
+def denoise(s: TraceSettings, state, latents, txt, neg_txt, refs, sigmas, timesteps, cos, sin, guidance_scale,
+            adapter):
+    """The whole denoising loop, in the batch's turns, with the unmerged LoRA adapter `adapter` (an int32 scalar:
+    0 = none; data, not part of the program's shape: model.nets.lora_bank)."""
+    state = choose_adapter(state, adapter)
     loop = functools.partial(denoise_batch, s, state, sigmas=sigmas, timesteps=timesteps, cos=cos, sin=sin,
                              guidance_scale=guidance_scale)
     return s.rows(loop, latents, txt, neg_txt, refs)
@@ -150,8 +154,9 @@ def _denoise_step(s: TraceSettings, state, x, i, *, txt, neg_txt, refs, sigmas, 
     return euler_step(x, v, sigmas[i], sigmas[i + 1]), None
 
 
-def velocity_at(s: TraceSettings, state, x, txt, neg_txt, refs, timestep, cos, sin, guidance_scale):
+def velocity_at(s: TraceSettings, state, x, txt, neg_txt, refs, timestep, cos, sin, guidance_scale, adapter=0):
     """One step's velocity (as the denoising loop computes it) at latents `x`: drift measures compare it."""
+    state = choose_adapter(state, adapter)
     one = functools.partial(_velocity_rows, s, state, timestep=timestep, cos=cos, sin=sin,
                             guidance_scale=guidance_scale)
     return s.rows(one, x, txt, neg_txt, refs)
@@ -224,7 +229,7 @@ def _denoise_specs(p: "CompiledPrograms", b: Bucket, d: Dims):
     return (p.latents_spec(b, d.in_channels), txt, txt if b.cfg else None, refs,
             p.spec((b.steps + 1,), jnp.float32, False), p.spec((b.steps,), jnp.float32, False),
             p.spec((seq, d.head_dim), jnp.float32, False), p.spec((seq, d.head_dim), jnp.float32, False),
-            p.spec((), jnp.float32, False))
+            p.spec((), jnp.float32, False), p.spec((), jnp.int32, False))
 
 
 def _decode_specs(p: "CompiledPrograms", b: Bucket, d: Dims):

@@ -16,6 +16,7 @@ from flax import nnx
 
 from ..config.configs import ACTIVATIONS as CONFIG_ACTIVATIONS
 from ..parallel.sharding import param
+from .lora_bank import lora_term
 
 
 def precision_for(dtype):
@@ -81,6 +82,9 @@ class Linear(nnx.Module):
         if take is not None:
             w = take(w)
         y = jnp.dot(x.astype(w.dtype), w, precision=precision_for(w.dtype))
+        lora = lora_term(self, x, take)  # unmerged LoRA adapters (model.nets.lora_bank), where attached
+        if lora is not None:
+            y = y + lora
         if self.bias is not None:
             y = y + (self.bias[...] if take is None else take(self.bias[...]))
         return y

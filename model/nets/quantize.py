@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from ..parallel.sharding import param
+from .lora_bank import lora_term
 
 QMAX = 127.0  # symmetric int8: -127..127 (no -128, so negation and the scale stay exact)
 QUANTIZED_FROM = "quantized_from"  # metadata of a quantized weight: the float dtype it is quantized from
@@ -76,6 +77,9 @@ class Int8Linear(nnx.Module):
         if take is not None:
             values, scale = take(values), take(scale)
         y = int8_matmul(x, values, scale, self.dtype)
+        lora = lora_term(self, x, take)  # unmerged LoRA adapters in the float dtype, beside the int8 matmul
+        if lora is not None:
+            y = y + lora.astype(self.dtype)
         if self.bias is not None:
             bias = self.bias[...]
             y = y + (bias if take is None else take(bias))

@@ -72,6 +72,9 @@ def order_for_shards(module: nnx.Module, shards: int) -> nnx.Module:
                 for per_column in ("bias", "weight_scale"):
                     if getattr(linear, per_column, None) is not None:
                         _permute(getattr(linear, per_column), order, 0)
+            bank = getattr(linear, "lora_down" if axis == 0 else "lora_up", None)  # model.nets.lora_bank
+            if bank is not None:  # [adapters, in, rank] / [adapters, rank, out]: the weight's axis is 1 / 2
+                _permute(bank, order, 1 + axis)
         layer.order_shards = new
     return module
 

@@ -23,11 +23,11 @@ def _adapter(path, rows=96, seed=0):
     return str(path)
 
 
-def _job(tiny_ckpt, tmp_path, *loras):
+def _job(tiny_ckpt, tmp_path, *loras, extra=()):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     return resolve_job(PipelineOptions([f"--model={tiny_ckpt}", f"--input={prompts}",
-                                        *(f"--lora={lora}" for lora in loras)]))
+                                        *(f"--lora={lora}" for lora in loras), *extra]))
 
 
 def test_adapters_are_in_the_model_fingerprint(tiny_ckpt, tmp_path):
@@ -49,3 +49,42 @@ def test_adapter_that_fits_no_parameter_stops_the_launch(tiny_ckpt, tmp_path):
         _job(tiny_ckpt, tmp_path, bad)
     with pytest.raises(UsageError, match="--lora"):
         _job(tiny_ckpt, tmp_path, str(tmp_path / "missing.safetensors"))
+
+
+def test_per_record_adapters_are_the_records_to_name_not_the_models(tiny_ckpt, tmp_path):
+    """--lora_per_record: the records may name the adapters (their identities in the request defaults), the workers
+    load them unmerged, and the model fingerprint is the plain model's (each image's own adapter is in its request
+    fingerprint)."""
+    style = _adapter(tmp_path / "style.safetensors")
+    job = _job(tiny_ckpt, tmp_path, f"{style}:0.5", extra=["--lora_per_record"])
+    assert job.load.lora_per_record and [s.label for s in job.load.loras] == ["style"]
+    assert [(name, scale) for name, _, scale in job.defaults.loras] == [("style", 0.5)]
+    assert job.model_fingerprint == _job(tiny_ckpt, tmp_path).model_fingerprint
+    assert _job(tiny_ckpt, tmp_path, f"{style}:0.5").defaults.loras == ()  # merged: no record names one
+
+
+def test_a_job_with_per_record_adapters_records_each_images_adapter_and_resumes_by_it(tiny_ckpt, tmp_path):
+    """A job whose records name two adapters or none: each manifest row names its image's adapter, an unknown name is
+    an error row, and a resume after one adapter's scale changed makes again only that adapter's images."""
+    import json
+
+    from pipeline.run import main
+    from tests.support.pipeline_helpers import rows
+
+    wc, ink = _adapter(tmp_path / "wc.safetensors", seed=2), _adapter(tmp_path / "ink.safetensors", seed=3)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "base", "prompt": "a fox"}, {"id": "wc", "prompt": "a fox", "lora": "wc"},
+        {"id": "ink", "prompt": "a fox", "lora": "ink"}, {"id": "bad", "prompt": "a fox", "lora": "oil"}]))
+    out = str(tmp_path / "out")
+    args = [f"--model={tiny_ckpt}", f"--input={prompts}", f"--output={out}", "--dtype=float32", "--height=32",
+            "--width=32", "--max_sequence_length=32", "--no_progress", "--lora_per_record", f"--lora=wc={wc}:0.5"]
+    assert main([*args, f"--lora=ink={ink}"]) == 0
+    made = {r["id"]: r for r in rows(out, "manifest")}
+    assert set(made) == {"base", "wc", "ink"} and "lora" not in made["base"]
+    assert made["wc"]["lora"]["name"] == "wc" and made["wc"]["lora"]["scale"] == 0.5
+    assert len({made[i]["sha256"] for i in made}) == 3  # three adapters (none, wc, ink): three images
+    (error,) = rows(out, "errors")
+    assert error["field"] == "lora" and error["value"] == "oil" and "['wc', 'ink']" in error["reason"]
+    main([*args, f"--lora=ink={ink}:0.7", "--skip_existing"])
+    assert {r["id"] for r in rows(out, "existing")} == {"base", "wc"}  # ink's scale changed: made again

@@ -779,6 +779,7 @@ BAD_VALUES = {
     "reference_root": GS_BAD + ["gs://b/refs,", "gs://my-bucket/refs,/local/refs",
                                 "gs://my-bucket/refs/*.png"],
     "skip_existing": ["yes", "1", "TRUE", "on"],
+    "lora_per_record": ["yes", "1", "TRUE"],
     "overwrite": ["yes", "1", "TRUE", "on"],
     "allow_empty": ["yes", "1", "TRUE", "on"],
     "skip_preflight": ["yes", "1", "TRUE", "on"],

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 # The fields of a generation request, as records name them.
 FIELDS = ("prompt", "id", "seed", "height", "width", "num_inference_steps", "guidance_scale", "num_images",
-          "reference_images")
+          "reference_images", "lora")
 # What --column_map may rename a column to (the prompt and id columns have their own options).
 RENAMABLE = tuple(f for f in FIELDS if f not in ("prompt", "id"))
 

@@ -28,7 +28,7 @@ def _canonical(params: Mapping[str, Any]) -> bytes:
 
 
 def derive_id(prompt: str, height: int, width: int, num_inference_steps, guidance_scale, num_images: int,
-              seed: int | None, reference_images: tuple[str, ...] = ()) -> str:
+              seed: int | None, reference_images: tuple[str, ...] = (), lora: str = "") -> str:
     """A stable id from the prompt and the (defaults-applied) parameters: same content -> same id, every run.
     The references' URIs (as resolved) count when there are any: other references, another request."""
     params = {"prompt": prompt, "height": height, "width": width, "num_inference_steps": num_inference_steps,
@@ -37,6 +37,8 @@ def derive_id(prompt: str, height: int, width: int, num_inference_steps, guidanc
         params["seed"] = seed
     if reference_images:
         params["reference_images"] = list(reference_images)
+    if lora:  # another adapter, another request
+        params["lora"] = lora
     return hashlib.sha256(_canonical(params)).hexdigest()[:20]
 
 

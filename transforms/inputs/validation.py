@@ -46,6 +46,8 @@ class RequestDefaults:
     max_metadata_bytes: int = DEFAULT_MAX_METADATA_BYTES  # a record's extra columns, as compact JSON
     max_reference_images: int = DEFAULT_MAX_REFERENCE_IMAGES  # references one record may list
     max_reference_pixels: int = DEFAULT_MAX_REFERENCE_PIXELS  # largest reference (width x height as stored)
+    # The adapters a record may name in its `lora` column (--lora with --lora_per_record): (name, sha256, scale).
+    loras: tuple[tuple[str, str, float], ...] = ()
 
     @property
     def reference_limits(self) -> references.ReferenceLimits:
@@ -100,15 +102,35 @@ def validate_record(fields: Mapping[str, Any], defaults: RequestDefaults, *, sou
     steps, guidance, num_images, seed = valid.num_inference_steps, valid.guidance_scale, valid.num_images, valid.seed
 
     refs = as_references(fields, source, defaults.max_reference_images, text_values)
+    lora = _lora(fields, defaults)
 
     if request_id is None:
-        request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed, refs)
+        request_id = derive_id(prompt, height, width, steps, guidance, num_images, seed, refs, lora[0] if lora else "")
     if seed is None:
         seed = derive_seed(defaults.seed, request_id)
     metadata = metadata_json(extra, defaults.max_metadata_bytes) if extra else ""
     return GenerationRequest(id=request_id, prompt=prompt, seed=seed, height=height, width=width,
                              num_inference_steps=steps, guidance_scale=guidance, num_images=num_images,
-                             source=source, line=line, metadata=metadata, reference_images=refs)
+                             source=source, line=line, metadata=metadata, reference_images=refs,
+                             **({"lora": lora[0], "lora_sha256": lora[1], "lora_scale": lora[2]} if lora else {}))
+
+
+def _lora(fields: Mapping[str, Any], defaults: RequestDefaults) -> tuple | None:
+    """The job's adapter the record's `lora` column names, (name, sha256, scale); None when it names none (missing,
+    null or empty); InvalidRecord naming the value and the adapters the job has otherwise."""
+    value = fields.get("lora")
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, str):
+        raise InvalidRecord(f"lora must be the name of one of the job's adapters, got a {type(value).__name__}",
+                            field="lora", value=value)
+    name = value.strip()
+    for adapter in defaults.loras:
+        if adapter[0] == name:
+            return adapter
+    have = (f"the job's adapters are {[a[0] for a in defaults.loras]}" if defaults.loras else
+            "the job has no per-record adapters (--lora NAME=SOURCE with --lora_per_record)")
+    raise InvalidRecord(f"unknown LoRA adapter {name!r}: {have}", field="lora", value=name)
 
 
 def parse_raw(raw: RawRecord, defaults: RequestDefaults, resolver: ColumnResolver | None = None
