@@ -87,27 +87,57 @@ def _permuted(sharding, order: tuple[int, ...]):
     return NamedSharding(sharding.mesh, PartitionSpec(*stored))
 
 
+def _factor_shardings(stored_sharding):
+    """Where a LoRA delta's factors go for a torch-layout weight [out, in] placed by `stored_sharding`: the up factor
+    [out, rank] split by rows as the weight is, the down factor [rank, in] by columns, the scales [rank] on every
+    device; so their product is made where the weight's blocks lie, moving no data between devices."""
+    if not isinstance(stored_sharding, NamedSharding):
+        return stored_sharding, stored_sharding, stored_sharding
+    spec = tuple(stored_sharding.spec) + (None, None)
+    mesh = stored_sharding.mesh
+    return (NamedSharding(mesh, PartitionSpec(spec[0], None)), NamedSharding(mesh, PartitionSpec(None, spec[1])),
+            NamedSharding(mesh, PartitionSpec()))
+
+
+def _layout_program(order, quantize: bool, merge: bool):
+    """The device's layout of one weight: its LoRA delta (up * scales) @ down merged in float32 (`merge`), the
+    transpose to JAX layout, then the int8 quantization (`quantize`, model.nets.quantize)."""
+    def layout(weight, *factors):
+        if merge:
+            down, up, scales = factors
+            delta = jnp.matmul(up * scales, down, precision=jax.lax.Precision.HIGHEST)
+            weight = (weight.astype(jnp.float32) + delta).astype(weight.dtype)
+        weight = jnp.transpose(weight, order)
+        return quantize_columns(weight) if quantize else weight
+
+    return layout
+
+
 class DeviceTransposes:
-    """Compiled transposes (torch layout -> JAX layout on the device), one per (axes order, stored shape, dtype,
-    sharding) and process, compiled on their own threads as soon as the loader knows the shapes: a cold start
-    compiles them before the generator's large programs take the compiler (placing waited for them behind those
-    programs otherwise: docs/performance.md), a warm one reads them from the persistent compilation cache before the
-    weights are read."""
+    """Compiled device layouts (torch layout -> JAX layout on the device, a LoRA delta merged and int8 quantized
+    where asked), one per (axes order, stored shape, dtype, sharding, scale sharding, LoRA rank) and process,
+    compiled on their own threads as soon as the loader knows the shapes: a cold start compiles them before the
+    generator's large programs take the compiler (placing waited for them behind those programs otherwise:
+    docs/performance.md), a warm one reads them from the persistent compilation cache before the weights are read.
+    A merged adapter's scale is an argument, so every adapted weight of one shape and rank shares one program, which
+    replaces the transpose that weight needs anyway."""
 
     THREADS = 4
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._compiled: dict = {}  # key -> Future of the compiled transpose
+        self._compiled: dict = {}  # key -> Future of the compiled layout
         self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="transpose-compile")
 
     @staticmethod
-    def key(order: tuple[int, ...], stored_shape: tuple[int, ...], dtype, sharding, scale_sharding=None) -> tuple:
-        """`scale_sharding`: the transpose also quantizes to int8 (model.nets.quantize), its scale placed so."""
-        return tuple(order), tuple(stored_shape), np.dtype(dtype).name, sharding, scale_sharding
+    def key(order: tuple[int, ...], stored_shape: tuple[int, ...], dtype, sharding, scale_sharding=None,
+            rank: int = 0) -> tuple:
+        """`scale_sharding`: the program also quantizes to int8 (model.nets.quantize), its scale placed so; `rank`:
+        it first merges a LoRA delta of that rank (the adapters' ranks summed: `stacked_factors`), 0 for none."""
+        return tuple(order), tuple(stored_shape), np.dtype(dtype).name, sharding, scale_sharding, int(rank)
 
     def prepare(self, key: tuple):
-        """The future of the compiled transpose `key`, submitted for compiling if it is not already."""
+        """The future of the compiled layout `key`, submitted for compiling if it is not already."""
         with self._lock:
             future = self._compiled.get(key)
             if future is None:
@@ -124,16 +154,24 @@ class DeviceTransposes:
     def __len__(self) -> int:
         return len(self._compiled)
 
+    def keys(self) -> list[tuple]:
+        with self._lock:
+            return list(self._compiled)
+
     @staticmethod
-    def _compile(order, stored_shape, dtype, sharding, scale_sharding):
-        spec = jax.ShapeDtypeStruct(stored_shape, jnp.dtype(dtype), sharding=_permuted(sharding, order))
-        if scale_sharding is None:
-            transpose = jax.jit(functools.partial(jnp.transpose, axes=order), out_shardings=sharding)
-        else:
-            transpose = jax.jit(lambda w: quantize_columns(jnp.transpose(w, order)),
-                                out_shardings=(sharding, scale_sharding))
-        lowered = transpose.lower(spec)
-        return lowered.compile()
+    def _compile(order, stored_shape, dtype, sharding, scale_sharding, rank):
+        stored_sharding = _permuted(sharding, order)
+        specs = [jax.ShapeDtypeStruct(stored_shape, jnp.dtype(dtype), sharding=stored_sharding)]
+        if rank:
+            up_sharding, down_sharding, scales_sharding = _factor_shardings(stored_sharding)
+            out, width = stored_shape
+            specs += [jax.ShapeDtypeStruct((rank, width), jnp.float32, sharding=down_sharding),
+                      jax.ShapeDtypeStruct((out, rank), jnp.float32, sharding=up_sharding),
+                      jax.ShapeDtypeStruct((rank,), jnp.float32, sharding=scales_sharding)]
+        quantize = scale_sharding is not None
+        layout = jax.jit(_layout_program(tuple(order), quantize, bool(rank)),
+                         out_shardings=(sharding, scale_sharding) if quantize else sharding)
+        return layout.lower(*specs).compile()
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,9 +285,10 @@ class ComponentLoad:
     deltas: dict | None = None  # {parameter name: (LoraDelta, ...)}: merged into those weights (model.loading.lora)
 
 
-def prepare_device_transposes(components: list[ComponentLoad], placement) -> int:
-    """Start compiling (on DEVICE_TRANSPOSES' threads) every transpose that loading `components` with `placement`
-    will make on the device; returns how many the tensors need. Their tensor files must be known (validated)."""
+def device_layout_keys(components: list[ComponentLoad], placement) -> set[tuple]:
+    """The DEVICE_TRANSPOSES keys loading `components` with `placement` needs: one per distinct device layout (every
+    transpose on an accelerator; every weight with a LoRA delta to merge, on any platform). Their tensor files must
+    be known (validated); only shapes are read."""
     needed = set()
     for c in components:
         if c.tensor_to_file is None:
@@ -263,10 +302,19 @@ def prepare_device_transposes(components: list[ComponentLoad], placement) -> int
             target = var.get_value() if hasattr(var, "get_value") else var.value
             sharding = placement(path, var)
             order = jax_axes_order(name, len(sf.entries[name][1]), len(target.shape))
-            if order is not None and _platform(sharding) in DEVICE_TRANSPOSE_PLATFORMS:
+            rank = lora_rank((c.deltas or {}).get(name))
+            if rank or (order is not None and _platform(sharding) in DEVICE_TRANSPOSE_PLATFORMS):
                 dtype, scale_sharding = _stored_dtype(var, target), _scale_sharding(path, variables, placement)
+                order = order or tuple(range(len(target.shape)))
                 needed.add(DEVICE_TRANSPOSES.key(order, torch_shape(name, target.shape), dtype, sharding,
-                                                 scale_sharding))
+                                                 scale_sharding, rank))
+    return needed
+
+
+def prepare_device_transposes(components: list[ComponentLoad], placement) -> int:
+    """Start compiling (on DEVICE_TRANSPOSES' threads) every device layout that loading `components` with
+    `placement` will make (`device_layout_keys`); returns how many the tensors need."""
+    needed = device_layout_keys(components, placement)
     for key in needed:
         DEVICE_TRANSPOSES.prepare(key)
     return len(needed)
@@ -394,7 +442,10 @@ def place(placing: Placing, job) -> list:
     if deltas:
         deltas = _permuted_deltas(deltas, component.permutations.get(tuple(path)), order)
     array = array.astype(_stored_dtype(var, target), copy=False)
-    on_device = order is not None and accelerator
+    # A weight with a LoRA delta is laid out by the device on every platform: one program merges, transposes and
+    # quantizes it (the merge is no program of its own).
+    on_device = (order is not None and accelerator) or bool(deltas)
+    order = order if order is not None or not on_device else tuple(range(array.ndim))
     if on_device:
         array = np.ascontiguousarray(array)
     else:
@@ -405,19 +456,19 @@ def place(placing: Placing, job) -> list:
     if on_device:
         # Sent in torch's layout and transposed by the device, whose memory does it in microseconds; the host
         # copies it would take instead were most of the load on a TPU host (docs/performance.md).
-        stored = jax.device_put(array, _permuted(sharding, order)).block_until_ready()
+        stored_sharding = _permuted(sharding, order)
+        stored = [jax.device_put(array, stored_sharding)]
+        if deltas:  # merged in torch's layout, before the transpose and any int8 quantization
+            stored += jax.device_put(stacked_factors(deltas), _factor_shardings(stored_sharding))
+        stored = jax.block_until_ready(stored)
         transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
-        if deltas:  # in torch's layout, before the transpose (and the int8 quantization it may make)
-            stored = merge_deltas(stored, deltas, _permuted(sharding, order), transposed=False)
-        transpose = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding,
-                                                                scale_sharding))
-        placed = jax.block_until_ready(transpose(stored))
+        layout = DEVICE_TRANSPOSES.get(DEVICE_TRANSPOSES.key(order, array.shape, array.dtype, sharding,
+                                                             scale_sharding, lora_rank(deltas)))
+        placed = jax.block_until_ready(layout(*stored))
     else:
         placed = jnp.asarray(array) if placing.placement is None else jax.device_put(array, sharding)
         placed = placed.block_until_ready()
         transfer_s, clock = time.perf_counter() - clock, time.perf_counter()
-        if deltas:  # in JAX's layout, before any int8 quantization
-            placed = merge_deltas(placed, deltas, sharding, transposed=order is not None)
         if scale_sharding is not None:  # int8 on the device that holds the float copy (model.nets.quantize)
             placed = jax.block_until_ready(_quantizer(sharding, scale_sharding)(placed))
     if accelerator:
@@ -442,24 +493,18 @@ def _permuted_deltas(deltas: tuple, permutation, order) -> tuple:
                  dataclasses.replace(d, down=d.down[:, perm]) for d in deltas)
 
 
-@functools.lru_cache(maxsize=None)
-def _merger(sharding, transposed: bool):
-    """W + sum(scale * up @ down) on the device, in float32, the result in W's dtype and placed by `sharding`."""
-    def merge(weight, downs, ups, scales):
-        delta = sum(scales[k] * jnp.matmul(ups[k], downs[k], precision=jax.lax.Precision.HIGHEST)
-                    for k in range(len(downs)))
-        return (weight.astype(jnp.float32) + (delta.T if transposed else delta)).astype(weight.dtype)
-
-    return jax.jit(merge, out_shardings=sharding)
+def lora_rank(deltas) -> int:
+    """The rank of a weight's LoRA deltas stacked into one (`stacked_factors`): their ranks summed; 0 for none."""
+    return sum(d.down.shape[0] for d in deltas) if deltas else 0
 
 
-def merge_deltas(weight, deltas: tuple, sharding, *, transposed: bool):
-    """`weight` (on its devices) with its LoRA deltas merged; `transposed`: the weight is in JAX's [in, out] layout,
-    the deltas in torch's [out, in]."""
-    merge = _merger(sharding, transposed)
-    downs, ups = tuple(d.down for d in deltas), tuple(d.up for d in deltas)
-    scales = np.asarray([d.scale for d in deltas], np.float32)
-    return jax.block_until_ready(merge(weight, downs, ups, scales))
+def stacked_factors(deltas: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(down [rank, in], up [out, rank], scales [rank]) of a weight's LoRA deltas as one: sum_k scale_k up_k @ down_k
+    = (up * scales) @ down with the factors stacked along the rank and each column's scale its adapter's."""
+    down = np.concatenate([d.down for d in deltas], axis=0).astype(np.float32, copy=False)
+    up = np.concatenate([d.up for d in deltas], axis=1).astype(np.float32, copy=False)
+    scales = np.concatenate([np.full(d.down.shape[0], d.scale, np.float32) for d in deltas])
+    return down, up, scales
 
 
 def _file_position(resolved: list[ResolvedComponent], job):
