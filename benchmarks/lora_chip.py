@@ -3,23 +3,32 @@ per image of adapters applied unmerged, chosen per record.
 
     python -m benchmarks.lora_chip --preset klein-4b --height 1024 --width 1024 --out $OUT
     python -m benchmarks.lora_chip --preset klein-4b --height 1024 --width 1024 --skip_merged --out $OUT
+    python -m benchmarks.lora_chip --preset klein-4b --height 1024 --width 1024 --unmerged_dtypes '' --out $OUT
+    python -m benchmarks.lora_chip --preset klein-4b --merge_only --out $OUT
+    python -m benchmarks.lora_chip --preset klein-4b --compile_only
 
 On the machine it runs on (a TPU chip; a CPU with --preset small): writes random BFL-layout adapters of every block
 projection of the preset's random-weight checkpoint (rank 32 and 128), then
-- merge_s: each adapter opened and checked from its header, its factors read, and merged into bf16 weights of the
-  transformer's shapes on the device, each merged weight quantized to int8 as the loader does (what the load adds);
+- merge_s: what the adapter adds to a cold load: it opened and checked from its header, its factors read, and the
+  adapted weights (bf16, the transformer's shapes) laid out on the device as the loader does, the delta merged by
+  the program that transposes and quantizes each to int8 (one per shape and rank, compiled ahead on the loader's
+  threads), less the same weights' plain layouts (which a load without the adapter makes anyway); the programs, the
+  backend compiles and their seconds are reported beside it (merge_and_layout_s: the layouts' time included);
 - int8 ms per image (median of --repeats) with no adapter, then with the rank-32 adapter merged by `model.load`
   (the same programs: the second load compiles nothing new when the compilation cache holds them);
 - unmerged (--lora_per_record), for each of --unmerged_dtypes (int8, bfloat16): two rank-32 adapters loaded unmerged,
   ms per image with no adapter, adapter a and adapter b (one compiled program for all three), against the same dtype
   loaded without adapters. `unmerged_ms_per_image`: int8's median over the adapters' runs; `unmerged_over_plain`:
-  that over the plain int8 model's. --skip_merged leaves out the merge and the merged model.
+  that over the plain int8 model's. --skip_merged leaves out the merge and the merged model; --unmerged_dtypes ''
+  the unmerged ones; --merge_only every model; --compile_only compiles the preset's layout programs from its shapes
+  alone (a CPU check of klein-4B's program count and compile seconds, no checkpoint).
 Prints one JSON line last. A measurement tool: nothing here is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -45,6 +54,10 @@ def parse_args(argv=None):
     ap.add_argument("--unmerged_dtypes", default="int8,bfloat16",
                     help="comma-separated: int8 and/or bfloat16 for the unmerged per-record adapters; '' for none")
     ap.add_argument("--skip_merged", action="store_true", help="only the plain and unmerged models")
+    ap.add_argument("--merge_only", action="store_true", help="only the merge times: no model is loaded")
+    ap.add_argument("--compile_only", action="store_true",
+                    help="only the layout programs of a real-size preset compiled from its shapes (no checkpoint; "
+                         "runs on a CPU): their count and compile seconds, plain and with each rank's adapter")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     return ap.parse_args(argv)
 
@@ -73,16 +86,78 @@ def write_adapter(path: str, linears: dict[str, tuple[int, int]], rank: int, see
     return sum(t.size for t in tensors.values())
 
 
-def time_merge(path: str, linears: dict[str, tuple[int, int]]) -> dict:
-    """The load's added work for one adapter: open + check from the header, read the factors, merge each on the
-    device into a bf16 weight of its shape and quantize it to int8 (each step waited on)."""
+def _layout_keys(parameters: dict, names, sharding, deltas: dict | None) -> dict:
+    """{parameter: the DEVICE_TRANSPOSES key the loader lays it out with}: bf16 sent in torch layout, transposed and
+    quantized to int8 on the device, its LoRA delta merged first where `deltas` has one."""
+    from model.loading.loader import DeviceTransposes, lora_rank
+
+    return {name: DeviceTransposes.key((1, 0), parameters[name], "bfloat16", sharding, sharding,
+                                       lora_rank((deltas[name],) if deltas else None)) for name in names}
+
+
+def compile_layouts(keys) -> dict:
+    """Every distinct program of `keys` compiled at once on a fresh DeviceTransposes' threads, as the loader does
+    before the weights are read: seconds, programs, backend compiles and their summed seconds."""
+    from model.loading.loader import DeviceTransposes
+
+    transposes, counter = DeviceTransposes(), _compile_counter()
+    snap, start = counter.snapshot(), time.perf_counter()
+    programs = {key: transposes.prepare(key) for key in set(keys)}
+    compiled = {key: future.result() for key, future in programs.items()}
+    spent = counter.since(snap)
+    return {"compiled": compiled, "compile_wall_s": time.perf_counter() - start, "programs": len(programs),
+            "compiles": spent["compiles"], "compile_thread_s": spent["compile_seconds"]}
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_counter():
+    """The process's one CompileCounter (its listeners stay registered)."""
+    from .runs import CompileCounter
+
+    return CompileCounter()
+
+
+def run_layouts(parameters: dict, names, sharding, deltas: dict | None) -> dict:
+    """The device layouts of the weights `names` (one bf16 weight per shape, in torch layout, reused), as the loader
+    makes them: the programs compiled ahead, then each weight (with its stacked LoRA factors sent as the loader
+    sends them) laid out and waited on. `cold_s` counts the compiles; `warm_s` the same work compiled already."""
     import jax
-    import jax.numpy as jnp
+    import ml_dtypes
+
+    from model.loading.loader import _factor_shardings, stacked_factors
+
+    keys = _layout_keys(parameters, names, sharding, deltas)
+    weights = {shape: jax.device_put(np.zeros(shape, ml_dtypes.bfloat16), sharding)
+               for shape in {parameters[name] for name in names}}
+    jax.block_until_ready(list(weights.values()))
+
+    def lay_out(compiled):
+        for name in names:
+            args = [weights[parameters[name]]]
+            if deltas:
+                args += jax.device_put(stacked_factors((deltas[name],)), _factor_shardings(sharding))
+            jax.block_until_ready(compiled[keys[name]](*args))
+
+    start = time.perf_counter()
+    compiling = compile_layouts(keys.values())
+    compiled = compiling.pop("compiled")
+    lay_out(compiled)
+    cold_s = time.perf_counter() - start
+    start = time.perf_counter()
+    lay_out(compiled)
+    return {"cold_s": cold_s, "warm_s": time.perf_counter() - start, **compiling}
+
+
+def time_merge(path: str, linears: dict[str, tuple[int, int]]) -> dict:
+    """What one adapter adds to a cold load: open + check from the header and read the factors, then the adapted
+    weights' device layouts with their deltas merged against the same weights' plain layouts (transpose and int8
+    quantization, which a load without the adapter makes anyway). `merge_s` = read + (merging layouts' cold time -
+    plain layouts' cold time); `merge_and_layout_s` = read + the merging layouts' cold time, the layouts included."""
+    import jax
     from jax.sharding import SingleDeviceSharding
 
-    from model.loading.loader import _quantizer, merge_deltas
-    from model.loading.lora_source import open_adapter
     from model.config.lora_spec import LoraSpec
+    from model.loading.lora_source import open_adapter
 
     parameters = {m + ".weight": shape for m, shape in linears.items()}
     sharding = SingleDeviceSharding(jax.devices()[0])
@@ -90,24 +165,50 @@ def time_merge(path: str, linears: dict[str, tuple[int, int]]) -> dict:
     adapter = open_adapter(LoraSpec(path), parameters)
     deltas = adapter.deltas()
     read_s = time.perf_counter() - start
-    # One bf16 weight per shape, in JAX's [in, out] layout as the loader holds it before quantizing (the whole
-    # transformer at once would not leave the chip room for the loads that follow).
-    by_shape = {shape: jax.device_put(jnp.zeros(shape[::-1], jnp.bfloat16), sharding)
-                for shape in {parameters[name] for name in deltas}}
-    weights = {name: by_shape[parameters[name]] for name in deltas}
-    jax.block_until_ready(list(by_shape.values()))
-    start = time.perf_counter()
-    for name, delta in deltas.items():
-        merged = merge_deltas(weights[name], (delta,), sharding, transposed=True)
-        jax.block_until_ready(_quantizer(sharding, sharding)(merged))
-    first_s = time.perf_counter() - start  # compiles each shape's merge once, as a cold load does
-    start = time.perf_counter()
-    for name, delta in deltas.items():
-        merged = merge_deltas(weights[name], (delta,), sharding, transposed=True)
-        jax.block_until_ready(_quantizer(sharding, sharding)(merged))
-    return {"open_and_read_s": read_s, "device_merge_cold_s": first_s,
-            "device_merge_warm_s": time.perf_counter() - start, "merge_s": read_s + first_s,
-            "parameters_adapted": len(deltas)}
+    names = sorted(deltas)
+    # a first small program of each kind, so neither measure below pays the compiler's start in this process
+    warm_up = {"warm_up.weight": (8, 16)}
+    run_layouts(warm_up, list(warm_up), sharding, None)
+    plain = run_layouts(parameters, names, sharding, None)
+    merging = run_layouts(parameters, names, sharding, deltas)
+    return {"open_and_read_s": read_s, "device_merge_cold_s": merging["cold_s"],
+            "device_merge_warm_s": merging["warm_s"], "plain_layout_cold_s": plain["cold_s"],
+            "plain_layout_warm_s": plain["warm_s"],
+            "merge_s": read_s + max(0.0, merging["cold_s"] - plain["cold_s"]),
+            "merge_and_layout_s": read_s + merging["cold_s"], "parameters_adapted": len(deltas),
+            "merge_programs": merging["programs"], "merge_compiles": merging["compiles"],
+            "merge_compile_thread_s": merging["compile_thread_s"], "merge_compile_wall_s": merging["compile_wall_s"],
+            "plain_programs": plain["programs"], "plain_compiles": plain["compiles"],
+            "plain_compile_thread_s": plain["compile_thread_s"], "plain_compile_wall_s": plain["compile_wall_s"]}
+
+
+def compile_only(preset: str, ranks) -> dict:
+    """The preset's layout programs compiled from shapes alone (no checkpoint, nothing allocated: a CPU check of a
+    real-size preset): for every block projection, plain and with an adapter of each rank."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from model.engine.factory import Networks
+    from model.loading.loader import expected_tensors
+    from model.loading.lora import LoraDelta
+    from model.loading.presets import preset_config
+
+    transformer = Networks(preset_config(preset), "bfloat16", quantize="int8").transformer()
+    parameters = {name: shape for name, shape in expected_tensors(transformer).items()
+                  if "blocks." in name and name.endswith(".weight") and len(shape) == 2}
+    sharding = SingleDeviceSharding(jax.devices()[0])
+    out = {"parameters_adapted": len(parameters)}
+    compile_layouts(_layout_keys({"warm_up.weight": (8, 16)}, ["warm_up.weight"], sharding, None).values())
+    for label, rank in [("plain", 0), *((f"rank{r}", r) for r in ranks)]:
+        deltas = None if not rank else {
+            name: LoraDelta(np.broadcast_to(np.float32(0), (rank, shape[1])),
+                            np.broadcast_to(np.float32(0), (shape[0], rank)), 1.0)
+            for name, shape in parameters.items()}
+        entry = compile_layouts(_layout_keys(parameters, sorted(parameters), sharding, deltas).values())
+        entry.pop("compiled")
+        out[label] = entry
+        progress(f"{label}: {entry}")
+    return out
 
 
 def ms_per_image(gen, args, lora: str | None = None) -> list[float]:
@@ -153,6 +254,11 @@ def main(argv=None) -> dict:
 
     from . import presets
 
+    if args.compile_only:
+        result = {"preset": args.preset, "backend": jax.default_backend(), "compile_only": compile_only(args.preset,
+                                                                                                      RANKS)}
+        print(json.dumps(result))
+        return result
     path = presets.ensure_checkpoint(args.preset)
     os.makedirs(args.out, exist_ok=True)
     linears = transformer_linears(path)
@@ -165,6 +271,9 @@ def main(argv=None) -> dict:
         if not args.skip_merged:
             result["merge"][f"rank{rank}"] = {"adapter_parameters": params, **time_merge(file, linears)}
             progress(f"rank {rank}: {result['merge'][f'rank{rank}']}")
+    if args.merge_only:
+        print(json.dumps(result))
+        return result
     second = os.path.join(scratch, "rank32-b.safetensors")
     write_adapter(second, linears, 32, seed=1)
     cache = os.path.join(scratch, "xla-cache")

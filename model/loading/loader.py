@@ -67,7 +67,8 @@ def contiguous(array: np.ndarray) -> np.ndarray:
 # Platforms whose loader sends matrices and conv kernels in torch's layout and transposes them on the device, and
 # reads each tensor into its thread's reused host buffer (ReadBuffers; the device keeps its own copy). On a CPU
 # "device" the transpose is the same host copy either way, compiling each shape's transpose costs more, and a
-# placed array may be the host memory itself (which would pin a whole reused buffer).
+# placed array may be the host memory itself (which would pin a whole reused buffer). A weight with a LoRA delta to
+# merge takes the device's layout on every platform: the merge is part of that program.
 DEVICE_TRANSPOSE_PLATFORMS = ("tpu", "gpu")
 
 
@@ -445,7 +446,8 @@ def place(placing: Placing, job) -> list:
     # A weight with a LoRA delta is laid out by the device on every platform: one program merges, transposes and
     # quantizes it (the merge is no program of its own).
     on_device = (order is not None and accelerator) or bool(deltas)
-    order = order if order is not None or not on_device else tuple(range(array.ndim))
+    if on_device and order is None:  # merged in the layout it is stored in
+        order = tuple(range(array.ndim))
     if on_device:
         array = np.ascontiguousarray(array)
     else:
