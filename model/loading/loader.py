@@ -89,14 +89,15 @@ def _permuted(sharding, order: tuple[int, ...]):
 
 
 def _factor_shardings(stored_sharding):
-    """Where a LoRA delta's factors go for a torch-layout weight [out, in] placed by `stored_sharding`: the up factor
-    [out, rank] split by rows as the weight is, the down factor [rank, in] by columns, the scales [rank] on every
-    device; so their product is made where the weight's blocks lie, moving no data between devices."""
+    """Where a LoRA delta's stacked factors (down, up, scales: `stacked_factors`) go for a torch-layout weight
+    [out, in] placed by `stored_sharding`: the down factor [rank, in] split by columns as the weight is, the up factor
+    [out, rank] by rows, the scales [rank] on every device; so their product is made where the weight's blocks lie,
+    moving no data between devices."""
     if not isinstance(stored_sharding, NamedSharding):
         return stored_sharding, stored_sharding, stored_sharding
     spec = tuple(stored_sharding.spec) + (None, None)
     mesh = stored_sharding.mesh
-    return (NamedSharding(mesh, PartitionSpec(spec[0], None)), NamedSharding(mesh, PartitionSpec(None, spec[1])),
+    return (NamedSharding(mesh, PartitionSpec(None, spec[1])), NamedSharding(mesh, PartitionSpec(spec[0], None)),
             NamedSharding(mesh, PartitionSpec()))
 
 
@@ -164,7 +165,7 @@ class DeviceTransposes:
         stored_sharding = _permuted(sharding, order)
         specs = [jax.ShapeDtypeStruct(stored_shape, jnp.dtype(dtype), sharding=stored_sharding)]
         if rank:
-            up_sharding, down_sharding, scales_sharding = _factor_shardings(stored_sharding)
+            down_sharding, up_sharding, scales_sharding = _factor_shardings(stored_sharding)
             out, width = stored_shape
             specs += [jax.ShapeDtypeStruct((rank, width), jnp.float32, sharding=down_sharding),
                       jax.ShapeDtypeStruct((out, rank), jnp.float32, sharding=up_sharding),
