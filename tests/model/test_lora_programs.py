@@ -108,3 +108,43 @@ def test_klein_4b_adapter_adds_no_layout_program(monkeypatch, rank):
     assert len(adapted) == 100  # 5 double blocks x 12 projections, 20 single blocks x 2
     assert sorted(k[1] for k in merging if k[-1]) == sorted(set(adapted.values()))
     assert len(merging) <= len(plain) + 1, (len(merging), len(plain))
+
+
+SPLIT_MERGE = r'''
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from model.loading import loader
+from model.loading.lora import LoraDelta
+
+mesh = Mesh(np.array(jax.devices()).reshape(1, 4), ("data", "model"))
+rng = np.random.default_rng(0)
+weight = rng.standard_normal((24, 16)).astype(np.float32)  # torch layout [out, in]
+deltas = (LoraDelta(rng.standard_normal((3, 16)).astype(np.float32), rng.standard_normal((24, 3)).astype(np.float32),
+                    0.5), LoraDelta(rng.standard_normal((2, 16)).astype(np.float32),
+                                    rng.standard_normal((24, 2)).astype(np.float32), -1.5))
+want = (weight + sum(d.scale * d.up.astype(np.float64) @ d.down for d in deltas)).T
+for spec in (PartitionSpec(None, "model"), PartitionSpec("model", None)):  # JAX layout [in, out] split either way
+    sharding = NamedSharding(mesh, spec)
+    stored = loader._permuted(sharding, (1, 0))
+    layout = loader.DEVICE_TRANSPOSES.get(loader.DEVICE_TRANSPOSES.key((1, 0), weight.shape, weight.dtype, sharding,
+                                                                       None, loader.lora_rank(deltas)))
+    args = [jax.device_put(weight, stored), *jax.device_put(loader.stacked_factors(deltas),
+                                                            loader._factor_shardings(stored))]
+    got = layout(*args)
+    assert got.sharding.is_equivalent_to(sharding, 2), (got.sharding, spec)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+print("ok")
+'''
+
+
+def test_merge_of_a_weight_split_over_devices():
+    """A weight split over 4 (CPU) devices either way merges its stacked deltas (two adapters, their own scales)
+    where its blocks lie: W + sum scale_k up_k @ down_k, transposed, placed as the weight's parameter is."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = subprocess.run([sys.executable, "-c", SPLIT_MERGE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
