@@ -127,17 +127,19 @@ def accelerator_device_nodes() -> list[str]:
 def start_local_runtime(options: PipelineOptions, spec: JobSpec, device_nodes=accelerator_device_nodes) -> bool:
     """On a local run whose worker is this process (not multi_processing, no model server process: --large_model
     and --model_copies load it elsewhere) on a machine with an accelerator, start the accelerator runtime now, on
-    its own thread beside the launch's checks and the pipeline's start, instead of when the model loads: seconds
-    of a TPU host's job start (model.start_runtime; its error, if any, is raised by the load). Skipped
-    when --worker_env sets variables: the worker sets them before its runtime starts. Returns whether it started."""
+    its own thread beside the pipeline's start, instead of when the model loads: seconds of a TPU host's job start
+    (model.start_runtime; its error, if any, is raised by the load). --worker_env's variables are set in this
+    process first, as the worker (this process) would set them before its model loads: the runtime reads them when
+    it starts. Returns whether it started."""
     mode = options.get_all_options().get("direct_running_mode")
     elsewhere = spec.limits.large_model or spec.limits.model_copies  # a model server process loads it
-    if mode == "multi_processing" or elsewhere or spec.reliability.worker_env:
+    if mode == "multi_processing" or elsewhere:
         return False
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu" or not device_nodes():
         return False
     import model
 
+    os.environ.update(dict(spec.reliability.worker_env))
     model.start_runtime()
     return True
 

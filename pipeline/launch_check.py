@@ -14,8 +14,8 @@ writing the programs to that cache, where a worker whose JAX, libtpu and chips m
 compiling, and the answer is stored.
 
 A local run checks nothing, except that with `--batch_size auto` on a machine with a TPU attached the batch is picked
-the same way, for the chips found here (`local_tpu_topology`), by the preflight in a child process that never opens
-the chips (`pick_local_batch`). GPU and CPU workers are never checked; auto is then DEFAULT_BATCH_SIZE.
+the same way, for the chips found here (`local_tpu_topology`), by the preflight in a child process that compiles on
+those chips and releases them (`pick_local_batch`), leaving the job's programs in its compilation cache. GPU and CPU workers are never checked; auto is then DEFAULT_BATCH_SIZE.
 """
 
 from __future__ import annotations
@@ -200,13 +200,13 @@ def probe_local_devices(worker_env: dict, timeout_s: float = 180) -> str | None:
 def pick_local_batch(job, topology: str) -> dict:
     """--batch_size auto on this machine's TPU: the preflight's answer for the job on `topology` at its defaults,
     the stored one when the job's compilation cache holds it for the same key, else found by `python -m
-    pipeline.preflight` in a child process kept to the CPU (JAX_PLATFORMS=cpu: it compiles with libtpu but never
-    opens the chips, and this process, the local worker, does not load libtpu before its own runtime starts) and
-    stored. Should libtpu refuse to compile for that topology here, the child compiles on the chips themselves
-    instead (`--topology=attached`, with the worker's environment; it releases them when it ends). Either child
-    writes the programs to the job's compilation cache, where the job's own first compile finds them. Returns the
-    preflight's JSON answer ("answer_source": where it came from); UsageError when nothing fits or the preflight
-    cannot run."""
+    pipeline.preflight` in a child process and stored. The child compiles on this machine's chips themselves
+    (`--topology=attached`, with the worker's environment; it releases them when it ends, before this process, the
+    local worker, starts its own runtime): the programs it writes to the job's compilation cache are then compiled
+    for the very devices, client and options the job compiles for, which JAX's cache keys name, so the job's first
+    compile of them is a cache hit. Only where JAX cannot open the chips here (held by another process, say) does a
+    second child compile for `topology` without them (JAX_PLATFORMS=cpu, libtpu's compiler). Returns the preflight's
+    JSON answer ("answer_source": where it came from); UsageError when nothing fits or the preflight cannot run."""
     store, fields, report = stored_answer(job, topology)
     why = "does not fit"
     if report is None:
@@ -215,12 +215,12 @@ def pick_local_batch(job, topology: str) -> dict:
         logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "
                     "skips)", topology)
         say_compiling(topology, job.load.engine.compilation_cache_dir, request.batch_size is None)
-        report, why = _child_preflight(args, {"JAX_PLATFORMS": "cpu"})
+        on_chips = {**dict(job.spec.reliability.worker_env), "JAX_PLATFORMS": "tpu"}
+        report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
         if report is None:
-            # The usual case on a TPU machine itself: its libtpu compiles for its own chips' layout only.
-            logger.info("TPU preflight for %s here: %s; compiling on this machine's chips instead", topology, why)
-            on_chips = {**dict(job.spec.reliability.worker_env), "JAX_PLATFORMS": "tpu"}
-            report, why = _child_preflight({**args, "topology": ATTACHED}, on_chips)
+            logger.info("TPU preflight on this machine's chips: %s; compiling for %s without them instead", why,
+                        topology)
+            report, why = _child_preflight(args, {"JAX_PLATFORMS": "cpu"})
         if report is None:
             raise UsageError(f"TPU preflight for this machine's {topology}: {why} (--skip_preflight, or a "
                              f"--batch_size, runs without it)")

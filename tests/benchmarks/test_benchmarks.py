@@ -173,3 +173,34 @@ def test_resume_benchmark_reads_no_image_the_new_way():
     assert (before["objects_read"], before["skipped"]) == (20, 20) and before["image_bytes_read"] > 0
     assert (after["objects_read"], after["image_bytes_read"], after["skipped"]) == (0, 0, 20)
     assert after["manifest_bytes_read"] > 0 and before["stale"] == after["stale"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ launch_times
+
+def test_launch_times_runs_and_phases(tmp_path):
+    """launch_times times the runs asked for, in order, refuses an unknown one by name, and reads each phase's
+    seconds, the batch and the compile counts off a job's output as its lines came."""
+    from benchmarks import launch_times
+
+    assert launch_times.wanted_runs("bf16,int8", "int8_warm,bf16_cold,bf16_warm") == [
+        ("bf16", "cold"), ("bf16", "warm"), ("int8", "warm")]
+    assert launch_times.wanted_runs("bf16", "int8_warm,bf16_warm") == [("bf16", "warm")]
+    with pytest.raises(ValueError, match="'fp8_warm'"):
+        launch_times.wanted_runs("bf16", "fp8_warm")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        print("TPU preflight: fits v5e:1x1 with 1 model shard(s) at batch 2 (picked): peak 9.00 of 15.75 GiB per "
+              "chip (compiler's estimate; stored answer /c/preflight-answers/k.json, compiled nothing)", flush=True)
+        time.sleep(0.3)
+        print("INFO model.engine.generator: loaded /m (bfloat16) in 9.0 s", flush=True)
+        print("INFO model.engine.programs: compiled bucket Bucket(batch=2) in 1.0 s", flush=True)
+        print("metrics: batches=4, xla_cache_hits=36, xla_compiles=2", flush=True)
+    """))
+    log = tmp_path / "run.log"
+    r = launch_times.timed_run([sys.executable, str(script)], str(tmp_path / "out"), 60, str(log))
+    assert r["exit"] == 0 and r["batch"] == 2 and "stored answer" in r["answer"]
+    assert r["xla_cache_hits"] == 36 and r["xla_compiles"] == 2
+    assert r["preflight_s"] < r["model_loaded_s"] <= r["first_compile_s"] and r["model_loaded_s"] >= 0.3
+    assert r["first_image_s"] is None  # no image was written
+    assert "loaded /m" in log.read_text() and "bf16_warm" in launch_times.format_table({"bf16_warm": r})

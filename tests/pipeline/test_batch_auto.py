@@ -95,14 +95,14 @@ def test_a_local_tpu_is_fitted_only_where_jax_may_use_it(tmp_path, tiny_ckpt, mo
 
 def test_a_local_run_on_a_tpu_machine_runs_the_batch_that_fits(tmp_path, tiny_ckpt, monkeypatch, capsys):
     """On a machine whose TPU device nodes exist, a local --batch_size auto run is fitted to its chips: the preflight
-    compiles in a child process (JAX kept to the CPU there) and the job and its options take the batch it picked
-    (which batch the search picks: tests/pipeline/test_preflight.py). Here a v5e chip, named by --worker_env as the
+    compiles in a child process (on the chips; here, with none to open, for the named topology on the CPU) and the
+    job and its options take the batch it picked (which batch the search picks: tests/pipeline/test_preflight.py). Here a v5e chip, named by --worker_env as the
     settings files name it; then one too small for the tiny model, which stops the launch."""
     pytest.importorskip("libtpu", reason="the TPU preflight compiles with libtpu")
     from pipeline import launch
 
     monkeypatch.setattr(launch, "accelerator_device_nodes", lambda: ["/dev/accel0"])
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on the TPU machine (the child keeps to the CPU itself)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on the TPU machine (each child sets its own)
     tpu_job = ("--worker_env=TPU_ACCELERATOR_TYPE=v5litepod-1", "--max_sequence_length=32", "--max_batch_size=1")
     options, job = _job(tmp_path, tiny_ckpt, *tpu_job)
     job = launch.tpu_preflight(options, job, local=True)
@@ -116,16 +116,19 @@ def test_a_local_run_on_a_tpu_machine_runs_the_batch_that_fits(tmp_path, tiny_ck
         launch.tpu_preflight(options, job, local=True)
 
 
-def test_a_tpu_machine_whose_libtpu_refuses_the_topology_compiles_on_its_chips(tmp_path, tiny_ckpt, caplog):
-    """When libtpu here does not compile for the topology the launch named (say, a host whose runtime settings give
-    other bounds), the child preflight compiles on the machine's own chips (`--topology=attached`) instead; on this
-    machine, which has none, both fail and the launch stops, naming why."""
+def test_the_local_preflight_compiles_on_the_chips_first_then_for_the_topology_without_them(tmp_path, tiny_ckpt,
+                                                                                             caplog):
+    """The child preflight compiles on the machine's own chips (`--topology=attached`: the programs the job's first
+    compile then finds in the cache); where JAX cannot open them it compiles for the topology the launch named
+    without them. On this machine, which has no chips and whose libtpu knows no such topology, both fail and the
+    launch stops, naming the last reason."""
     pytest.importorskip("libtpu", reason="the TPU preflight compiles with libtpu")
     from pipeline.launch_check import pick_local_batch
 
     caplog.set_level(logging.INFO, logger="pipeline.launch_check")  # the usual path on a TPU machine: no warning
     _, job = _job(tmp_path, tiny_ckpt, "--max_sequence_length=32")
-    with pytest.raises(UsageError, match=r"TPU preflight for this machine's v9z:1x1: no TPU chips attached here"):
+    with pytest.raises(UsageError, match=r"TPU preflight for this machine's v9z:1x1: unknown TPU topology 'v9z:1x1'"):
         pick_local_batch(job, "v9z:1x1")
-    assert "compiling on this machine's chips instead" in caplog.text
+    assert "on this machine's chips: no TPU chips attached here" in caplog.text
+    assert "compiling for v9z:1x1 without them instead" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
