@@ -145,7 +145,7 @@ SMALL_DECODER_CHANNELS = [96, 192, 384, 384]
 def build_realsize_vae(path: str, decoder_block_out_channels=SMALL_DECODER_CHANNELS) -> str:
     """A VAE folder (config.json and bf16 safetensors) with the real FLUX.2 encoder and a decoder of these widths:
     random weights in the shapes of FLUX.2-small-decoder, for `model.load(..., vae=path)`."""
-    from model.loading.config import VAEConfig
+    from model.config.configs import VAEConfig
 
     config = {**VAE_CONFIG, "decoder_block_out_channels": list(decoder_block_out_channels)}
     os.makedirs(path, exist_ok=True)
