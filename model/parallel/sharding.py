@@ -39,6 +39,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "norm": None,          # norm scales and biases, BatchNorm statistics
     "channels": None,      # the VAE's attention features
     "conv_height": None, "conv_width": None, "conv_in": None, "conv_out": None,  # the VAE's convolution kernels
+    "score": None,         # the scoring model's (CLIP, its heads) parameters: small next to the generator's, replicated
 }
 
 
