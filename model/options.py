@@ -12,6 +12,7 @@ import dataclasses
 
 from .contract import DEFAULT_MAX_SEQUENCE_LENGTH, count, is_integer, optional_count
 from .loading.weight_files import validate_variant
+from .scoring_options import ScoreSettings
 
 DTYPE_NAMES = ("bfloat16", "float32")
 # Weight and activation quantization of the transformer's block projections (model.nets.quantize): none | int8.
@@ -72,6 +73,7 @@ class LoadSettings:
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     cache_dir: str | None = None       # local cache for copies of gs:// checkpoints
     engine: EngineOptions = EngineOptions()
+    scores: ScoreSettings | None = None  # score each image with CLIP on the device (model.engine.scoring); None: off
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:

@@ -79,7 +79,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     # What the output already holds (--skip_existing) and where each image will go, before anything is generated.
     placed = dict(planned | "PlanOutput" >> sink.plan())
     tasks = _limited(placed.pop(sinks.TASKS), spec.limits.max_images, progress_dir)
-    generated = tasks | "Generate" >> Generate(make_handler(job), job.load.engine.batch_size)
+    rules = spec.scores.rules if spec.scores is not None else ()
+    generated = tasks | "Generate" >> Generate(make_handler(job), job.load.engine.batch_size, rules)
     written = {**generated, **placed} | "WriteOutput" >> sink
     manifest, existing, failed = written[sinks.MANIFEST], written[sinks.EXISTING], written[sinks.ERRORS]
 
@@ -107,7 +108,9 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     }
     summary = counted | "Summary" >> WriteSummary(
         output, started_at, extra=_summary_fields(job), after=after, rows={"warnings": read[WARNING_TAG]},
-        tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
+        tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error"),
+                 **({"filtered_by_rule": manifest | "FilteredRows" >> beam.Filter(lambda row: row.get("filtered"))
+                     | "FilteredRules" >> beam.Map(lambda row: row["filtered"]["rule"])} if rules else {})})
     if release_lease:
         summary | "ReleaseOutputLease" >> beam.Map(output_lease.release_from_job, output, release_lease)
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}

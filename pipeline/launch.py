@@ -14,7 +14,7 @@ import uuid
 import apache_beam as beam
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
 
-from transforms.fingerprints import model_fingerprint
+from transforms.fingerprints import model_fingerprint, scoring_identity
 from transforms.inputs.validation import RequestDefaults
 
 from model import LoadSettings
@@ -98,6 +98,10 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     checkpoint = probes.read_checkpoint(probes.checkpoint_location(spec.model, runner), spec.model.model_variant)
     defaults = spec.request_defaults(checkpoint.size_multiple)
     load = spec.load_settings(checkpoint.location)
+    if load.scores is not None:
+        from .score_checks import check_scores
+
+        check_scores(load.scores)
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
     return JobConfig(spec=spec, load=load, defaults=defaults,
@@ -106,7 +110,8 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      case_insensitive_output=probes.case_insensitive_output(spec.output.output),
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
-                         text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize))
+                         text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize,
+                         scoring=scoring_identity(load.scores, spec.scores.rules if spec.scores else ())))
 
 
 # ------------------------------------------------------------------------------------------------ the accelerator

@@ -42,9 +42,11 @@ def request_fingerprint(task) -> str:
 
 
 def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length: int,
-                      text_encoder_out_layers=(), quantize: str = "none") -> str:
+                      text_encoder_out_layers=(), quantize: str = "none", scoring: dict | None = None) -> str:
     """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels
-    (an int8 model's images are another model's: a resume never mixes them with bf16 ones)."""
+    (an int8 model's images are another model's: a resume never mixes them with bf16 ones). `scoring`
+    (`scoring_identity`): what scored and filtered the images, so that a resume with another score model, labels,
+    heads or thresholds never keeps rows whose scores or filter decisions another setting made."""
     settings = {
         "v": VERSION,
         "checkpoint": checkpoint_digest,
@@ -54,4 +56,15 @@ def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length
     }
     if quantize != "none":  # unquantized models keep the fingerprint they always had (their outputs still resume)
         settings["quantize"] = quantize
+    if scoring:  # unscored outputs keep theirs too
+        settings["scoring"] = scoring
     return _digest(settings)
+
+
+def scoring_identity(score_settings, rules) -> dict | None:
+    """What scores and filters a job's images (model.scoring_options.ScoreSettings and the score rules), as the
+    model fingerprint records it; None without --score_model."""
+    if score_settings is None:
+        return None
+    return {"score_model": score_settings.model, "labels": list(score_settings.labels),
+            "heads": [list(h) for h in score_settings.heads], "rules": [r.text for r in rules]}

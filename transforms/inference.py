@@ -283,6 +283,8 @@ class GeneratedImage:
     generation_ms: float  # this image's share of its batch's generate() wall time
     nonfinite: str | None = None  # why its values are not an image (NaN or inf: stage and share), else None
     quantize: str = "none"  # the model's quantization (EngineOptions.quantize): recorded with the image
+    scores: dict | None = None  # {score name: value} with --score_model (model.scoring_options), else None
+    filtered: dict | None = None  # the score filter it breaks (transforms/score_filters.py), else None
 
 
 class LoadedGenerator:
@@ -307,7 +309,8 @@ class LoadedGenerator:
         return {"images": np.asarray(out.images), "truncated": list(out.prompt_truncated),
                 "nonfinite": [None if n is None else n.describe() for n in out.nonfinite],
                 "num_inference_steps": out.num_inference_steps, "guidance_scale": out.guidance_scale,
-                "model": str(out.model), "seconds": out.seconds, "loader_pid": self.loader_pid}
+                "model": str(out.model), "seconds": out.seconds, "loader_pid": self.loader_pid,
+                "scores": list(getattr(out, "scores", ()))}
 
 
 class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult, LoadedGenerator]):
@@ -462,7 +465,8 @@ class Flux2KleinModelHandler(ModelHandler[Sequence[ImageTask], PredictionResult,
                                    guidance_scale=out["guidance_scale"], prompt_truncated=bool(out["truncated"][i]),
                                    model=out["model"], generation_ms=per_image_ms,
                                    nonfinite=out.get("nonfinite", [None] * len(tasks))[i],
-                                   quantize=self.settings.engine.quantize)
+                                   quantize=self.settings.engine.quantize,
+                                   scores=out["scores"][i] if out.get("scores") else None)
             results.append(PredictionResult(task, image, model_id=out["model"]))
         return results
 

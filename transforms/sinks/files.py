@@ -15,7 +15,7 @@ from .. import layout
 from .base import DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, STALE, NothingExisting, Sink, after, error_rows
 from .encoding import ImageEncoding
 from .existing import SkipExisting
-from .writes import Placement, StoreImagesFn
+from .writes import InFiltered, Placement, StoreImagesFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +54,14 @@ class FilesSink(Sink):
         s = self.settings
         manifest = inputs[IMAGES] | "WriteImages" >> beam.ParDo(StoreImagesFn(
             InImages(s.output, s.encoding), s.encoding, s.encode_threads, model_fingerprint=s.model_fingerprint,
-            progress_dir=s.progress_dir))
+            progress_dir=s.progress_dir, filtered_place=InFiltered(s.output, s.encoding)))
         # Rows of the images found already written, released once this run's images are all written.
         existing = after(inputs[EXISTING], manifest, "AfterImages")
         # datasets' imagefolder: metadata.jsonl at the output's root, `file_name` relative to it, one row per image
         # of the output (this run's and those a --skip_existing run kept), written once every image is.
         metadata = ((manifest, existing)
                     | "EveryImage" >> beam.Flatten()
+                    | "InDataset" >> beam.Filter(lambda row: not row.get("filtered"))  # score filters: filtered/
                     | "MetadataJson" >> beam.Map(layout.to_json_line)
                     | "WriteMetadata" >> beam.io.WriteToText(layout.metadata_path(s.output), shard_name_template="",
                                                              num_shards=1))

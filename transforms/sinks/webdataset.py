@@ -45,7 +45,7 @@ from .base import DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, STALE, TASKS
     error_rows
 from .encoding import ImageEncoding
 from .existing import ExistingImageMismatch, check_existing_image
-from .writes import Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
+from .writes import InFiltered, Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
 
 LOGGER = logging.getLogger(__name__)
 LINES_PER_BLOCK = 10_000  # lines of one input file whose tasks are ordered together (bounds one group's size)
@@ -528,7 +528,10 @@ class WebDatasetSink(Sink):
         s = self.settings
         staged = inputs[IMAGES] | "StageImages" >> beam.ParDo(StoreImagesFn(
             InShard(s.output, s.encoding), s.encoding, s.encode_threads, model_fingerprint=s.model_fingerprint,
-            progress_dir=s.progress_dir))
+            progress_dir=s.progress_dir, filtered_place=InFiltered(s.output, s.encoding)))
+        # Images a score filter left out are under filtered/, in the manifest, never in a shard.
+        filtered = staged | "FilteredOut" >> beam.Filter(lambda row: bool(row.get("filtered")))
+        staged = staged | "InDataset" >> beam.Filter(lambda row: not row.get("filtered"))
         per_shard = self.samples_per_shard
         made = staged | "MadeByShard" >> beam.Map(
             lambda row: (int(row["key"]) // shards.key_multiplier(per_shard), ("made", row)))
@@ -538,7 +541,7 @@ class WebDatasetSink(Sink):
                   | "ShardItems" >> beam.Flatten()
                   | "GroupByShard" >> beam.GroupByKey()  # one element per shard: small rows, never pixels
                   | "PackShards" >> beam.ParDo(_PackShardFn(s)).with_outputs(EXISTING, SHARDS_TAG, main=MANIFEST))
-        manifest = packed[MANIFEST]
+        manifest = (packed[MANIFEST], filtered) | "ShardedAndFiltered" >> beam.Flatten()
         infos = (inputs[KEPT_SHARDS], packed[SHARDS_TAG]) | "AllShardInfos" >> beam.Flatten()
         indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize)
         cleaned = (after(manifest.pipeline | "StagingDir" >> beam.Create([s.output]), packed[SHARDS_TAG],
