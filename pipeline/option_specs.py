@@ -262,8 +262,8 @@ OPTIONS = (
     Option("worker_env", "reliability", "Environment variables set on each worker before the model loads, as "
                                         "NAME=value pairs separated by ';'.", metavar="NAME=value;..."),
     # --- scores and filters
-    Option("score_model", "scores", f"CLIP checkpoint in transformers' layout (folder, gs:// or Hub id; e.g. "
-                                    f"{DEFAULT_SCORE_MODEL}) that scores each image on the device.",
+    Option("score_model", "scores", f"CLIP checkpoint (transformers' layout: folder, gs:// or Hub id, e.g. "
+                                    f"{DEFAULT_SCORE_MODEL}) scoring each image.",
            metavar="CHECKPOINT", shown_default="none: no scores"),
     Option("score_labels", "scores", "Zero-shot labels, comma-separated: each image gets the probability of each "
                                      "(score label:TEXT).", metavar="TEXT,TEXT,..."),
