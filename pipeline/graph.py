@@ -24,6 +24,7 @@ from transforms.inputs.readers import WARNING_TAG, ReadRequests
 from transforms.preview import WritePreview
 from transforms.progress import ReportTotal
 from transforms.references import ResolveReferences
+from transforms.score_card import WriteScoreHistograms
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages
 from transforms.sinks import base as sinks, registry as sink_registry
 from transforms.summary import WriteSummary
@@ -59,7 +60,8 @@ def make_sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     images are stored."""
     out = job.spec.output
     settings = sinks.SinkSettings(out.output, out.encoding, job.model_fingerprint or None, out.skip_existing,
-                                  job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize)
+                                  job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize,
+                                  score_names=job.load.scores.names if job.load.scores is not None else ())
     return sink_registry.sink_class(out.output_format).from_options(settings, out)
 
 
@@ -90,6 +92,9 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     if spec.output.preview:
         every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
         after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview))
+    if job.load.scores is not None:  # a histogram of each score (scores/), which the dataset card shows
+        scored = (manifest, existing) | "EveryScoredImage" >> beam.Flatten()
+        after.append(scored | "ScoreHistograms" >> WriteScoreHistograms(output, job.load.scores.names))
 
     counted = {
         "records_read": (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten(),

@@ -22,16 +22,10 @@ def tiny_clip_config(image_size: int = 32, patch_size: int = 8, eos_legacy: bool
 
 
 def save_tokenizer(folder: str) -> None:
-    """A byte-level CLIP tokenizer with one token per byte (and per byte ending a word), no merges; the two special
-    tokens have the highest ids, as in OpenAI's vocabulary."""
-    from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
+    """A byte-level CLIP tokenizer (benchmarks.score_chip's): token ids 0..513, the special tokens last."""
+    from benchmarks.score_chip import save_byte_tokenizer
 
-    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": 256 + i for i, c in enumerate(chars)})
-    vocab["<|startoftext|>"], vocab["<|endoftext|>"] = 512, 513
-    CLIPTokenizer(vocab=vocab, merges=[]).save_pretrained(folder)
+    save_byte_tokenizer(folder)
 
 
 def build_tiny_clip(folder: str, *, seed: int = 0, image_size: int = 32, patch_size: int = 8,

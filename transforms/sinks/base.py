@@ -48,6 +48,7 @@ class SinkSettings:
     encode_threads: int | None = None
     progress_dir: str | None = None
     quantize: str = "none"  # the model's quantization, which the dataset card states
+    score_names: tuple[str, ...] = ()  # --score_model's scores, whose histograms the dataset card shows
 
 
 class Sink(beam.PTransform):

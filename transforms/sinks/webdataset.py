@@ -471,11 +471,13 @@ class _PackShardFn(retries.CountingRetriesFn):
 
 # --------------------------------------------------------------------------------------------- indexes
 class _WriteIndexesFn(retries.CountingRetriesFn):
-    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none"):
+    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none",
+                 score_names: tuple[str, ...] = ()):
         self._output = output
         self._per_shard = samples_per_shard
         self._extension = image_extension
         self._quantize = quantize
+        self._score_names = tuple(score_names)
 
     def process(self, infos):
         infos = sorted(infos, key=lambda i: i["shard"])
@@ -486,7 +488,8 @@ class _WriteIndexesFn(retries.CountingRetriesFn):
         for name, value in files.items():
             write_bytes_atomic(layout.join(self._output, name),
                                (json.dumps(value, indent=2) + "\n").encode("utf-8"), mime_type="application/json")
-        card = dataset_card.card(self._output, infos, self._per_shard, self._extension, self._quantize)
+        card = dataset_card.card(self._output, infos, self._per_shard, self._extension, self._quantize,
+                                 self._score_names)
         write_bytes_atomic(layout.join(self._output, dataset_card.CARD_FILE), card.encode("utf-8"),
                            mime_type="text/markdown")
         yield len(infos)
@@ -495,9 +498,10 @@ class _WriteIndexesFn(retries.CountingRetriesFn):
 class WriteShardIndexes(beam.PTransform):
     """{shard, nsamples} of every shard -> dataset.json (wids), sizes.json (open_clip), README.md (datasets)."""
 
-    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none"):
+    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none",
+                 score_names: tuple[str, ...] = ()):
         super().__init__()
-        self._fn = _WriteIndexesFn(output, samples_per_shard, image_extension, quantize)
+        self._fn = _WriteIndexesFn(output, samples_per_shard, image_extension, quantize, score_names)
 
     def expand(self, infos):
         return (infos
@@ -543,7 +547,8 @@ class WebDatasetSink(Sink):
                   | "PackShards" >> beam.ParDo(_PackShardFn(s)).with_outputs(EXISTING, SHARDS_TAG, main=MANIFEST))
         manifest = (packed[MANIFEST], filtered) | "ShardedAndFiltered" >> beam.Flatten()
         infos = (inputs[KEPT_SHARDS], packed[SHARDS_TAG]) | "AllShardInfos" >> beam.Flatten()
-        indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize)
+        indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize,
+                                                              s.score_names)
         cleaned = (after(manifest.pipeline | "StagingDir" >> beam.Create([s.output]), packed[SHARDS_TAG],
                          "AfterPacking")
                    | "RemoveStaging" >> beam.Map(remove_staging))
