@@ -89,6 +89,17 @@ def hbm_bytes_override() -> int | None:
     return int(value)
 
 
+def _scorer_bytes(job) -> int:
+    """What --score_model's scorer keeps on each chip (0 without it), at the largest batch auto may pick."""
+    load, d = job.load, job.defaults
+    if load.scores is None:
+        return 0
+    from .score_checks import reserved_bytes
+
+    batch = job.spec.limits.max_batch_size if job.spec.limits.auto_batch else load.engine.batch_size
+    return reserved_bytes(load.scores, load.dtype, d.height, d.width, batch)
+
+
 def check_fits(job, topology: str):
     """Compile `job`'s programs for `topology` at its defaults; with --batch_size auto, the largest batch up to
     --max_batch_size that fits. UsageError naming the shortfall and what would fit (a smaller batch first) when they
@@ -101,7 +112,7 @@ def check_fits(job, topology: str):
                                num_inference_steps=d.num_inference_steps, guidance_scale=d.guidance_scale,
                                model_shards=load.engine.model_shards, max_sequence_length=load.max_sequence_length,
                                hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size,
-                               quantize=load.engine.quantize)
+                               quantize=load.engine.quantize, reserved_bytes=_scorer_bytes(job))
     logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %s, %d model shard(s) (--skip_preflight skips)",
                 load.model, topology, d.height, d.width,
                 f"auto (up to {limits.max_batch_size})" if limits.auto_batch else load.engine.batch_size,

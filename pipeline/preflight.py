@@ -57,6 +57,7 @@ class PreflightRequest:
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     quantize: str = "none"              # as the job's --quantize
+    reserved_bytes: int = 0             # per chip, kept free for what else runs there (--score_model's scorer)
 
 
 def resolve_model(model: str):
@@ -86,10 +87,14 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
         topology = load_topology(request.topology)
         from model import fit  # JAX: loaded when the preflight compiles
 
+        hbm_bytes = request.hbm_bytes
+        if request.reserved_bytes:  # the generator's programs get what the scorer leaves of the chip
+            hbm_bytes = (hbm_bytes or topology.chip.hbm_bytes) - request.reserved_bytes
+
         return fit(config, topology, model=request.model, dtype=request.dtype, height=request.height,
                    width=request.width, batch_size=request.batch_size, text_len=text_len,
                    num_inference_steps=valid.num_inference_steps, guidance_scale=valid.guidance_scale,
-                   model_shards=request.model_shards, hbm_bytes=request.hbm_bytes,
+                   model_shards=request.model_shards, hbm_bytes=hbm_bytes,
                    out_layers=request.text_encoder_out_layers, dump_dir=dump_dir,
                    max_batch_size=request.max_batch_size, quantize=request.quantize)
     except TopologyError as e:

@@ -210,6 +210,20 @@ class Scorer:
                                  spec((batch, self.config.projection_dim), jnp.float32), labels)
 
 
+def scorer_bytes(config: clip.CLIPConfig, dtype_bytes: int, height: int, width: int, batch: int,
+                 head_params: int = 0) -> int:
+    """Device bytes the scorer adds beside the generator, from shapes alone (the preflight reserves them): CLIP's
+    parameters and the heads', and the scoring program's largest buffers for `batch` images of height x width (the
+    pixels as float32 and the first resize pass's output, the vision tower's widest activations)."""
+    abstract = nnx.eval_shape(lambda: clip.CLIPModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
+    v = config.vision
+    tokens = v.num_patches + 1
+    per_image = 4 * (height * width * 3 + height * config.vision.image_size * 3
+                     + 3 * tokens * max(v.intermediate_size, v.hidden_size))
+    return (params + head_params) * dtype_bytes + batch * per_image
+
+
 def load_scorer(settings: ScoreSettings, *, mesh, dtype, cache_dir: str | None = None) -> Scorer:
     """The scorer of `settings` on `mesh`, its weights in `dtype` (the generator's)."""
     start = time.perf_counter()
