@@ -22,7 +22,7 @@ class _WriteHistogramsFn(retries.CountingRetriesFn):
             values = [s.get(name) for s in scores if s.get(name) is not None]
             write_bytes_atomic(layout.join(self._output, score_views.histogram_file_name(name)),
                                score_views.histogram_png(name, values), mime_type="image/png")
-        readme = f"# Scores of {len(scores)} images\n\n" + score_views.card_section(self._names)
+        readme = f"# Scores of {len(scores)} images\n\n" + score_views.card_section(self._names, beside=True)
         write_bytes_atomic(layout.join(self._output, "scores/README.md"), readme.encode("utf-8"),
                            mime_type="text/markdown")
         yield len(scores)

@@ -96,12 +96,14 @@ def histogram_file_name(name: str) -> str:
     return f"scores/{safe}.png"
 
 
-def card_section(names) -> str:
-    """The dataset card's section on the scores: one histogram per score ("" without scores)."""
+def card_section(names, *, beside: bool = False) -> str:
+    """The dataset card's section on the scores: one histogram per score ("" without scores); `beside`: the links
+    for a page inside scores/ itself."""
     if not names:
         return ""
     lines = ["## Scores", "", "Every image's `scores` (its manifest row, and `KEY.json` in a shard): "
              "clip_score, the zero-shot labels' probabilities and the heads' values; images a score filter left out "
              "are under `filtered/`, not in the dataset.", ""]
-    lines += [f"![{name}]({histogram_file_name(name)})" for name in names]
+    lines += [f"![{name}]({histogram_file_name(name).split('/', 1)[1] if beside else histogram_file_name(name)})"
+              for name in names]
     return "\n".join(lines) + "\n"

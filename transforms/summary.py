@@ -39,6 +39,8 @@ def format_summary(summary: dict) -> str:
     text = (f"records read {summary['records_read']}, images generated {summary['images_generated']}, "
             f"skipped {summary['skipped']}, "
             + (f"stale (generated again) {summary['stale']}, " if summary.get("stale") else "")
+            + (f"filtered out by scores {sum(summary['filtered_by_rule'].values())}, "
+               if summary.get("filtered_by_rule") else "")
             + f"invalid {summary['invalid']}, failed {summary['failed']}, "
             f"wall time {summary['wall_time_s']:.1f} s, {summary['images_per_s']:.3f} images/s")
     retried = summary.get("retries")
