@@ -32,6 +32,9 @@ not load JAX: the request contract, the errors and the options are imported with
 - TPU preflight: `load_topology` (`Topology`, `CHIPS`; `ATTACHED`: this machine's own chips), `attached_topology`
   (their name, without opening them), `fit` (compile for the topology and report: `Report`, `ProgramStats`,
   `V5E_CALIBRATION`), `format_bytes`, `GiB`.
+- Scores (model/engine/scoring.py: CLIP and its heads beside the generator): `ScoreSettings` (`LoadSettings.scores`),
+  `DEFAULT_SCORE_MODEL`, `parse_labels`, `parse_head` (JAX-free); `check_score_files` (a launch's check of local score
+  files), `scorer_reserved_bytes` (what the TPU preflight leaves to the scorer).
 - Errors: `ModelError` and its kinds (model/errors.py), `ShardCountError`, `TopologyError`.
 """
 
@@ -48,6 +51,7 @@ from .errors import (CheckpointError, ConfigError, HubError, ModelError, NonFini
                      RequestError, UnsafeWeightsError)
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
+from .scoring_options import DEFAULT_SCORE_MODEL, ScoreSettings, parse_head, parse_labels
 
 # Imported on first use, so that `import model` stays light and JAX-free: name -> (module, attribute). JAX_NAMES load
 # JAX; the others do not.
@@ -59,6 +63,8 @@ _LAZY = {
     "enable_compilation_cache": ("engine.programs", "enable_compilation_cache"),
     "start_runtime": ("engine.runtime", "start_runtime"),
     "apply_runtime_defaults": ("engine.runtime", "apply_runtime_defaults"),
+    "check_score_files": ("engine.scoring", "check_score_files"),
+    "scorer_reserved_bytes": ("engine.scoring", "reserved_bytes"),
     # JAX-free
     "compile_counts": ("engine.compile_events", "counts"),
     "MIN_REFERENCE_SIDE": ("engine.reference_preprocess", "MIN_SIDE"),
@@ -80,7 +86,8 @@ _LAZY = {
        for name in ("ATTACHED", "CHIPS", "GiB", "Topology", "TopologyError", "attached_topology", "load_topology")},
 }
 
-JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults")
+JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults",
+             "check_score_files", "scorer_reserved_bytes")
 
 __all__ = sorted([
     "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_PROMPT_BYTES", "DEFAULT_MAX_REFERENCE_IMAGES", "DEFAULT_MAX_REFERENCE_PIXELS",
@@ -91,6 +98,7 @@ __all__ = sorted([
     "RequestError", "UnsafeWeightsError",
     "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
     "EngineOptions", "LoadSettings",
+    "DEFAULT_SCORE_MODEL", "ScoreSettings", "parse_head", "parse_labels",
     "gcs_client", *_LAZY,
 ])
 

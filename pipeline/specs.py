@@ -18,8 +18,8 @@ import re
 from typing import Any
 
 from model import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
-                   EngineOptions, LoadSettings, count, is_integer, optional_count, validate_variant, with_revision)
-from model.scoring_options import ScoreSettings, parse_head, parse_labels
+                   EngineOptions, LoadSettings, ScoreSettings, count, is_integer, optional_count, parse_head,
+                   parse_labels, validate_variant, with_revision)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults

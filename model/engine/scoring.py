@@ -107,6 +107,33 @@ def check_heads(settings: ScoreSettings, embed_dim: int) -> None:
         head_layout({n: tuple(e[1]) for n, e in SafetensorsFile(path).entries.items()}, embed_dim, path)
 
 
+# openai/clip-vit-large-patch14's shapes (the documented default), for a score model the launch cannot read.
+DEFAULT_CLIP_SHAPES = {
+    "text_config": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12},
+    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "patch_size": 14},
+    "projection_dim": 768,
+}
+
+
+def check_score_files(settings: ScoreSettings) -> None:
+    """At launch, for a local score model: its CLIPModel config, and each local head in LAION's layout (headers
+    only); ConfigError / CheckpointError naming the file. gs:// and Hub sources are checked as workers load them."""
+    if os.path.isdir(settings.model):
+        check_heads(settings, clip.read_config(settings.model).projection_dim)
+    elif os.path.isfile(settings.model):
+        raise CheckpointError("the score model must be a CLIP checkpoint's folder, not a file", path=settings.model)
+
+
+def reserved_bytes(settings: ScoreSettings, dtype: str, height: int, width: int, batch: int) -> int:
+    """Per-chip bytes the TPU preflight keeps free for the scorer (`scorer_bytes`): a local score model's own shapes,
+    else ViT-L/14's; the heads by their files' sizes when local."""
+    config = (clip.read_config(settings.model) if os.path.isdir(settings.model)
+              else clip.CLIPConfig.from_dict(DEFAULT_CLIP_SHAPES))
+    heads = sum(os.path.getsize(s) // 4 for _, s in settings.heads if os.path.isfile(s))
+    return scorer_bytes(config, 2 if dtype == "bfloat16" else 4, height, width, batch, heads)
+
+
 def load_tokenizer(folder: str):
     """transformers' CLIP tokenizer from the checkpoint folder (the tokenizer only)."""
     try:
