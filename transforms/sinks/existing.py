@@ -63,6 +63,8 @@ class FoundImage:
     model_fingerprint: str | None
     quantize: str = "none"
     crc32c: str | None = None
+    scores: dict | None = None  # --score_model: what the earlier run scored it (and the filter it broke)
+    filtered: dict | None = None
 
     def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
         """Its manifest row (generation_ms None: its time was not measured by this run)."""
@@ -70,7 +72,8 @@ class FoundImage:
             task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
-            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize, crc32c=self.crc32c)
+            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize, crc32c=self.crc32c,
+            scores=self.scores, filtered=self.filtered)
 
 
 def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
@@ -168,8 +171,9 @@ class _SkipExistingFn(retries.CountingRetriesFn):
             return
         yield from self._read_and_check(task)
 
-    def _read_and_check(self, task):
-        file_name = self._encoding.stored_name(task.file_name)
+    def _read_and_check(self, task, file_name: str | None = None):
+        """`file_name`: where the image is (default: its name under images/; a filtered one's under filtered/)."""
+        file_name = file_name or self._encoding.stored_name(task.file_name)
         uri = layout.join(self._output, file_name)
         try:
             data = writes.read_bytes(uri)
@@ -199,7 +203,7 @@ class _SkipExistingFn(retries.CountingRetriesFn):
 
 # What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
 RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "crc32c", "model",
-                   "prompt_truncated", "num_inference_steps", "guidance_scale")
+                   "prompt_truncated", "num_inference_steps", "guidance_scale", "scores", "filtered")
 
 
 def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
@@ -231,11 +235,13 @@ class _DecideExistingFn(_SkipExistingFn):
     def process(self, element, existing=None):
         file_name, found = element
         listed, recorded = list(found["listed"]), list(found["recorded"])
+        if not listed and found.get("filtered"):  # a score filter left it out: under filtered/ (score_filters.py)
+            listed, file_name = list(found["filtered"]), layout.filtered_file_name(file_name)
         for task in found["tasks"]:
             if not listed:
                 yield task
             elif not recorded:
-                yield from self._read_and_check(task)
+                yield from self._read_and_check(task, file_name)
             else:
                 yield from self._decide(task, file_name, listed[0], recorded)
 
@@ -261,7 +267,7 @@ class _DecideExistingFn(_SkipExistingFn):
             self._changed.inc()
             LOGGER.info("--skip_existing: %s is not the image its manifest rows name (its bytes changed since: a "
                         "run stopped while replacing it?); reading it", file_name)
-            yield from self._read_and_check(task)
+            yield from self._read_and_check(task, file_name)
             return
         want = (request_fingerprint(task), self._model_fingerprint)
         prints = {(rec["request_fingerprint"], rec["model_fingerprint"]) for rec in rows}
@@ -270,16 +276,22 @@ class _DecideExistingFn(_SkipExistingFn):
             yield from self._stale_task(task, f"{file_name}: its manifest row has another {which} fingerprint")
             return
         if len(prints) > 1:  # rows that disagree about these very bytes: look at them
-            yield from self._read_and_check(task)
+            yield from self._read_and_check(task, file_name)
             return
         rec = rows[0]
         self._skipped.inc()
         found = FoundImage(sha256=rec["sha256"], num_bytes=stored.size, num_inference_steps=rec["num_inference_steps"],
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
                            model=rec["model"], model_fingerprint=want[1], quantize=rec.get("quantize", "none"),
-                           crc32c=stored.crc32c)
+                           crc32c=stored.crc32c, scores=rec.get("scores"), filtered=rec.get("filtered"))
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
                                                               uri=layout.join(self._output, file_name)))
+
+
+def _in_images(file_name: str) -> str:
+    """A filtered image's name as its task's (`filtered/x.png` -> `images/x.png`); any other name as it is."""
+    prefix = layout.FILTERED_DIR + "/"
+    return f"{layout.IMAGES_DIR}/{file_name[len(prefix):]}" if file_name.startswith(prefix) else file_name
 
 
 class SkipExisting(beam.PTransform):
@@ -325,7 +337,14 @@ class SkipExisting(beam.PTransform):
                         | "OpenManifests" >> fileio.ReadMatches()
                         | "RecordedRows" >> beam.FlatMap(recorded_rows))
             keyed = tasks | "ByFileName" >> beam.Map(lambda t: (encoding.stored_name(t.file_name), t))
-            out = ({"tasks": keyed, "listed": listed, "recorded": recorded}
+            # Images a score filter left out (filtered/NAME), joined with their task under images/NAME.
+            filtered = (tasks.pipeline
+                        | "FilteredFolder" >> beam.Create([layout.join(output, layout.FILTERED_DIR)])
+                        | "ListFiltered" >> beam.FlatMap(lambda folder: ((f"{layout.IMAGES_DIR}/{name}", found)
+                                                                         for name, found in list_folder(folder,
+                                                                                                        suffix))))
+            recorded = recorded | "UnfilteredNames" >> beam.Map(lambda kv: (_in_images(kv[0]), kv[1]))
+            out = ({"tasks": keyed, "listed": listed, "recorded": recorded, "filtered": filtered}
                    | "JoinExisting" >> beam.CoGroupByKey()
                    | "DecideExisting" >> beam.ParDo(_DecideExistingFn(*fn_args))
                    .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks"))
