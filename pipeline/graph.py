@@ -61,7 +61,8 @@ def make_sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     out = job.spec.output
     settings = sinks.SinkSettings(out.output, out.encoding, job.model_fingerprint or None, out.skip_existing,
                                   job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize,
-                                  score_names=job.load.scores.names if job.load.scores is not None else ())
+                                  score_names=job.load.scores.names if job.load.scores is not None else (),
+                                  score_rules=job.spec.scores.rules if job.spec.scores is not None else ())
     return sink_registry.sink_class(out.output_format).from_options(settings, out)
 
 
@@ -114,7 +115,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     summary = counted | "Summary" >> WriteSummary(
         output, started_at, extra=_summary_fields(job), after=after, rows={"warnings": read[WARNING_TAG]},
         tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error"),
-                 **({"filtered_by_rule": manifest | "FilteredRows" >> beam.Filter(lambda row: row.get("filtered"))
+                 **({"filtered_by_rule": (manifest, existing) | "EveryRow" >> beam.Flatten()
+                     | "FilteredRows" >> beam.Filter(lambda row: row.get("filtered"))
                      | "FilteredRules" >> beam.Map(lambda row: row["filtered"]["rule"])} if rules else {})})
     if release_lease:
         summary | "ReleaseOutputLease" >> beam.Map(output_lease.release_from_job, output, release_lease)

@@ -111,7 +111,15 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                      run_token=uuid.uuid4().hex, model_fingerprint=model_fingerprint(
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
                          text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize,
-                         scoring=scoring_identity(load.scores, spec.scores.rules if spec.scores else ())))
+                         scoring=scoring_identity(load.scores, _rules_in_fingerprint(spec))))
+
+
+def _rules_in_fingerprint(spec) -> tuple:
+    """The score filters the model fingerprint records: none for `files`, whose resume applies them again to each
+    kept image; all for `webdataset`, whose kept shards are kept whole (other thresholds make the shards again)."""
+    if spec.scores is None or str(getattr(spec.output.output_format, "value", spec.output.output_format)) == "files":
+        return ()
+    return spec.scores.rules
 
 
 # ------------------------------------------------------------------------------------------------ the accelerator

@@ -45,8 +45,8 @@ def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length
                       text_encoder_out_layers=(), quantize: str = "none", scoring: dict | None = None) -> str:
     """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels
     (an int8 model's images are another model's: a resume never mixes them with bf16 ones). `scoring`
-    (`scoring_identity`): what scored and filtered the images, so that a resume with another score model, labels,
-    heads or thresholds never keeps rows whose scores or filter decisions another setting made."""
+    (`scoring_identity`): what scored the images, so that a resume with another score model, labels or heads never
+    keeps rows whose scores another setting computed."""
     settings = {
         "v": VERSION,
         "checkpoint": checkpoint_digest,
@@ -61,10 +61,14 @@ def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length
     return _digest(settings)
 
 
-def scoring_identity(score_settings, rules) -> dict | None:
-    """What scores and filters a job's images (model.scoring_options.ScoreSettings and the score rules), as the
-    model fingerprint records it; None without --score_model."""
+def scoring_identity(score_settings, rules=()) -> dict | None:
+    """What scores a job's images (model.scoring_options.ScoreSettings), as the model fingerprint records it, and
+    the score filters' rules where a resume cannot apply them again to kept images (`rules`: WebDataset shards are
+    packed whole); None without --score_model."""
     if score_settings is None:
         return None
-    return {"score_model": score_settings.model, "labels": list(score_settings.labels),
-            "heads": [list(h) for h in score_settings.heads], "rules": [r.text for r in rules]}
+    identity = {"score_model": score_settings.model, "labels": list(score_settings.labels),
+                "heads": [list(h) for h in score_settings.heads]}
+    if rules:
+        identity["rules"] = [r.text for r in rules]
+    return identity

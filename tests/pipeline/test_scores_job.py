@@ -1,7 +1,8 @@
 """Scores and filters end to end (tiny klein, tiny random CLIP with a LAION-layout head): every manifest row carries
 the image's scores, equal to the scorer's on the stored pixels; a --min_score rule puts the images it breaks under
 filtered/, out of metadata.jsonl, with a `filtered` field naming score, value and threshold; summary.json counts
-them per rule; a --skip_existing resume keeps them all, filtered ones included; the launch refuses a head in another layout and a filter naming an unknown score."""
+them per rule; a --skip_existing resume with other thresholds generates nothing and filters the kept images again
+(moving those whose decision changed); the launch refuses a head in another layout and a filter naming an unknown score."""
 
 from __future__ import annotations
 
@@ -81,15 +82,20 @@ def test_scores_in_manifest_and_filters_route_images_out(ckpt32, xla_cache, clip
     assert summary["filtered_by_rule"] == {"clip_score>=5": len(low), "label:a photo<=0.2": len(photo)}
     assert summary["images_generated"] == len(RECORDS)
 
-    # A resume with the same scoring keeps every image, the filtered ones where they are, rows and scores unchanged.
-    _, again = run(_argv(ckpt32, inp, out, xla_cache, clip_dir, *RULES, "--skip_existing"))
+    # A resume with other thresholds generates nothing: the kept images' scores are filtered again, and the images
+    # whose decision changed move (the label rule dropped: its images go back to images/, the others stay).
+    _, again = run(_argv(ckpt32, inp, out, xla_cache, clip_dir, RULES[0], "--skip_existing"))
     assert again["images_generated"] == 0 and again["skipped"] == len(RECORDS) and again["stale"] == 0
     kept = {r["id"]: r for r in rows(str(out), "existing")}
     for i, row in manifest.items():
-        assert {k: kept[i][k] for k in ("file_name", "scores", "filtered")} == \
-            {k: row[k] for k in ("file_name", "scores", "filtered")}
+        assert kept[i]["scores"] == row["scores"]
+        assert kept[i]["filtered"] == (row["filtered"] if i in low else None)
+        assert kept[i]["file_name"] == (row["file_name"] if i in low else f"images/{i}.png")
+        assert (out / kept[i]["file_name"]).read_bytes() and kept[i]["sha256"] == row["sha256"]
+    assert sorted(os.listdir(out / "filtered")) == sorted(f"{i}.png" for i in low)
     listed = [json.loads(line)["id"] for line in (out / "metadata.jsonl").read_text().splitlines()]
-    assert sorted(listed) == sorted(set(manifest) - broken)
+    assert sorted(listed) == sorted(set(manifest) - low)
+    assert again["filtered_by_rule"] == {"clip_score>=5": len(low)}
 
 
 def test_launch_refuses_heads_in_other_layouts_and_unknown_scores(ckpt32, xla_cache, clip_dir, tmp_path):

@@ -49,6 +49,7 @@ class SinkSettings:
     progress_dir: str | None = None
     quantize: str = "none"  # the model's quantization, which the dataset card states
     score_names: tuple[str, ...] = ()  # --score_model's scores, whose histograms the dataset card shows
+    score_rules: tuple = ()  # --min_score / --max_score (transforms/score_filters.py): a resume applies them again
 
 
 class Sink(beam.PTransform):

@@ -27,6 +27,7 @@ from .. import layout, retries
 from ..checksums import Stored, crc32c, list_folder, local_digests
 from ..fingerprints import request_fingerprint
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
+from ..score_filters import first_broken
 from . import writes
 from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_text
 
@@ -154,16 +155,19 @@ class _SkipExistingFn(retries.CountingRetriesFn):
     request or model is counted `stale` and tagged so; a damaged one is counted replaced). What --skip_existing
     does for an image no earlier manifest row describes; alone, the whole check of runs before fingerprints."""
 
-    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None):
+    def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None,
+                 score_rules: tuple = ()):
         self._output = output
         self._encoding = encoding or ImageEncoding()
         self._model_fingerprint = model_fingerprint or None
+        self._score_rules = tuple(score_rules)  # the job's score filters, applied again to a kept image's scores
         self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
         self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
         self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
         self._read = Metrics.counter(METRICS_NAMESPACE, "existing_images_read")
         self._hashed = Metrics.counter(METRICS_NAMESPACE, "existing_images_hashed")
         self._changed = Metrics.counter(METRICS_NAMESPACE, "existing_images_changed")
+        self._refiltered_count = Metrics.counter(METRICS_NAMESPACE, "existing_images_refiltered")
 
     def process(self, task, existing):
         if self._encoding.stored_name(task.file_name) not in existing:
@@ -199,6 +203,15 @@ class _SkipExistingFn(retries.CountingRetriesFn):
         LOGGER.info("--skip_existing: %s; generating it again", why)
         yield beam.pvalue.TaggedOutput(STALE_TAG, self._encoding.stored_name(task.file_name))
         yield task
+
+
+def move_object(output: str, source: str, target: str) -> None:
+    """Move `source` to `target` (names relative to `output`): the bytes written atomically there first, then the
+    old object deleted, so a stop in between leaves both, never neither."""
+    from apache_beam.io.filesystems import FileSystems
+
+    writes.write_bytes_atomic(layout.join(output, target), writes.read_bytes(layout.join(output, source)))
+    FileSystems.delete([layout.join(output, source)])
 
 
 # What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
@@ -284,8 +297,21 @@ class _DecideExistingFn(_SkipExistingFn):
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
                            model=rec["model"], model_fingerprint=want[1], quantize=rec.get("quantize", "none"),
                            crc32c=stored.crc32c, scores=rec.get("scores"), filtered=rec.get("filtered"))
+        if found.scores is not None:  # this run's thresholds (none: every image in the dataset) decide
+            found, file_name = self._refiltered(task, found, file_name)
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
                                                               uri=layout.join(self._output, file_name)))
+
+    def _refiltered(self, task, found: FoundImage, file_name: str) -> tuple[FoundImage, str]:
+        """A kept image's filter decision under this run's rules (transforms/score_filters.py), the image moved
+        between images/ and filtered/ when it changed; (its figures, where it now is)."""
+        filtered = first_broken(found.scores, self._score_rules)
+        in_images = self._encoding.stored_name(task.file_name)
+        target = layout.filtered_file_name(in_images) if filtered else in_images
+        if target != file_name:
+            move_object(self._output, file_name, target)
+            self._refiltered_count.inc()
+        return dataclasses.replace(found, filtered=filtered), target
 
 
 def _in_images(file_name: str) -> str:
@@ -310,12 +336,15 @@ class SkipExisting(beam.PTransform):
     """
 
     def __init__(self, output: str, encoding: ImageEncoding | None = None, model_fingerprint: str | None = None,
-                 read_manifest: bool = True):
+                 read_manifest: bool = True, score_rules: tuple = ()):
+        """`score_rules`: the job's score filters, applied again to each kept image's recorded scores (the image is
+        moved between images/ and filtered/ when its decision changes)."""
         super().__init__()
         self._output = output
         self._encoding = encoding or ImageEncoding()
         self._model_fingerprint = model_fingerprint or None
         self._read_manifest = read_manifest
+        self._score_rules = tuple(score_rules)
 
     def expand(self, tasks):
         from apache_beam.io import fileio
@@ -326,7 +355,7 @@ class SkipExisting(beam.PTransform):
                   | "ImagesFolder" >> beam.Create([layout.join(output, layout.IMAGES_DIR)])
                   | "ListImages" >> beam.FlatMap(lambda folder: ((f"{layout.IMAGES_DIR}/{name}", found)
                                                                  for name, found in list_folder(folder, suffix))))
-        fn_args = (output, encoding, self._model_fingerprint)
+        fn_args = (output, encoding, self._model_fingerprint, self._score_rules)
         if not self._read_manifest:
             out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(*fn_args), beam.pvalue.AsDict(listed)) \
                 .with_outputs(SKIPPED_TAG, STALE_TAG, main="tasks")

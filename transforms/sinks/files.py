@@ -48,7 +48,7 @@ class FilesSink(Sink):
         s = self.settings
         if not s.skip_existing:
             return NothingExisting()
-        return SkipExisting(s.output, s.encoding, s.model_fingerprint)
+        return SkipExisting(s.output, s.encoding, s.model_fingerprint, score_rules=s.score_rules)
 
     def expand(self, inputs):
         s = self.settings
