@@ -39,6 +39,10 @@ options are imported with it, every other name on first use.
   (Dataflow accelerator type -> chip name), `TPU_DEVICE_KINDS` (JAX's device kind -> chip name), `tpu_host_topology`,
   `tpu_machine_topology`; `fit` (compile for the topology and report: `Report`, `ProgramStats`,
   `V5E_CALIBRATION`), `format_bytes`, `GiB`.
+- Scores (model/engine/scoring.py: CLIP and its heads beside the generator): `ScoreSettings`
+  (model/config/score_settings.py; `LoadSettings.scores`), `DEFAULT_SCORE_MODEL`, `parse_labels`, `parse_head`
+  (JAX-free); `check_score_files` (a launch's check of local score files), `scorer_reserved_bytes` (what the TPU
+  preflight leaves to the scorer).
 - Errors: `ModelError` and its kinds (model/errors.py), `ShardCountError`, `TopologyError`.
 """
 
@@ -56,6 +60,7 @@ from .errors import (CheckpointError, ConfigError, HubError, LoraError, ModelErr
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
 from .config.lora_spec import LoraSpec
+from .config.score_settings import DEFAULT_SCORE_MODEL, ScoreSettings, parse_head, parse_labels
 
 # Imported on first use, so that `import model` stays light and JAX-free: name -> (module, attribute). JAX_NAMES load
 # JAX; the others do not.
@@ -67,6 +72,8 @@ _LAZY = {
     "enable_compilation_cache": ("engine.programs", "enable_compilation_cache"),
     "start_runtime": ("engine.runtime", "start_runtime"),
     "apply_runtime_defaults": ("engine.runtime", "apply_runtime_defaults"),
+    "check_score_files": ("engine.scoring", "check_score_files"),
+    "scorer_reserved_bytes": ("engine.scoring", "reserved_bytes"),
     # JAX-free
     "GenerationResult": ("engine.results", "GenerationResult"),
     "compile_counts": ("engine.compile_events", "counts"),
@@ -102,7 +109,8 @@ _LAZY = {
     "upload_files": ("storage.transfers", "upload_files"),
 }
 
-JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults")
+JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults",
+             "check_score_files", "scorer_reserved_bytes")
 
 __all__ = sorted([
     "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_PROMPT_BYTES", "DEFAULT_MAX_REFERENCE_IMAGES", "DEFAULT_MAX_REFERENCE_PIXELS",
@@ -113,6 +121,7 @@ __all__ = sorted([
     "ReferenceImageError", "RequestError", "UnsafeWeightsError",
     "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
     "EngineOptions", "LoadSettings", "LoraSpec",
+    "DEFAULT_SCORE_MODEL", "ScoreSettings", "parse_head", "parse_labels",
     *_LAZY,
 ])
 

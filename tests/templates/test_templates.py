@@ -808,6 +808,11 @@ BAD_VALUES = {
     "experiments": ["has space", ",x", "=x", "x,"],
     "number_of_worker_harness_threads": INT_BAD + ["1000"],
     "disk_size_gb": INT_BAD + ["5"],
+    "score_model": ["has space", "s3://b/clip", "/local/clip", "gs://"],
+    "score_labels": ["one label", "a,,b", ",a,b"],
+    "score_heads": ["aesthetic", "=x.safetensors", "1x=gs://b/h.safetensors"],
+    "min_score": ["clip_score", "clip_score=", "=22", "clip_score=abc"],
+    "max_score": ["label:nsfw content", "label:nsfw content=", "=0.5", "x=0.5.1"],
 }
 
 
