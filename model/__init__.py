@@ -26,7 +26,8 @@ options are imported with it, every other name on first use.
 - Checkpoints: `read_config`, `read_config_and_digest` (configs only; `check_weights=True` checks each weight
   file the loader reads from its header and size, no weight read), `is_hub_id`, `resolve_hub`, `with_revision`,
   `HubSnapshot`, `validate_variant`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
-  `preset_config`.
+  `preset_config`; --vae (model/loading/vae_swap.py): `vae_files`, `check_vae` (against a checkpoint's config, from
+  headers), `vae_identity`.
 - Storage (model/storage/, JAX- and Beam-free): `gcs_client` (the one GCS client: this machine's credentials, else
   anonymous, or the emulator), `split_gs_uri`, `split_gs_object`, `join_gs_uri`, `upload_files` (transfer_manager),
   `write_local_atomic`, `finish_or_abandon` (an object upload finalised whole or abandoned), `umask`, `crc32c`,
@@ -107,6 +108,8 @@ _LAZY = {
     **{name: ("storage.atomic", name) for name in ("finish_or_abandon", "umask", "write_local_atomic")},
     **{name: ("storage.crc32c", name) for name in ("checksum_text", "crc32c", "local_digests")},
     "upload_files": ("storage.transfers", "upload_files"),
+    # JAX-free: --vae (model/loading/vae_swap.py)
+    **{name: ("loading.vae_swap", name) for name in ("check_vae", "vae_files", "vae_identity")},
 }
 
 JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults",
