@@ -100,6 +100,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--quantize", default="none,int8", help="the quantize modes to measure, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compilation_cache_dir", default=None,
+                    help="JAX's persistent compilation cache (default: xla-cache under the benchmarks' cache): the "
+                         "generator's programs, compiled again for their memory figures, are read back from it")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     return ap.parse_args(argv)
 
@@ -173,6 +176,10 @@ def main(argv=None) -> dict:
 
     from . import presets
 
+    import model
+
+    model.enable_compilation_cache(args.compilation_cache_dir
+                                   or os.path.join(presets.bench_cache_root(), "xla-cache"))
     ckpt = presets.ensure_checkpoint(args.preset)
     clip_folder = build_clip_checkpoint(os.path.join(presets.bench_cache_root(), "clip-vit-l14-realsize"))
     os.makedirs(args.out, exist_ok=True)
