@@ -17,6 +17,7 @@ RUNTIME_REQUIREMENTS = [
     "google-cloud-storage==3.17.1",
     "gcsfs==2026.10.1",  # lets JAX keep its persistent compilation cache on gs://
     "pyarrow==25.0.1",  # Parquet prompt tables (transforms/inputs/parquet.py); the version Beam 2.77 resolves to
+    "matplotlib==3.11.2",  # the score histograms (transforms/score_views.py), imported only there
 ]
 
 # Test-only reference stack: diffusers/transformers on PyTorch CPU give the numbers we must match and build

@@ -26,7 +26,8 @@ options are imported with it, every other name on first use.
 - Checkpoints: `read_config`, `read_config_and_digest` (configs only; `check_weights=True` checks each weight
   file the loader reads from its header and size, no weight read), `is_hub_id`, `resolve_hub`, `with_revision`,
   `HubSnapshot`, `validate_variant`, `cache_root`; the bundled presets: `PRESET_NAMES`, `is_preset`,
-  `preset_config`.
+  `preset_config`; --vae (model/loading/vae_swap.py): `vae_files`, `check_vae` (against a checkpoint's config, from
+  headers), `vae_identity`.
 - Storage (model/storage/, JAX- and Beam-free): `gcs_client` (the one GCS client: this machine's credentials, else
   anonymous, or the emulator), `split_gs_uri`, `split_gs_object`, `join_gs_uri`, `upload_files` (transfer_manager),
   `write_local_atomic`, `finish_or_abandon` (an object upload finalised whole or abandoned), `umask`, `crc32c`,
@@ -39,6 +40,10 @@ options are imported with it, every other name on first use.
   (Dataflow accelerator type -> chip name), `TPU_DEVICE_KINDS` (JAX's device kind -> chip name), `tpu_host_topology`,
   `tpu_machine_topology`; `fit` (compile for the topology and report: `Report`, `ProgramStats`,
   `V5E_CALIBRATION`), `format_bytes`, `GiB`.
+- Scores (model/engine/scoring.py: CLIP and its heads beside the generator): `ScoreSettings`
+  (model/config/score_settings.py; `LoadSettings.scores`), `DEFAULT_SCORE_MODEL`, `parse_labels`, `parse_head`
+  (JAX-free); `check_score_files` (a launch's check of local score files), `scorer_reserved_bytes` (what the TPU
+  preflight leaves to the scorer).
 - Errors: `ModelError` and its kinds (model/errors.py), `ShardCountError`, `TopologyError`.
 """
 
@@ -56,6 +61,7 @@ from .errors import (CheckpointError, ConfigError, HubError, LoraError, ModelErr
 from .options import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_TEXT_ENCODER_OUT_LAYERS, DTYPE_NAMES,
                       QUANTIZE_MODES, EngineOptions, LoadSettings)
 from .config.lora_spec import LoraSpec
+from .config.score_settings import DEFAULT_SCORE_MODEL, ScoreSettings, parse_head, parse_labels
 
 # Imported on first use, so that `import model` stays light and JAX-free: name -> (module, attribute). JAX_NAMES load
 # JAX; the others do not.
@@ -67,6 +73,8 @@ _LAZY = {
     "enable_compilation_cache": ("engine.programs", "enable_compilation_cache"),
     "start_runtime": ("engine.runtime", "start_runtime"),
     "apply_runtime_defaults": ("engine.runtime", "apply_runtime_defaults"),
+    "check_score_files": ("engine.scoring", "check_score_files"),
+    "scorer_reserved_bytes": ("engine.scoring", "reserved_bytes"),
     # JAX-free
     "GenerationResult": ("engine.results", "GenerationResult"),
     "compile_counts": ("engine.compile_events", "counts"),
@@ -100,9 +108,12 @@ _LAZY = {
     **{name: ("storage.atomic", name) for name in ("finish_or_abandon", "umask", "write_local_atomic")},
     **{name: ("storage.crc32c", name) for name in ("checksum_text", "crc32c", "local_digests")},
     "upload_files": ("storage.transfers", "upload_files"),
+    # JAX-free: --vae (model/loading/vae_swap.py)
+    **{name: ("loading.vae_swap", name) for name in ("check_vae", "vae_files", "vae_identity")},
 }
 
-JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults")
+JAX_NAMES = ("load", "Flux2KleinGenerator", "fit", "enable_compilation_cache", "start_runtime", "apply_runtime_defaults",
+             "check_score_files", "scorer_reserved_bytes")
 
 __all__ = sorted([
     "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_PROMPT_BYTES", "DEFAULT_MAX_REFERENCE_IMAGES", "DEFAULT_MAX_REFERENCE_PIXELS",
@@ -113,6 +124,7 @@ __all__ = sorted([
     "ReferenceImageError", "RequestError", "UnsafeWeightsError",
     "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_TEXT_ENCODER_OUT_LAYERS", "DTYPE_NAMES", "QUANTIZE_MODES",
     "EngineOptions", "LoadSettings", "LoraSpec",
+    "DEFAULT_SCORE_MODEL", "ScoreSettings", "parse_head", "parse_labels",
     *_LAZY,
 ])
 

@@ -24,6 +24,7 @@ def validate_variant(variant, name: str = "variant") -> None:
                          f"got {variant!r}")
 
 from .config.lora_spec import LoraSpec
+from .config.score_settings import ScoreSettings
 
 DTYPE_NAMES = ("bfloat16", "float32")
 # Weight and activation quantization of the transformer's block projections (model.nets.quantize): none | int8.
@@ -87,6 +88,7 @@ class LoadSettings:
     loras: tuple = ()                  # LoRA adapters merged into the transformer (model.config.lora_spec.LoraSpec)
     lora_per_record: bool = False      # the adapters applied unmerged instead, each call naming one (or none)
     vae: str | None = None             # another VAE in place of the checkpoint's (model/loading/vae_swap.py)
+    scores: ScoreSettings | None = None  # score each image with CLIP on the device (model.engine.scoring); None: off
 
     def __post_init__(self):
         if self.dtype not in DTYPE_NAMES:

@@ -24,6 +24,7 @@ from transforms.inputs.readers import WARNING_TAG, ReadRequests
 from transforms.preview import WritePreview
 from transforms.progress import ReportTotal
 from transforms.references import ResolveReferences
+from transforms.score_card import WriteScoreHistograms
 from transforms.requests import DUPLICATE_TAG, DeduplicateRequests, EnforceMaxImages
 from transforms.row_files import WriteRowFile
 from transforms.sinks import base as sinks, registry as sink_registry
@@ -61,7 +62,9 @@ def make_sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     out = job.spec.output
     settings = sinks.SinkSettings(out.output, out.encoding, job.model_fingerprint or None, out.skip_existing,
                                   job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize,
-                                  dtype=job.load.dtype)
+                                  dtype=job.load.dtype,
+                                  score_names=job.load.scores.names if job.load.scores is not None else (),
+                                  score_rules=job.spec.scores.rules if job.spec.scores is not None else ())
     return sink_registry.sink_class(out.output_format).from_options(settings, out)
 
 
@@ -81,7 +84,8 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     # What the output already holds (--skip_existing) and where each image will go, before anything is generated.
     placed = dict(planned | "PlanOutput" >> sink.plan())
     tasks = _limited(placed.pop(sinks.TASKS), spec.limits.max_images, progress_dir)
-    generated = tasks | "Generate" >> Generate(make_handler(job), job.load.engine.batch_size)
+    rules = spec.scores.rules if spec.scores is not None else ()
+    generated = tasks | "Generate" >> Generate(make_handler(job), job.load.engine.batch_size, rules)
     written = {**generated, **placed} | "WriteOutput" >> sink
     manifest, existing, failed = written[sinks.MANIFEST], written[sinks.EXISTING], written[sinks.ERRORS]
 
@@ -91,6 +95,9 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     if spec.output.preview:
         every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
         after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview))
+    if job.load.scores is not None:  # a histogram of each score (scores/), which the dataset card shows
+        scored = (manifest, existing) | "EveryScoredImage" >> beam.Flatten()
+        after.append(scored | "ScoreHistograms" >> WriteScoreHistograms(output, job.load.scores.names))
 
     counted = {
         "records_read": (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten(),
@@ -111,7 +118,10 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     }
     summary = counted | "Summary" >> WriteSummary(
         output, started_at, extra=_summary_fields(job), after=after, rows={"warnings": read[WARNING_TAG]},
-        tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error")})
+        tallies={"errors_by_reason": errors | "ErrorKinds" >> beam.Map(lambda row: row.get("kind") or "error"),
+                 **({"filtered_by_rule": (manifest, existing) | "EveryRow" >> beam.Flatten()
+                     | "FilteredRows" >> beam.Filter(lambda row: row.get("filtered"))
+                     | "FilteredRules" >> beam.Map(lambda row: row["filtered"]["rule"])} if rules else {})})
     if release_lease:
         summary | "ReleaseOutputLease" >> beam.Map(output_lease.release_from_job, output, release_lease)
     return {"manifest": manifest, "errors": errors, "summary": summary, "tasks": tasks}

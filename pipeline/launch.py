@@ -14,7 +14,7 @@ import uuid
 import apache_beam as beam
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, TestOptions
 
-from transforms.fingerprints import model_fingerprint
+from transforms.fingerprints import model_fingerprint, scoring_identity
 from transforms.inputs.validation import RequestDefaults
 
 from model import LoadSettings
@@ -103,6 +103,10 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                            spec.model.checkpoint_cache_dir)
     defaults = spec.request_defaults(checkpoint.size_multiple, loras)
     load = spec.load_settings(checkpoint.location)
+    if load.scores is not None:
+        from .score_checks import check_scores
+
+        check_scores(load.scores)
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
     return JobConfig(spec=spec, load=load, defaults=defaults,
@@ -113,7 +117,16 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
                          checkpoint.digest, dtype=load.dtype, max_sequence_length=load.max_sequence_length,
                          text_encoder_out_layers=load.text_encoder_out_layers, quantize=load.engine.quantize,
                          # per-record adapters are in each image's request fingerprint instead
-                         loras=() if spec.model.lora_per_record else loras, vae=vae))
+                         loras=() if spec.model.lora_per_record else loras, vae=vae,
+                         scoring=scoring_identity(load.scores, _rules_in_fingerprint(spec))))
+
+
+def _rules_in_fingerprint(spec) -> tuple:
+    """The score filters the model fingerprint records: none for `files`, whose resume applies them again to each
+    kept image; all for `webdataset`, whose kept shards are kept whole (other thresholds make the shards again)."""
+    if spec.scores is None or str(getattr(spec.output.output_format, "value", spec.output.output_format)) == "files":
+        return ()
+    return spec.scores.rules
 
 
 # ------------------------------------------------------------------------------------------------ the accelerator

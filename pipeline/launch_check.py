@@ -86,6 +86,17 @@ def hbm_bytes_override() -> int | None:
     return int(value)
 
 
+def _scorer_bytes(job) -> int:
+    """What --score_model's scorer keeps on each chip (0 without it), at the largest batch auto may pick."""
+    load, d = job.load, job.defaults
+    if load.scores is None:
+        return 0
+    from .score_checks import reserved_bytes
+
+    batch = job.spec.limits.max_batch_size if job.spec.limits.auto_batch else load.engine.batch_size
+    return reserved_bytes(load.scores, load.dtype, d.height, d.width, batch)
+
+
 def job_request(job, topology: str):
     """The preflight request of `job` at its defaults for `topology` (pipeline.preflight.PreflightRequest)."""
     from .preflight import PreflightRequest
@@ -96,7 +107,7 @@ def job_request(job, topology: str):
                             num_inference_steps=d.num_inference_steps, guidance_scale=d.guidance_scale,
                             model_shards=load.engine.model_shards, max_sequence_length=load.max_sequence_length,
                             hbm_bytes=hbm_bytes_override(), max_batch_size=limits.max_batch_size,
-                            quantize=load.engine.quantize)
+                            quantize=load.engine.quantize, reserved_bytes=_scorer_bytes(job))
 
 
 def stored_answer(job, topology: str):
@@ -161,7 +172,8 @@ def preflight_args(request, cache: str | None) -> dict:
             "max_batch_size": request.max_batch_size, "dtype": request.dtype, "quantize": request.quantize,
             "model_shards": request.model_shards, "max_sequence_length": request.max_sequence_length,
             "num_inference_steps": request.num_inference_steps, "guidance_scale": request.guidance_scale,
-            "hbm_bytes": request.hbm_bytes, "compilation_cache_dir": cache}
+            "hbm_bytes": request.hbm_bytes, "reserved_bytes": request.reserved_bytes or None,
+            "compilation_cache_dir": cache}
 
 
 def local_tpu_topology(job, *, tpu_attached: bool) -> str | None:

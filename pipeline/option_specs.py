@@ -21,7 +21,7 @@ from model import (
     DEFAULT_MAX_PIXELS, DEFAULT_MAX_PROMPT_BYTES, DEFAULT_MAX_REFERENCE_IMAGES, DEFAULT_MAX_REFERENCE_PIXELS,
     DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_SIZE, DTYPE_NAMES as DTYPES, QUANTIZE_MODES,
 )
-from model import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, EngineOptions, LoadSettings
+from model import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_SIZE, DEFAULT_SCORE_MODEL, EngineOptions, LoadSettings
 from transforms.defaults import (
     DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
     DEFAULT_PREVIEW, DEFAULT_READ_TIMEOUT_S, DEFAULT_SEED,
@@ -68,6 +68,7 @@ GROUPS = (
     ("generation", "Generation"),
     ("limits", "Performance and limits"),
     ("reliability", "Reliability"),
+    ("scores", "Scores and filters"),
 )
 
 
@@ -268,6 +269,19 @@ OPTIONS = (
                                             "check that it fits.", switch=True, default=False),
     Option("worker_env", "reliability", "Environment variables set on each worker before the model loads, as "
                                         "NAME=value pairs separated by ';'.", metavar="NAME=value;..."),
+    # --- scores and filters
+    Option("score_model", "scores", f"CLIP checkpoint (transformers' layout: folder, gs:// or Hub id, e.g. "
+                                    f"{DEFAULT_SCORE_MODEL}) scoring each image.",
+           metavar="CHECKPOINT", shown_default="none: no scores"),
+    Option("score_labels", "scores", "Zero-shot labels, comma-separated: each image gets the probability of each "
+                                     "(score label:TEXT).", metavar="TEXT,TEXT,..."),
+    Option("score_heads", "scores", "A head on the image embedding in LAION's aesthetic-predictor layout "
+                                    "(safetensors, local or gs://); repeat the flag.", repeat=True,
+           metavar="NAME=FILE"),
+    Option("min_score", "scores", "Leave out images whose score is below the threshold (under filtered/, kept in "
+                                  "the manifest); repeat the flag.", repeat=True, metavar="SCORE=THRESHOLD"),
+    Option("max_score", "scores", "Leave out images whose score is above the threshold (under filtered/, kept in "
+                                  "the manifest); repeat the flag.", repeat=True, metavar="SCORE=THRESHOLD"),
 )
 
 # Names of the options above, in --help order (for tooling such as the Flex Template metadata).

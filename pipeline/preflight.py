@@ -63,6 +63,7 @@ class PreflightRequest:
     text_encoder_out_layers: tuple[int, ...] = DEFAULT_TEXT_ENCODER_OUT_LAYERS
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     quantize: str = "none"              # as the job's --quantize
+    reserved_bytes: int = 0             # per chip, kept free for what else runs there (--score_model's scorer)
 
 
 def resolve_model(model: str):
@@ -92,10 +93,14 @@ def preflight(request: PreflightRequest, *, dump_dir: str | None = None) -> Repo
         topology = load_topology(request.topology)
         from model import fit  # JAX: loaded when the preflight compiles
 
+        hbm_bytes = request.hbm_bytes
+        if request.reserved_bytes:  # the generator's programs get what the scorer leaves of the chip
+            hbm_bytes = (hbm_bytes or topology.chip.hbm_bytes) - request.reserved_bytes
+
         return fit(config, topology, model=request.model, dtype=request.dtype, height=request.height,
                    width=request.width, batch_size=request.batch_size, text_len=text_len,
                    num_inference_steps=valid.num_inference_steps, guidance_scale=valid.guidance_scale,
-                   model_shards=request.model_shards, hbm_bytes=request.hbm_bytes,
+                   model_shards=request.model_shards, hbm_bytes=hbm_bytes,
                    out_layers=request.text_encoder_out_layers, dump_dir=dump_dir,
                    max_batch_size=request.max_batch_size, quantize=request.quantize)
     except TopologyError as e:
@@ -241,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "run with the same model, options, versions and compiler flags answers at once.")
     parser.add_argument("--dump_dir", default=None, help="Write each compiled program's text to DIR/<program>.txt.")
     parser.add_argument("--hbm_bytes", type=int, default=None, help=argparse.SUPPRESS)  # testing: force a capacity
+    parser.add_argument("--reserved_bytes", type=int, default=0, metavar="BYTES",
+                        help="Bytes per chip kept free for what runs beside the generator (the job's --score_model "
+                             "scorer; the launch fills it in). Default: none.")
     return parser
 
 
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
                                model_shards=args.model_shards, max_sequence_length=args.max_sequence_length,
                                hbm_bytes=args.hbm_bytes, max_batch_size=args.max_batch_size,
-                               quantize=args.quantize)
+                               quantize=args.quantize, reserved_bytes=args.reserved_bytes)
     store = fields = None
     try:
         if args.compilation_cache_dir and args.dump_dir is None:  # a dump asks for the programs' text: compile

@@ -85,7 +85,8 @@ def answer_fields(config, request) -> dict:
             "text_encoder_out_layers": list(request.text_encoder_out_layers),
             "batch_size": request.batch_size if request.batch_size is not None else "auto",
             "max_batch_size": request.max_batch_size if request.batch_size is None else None,
-            "hbm_bytes": request.hbm_bytes, "versions": package_versions(), "compiler_flags": compiler_flags()}
+            "hbm_bytes": request.hbm_bytes, "reserved_bytes": request.reserved_bytes,
+            "versions": package_versions(), "compiler_flags": compiler_flags()}
 
 
 def answer_key(fields: dict) -> str:

@@ -146,8 +146,7 @@ def check_vae(source: str | None, location: str, variant: str | None, cache_dir:
     fingerprint (None without --vae). UsageError naming the key or tensor and the file."""
     if not source:
         return None
-    from model.loading.checkpoint import read_config
-    from model.loading.vae_swap import check_vae as check_against, vae_files, vae_identity
+    from model import check_vae as check_against, read_config, vae_files, vae_identity
 
     try:
         files = vae_files(source, cache_dir)

@@ -18,8 +18,8 @@ import re
 from typing import Any
 
 from model import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
-                   EngineOptions, LoadSettings, LoraSpec, count, is_integer, optional_count, validate_variant,
-                   with_revision)
+                   EngineOptions, LoadSettings, LoraSpec, ScoreSettings, count, is_integer, optional_count,
+                   parse_head, parse_labels, validate_variant, with_revision)
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
@@ -28,6 +28,7 @@ from transforms.sinks.encoding import ImageEncoding
 from transforms.sinks.registry import OUTPUT_FORMATS
 from transforms.preview import check_preview
 from transforms.references import default_roots, normalise_root
+from transforms.score_filters import check_rules, parse_rules
 from transforms.shards import check_samples_per_shard
 
 from .compile_cache import resolve_compilation_cache
@@ -289,8 +290,36 @@ class ReliabilitySpec:
 
 
 # The spec of each group of the option table.
+@dataclasses.dataclass(frozen=True)
+class ScoresSpec:
+    """What each image is scored with on the device, and which scores leave it out of the dataset."""
+
+    score_model: str | None
+    score_labels: str | None
+    score_heads: tuple[str, ...] | None
+    min_score: tuple[str, ...] | None
+    max_score: tuple[str, ...] | None
+    settings: ScoreSettings | None = dataclasses.field(init=False)  # None: no scoring
+    rules: tuple = dataclasses.field(init=False)  # transforms.score_filters.ScoreRule, in the order given
+
+    def __post_init__(self):
+        labels = parse_labels(self.score_labels) if self.score_labels else ()
+        heads = tuple(parse_head(h) for h in self.score_heads or ())
+        rules = parse_rules(self.min_score, self.max_score)
+        if self.score_model is None:
+            used = [f for f, v in (("--score_labels", labels), ("--score_heads", heads),
+                                   ("--min_score", self.min_score), ("--max_score", self.max_score)) if v]
+            if used:
+                raise ValueError(f"{used[0]} needs --score_model (the CLIP checkpoint that computes the scores)")
+            _set(self, settings=None, rules=())
+            return
+        settings = ScoreSettings(self.score_model, labels=labels, heads=heads)
+        check_rules(rules, settings.names)
+        _set(self, settings=settings, rules=rules)
+
+
 SPECS = {"input": InputSpec, "output": OutputSpec, "model": ModelSpec, "generation": GenerationSpec,
-         "limits": LimitsSpec, "reliability": ReliabilitySpec}
+         "limits": LimitsSpec, "reliability": ReliabilitySpec, "scores": ScoresSpec}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +344,7 @@ class JobSpec:
     reliability: ReliabilitySpec
     runner: Runner
     demo: bool = False  # neither --input (nor --input_query) nor --model: the bundled demo
+    scores: ScoresSpec | None = None  # --score_model and the filters (None: built without them, as in tests)
 
     @property
     def tiny(self) -> bool:
@@ -357,7 +387,8 @@ class JobSpec:
                 max_sequence_length=self.model.max_sequence_length, cache_dir=self.model.checkpoint_cache_dir,
                 loras=self.model.lora, lora_per_record=self.model.lora_per_record,
                 engine=EngineOptions(batch_size=batch, model_shards=limits.model_shards, compilation_cache_dir=cache,
-                                     quantize=str(self.model.quantize)), vae=self.model.vae)
+                                     quantize=str(self.model.quantize)), vae=self.model.vae,
+                scores=self.scores.settings if self.scores is not None else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

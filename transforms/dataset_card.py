@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from . import shards
+from . import score_views, shards
 
 WIDS_INDEX = "dataset.json"
 SIZES_FILE = "sizes.json"
@@ -39,9 +39,9 @@ def brace_range(infos: list[dict]) -> str:
 
 
 def card(output: str, infos: list[dict], samples_per_shard: int, image_extension: str,
-         quantize: str = "none") -> str:
+         quantize: str = "none", score_names: tuple[str, ...] = ()) -> str:
     """README.md: the `configs:` block `datasets` reads, what made the images (with the model's quantization), then
-    how to load the shards with each reader."""
+    how to load the shards with each reader; with `score_names`, their histograms (transforms/score_card.py)."""
     made = ("The model ran with int8 weights and activations in its projections (`--quantize int8`): the images "
             "differ from the unquantized model's pixel by pixel; every sample's `quantize` field says so."
             if quantize == "int8" else
@@ -87,4 +87,4 @@ ds = datasets.load_dataset("{local}", split="train")
 
 wids (random access): `wids.ShardListDataset("{base}/{WIDS_INDEX}")`. open_clip:
 `--train-data '{base}/{pattern}' --dataset-type webdataset --train-num-samples {total}` (`sizes.json` has the counts).
-"""
+""" + ("\n" + score_views.card_section(score_names) if score_names else "")

@@ -47,11 +47,13 @@ def request_fingerprint(task) -> str:
 
 
 def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length: int,
-                      text_encoder_out_layers=(), quantize: str = "none", loras=(), vae: str | None = None) -> str:
+                      text_encoder_out_layers=(), quantize: str = "none", loras=(), vae: str | None = None,
+                      scoring: dict | None = None) -> str:
     """The fingerprint of the model a job loads: its checkpoint's digest and the load settings that change pixels
     (an int8 model's images are another model's: a resume never mixes them with bf16 ones). `loras`: the merged LoRA
     adapters' identities ({name, sha256, scale}, model.loading.lora_source): another adapter or scale is another
-    model."""
+    model. `scoring` (`scoring_identity`): what scored the images, so that a resume with another score model, labels
+    or heads never keeps rows whose scores another setting computed."""
     settings = {
         "v": VERSION,
         "checkpoint": checkpoint_digest,
@@ -65,4 +67,19 @@ def model_fingerprint(checkpoint_digest: str, *, dtype: str, max_sequence_length
         settings["loras"] = [{"sha256": lora["sha256"], "scale": float(lora["scale"])} for lora in loras]
     if vae:  # --vae: the swapped VAE's content identity (model/loading/vae_swap.py vae_identity)
         settings["vae"] = vae
+    if scoring:  # unscored outputs keep theirs too
+        settings["scoring"] = scoring
     return _digest(settings)
+
+
+def scoring_identity(score_settings, rules=()) -> dict | None:
+    """What scores a job's images (model.config.score_settings.ScoreSettings), as the model fingerprint records it, and
+    the score filters' rules where a resume cannot apply them again to kept images (`rules`: WebDataset shards are
+    packed whole); None without --score_model."""
+    if score_settings is None:
+        return None
+    identity = {"score_model": score_settings.model, "labels": list(score_settings.labels),
+                "heads": [list(h) for h in score_settings.heads]}
+    if rules:
+        identity["rules"] = [r.text for r in rules]
+    return identity

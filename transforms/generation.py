@@ -17,6 +17,7 @@ from apache_beam.ml.inference.base import RunInference
 from . import layout
 from .inference import BatchByShape, InferenceTimeout, is_out_of_memory
 from .metrics import NAMESPACE as METRICS_NAMESPACE
+from .score_filters import apply_rules
 
 IMAGES = "images"  # GeneratedImage (transforms/inference.py) of every image whose values are finite
 FAILED = "failed"  # (ImageTask, error row) of every image that could not be generated
@@ -39,10 +40,12 @@ class Generate(beam.PTransform):
     (transforms/sinks/webdataset.py), and gets the same object back as `GeneratedImage.task`.
     """
 
-    def __init__(self, handler, batch_size: int):
+    def __init__(self, handler, batch_size: int, score_rules: tuple = ()):
+        """`score_rules`: the score filters (transforms/score_filters.py) each scored image is checked against."""
         super().__init__()
         self._handler = handler
         self._batch_size = batch_size
+        self._score_rules = tuple(score_rules)
 
     def expand(self, tasks):
         batches = tasks | "BatchByShape" >> BatchByShape(self._batch_size)
@@ -52,7 +55,10 @@ class Generate(beam.PTransform):
                                                                                         main=IMAGES)
         failed = ((dlq.failed_inferences | "FailedBatchRows" >> beam.FlatMap(failed_images)), split[NON_FINITE_TAG]) \
             | "FailedImages" >> beam.Flatten()
-        return {IMAGES: split[IMAGES], FAILED: failed}
+        images = split[IMAGES]
+        if self._score_rules:
+            images = images | "ApplyScoreFilters" >> beam.Map(apply_rules, self._score_rules)
+        return {IMAGES: images, FAILED: failed}
 
 
 def failed_batch_rows(failed) -> Iterable[dict]:

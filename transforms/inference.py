@@ -283,6 +283,8 @@ class GeneratedImage:
     model: str
     generation_ms: float  # this image's share of its batch's generate() wall time
     nonfinite: str | None = None  # why its values are not an image (NaN or inf: stage and share), else None
+    scores: dict | None = None  # {score name: value} with --score_model (model.config.score_settings), else None
+    filtered: dict | None = None  # the score filter it breaks (transforms/score_filters.py), else None
 
 
 class LoadedGenerator:
@@ -323,10 +325,11 @@ def split_result(tasks: list[ImageTask], out) -> list[PredictionResult]:
     if truncated:
         Metrics.counter(METRICS_NAMESPACE, "prompts_truncated").inc(truncated)
     nonfinite = tuple(out.nonfinite) or (None,) * len(tasks)
+    scores = tuple(getattr(out, "scores", ())) or (None,) * len(tasks)  # with --score_model: {name: value} each
     return [PredictionResult(task, GeneratedImage(
         task=task, pixels=images[i], num_inference_steps=out.num_inference_steps, guidance_scale=out.guidance_scale,
         prompt_truncated=bool(out.prompt_truncated[i]), model=str(out.model), generation_ms=per_image_ms,
-        nonfinite=None if nonfinite[i] is None else nonfinite[i].describe()), model_id=str(out.model))
+        nonfinite=None if nonfinite[i] is None else nonfinite[i].describe(), scores=scores[i]), model_id=str(out.model))
         for i, task in enumerate(tasks)]
 
 

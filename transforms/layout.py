@@ -14,6 +14,8 @@
                                              relative to {output}: what `datasets` imagefolder reads
     {output}/shards/, dataset.json, sizes.json, README.md   (--output_format webdataset; see transforms/shards.py)
     {output}/preview/index.html, contact_sheet.jpg           (--preview N) a gallery of the first N images by id
+    {output}/filtered/{stem}.png             (--min_score / --max_score) images a score filter left out of
+                                             metadata.jsonl and the shards; their manifest rows say why
 
 Pure functions only: no Beam, no I/O.
 """
@@ -29,6 +31,7 @@ from typing import Any
 from .identity import RECORDED_FIELDS, ImageIdentity
 
 IMAGES_DIR = "images"
+FILTERED_DIR = "filtered"  # images a score filter left out of the dataset (transforms/score_filters.py)
 MANIFEST_DIR = "manifest"
 ERRORS_DIR = "errors"
 MANIFEST_PREFIX = "manifest"
@@ -277,6 +280,8 @@ def manifest_row(
     identity: ImageIdentity | None = None,
     key: str | None = None,
     crc32c: str | None = None,
+    scores: dict | None = None,
+    filtered: dict | None = None,
 ) -> dict:
     """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
     metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
@@ -315,9 +320,23 @@ def manifest_row(
     if r.source is not None:
         row["source"] = writable_text(r.source)  # a local file name that is not UTF-8, escaped
         row["line"] = r.line
+    if scores is not None:  # --score_model: the image's scores, and the filter it broke (None: in the dataset)
+        row["scores"] = {k: _score_value(v) for k, v in scores.items()}
+        row["filtered"] = None if filtered is None else dict(filtered, value=_score_value(filtered.get("value")))
     if key is not None:
         row["key"] = key
     return row
+
+
+def _score_value(value) -> float | None:
+    """A score as rows hold it: 6 decimals (float32's precision), None for a missing or NaN one."""
+    return None if value is None or value != value else round(float(value), 6)
+
+
+def filtered_file_name(file_name: str) -> str:
+    """Where a filtered image goes: `images/x.png` -> `filtered/x.png` (a shard key's `KEY.png` -> `filtered/KEY.png`)."""
+    prefix = IMAGES_DIR + "/"
+    return f"{FILTERED_DIR}/{file_name[len(prefix):] if file_name.startswith(prefix) else file_name}"
 
 
 def to_json_line(row: dict) -> str:

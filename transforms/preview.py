@@ -23,7 +23,7 @@ import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from . import layout, retries
+from . import layout, retries, score_views
 
 LOGGER = logging.getLogger(__name__)
 PREVIEW_DIR = "preview"
@@ -37,7 +37,8 @@ PAGE_STYLE = """body { font-family: system-ui, sans-serif; margin: 1em; backgrou
 figure { margin: 0; background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 8px; }
 figure img { display: block; margin: 0 auto; max-width: 100%; image-rendering: pixelated; min-width: 96px; }
 figcaption { font-size: 12px; overflow-wrap: anywhere; }
-.p { color: #444; display: block; max-height: 8.5em; overflow-y: auto; }"""
+.p { color: #444; display: block; max-height: 8.5em; overflow-y: auto; }
+.s { color: #264; } .f { color: #a22; }"""
 
 
 class PreviewError(ValueError):
@@ -95,11 +96,13 @@ def render_html(items: list[dict], *, title: str, total: int | None = None) -> s
         thumb = "data:image/jpeg;base64," + base64.b64encode(item["thumb"]).decode("ascii")
         where = f' &middot; {e(item["member"])} in' if item.get("member") else ""
         cards.append(
-            f'<figure><a href="{e(item["link"])}"><img src="{thumb}" alt="{e(item["id"])}" '
+            f'<figure{score_views.card_attributes(item)}><a href="{e(item["link"])}"><img src="{thumb}" '
+            f'alt="{e(item["id"])}" '
             f'title="{e(item["prompt"])}"></a><figcaption><b>{e(item["id"])}</b>{where} '
             f'<a href="{e(item["link"])}">{e(item["link_text"])}</a><br>seed {e(item["seed"])} &middot; '
             f'{e(item["width"])}x{e(item["height"])}<br><span class="p">{e(item["prompt"])}</span>'
-            f'</figcaption></figure>')
+            f'{score_views.card_caption(item)}</figcaption></figure>')
+    names = score_views.score_names(items)  # --score_model: sortable by each score
     shown = f"{len(items)} of {total}" if total is not None else f"{len(items)}"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>
@@ -111,9 +114,10 @@ main {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1f
 <body><h1>{e(title)}</h1>
 <p>The first {shown} images by id. <a href="{CONTACT_SHEET}">Contact sheet</a> &middot;
 <a href="../summary.json">summary.json</a></p>
+{score_views.sort_control(names)}
 <main>
 {chr(10).join(cards)}
-</main></body></html>
+</main>{score_views.SORT_SCRIPT if names else ""}</body></html>
 """
 
 
@@ -182,7 +186,8 @@ class _WritePreviewFn(retries.CountingRetriesFn):
                 link, member = row["file_name"], None
             items.append({"id": row["id"], "prompt": row["prompt"], "seed": row["seed"], "width": row["width"],
                           "height": row["height"], "link": relative_link(link), "link_text": link,
-                          "member": member, "thumb": jpeg_bytes(thumb)})
+                          "member": member, "thumb": jpeg_bytes(thumb),
+                          **({"scores": row["scores"], "filtered": row.get("filtered")} if "scores" in row else {})})
         folder = layout.join(self._output, PREVIEW_DIR)
         write_bytes_atomic(layout.join(folder, CONTACT_SHEET), contact_sheet(thumbs), mime_type="image/jpeg")
         page = render_html(items, title="Generated images: preview", total=total)

@@ -42,6 +42,8 @@ def format_summary(summary: dict) -> str:
             f"skipped {summary['skipped']}, "
             + "".join(f"{words} (generated again) {summary[name]}, " for name, words in REMADE.items()
                       if summary.get(name))
+            + (f"filtered out by scores {sum(summary['filtered_by_rule'].values())}, "
+               if summary.get("filtered_by_rule") else "")
             + f"invalid {summary['invalid']}, failed {summary['failed']}, "
             f"wall time {summary['wall_time_s']:.1f} s, {summary['images_per_s']:.3f} images/s")
     retried = summary.get("retries")

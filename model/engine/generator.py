@@ -239,6 +239,11 @@ def assemble_generator(settings: LoadSettings, prepared: PreparedLoad, placed: P
         generator.adapters = identities
     else:
         generator.loras = identities  # merged adapters: part of every image's identity
+    if settings.scores is not None:  # CLIP and its heads beside the generator, on the same mesh
+        from .scoring import load_scorer
+
+        generator.scorer = load_scorer(settings.scores, mesh=placed.mesh, dtype=DTYPES[settings.dtype],
+                                       cache_dir=settings.cache_dir)
     phases["finish_s"] = time.perf_counter() - finishing  # host memory returned, the generator made
     return generator
 
@@ -328,6 +333,7 @@ class Flux2KleinGenerator:
         self.reference_encoder = (ReferenceEncoder(vae_encoder_loader, mesh=self.mesh, dtype=DTYPES[dtype])
                                   if vae_encoder_loader else None)
         self.stats = collections.Counter()
+        self.scorer = None  # model.engine.scoring.Scorer: scores each batch's pixels while they are on the devices
         # generate() calls are serialised: they share the embedding cache and the device (which runs one at a time).
         self._generate_lock = threading.Lock()
 
@@ -587,19 +593,20 @@ class Flux2KleinGenerator:
                                        num_images_per_prompt, reference_images, lora)
             if batch_size is not None:
                 contract.count("batch_size", batch_size)
-            images, truncated, nonfinite = self._run(inputs, sigmas, batch_size)
+            images, truncated, nonfinite, scores = self._run(inputs, sigmas, batch_size)
             return GenerationResult(images=images, prompt_truncated=truncated,
                                     num_inference_steps=inputs.num_inference_steps,
                                     guidance_scale=inputs.guidance_scale, model=self.model_id,
-                                    seconds=time.perf_counter() - start, nonfinite=nonfinite)
+                                    seconds=time.perf_counter() - start, nonfinite=nonfinite, scores=scores)
 
     def _run(self, inputs: GenerationInputs, sigmas, batch_size: int | None = None):
-        """(images, truncated, nonfinite) of a checked call, in batches of the bucket's programs."""
+        """(images, truncated, nonfinite, scores) of a checked call, in batches of the bucket's programs."""
         if not inputs.prompts:
-            return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), (), ()
+            return np.zeros((0, inputs.height, inputs.width, 3), np.uint8), (), (), ()
         prepared = self.prepare_bucket(inputs, sigmas, batch_size)
         outputs: list[np.ndarray] = []
         nonfinite: list = []
+        scores: list = []
         truncated: list[bool] = []
         pending = None
         reference_cache: dict = {}  # digest -> tokens: each distinct reference encoded once per call
@@ -617,15 +624,24 @@ class Flux2KleinGenerator:
                                           reference_cache)
                     if inputs.references else None)
             pixels = self.decode(self.denoise(latents, txt, neg, prepared, refs, inputs.adapter), prepared)
+            # The scores are computed from the pixels where the decode left them (padding rows scored too).
+            batch_scores = (self.scorer.score(pixels.pixels, chunk_p + chunk_p[:1] * pad)
+                            if self.scorer is not None else None)
             # Dispatch is asynchronous: the previous batch's pixels are copied to the host (and the next batch
             # tokenized) while the device works on this one.
             if pending is not None:
-                outputs.append(self.to_host(*pending))
-                nonfinite.extend(self.nonfinite(*pending))
-            pending = (pixels, real)
+                self._collect(pending, outputs, nonfinite, scores)
+            pending = (pixels, real, batch_scores)
         if pending is not None:
-            outputs.append(self.to_host(*pending))
-            nonfinite.extend(self.nonfinite(*pending))
+            self._collect(pending, outputs, nonfinite, scores)
         self.stats["images"] += len(inputs.prompts)
         self.stats["images_nonfinite"] += sum(n is not None for n in nonfinite)
-        return np.concatenate(outputs), tuple(truncated), tuple(nonfinite)
+        return np.concatenate(outputs), tuple(truncated), tuple(nonfinite), tuple(scores)
+
+    def _collect(self, pending, outputs: list, nonfinite: list, scores: list) -> None:
+        """A finished batch's images, non-finite shares and scores, copied to the host."""
+        pixels, real, batch_scores = pending
+        outputs.append(self.to_host(pixels, real))
+        nonfinite.extend(self.nonfinite(pixels, real))
+        if batch_scores is not None:
+            scores.extend(self.scorer.to_host(batch_scores, real))

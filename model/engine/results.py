@@ -35,3 +35,5 @@ class GenerationResult:
     seconds: float                     # wall time of the call (the lock's wait not counted)
     # per image: None, or where its values stopped being finite (its pixels are then not an image: do not save them)
     nonfinite: tuple = ()
+    # per image: {score name: value} when the generator scores its images (model.engine.scoring), else empty
+    scores: tuple = ()

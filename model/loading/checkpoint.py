@@ -74,10 +74,11 @@ def default_cache_root() -> str:
     return os.path.join(cache_root(), "checkpoints")
 
 
-def resolve_checkpoint(uri: str, cache_dir: str | None = None, variant: str | None = None) -> str:
+def resolve_checkpoint(uri: str, cache_dir: str | None = None, variant: str | None = None, *, hub_files=None) -> str:
     """The local folder holding the checkpoint at `uri` (a local folder, `gs://bucket/prefix`, or a Hugging Face
     Hub id `owner/name[@revision]`, model/loading/hub.py). From GCS and the Hub only the weight files of `variant` are
-    fetched (see `model.loading.weight_files.select_weight_files`); `cache_dir` applies to gs:// copies."""
+    fetched (see `model.loading.weight_files.select_weight_files`); `cache_dir` applies to gs:// copies. `hub_files`:
+    which files of a Hub repository (`resolve_hub`'s `files`; default: a diffusers layout's)."""
     if not isinstance(uri, str) or not uri:
         raise CheckpointError("checkpoint location must be a non-empty string", path=repr(uri))
     if uri.startswith("gs://"):
@@ -88,7 +89,7 @@ def resolve_checkpoint(uri: str, cache_dir: str | None = None, variant: str | No
     from .hub import is_hub_id, resolve_hub  # an existing local path is never a Hub id
 
     if is_hub_id(uri):
-        return resolve_hub(uri, variant).path
+        return resolve_hub(uri, variant, files=hub_files).path
     if not os.path.exists(uri):
         raise CheckpointError("checkpoint folder does not exist", path=uri)
     if not os.path.isdir(uri):

@@ -164,8 +164,11 @@ def _import_hub(model: str):
     return huggingface_hub
 
 
-def resolve_hub(model: str, variant: str | None = None, *, cache_dir: str | None = None) -> HubSnapshot:
-    """Download (or find cached) the snapshot of the Hub id `model` that the pipeline needs; HubError if it cannot."""
+def resolve_hub(model: str, variant: str | None = None, *, cache_dir: str | None = None,
+                files=None) -> HubSnapshot:
+    """Download (or find cached) the snapshot of the Hub id `model` that the pipeline needs; HubError if it cannot.
+    `files(paths, variant, where)`: which of the repository's files to fetch (default `needed_files`: a diffusers
+    layout; the score model's CLIP repository names its own)."""
     ref = parse_hub_id(model)
     if ref is None:
         raise CheckpointError("not a Hugging Face Hub id (owner/name or owner/name@revision)", path=model)
@@ -198,7 +201,7 @@ def resolve_hub(model: str, variant: str | None = None, *, cache_dir: str | None
         if paths is None:
             raise HubOfflineError(f"offline mode (HF_HUB_OFFLINE) and no cached snapshot of {ref.text} under {cache}: "
                                   f"run once with network access to cache it, or unset HF_HUB_OFFLINE", model=model)
-    files = needed_files(paths, variant, where)
+    files = (files or needed_files)(paths, variant, where)
     try:
         path = hub.snapshot_download(ref.repo_id, revision=revision, cache_dir=cache, allow_patterns=files,
                                      local_files_only=offline, endpoint=endpoint)

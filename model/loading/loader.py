@@ -209,10 +209,14 @@ def flat_params(module_or_abstract) -> dict[str, jax.ShapeDtypeStruct]:
     return out
 
 
+# Embedding tables (torch's nn.Embedding: [rows, width], kept as they are): Qwen3's, and CLIP's (model.nets.clip).
+EMBEDDING_TABLES = ("embed_tokens.weight", "token_embedding.weight", "position_embedding.weight")
+
+
 def jax_axes_order(name: str, ndim: int, target_ndim: int) -> tuple[int, ...] | None:
     """The axes order that takes a torch-layout tensor to JAX layout (None: same layout). Linear [out, in] ->
     [in, out]; Conv [O, I, kh, kw] -> [kh, kw, I, O]; embedding tables keep torch's [vocab, width]."""
-    if name.endswith("embed_tokens.weight"):
+    if name.endswith(EMBEDDING_TABLES):
         return None
     if ndim == 4 and target_ndim == 2:  # legacy 1x1-conv attention projections, squeezed first (`squeezed`)
         ndim = 2
@@ -233,7 +237,7 @@ def to_jax_axes(name: str, array: np.ndarray, target_ndim: int) -> np.ndarray:
 
 def torch_shape(name: str, jax_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The checkpoint (torch) shape of a parameter given its JAX shape; inverse of `to_jax_axes`."""
-    if name.endswith("embed_tokens.weight"):
+    if name.endswith(EMBEDDING_TABLES):
         return tuple(jax_shape)
     if len(jax_shape) == 2:
         return (jax_shape[1], jax_shape[0])

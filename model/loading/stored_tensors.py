@@ -185,6 +185,6 @@ def validate_component(folder, *, expected: dict[str, tuple[int, ...]], optional
                 *expected[name], 1, 1)):
             raise CheckpointError(f"shape mismatch: checkpoint has {list(shape)}, model expects "
                                   f"{list(expected[name])}", path=sf.path, tensor=name)
-        if dtype not in FLOAT_DTYPES and not name.endswith("num_batches_tracked"):
+        if dtype not in FLOAT_DTYPES and not name.endswith(("num_batches_tracked", "position_ids")):
             raise CheckpointError(f"weight has non-float dtype {dtype}", path=sf.path, tensor=name)
     return tensor_to_file

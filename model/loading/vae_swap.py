@@ -145,15 +145,14 @@ def check_vae(files: VaeFiles, config) -> None:
     headers alone, as the launch checks a checkpoint's own: its config read as a FLUX.2 VAE's, its latent channels
     the transformer's, every tensor the model needs present with the shape its config gives. ConfigError or
     CheckpointError naming the key or tensor and the file."""
-    from ..engine.factory import Networks  # JAX: the tensors' names and shapes come from the model's modules
-    from .config import VAEConfig, read_json
-    from .loader import validate_component
+    from ..config.configs import VAEConfig, read_json
     from ..errors import ConfigError
+    from .stored_tensors import stored_tensors, validate_component  # JAX-free: names and shapes from the config
 
     vae = VAEConfig.from_dict(read_json(files.config), files.config)
     if vae.patched_channels != config.transformer.in_channels:
         raise ConfigError("the VAE's latent_channels x patch area must equal the transformer's in_channels "
                           f"({config.transformer.in_channels})", path=files.config, key="latent_channels",
                           value=vae.latent_channels)
-    expected, optional = Networks(dataclasses.replace(config, vae=vae), out_layers=(-1,)).stored_tensors()["vae"]
+    expected, optional = stored_tensors(dataclasses.replace(config, vae=vae))["vae"]
     validate_component(vae_view(files), expected=expected, optional=optional)

@@ -40,6 +40,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "channels": None,      # the VAE's attention features
     "conv_height": None, "conv_width": None, "conv_in": None, "conv_out": None,  # the VAE's convolution kernels
     "lora_adapters": None, "lora_rank": None,  # unmerged LoRA banks' entries and rank (model.nets.lora_bank)
+    "score": None,         # the scoring model's (CLIP, its heads) parameters: small next to the generator's, replicated
 }
 
 

@@ -52,8 +52,8 @@ def test_help_lists_every_option_with_its_default_and_description():
     for (title, options), start, end in zip(options_by_group(), starts, starts[1:] + [len(lines)]):
         assert [line.split("=")[0].split("[")[0].strip() for line in lines[start:end] if line.startswith("  --")] \
             == [o.flag for o in options], title
-    assert [key for key, _ in GROUPS] == ["input", "output", "model", "generation", "limits", "reliability"]
-    assert "--help_beam" in out.split("Reliability:")[-1]  # it ends with where Beam's options are listed
+    assert [key for key, _ in GROUPS] == ["input", "output", "model", "generation", "limits", "reliability", "scores"]
+    assert "--help_beam" in out.split("Scores and filters:")[-1]  # it ends with where Beam's options are listed
 
 
 def test_help_beam_lists_beams_options(capsys):

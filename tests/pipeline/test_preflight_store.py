@@ -35,6 +35,7 @@ def _fields(request=BASE, model=None):
     dict(guidance_scale=2.5), dict(dtype="float32"), dict(quantize="int8"), dict(model_shards=1),
     dict(max_sequence_length=256), dict(batch_size=2), dict(max_batch_size=4),
     dict(text_encoder_out_layers=(9, 18, 26)),
+    dict(reserved_bytes=2**30),  # --score_model's scorer: less of the chip for the generator
     "jax", "jaxlib", "libtpu", "XLA_FLAGS", "LIBTPU_INIT_ARGS", "code",
 ])
 def test_every_field_of_the_key_misses_when_it_changes(change, tmp_path, monkeypatch):
@@ -56,6 +57,18 @@ def test_every_field_of_the_key_misses_when_it_changes(change, tmp_path, monkeyp
         fields = _fields()
     assert answer_key(fields) != answer_key(base)
     assert store.load(fields) is None
+
+
+def test_the_scorers_reservation_reaches_the_preflight_command():
+    """The launch's child preflight gets the bytes kept for the scorer (--reserved_bytes), so that the answer it
+    computes and stores is the one for the chip less the scorer; none is passed without a scorer."""
+    from pipeline.launch_check import preflight_args
+    from pipeline.preflight import parse_args
+
+    args = preflight_args(dataclasses.replace(BASE, reserved_bytes=3 * 2**20), None)
+    assert args["reserved_bytes"] == 3 * 2**20
+    assert parse_args([f"--{k}={v}" for k, v in args.items() if v is not None]).reserved_bytes == 3 * 2**20
+    assert preflight_args(BASE, None)["reserved_bytes"] is None
 
 
 def test_the_checkpoints_defaults_named_or_left_ask_the_same():

@@ -808,6 +808,11 @@ BAD_VALUES = {
     "experiments": ["has space", ",x", "=x", "x,"],
     "number_of_worker_harness_threads": INT_BAD + ["1000"],
     "disk_size_gb": INT_BAD + ["5"],
+    "score_model": ["has space", "s3://b/clip", "/local/clip", "gs://"],
+    "score_labels": ["one label", "a,,b", ",a,b"],
+    "score_heads": ["aesthetic", "=x.safetensors", "1x=gs://b/h.safetensors"],
+    "min_score": ["clip_score", "clip_score=", "=22", "clip_score=abc"],
+    "max_score": ["label:nsfw content", "label:nsfw content=", "=0.5", "x=0.5.1"],
 }
 
 
@@ -1353,7 +1358,9 @@ def test_docs_build_launch_and_sizing_commands_run(fake_gcloud):
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     commands = [" ".join(c["args"][:3]) for c in calls()]
-    assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 2  # TPU and GPU builds
+    builds = [c["args"] for c in calls() if c["args"][:2] == ["builds", "submit"]]
+    assert sum("--no-source" not in b for b in builds) == 2  # TPU and GPU builds
+    assert sum("--no-source" in b for b in builds) == 1  # the TPU build's preflight compiled ahead (--weights)
     assert commands.count("dataflow flex-template build") == 2
     runs = [c["args"] for c in calls() if c["args"][:3] == ["dataflow", "flex-template", "run"]]
     assert len(runs) == 4  # v5e and v6e in the first launch block, then klein-9B with a reservation, then GPU

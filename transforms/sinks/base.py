@@ -53,6 +53,8 @@ class SinkSettings:
     progress_dir: str | None = None
     quantize: str = "none"  # the model's quantization, which the dataset card states
     dtype: str | None = None  # the model's dtype (--dtype), which every image records
+    score_names: tuple[str, ...] = ()  # --score_model's scores, whose histograms the dataset card shows
+    score_rules: tuple = ()  # --min_score / --max_score (transforms/score_filters.py): a resume applies them again
 
     @property
     def model_identity(self) -> ModelIdentity:

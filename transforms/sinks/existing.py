@@ -27,6 +27,7 @@ from .. import layout, retries
 from ..checksums import Stored, crc32c, list_folder, local_digests
 from ..identity import DECISIVE_FIELDS, RECORDED_FIELDS as IDENTITY_FIELDS, ImageIdentity, ModelIdentity
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
+from ..score_filters import first_broken
 from . import writes
 from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_text
 
@@ -70,6 +71,8 @@ class FoundImage:
     model: str
     made_by: ModelIdentity  # the model identity it records (the job's, when its model fingerprint is the job's)
     crc32c: str | None = None
+    scores: dict | None = None  # --score_model: what the earlier run scored it (and the filter it broke)
+    filtered: dict | None = None
 
     def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
         """Its manifest row (generation_ms None: its time was not measured by this run)."""
@@ -77,7 +80,8 @@ class FoundImage:
             task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
-            identity=ImageIdentity.of(task, self.made_by), key=key, crc32c=self.crc32c)
+            identity=ImageIdentity.of(task, self.made_by), key=key, crc32c=self.crc32c, scores=self.scores,
+            filtered=self.filtered)
 
 
 def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
@@ -161,16 +165,18 @@ class _SkipExistingFn(retries.CountingRetriesFn):
     the whole check of runs before fingerprints."""
 
     def __init__(self, output: str, encoding: ImageEncoding | None = None,
-                 model_identity: ModelIdentity | str | None = None):
+                 model_identity: ModelIdentity | str | None = None, score_rules: tuple = ()):
         self._output = output
         self._encoding = encoding or ImageEncoding()
         self._model = ModelIdentity.of(model_identity)
+        self._score_rules = tuple(score_rules)  # the job's score filters, applied again to a kept image's scores
         self._skipped = Metrics.counter(METRICS_NAMESPACE, "images_skipped")
         self._replaced = Metrics.counter(METRICS_NAMESPACE, "existing_images_replaced")
         self._stale = Metrics.counter(METRICS_NAMESPACE, "images_stale")
         self._read = Metrics.counter(METRICS_NAMESPACE, "existing_images_read")
         self._hashed = Metrics.counter(METRICS_NAMESPACE, "existing_images_hashed")
         self._changed = Metrics.counter(METRICS_NAMESPACE, "existing_images_changed")
+        self._refiltered_count = Metrics.counter(METRICS_NAMESPACE, "existing_images_refiltered")
 
     def process(self, task, existing):
         if self._encoding.stored_name(task.file_name) not in existing:
@@ -178,8 +184,9 @@ class _SkipExistingFn(retries.CountingRetriesFn):
             return
         yield from self._read_and_check(task)
 
-    def _read_and_check(self, task):
-        file_name = self._encoding.stored_name(task.file_name)
+    def _read_and_check(self, task, file_name: str | None = None):
+        """`file_name`: where the image is (default: its name under images/; a filtered one's under filtered/)."""
+        file_name = file_name or self._encoding.stored_name(task.file_name)
         uri = layout.join(self._output, file_name)
         try:
             data = writes.read_bytes(uri)
@@ -212,9 +219,18 @@ class _SkipExistingFn(retries.CountingRetriesFn):
         yield task
 
 
+def move_object(output: str, source: str, target: str) -> None:
+    """Move `source` to `target` (names relative to `output`): the bytes written atomically there first, then the
+    old object deleted, so a stop in between leaves both, never neither."""
+    from apache_beam.io.filesystems import FileSystems
+
+    writes.write_bytes_atomic(layout.join(output, target), writes.read_bytes(layout.join(output, source)))
+    FileSystems.delete([layout.join(output, source)])
+
+
 # What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
 RECORDED_FIELDS = ("bytes", "sha256", "crc32c", "model", "prompt_truncated", "num_inference_steps",
-                   "guidance_scale", *IDENTITY_FIELDS)
+                   "guidance_scale", *IDENTITY_FIELDS, "scores", "filtered")
 
 
 def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
@@ -246,11 +262,13 @@ class _DecideExistingFn(_SkipExistingFn):
     def process(self, element, existing=None):
         file_name, found = element
         listed, recorded = list(found["listed"]), list(found["recorded"])
+        if not listed and found.get("filtered"):  # a score filter left it out: under filtered/ (score_filters.py)
+            listed, file_name = list(found["filtered"]), layout.filtered_file_name(file_name)
         for task in found["tasks"]:
             if not listed:
                 yield from self._missing_task(task)
             elif not recorded:
-                yield from self._read_and_check(task)
+                yield from self._read_and_check(task, file_name)
             else:
                 yield from self._decide(task, file_name, listed[0], recorded)
 
@@ -276,7 +294,7 @@ class _DecideExistingFn(_SkipExistingFn):
             self._changed.inc()
             LOGGER.info("--skip_existing: %s is not the image its manifest rows name (its bytes changed since: a "
                         "run stopped while replacing it?); reading it", file_name)
-            yield from self._read_and_check(task)
+            yield from self._read_and_check(task, file_name)
             return
         mine = ImageIdentity.of(task, self._model).fields()
         want = tuple(mine[name] for name in DECISIVE_FIELDS)
@@ -288,15 +306,35 @@ class _DecideExistingFn(_SkipExistingFn):
                                               f"{which.replace('_', ' ')}")
             return
         if len(prints) > 1:  # rows that disagree about these very bytes: look at them
-            yield from self._read_and_check(task)
+            yield from self._read_and_check(task, file_name)
             return
         rec = rows[0]
         self._skipped.inc()
         found = FoundImage(sha256=rec["sha256"], num_bytes=stored.size, num_inference_steps=rec["num_inference_steps"],
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
-                           model=rec["model"], made_by=self._model, crc32c=stored.crc32c)
+                           model=rec["model"], made_by=self._model, crc32c=stored.crc32c,
+                           scores=rec.get("scores"), filtered=rec.get("filtered"))
+        if found.scores is not None:  # this run's thresholds (none: every image in the dataset) decide
+            found, file_name = self._refiltered(task, found, file_name)
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
                                                               uri=layout.join(self._output, file_name)))
+
+    def _refiltered(self, task, found: FoundImage, file_name: str) -> tuple[FoundImage, str]:
+        """A kept image's filter decision under this run's rules (transforms/score_filters.py), the image moved
+        between images/ and filtered/ when it changed; (its figures, where it now is)."""
+        filtered = first_broken(found.scores, self._score_rules)
+        in_images = self._encoding.stored_name(task.file_name)
+        target = layout.filtered_file_name(in_images) if filtered else in_images
+        if target != file_name:
+            move_object(self._output, file_name, target)
+            self._refiltered_count.inc()
+        return dataclasses.replace(found, filtered=filtered), target
+
+
+def _in_images(file_name: str) -> str:
+    """A filtered image's name as its task's (`filtered/x.png` -> `images/x.png`); any other name as it is."""
+    prefix = layout.FILTERED_DIR + "/"
+    return f"{layout.IMAGES_DIR}/{file_name[len(prefix):]}" if file_name.startswith(prefix) else file_name
 
 
 class SkipExisting(beam.PTransform):
@@ -316,12 +354,16 @@ class SkipExisting(beam.PTransform):
     """
 
     def __init__(self, output: str, encoding: ImageEncoding | None = None,
-                 model_identity: ModelIdentity | str | None = None, read_manifest: bool = True):
+                 model_identity: ModelIdentity | str | None = None, read_manifest: bool = True,
+                 score_rules: tuple = ()):
+        """`score_rules`: the job's score filters, applied again to each kept image's recorded scores (the image is
+        moved between images/ and filtered/ when its decision changes)."""
         super().__init__()
         self._output = output
         self._encoding = encoding or ImageEncoding()
         self._model = ModelIdentity.of(model_identity)
         self._read_manifest = read_manifest
+        self._score_rules = tuple(score_rules)
 
     def expand(self, tasks):
         from apache_beam.io import fileio
@@ -332,7 +374,7 @@ class SkipExisting(beam.PTransform):
                   | "ImagesFolder" >> beam.Create([layout.join(output, layout.IMAGES_DIR)])
                   | "ListImages" >> beam.FlatMap(lambda folder: ((f"{layout.IMAGES_DIR}/{name}", found)
                                                                  for name, found in list_folder(folder, suffix))))
-        fn_args = (output, encoding, self._model)
+        fn_args = (output, encoding, self._model, self._score_rules)
         if not self._read_manifest:
             out = tasks | "SkipExisting" >> beam.ParDo(_SkipExistingFn(*fn_args), beam.pvalue.AsDict(listed)) \
                 .with_outputs(SKIPPED_TAG, STALE_TAG, DAMAGED_TAG, MISSING_TAG, main="tasks")
@@ -343,7 +385,14 @@ class SkipExisting(beam.PTransform):
                         | "OpenManifests" >> fileio.ReadMatches()
                         | "RecordedRows" >> beam.FlatMap(recorded_rows))
             keyed = tasks | "ByFileName" >> beam.Map(lambda t: (encoding.stored_name(t.file_name), t))
-            out = ({"tasks": keyed, "listed": listed, "recorded": recorded}
+            # Images a score filter left out (filtered/NAME), joined with their task under images/NAME.
+            filtered = (tasks.pipeline
+                        | "FilteredFolder" >> beam.Create([layout.join(output, layout.FILTERED_DIR)])
+                        | "ListFiltered" >> beam.FlatMap(lambda folder: ((f"{layout.IMAGES_DIR}/{name}", found)
+                                                                         for name, found in list_folder(folder,
+                                                                                                        suffix))))
+            recorded = recorded | "UnfilteredNames" >> beam.Map(lambda kv: (_in_images(kv[0]), kv[1]))
+            out = ({"tasks": keyed, "listed": listed, "recorded": recorded, "filtered": filtered}
                    | "JoinExisting" >> beam.CoGroupByKey()
                    | "DecideExisting" >> beam.ParDo(_DecideExistingFn(*fn_args))
                    .with_outputs(SKIPPED_TAG, STALE_TAG, DAMAGED_TAG, MISSING_TAG, main="tasks"))

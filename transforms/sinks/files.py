@@ -16,7 +16,7 @@ from .base import DAMAGED, DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, MIS
     after, error_rows
 from .encoding import ImageEncoding
 from .existing import SkipExisting
-from .writes import Placement, StoreImagesFn
+from .writes import InFiltered, Placement, StoreImagesFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,19 +49,20 @@ class FilesSink(Sink):
         s = self.settings
         if not s.skip_existing:
             return NothingExisting()
-        return SkipExisting(s.output, s.encoding, s.model_identity)
+        return SkipExisting(s.output, s.encoding, s.model_identity, score_rules=s.score_rules)
 
     def expand(self, inputs):
         s = self.settings
         manifest = inputs[IMAGES] | "WriteImages" >> beam.ParDo(StoreImagesFn(
             InImages(s.output, s.encoding), s.encoding, s.encode_threads, model_identity=s.model_identity,
-            progress_dir=s.progress_dir))
+            progress_dir=s.progress_dir, filtered_place=InFiltered(s.output, s.encoding)))
         # Rows of the images found already written, released once this run's images are all written.
         existing = after(inputs[EXISTING], manifest, "AfterImages")
         # datasets' imagefolder: metadata.jsonl at the output's root, `file_name` relative to it, one row per image
         # of the output (this run's and those a --skip_existing run kept), written once every image is.
         metadata = ((manifest, existing)
                     | "EveryImage" >> beam.Flatten()
+                    | "InDataset" >> beam.Filter(lambda row: not row.get("filtered"))  # score filters: filtered/
                     | "MetadataJson" >> beam.Map(layout.to_json_line)
                     | "WriteMetadata" >> beam.io.WriteToText(layout.metadata_path(s.output), shard_name_template="",
                                                              num_shards=1))

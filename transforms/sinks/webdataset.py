@@ -46,7 +46,7 @@ from .base import DAMAGED, DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, MIS
     SinkSettings, after, error_rows
 from .encoding import ImageEncoding
 from .existing import ExistingImageMismatch, check_existing_image
-from .writes import Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
+from .writes import InFiltered, Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
 
 LOGGER = logging.getLogger(__name__)
 LINES_PER_BLOCK = 10_000  # lines of one input file whose tasks are ordered together (bounds one group's size)
@@ -482,11 +482,13 @@ class _PackShardFn(retries.CountingRetriesFn):
 
 # --------------------------------------------------------------------------------------------- indexes
 class _WriteIndexesFn(retries.CountingRetriesFn):
-    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none"):
+    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none",
+                 score_names: tuple[str, ...] = ()):
         self._output = output
         self._per_shard = samples_per_shard
         self._extension = image_extension
         self._quantize = quantize
+        self._score_names = tuple(score_names)
 
     def process(self, infos):
         infos = sorted(infos, key=lambda i: i["shard"])
@@ -497,7 +499,8 @@ class _WriteIndexesFn(retries.CountingRetriesFn):
         for name, value in files.items():
             write_bytes_atomic(layout.join(self._output, name),
                                (json.dumps(value, indent=2) + "\n").encode("utf-8"), mime_type="application/json")
-        card = dataset_card.card(self._output, infos, self._per_shard, self._extension, self._quantize)
+        card = dataset_card.card(self._output, infos, self._per_shard, self._extension, self._quantize,
+                                 self._score_names)
         write_bytes_atomic(layout.join(self._output, dataset_card.CARD_FILE), card.encode("utf-8"),
                            mime_type="text/markdown")
         yield len(infos)
@@ -506,9 +509,10 @@ class _WriteIndexesFn(retries.CountingRetriesFn):
 class WriteShardIndexes(beam.PTransform):
     """{shard, nsamples} of every shard -> dataset.json (wids), sizes.json (open_clip), README.md (datasets)."""
 
-    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none"):
+    def __init__(self, output: str, samples_per_shard: int, image_extension: str, quantize: str = "none",
+                 score_names: tuple[str, ...] = ()):
         super().__init__()
-        self._fn = _WriteIndexesFn(output, samples_per_shard, image_extension, quantize)
+        self._fn = _WriteIndexesFn(output, samples_per_shard, image_extension, quantize, score_names)
 
     def expand(self, infos):
         return (infos
@@ -539,7 +543,10 @@ class WebDatasetSink(Sink):
         s = self.settings
         staged = inputs[IMAGES] | "StageImages" >> beam.ParDo(StoreImagesFn(
             InShard(s.output, s.encoding), s.encoding, s.encode_threads, model_identity=s.model_identity,
-            progress_dir=s.progress_dir))
+            progress_dir=s.progress_dir, filtered_place=InFiltered(s.output, s.encoding)))
+        # Images a score filter left out are under filtered/, in the manifest, never in a shard.
+        filtered = staged | "FilteredOut" >> beam.Filter(lambda row: bool(row.get("filtered")))
+        staged = staged | "InDataset" >> beam.Filter(lambda row: not row.get("filtered"))
         per_shard = self.samples_per_shard
         made = staged | "MadeByShard" >> beam.Map(
             lambda row: (int(row["key"]) // shards.key_multiplier(per_shard), ("made", row)))
@@ -549,9 +556,10 @@ class WebDatasetSink(Sink):
                   | "ShardItems" >> beam.Flatten()
                   | "GroupByShard" >> beam.GroupByKey()  # one element per shard: small rows, never pixels
                   | "PackShards" >> beam.ParDo(_PackShardFn(s)).with_outputs(EXISTING, SHARDS_TAG, main=MANIFEST))
-        manifest = packed[MANIFEST]
+        manifest = (packed[MANIFEST], filtered) | "ShardedAndFiltered" >> beam.Flatten()
         infos = (inputs[KEPT_SHARDS], packed[SHARDS_TAG]) | "AllShardInfos" >> beam.Flatten()
-        indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize)
+        indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize,
+                                                              s.score_names)
         cleaned = (after(manifest.pipeline | "StagingDir" >> beam.Create([s.output]), packed[SHARDS_TAG],
                          "AfterPacking")
                    | "RemoveStaging" >> beam.Map(remove_staging))

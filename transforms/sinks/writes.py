@@ -62,6 +62,20 @@ class Placement:
 
 
 @dataclasses.dataclass(frozen=True)
+class InFiltered:
+    """Where every sink puts an image a score filter left out (transforms/score_filters.py): `filtered/{name}`,
+    written in place (never into a shard); a shard task keeps its key in its row."""
+
+    output: str
+    encoding: ImageEncoding = ImageEncoding()
+
+    def __call__(self, task) -> Placement:
+        name = layout.filtered_file_name(self.encoding.stored_name(task.file_name))
+        uri = layout.join(self.output, name)
+        return Placement(file_name=name, uri=uri, write_to=uri, key=getattr(task, "key", None))
+
+
+@dataclasses.dataclass(frozen=True)
 class StoredImage:
     """What an encoder thread reports back for one image: its size, sha256 and CRC32C (as GCS lists it)."""
 
@@ -93,8 +107,12 @@ class StoreImagesFn(retries.CountingRetriesFn):
 
     def __init__(self, place: Callable[..., Placement], encoding: ImageEncoding | None = None,
                  threads: int | None = None, max_in_flight: int | None = None,
-                 model_identity: ModelIdentity | str | None = None, progress_dir: str | None = None):
+                 model_identity: ModelIdentity | str | None = None, progress_dir: str | None = None,
+                 filtered_place: Callable[..., Placement] | None = None):
+        """`filtered_place(task)`: where an image a score filter left out goes (InFiltered; None: where `place`
+        says)."""
         self._place = place
+        self._filtered_place = filtered_place or place
         self._model = ModelIdentity.of(model_identity)
         self._progress_dir = progress_dir
         self._encoding = encoding or ImageEncoding()
@@ -129,7 +147,7 @@ class StoreImagesFn(retries.CountingRetriesFn):
         # Waits for the oldest images while the pool is full, so at most `limit` images are held here.
         while len(self._pending) >= self._limit or (self._pending and self._pending[0][0].done()):
             yield self._take_oldest()
-        place = self._place(generated.task)
+        place = (self._filtered_place if getattr(generated, "filtered", None) else self._place)(generated.task)
         future = self._pool.submit(store_image, generated, place, self._encoding, self._model)
         self._pending.append((future, generated, place, window, timestamp))
         self._in_flight.update(len(self._pending))
@@ -170,5 +188,6 @@ class StoreImagesFn(retries.CountingRetriesFn):
             num_bytes=stored.num_bytes, num_inference_steps=generated.num_inference_steps,
             guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
             model=generated.model, generation_ms=generated.generation_ms,
-            identity=ImageIdentity.of(generated.task, self._model), key=place.key, crc32c=stored.crc32c)
+            identity=ImageIdentity.of(generated.task, self._model), key=place.key, crc32c=stored.crc32c,
+            scores=getattr(generated, "scores", None), filtered=getattr(generated, "filtered", None))
         return beam_adapter.windowed_value(row, timestamp, window)
