@@ -21,6 +21,8 @@ from transforms.generation import Generate
 from transforms.inference import Flux2KleinModelHandler
 from transforms.inputs.bigquery import ReadBigQueryRequests, dataset_reference
 from transforms.inputs.readers import WARNING_TAG, ReadRequests
+from transforms.inputs.template import is_template
+from transforms.inputs.template_records import ExpandTemplates
 from transforms.preview import WritePreview
 from transforms.progress import ReportTotal
 from transforms.references import ResolveReferences
@@ -157,8 +159,12 @@ def _read_inputs(p: beam.Pipeline, job: JobConfig) -> dict:
     warnings found at launch."""
     source = job.spec.input
     reads = []
-    if source.files:
-        patterns = p | "InputPatterns" >> beam.Create(list(source.files))
+    templates = {t.source for t in job.templates}
+    files = [f for f in source.files if not is_template(f, plain(source.input_format)) and f not in templates]
+    if job.templates:
+        reads.append(p | "ExpandTemplates" >> ExpandTemplates(job.templates, job.defaults))
+    if files:
+        patterns = p | "InputPatterns" >> beam.Create(files)
         reads.append(patterns | "ReadRequests" >> ReadRequests(plain(source.input_format), job.defaults,
                                                                source.columns, job.spec.reliability.read_timeout_s))
     temp_dataset = None

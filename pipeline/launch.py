@@ -85,6 +85,7 @@ class JobConfig:
     # How --batch_size auto became `load.engine.batch_size` (the launch's TPU preflight, or the default); None:
     # --batch_size N.
     batch_choice: str | None = None
+    templates: tuple = ()  # the --input templates, read and checked (transforms/inputs/template.py)
 
 
 def resolve_job(options: PipelineOptions) -> JobConfig:
@@ -100,7 +101,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
     load = spec.load_settings(checkpoint.location)
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
-    return JobConfig(spec=spec, load=load, defaults=defaults,
+    templates = probes.load_templates(files, spec, defaults)
+    files = [f for f in files if f not in {t.source for t in templates}]
+    return JobConfig(spec=spec, load=load, defaults=defaults, templates=templates,
                      input_warnings=probes.check_inputs(files, spec.input, spec.limits.max_prompt_bytes,
                                                         spec.reliability.read_timeout_s),
                      case_insensitive_output=probes.case_insensitive_output(spec.output.output),

@@ -28,6 +28,7 @@ from transforms.defaults import (
 )
 from transforms.inputs.columns import ColumnMap
 from transforms.inputs.formats import FORMATS
+from transforms.inputs.template import TEMPLATE_FORMAT
 from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD
 from transforms.sinks import registry as sink_registry
@@ -36,7 +37,7 @@ from .demo import DEMO_DTYPE, DEMO_SIZE
 
 DEFAULT_OUTPUT = "./output"
 AUTO_BATCH = "auto"  # --batch_size: the largest batch up to --max_batch_size that fits the TPU chips (the launch picks)
-INPUT_FORMATS = ("auto",) + FORMATS
+INPUT_FORMATS = ("auto",) + FORMATS + (TEMPLATE_FORMAT,)  # template: transforms/inputs/template.py
 DEFAULT_MAX_IMAGES = 10_000_000
 ACCELERATORS = ("tpu", "gpu")  # JAX platform names that --require_accelerator accepts
 

@@ -175,6 +175,20 @@ def _kind(path: str) -> str:
         return str(e)
 
 
+def load_templates(files: list[str], spec, defaults) -> tuple:
+    """The input files that are prompt templates, read and checked with their vocabularies and held to
+    --max_images (transforms/inputs/template.py); UsageError naming what is wrong."""
+    from transforms.inputs.template import TemplateError, check_total, is_template, load_template
+
+    fmt = getattr(spec.input.input_format, "value", spec.input.input_format)
+    try:
+        templates = tuple(load_template(f) for f in files if is_template(f, fmt))
+        check_total(list(templates), defaults.num_images, spec.limits.max_images)
+    except TemplateError as e:
+        raise UsageError(str(e)) from None
+    return templates
+
+
 def check_inputs(files: list[str], spec: InputSpec, max_prompt_bytes: int,
                  read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> tuple[str, ...]:
     """Each table's header (and the first JSONL records) must give the prompt column: said now, not in one error

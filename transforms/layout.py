@@ -70,6 +70,7 @@ MANIFEST_FIELDS = (
     "metadata",
     "request_fingerprint",  # transforms/fingerprints.py: what --skip_existing compares, without reading the image
     "model_fingerprint",
+    "phash",  # transforms/phash.py: the pixels' 64-bit perceptual hash (None where an older row has none)
 )
 
 
@@ -276,6 +277,7 @@ def manifest_row(
     key: str | None = None,
     quantize: str = "none",
     crc32c: str | None = None,
+    phash: str | None = None,
 ) -> dict:
     """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
     metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
@@ -309,6 +311,7 @@ def manifest_row(
         "metadata": dict(r.metadata_values()),
         "request_fingerprint": request_fingerprint(task),
         "model_fingerprint": model_fingerprint,
+        "phash": phash,
     }
     if r.reference_images:
         row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in r.reference_entries()]

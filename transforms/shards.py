@@ -211,7 +211,7 @@ def is_complete(stats: dict, planned: int) -> bool:
 SIDECAR_COLUMNS = ("key", "status", "error_message", "id", "file_name", "uri", "prompt", "prompt_truncated", "seed",
                    "height", "width", "num_inference_steps", "guidance_scale", "model", "quantize", "sha256", "bytes",
                    "crc32c",
-                   "generation_ms", "metadata", "source", "line", "request_fingerprint", "model_fingerprint")
+                   "generation_ms", "metadata", "source", "line", "request_fingerprint", "model_fingerprint", "phash")
 
 
 def sidecar_schema():
@@ -223,7 +223,7 @@ def sidecar_schema():
              "guidance_scale": pa.float64(), "model": pa.string(), "quantize": pa.string(), "sha256": pa.string(),
              "bytes": pa.int64(), "crc32c": pa.string(), "generation_ms": pa.float64(), "metadata": pa.string(),
              "source": pa.string(), "line": pa.int64(),
-             "request_fingerprint": pa.string(), "model_fingerprint": pa.string()}
+             "request_fingerprint": pa.string(), "model_fingerprint": pa.string(), "phash": pa.string()}
     return pa.schema([(name, types[name]) for name in SIDECAR_COLUMNS])
 
 

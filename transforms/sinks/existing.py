@@ -26,6 +26,7 @@ from apache_beam.metrics import Metrics
 from .. import layout, retries
 from ..checksums import Stored, crc32c, list_folder, local_digests
 from ..fingerprints import request_fingerprint
+from ..phash import phash_image
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from . import writes
 from .encoding import PIL_FORMATS, ImageEncoding, read_image_text, reference_text
@@ -63,6 +64,7 @@ class FoundImage:
     model_fingerprint: str | None
     quantize: str = "none"
     crc32c: str | None = None
+    phash: str | None = None
 
     def row(self, task, *, file_name: str, uri: str, key: str | None = None) -> dict:
         """Its manifest row (generation_ms None: its time was not measured by this run)."""
@@ -70,7 +72,8 @@ class FoundImage:
             task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
-            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize, crc32c=self.crc32c)
+            model_fingerprint=self.model_fingerprint, key=key, quantize=self.quantize, crc32c=self.crc32c,
+            phash=self.phash)
 
 
 def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
@@ -93,8 +96,8 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
     try:
         with Image.open(io.BytesIO(data)) as im:
             fmt, size, text = im.format, im.size, read_image_text(im)
-            if fmt != "PNG":
-                im.load()  # a truncated WebP/JPEG fails to decode here
+            im.load()  # a truncated WebP/JPEG fails to decode here; the pixels give the pHash
+            phash = phash_image(im)
         if fmt == "PNG":
             with Image.open(io.BytesIO(data)) as im:
                 im.verify()  # every chunk's CRC, through IEND: a truncated or damaged file fails here
@@ -133,7 +136,7 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
     return FoundImage(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data), num_inference_steps=steps,
                       guidance_scale=guidance, prompt_truncated=truncated, model=text.get("model", ""),
                       model_fingerprint=text.get("model_fingerprint"), quantize=text.get("quantize", "none"),
-                      crc32c=crc32c(data))
+                      crc32c=crc32c(data), phash=phash)
 
 
 def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding | None = None,
@@ -199,7 +202,7 @@ class _SkipExistingFn(retries.CountingRetriesFn):
 
 # What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
 RECORDED_FIELDS = ("request_fingerprint", "model_fingerprint", "bytes", "sha256", "crc32c", "model",
-                   "prompt_truncated", "num_inference_steps", "guidance_scale")
+                   "prompt_truncated", "num_inference_steps", "guidance_scale", "phash")
 
 
 def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
@@ -277,7 +280,7 @@ class _DecideExistingFn(_SkipExistingFn):
         found = FoundImage(sha256=rec["sha256"], num_bytes=stored.size, num_inference_steps=rec["num_inference_steps"],
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
                            model=rec["model"], model_fingerprint=want[1], quantize=rec.get("quantize", "none"),
-                           crc32c=stored.crc32c)
+                           crc32c=stored.crc32c, phash=rec.get("phash"))
         yield beam.pvalue.TaggedOutput(SKIPPED_TAG, found.row(task, file_name=file_name,
                                                               uri=layout.join(self._output, file_name)))
 
