@@ -18,6 +18,7 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions
 
 from transforms import layout
 from transforms.generation import Generate
+from transforms.duplicates import NearDuplicateGroups, mark_duplicates, write_groups
 from transforms.inference import Flux2KleinModelHandler
 from transforms.inputs.bigquery import ReadBigQueryRequests, dataset_reference
 from transforms.inputs.readers import WARNING_TAG, ReadRequests
@@ -60,8 +61,11 @@ def make_sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     """The sink of --output_format (a row of transforms/sinks/registry.py): the one place the job chooses how its
     images are stored."""
     out = job.spec.output
-    settings = sinks.SinkSettings(out.output, out.encoding, job.model_fingerprint or None, out.skip_existing,
-                                  job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize)
+    encoding = dataclasses.replace(out.encoding, c2pa=job.c2pa) if job.c2pa is not None else out.encoding
+    settings = sinks.SinkSettings(out.output, encoding, job.model_fingerprint or None, out.skip_existing,
+                                  job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize,
+                                  drop_near_duplicates=out.near_duplicate_distance if out.drop_near_duplicates
+                                  else None)
     return sink_registry.sink_class(out.output_format).from_options(settings, out)
 
 
@@ -84,10 +88,16 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     generated = tasks | "Generate" >> Generate(make_handler(job), job.load.engine.batch_size)
     written = {**generated, **placed} | "WriteOutput" >> sink
     manifest, existing, failed = written[sinks.MANIFEST], written[sinks.EXISTING], written[sinks.ERRORS]
+    # Near-duplicate groups across every image of the output (transforms/duplicates.py), and their marks.
+    groups = (((manifest, existing) | "EveryImageHashed" >> beam.Flatten())
+              | "NearDuplicates" >> NearDuplicateGroups(spec.output.near_duplicate_distance))
+    if spec.output.drop_near_duplicates:
+        manifest = mark_duplicates(manifest, groups, "MarkManifestDuplicates")
+        existing = mark_duplicates(existing, groups, "MarkExistingDuplicates")
 
     invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
-    after = [*_row_files(output, manifest, existing, errors), written[sinks.DONE]]
+    after = [*_row_files(output, manifest, existing, errors), written[sinks.DONE], write_groups(groups, output)]
     if spec.output.preview:
         every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
         after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview))

@@ -26,6 +26,7 @@ from transforms.defaults import (
     DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
     DEFAULT_PREVIEW, DEFAULT_READ_TIMEOUT_S, DEFAULT_SEED,
 )
+from transforms.defaults import DEFAULT_NEAR_DUPLICATE_DISTANCE
 from transforms.inputs.columns import ColumnMap
 from transforms.inputs.formats import FORMATS
 from transforms.inputs.template import TEMPLATE_FORMAT
@@ -162,6 +163,15 @@ OPTIONS = (
                                   "replacing them.", switch=True, default=False),
     Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
            default=False),
+    Option("near_duplicate_distance", "output", "Images whose perceptual hashes differ in at most this many of 64 "
+                                                "bits are one near-duplicate group (duplicates/).", type=int,
+           default=DEFAULT_NEAR_DUPLICATE_DISTANCE, metavar="BITS"),
+    Option("drop_near_duplicates", "output", "Keep one image per near-duplicate group (the smallest id) in "
+                                             "metadata.jsonl; mark the others duplicate_of in the manifest.",
+           switch=True, default=False),
+    Option("c2pa_cert", "output", "PEM certificate chain (leaf first) to sign a C2PA manifest into every image "
+                                  "with --c2pa_key (needs the c2pa extra).", metavar="FILE"),
+    Option("c2pa_key", "output", "PEM private key of --c2pa_cert.", metavar="FILE"),
     Option("allow_empty", "output", "Exit 0 even when the run generates no image (no record, or every request "
                                     "invalid or failed).", switch=True, default=False),
     # --- model

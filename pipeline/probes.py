@@ -175,6 +175,16 @@ def _kind(path: str) -> str:
         return str(e)
 
 
+def c2pa_signer(output):
+    """The C2PA signer of --c2pa_cert/--c2pa_key (None without them), checked by signing once: UsageError else."""
+    from transforms.c2pa_signing import C2paSettingsError, signer_from_options
+
+    try:
+        return signer_from_options(output.c2pa_cert, output.c2pa_key)
+    except C2paSettingsError as e:
+        raise UsageError(str(e)) from None
+
+
 def load_templates(files: list[str], spec, defaults) -> tuple:
     """The input files that are prompt templates, read and checked with their vocabularies and held to
     --max_images (transforms/inputs/template.py); UsageError naming what is wrong."""

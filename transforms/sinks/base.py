@@ -48,6 +48,7 @@ class SinkSettings:
     encode_threads: int | None = None
     progress_dir: str | None = None
     quantize: str = "none"  # the model's quantization, which the dataset card states
+    drop_near_duplicates: int | None = None  # --drop_near_duplicates: the distance of its groups; None: keep all
 
 
 class Sink(beam.PTransform):
