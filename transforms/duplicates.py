@@ -31,6 +31,7 @@ from .phash import HASH_BITS, as_int
 LOGGER = logging.getLogger(__name__)
 DUPLICATES_DIR = "duplicates"
 DUPLICATES_PREFIX = "duplicates"
+COMPARE_ROWS = 256  # hashes of one bucket compared with all the others in one array operation (bounds its memory)
 
 
 def duplicates_prefix(output: str) -> str:
@@ -88,14 +89,14 @@ def bucket_pairs(key, members: Iterable[tuple[str, str, str]], distance: int
     firsts.sort()
     values = np.array([as_int(m[2]) for m in firsts], dtype=np.uint64)
     masks = [np.uint64(((1 << width) - 1) << shift) for shift, width in bands(distance)[:band]]
-    for i in range(len(firsts) - 1):
-        rest = values[i + 1:]
-        bits = np.bitwise_count(np.bitwise_xor(rest, values[i]))
-        close = bits <= distance
+    for start in range(0, len(values), COMPARE_ROWS):  # every pair (i < j) at once, a block of rows at a time
+        rows = values[start:start + COMPARE_ROWS, None]
+        bits = np.bitwise_count(rows ^ values[None, :])
+        close = (bits <= distance) & (np.arange(len(values))[None, :] > np.arange(start, start + len(rows))[:, None])
         for mask in masks:  # a pair that agrees on an earlier band is that band's to report
-            close &= (rest & mask) != (values[i] & mask)
-        for j in np.flatnonzero(close):
-            yield firsts[i], firsts[i + 1 + j], int(bits[j])
+            close &= (rows & mask) != (values[None, :] & mask)
+        for i, j in zip(*np.nonzero(close)):
+            yield firsts[start + i], firsts[j], int(bits[i, j])
 
 
 def components(pairs: Iterable[tuple[tuple, tuple, int]]) -> list[dict]:
