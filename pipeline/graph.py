@@ -18,6 +18,8 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions
 
 from transforms import layout
 from transforms.generation import Generate
+from transforms.dataset_report import WriteDatasetReport
+from transforms.dataset_stats import DatasetStats
 from transforms.duplicates import NearDuplicateGroups, mark_duplicates, write_groups
 from transforms.inference import Flux2KleinModelHandler
 from transforms.inputs.bigquery import ReadBigQueryRequests, dataset_reference
@@ -97,10 +99,15 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
 
     invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
-    after = [*_row_files(output, manifest, existing, errors), written[sinks.DONE], write_groups(groups, output)]
+    every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
+    # The card's and the preview's statistics: labels per slot, near-duplicate groups, errors by kind.
+    stats = {"rows": every_image, "groups": groups, "errors": errors} | "DatasetStats" >> DatasetStats()
+    report = stats | "DatasetReport" >> WriteDatasetReport(output, spec.output.encoding.extension,
+                                                           written[sinks.DONE])
+    after = [*_row_files(output, manifest, existing, errors), written[sinks.DONE], write_groups(groups, output),
+             report]
     if spec.output.preview:
-        every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
-        after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview))
+        after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview, stats))
 
     counted = {
         "records_read": (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten(),
