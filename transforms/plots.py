@@ -29,6 +29,8 @@ def top_counts(counts: dict[str, int], max_bars: int = MAX_BARS) -> list[tuple[s
 def bar_charts_png(charts: dict[str, dict[str, int]], *, title: str, xlabel: str = "images") -> bytes:
     """One horizontal bar chart per entry of `charts` ({chart title: {bar label: count}}), stacked, as PNG."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     names = list(charts) or ["(none)"]
     heights = [max(1, len(top_counts(charts.get(n, {})))) for n in names]
     fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.2 + 0.28 * sum(heights) + 0.6 * len(names)),
@@ -44,6 +46,7 @@ def bar_charts_png(charts: dict[str, dict[str, int]], *, title: str, xlabel: str
         ax.set_title(name, fontsize=10, loc="left")
         ax.set_xlabel(xlabel, fontsize=8)
         ax.margins(x=0.15)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no 0.5 ticks
         if not values:
             ax.text(0.5, 0.5, "none", transform=ax.transAxes, ha="center", va="center")
     fig.suptitle(title, fontsize=11)
