@@ -297,7 +297,7 @@ class _PlanShardFn(retries.CountingRetriesFn):
             num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
             prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
             model_fingerprint=row["model_fingerprint"], key=task.key, quantize=row.get("quantize") or "none",
-            crc32c=row.get("crc32c"))
+            crc32c=row.get("crc32c"), phash=row.get("phash"))  # a kept shard's pHashes come from its sidecar
             for task, row in ((task, by_key[task.key]) for task in tasks)]
 
     def _not_vouched(self, shard: int, stats: dict, sidecar_data: bytes, rows: list[dict]) -> str | None:
