@@ -73,3 +73,28 @@ def test_without_a_certificate_nothing_signs_and_bad_settings_are_named(tmp_path
         signer_from_options(str(tmp_path / "none.pem"), str(tmp_path / "none.pem"))
     with pytest.raises(C2paSettingsError, match="not an unencrypted PEM private key"):
         C2paSigner.from_pem(b"x", b"not a key")
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpeg"])
+def test_the_writer_stores_signed_images_with_provenance_and_their_phash(tmp_path, fmt):
+    """What every sink stores (sinks/writes.store_image): XMP provenance, C2PA when the encoding has a signer, and the
+    pHash of the pixels as generated."""
+    c2pa = pytest.importorskip("c2pa")
+    from transforms.inference import GeneratedImage
+    from transforms.phash import phash_pixels
+    from transforms.requests import GenerationRequest
+    from transforms.sinks.writes import Placement, store_image
+
+    task = GenerationRequest(id="r1", prompt="a fox", seed=3, height=32, width=48, num_inference_steps=None,
+                             guidance_scale=None, num_images=1).tasks()[0]
+    generated = GeneratedImage(task=task, pixels=PIXELS, num_inference_steps=4, guidance_scale=1.0,
+                               prompt_truncated=False, model="klein-4b", generation_ms=1.0)
+    encoding = ImageEncoding(fmt, quality=100, c2pa=C2paSigner.from_pem(*signing_chain()))
+    path = str(tmp_path / f"r1.{encoding.extension}")
+    stored = store_image(generated, Placement("images/r1", path, path), encoding, model_fingerprint="ef" * 16)
+    assert stored.phash == phash_pixels(PIXELS)
+    data = open(path, "rb").read()
+    im = _open(data)
+    assert provenance.read_xmp(im)["RequestFingerprint"] and read_image_text(im)["prompt"] == "a fox"
+    with c2pa.Reader(encoding.mime_type, io.BytesIO(data)) as reader:
+        assert "c2pa.created" in reader.json()
