@@ -17,6 +17,7 @@ from transforms import layout, shards
 from transforms.checksums import crc32c
 from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.inference import GeneratedImage
+from transforms.provenance import xmp_packet
 from transforms.requests import GenerationRequest, ImageTask
 from transforms.sinks import base as sinks, writes
 from transforms.sinks.encoding import ImageEncoding, encode_png, png_text
@@ -291,8 +292,11 @@ def test_webdataset_rerun_reuses_the_images_a_killed_run_staged(tmp_path):
     keys = {t.request.id: shards.sample_key(*divmod(i, 4), 4) for i, t in enumerate(tasks)}
     for rid, prompt in (("a", "a fox"), ("b", "a fox"), ("e", "a fox"), ("c", "another prompt")):
         t = task(rid, prompt=prompt, line="abcde".index(rid) + 1)
-        write_bytes_atomic(staged_path(out, keys[rid], "png"), encode_png(_pixels(t), png_text(
-            t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_fingerprint=MODEL)))
+        text = png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False,
+                        model_fingerprint=MODEL)
+        xmp = xmp_packet(model="m", request_fingerprint=request_fingerprint(t), model_fingerprint=MODEL,
+                         image_id=t.request.id)  # staged as the writer stores it: with its provenance
+        write_bytes_atomic(staged_path(out, keys[rid], "png"), ImageEncoding("png").encode(_pixels(t), text, xmp=xmp))
     got = _wds(out, tasks, skip_existing=True)
     assert got["generated"] == [keys["c"], keys["d"]]  # c's staged image is another request's
     assert sorted(r["key"] for r in got["existing"]) == [keys["a"], keys["b"], keys["e"]]
