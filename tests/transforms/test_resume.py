@@ -111,10 +111,12 @@ def test_same_fingerprints_skip_without_reading_any_image(tmp_path, image_reads)
     by_name = {r["file_name"]: r for r in got["existing"]}
     for row in rows:
         kept = by_name[row["file_name"]]
+        # the pHash too comes from the earlier row: no image was read (transforms/phash.py)
         assert {k: kept[k] for k in ("sha256", "bytes", "uri", "prompt", "seed", "request_fingerprint",
-                                     "model_fingerprint")} == \
+                                     "model_fingerprint", "phash")} == \
                {k: row[k] for k in ("sha256", "bytes", "uri", "prompt", "seed", "request_fingerprint",
-                                    "model_fingerprint")}
+                                    "model_fingerprint", "phash")}
+        assert len(kept["phash"]) == 16
         assert kept["generation_ms"] is None
 
 
