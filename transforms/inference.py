@@ -284,6 +284,14 @@ class GeneratedImage:
     generation_ms: float  # this image's share of its batch's generate() wall time
     nonfinite: str | None = None  # why its values are not an image (NaN or inf: stage and share), else None
 
+    @property
+    def phash(self) -> str:
+        """Its pixels' perceptual hash (transforms/phash.py): an output of this image, like its pixels, never part
+        of its identity (transforms/identity.py); the sink records it in the image's row."""
+        from .phash import phash_pixels
+
+        return phash_pixels(self.pixels)
+
 
 class LoadedGenerator:
     """What `load_model` returns: the generator behind one method, so that a model shared across processes (served

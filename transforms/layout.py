@@ -72,6 +72,8 @@ MANIFEST_FIELDS = (
     # transforms/identity.py: request_fingerprint, model_fingerprint (what --skip_existing compares, without reading
     # the image), dtype and quantize (none | int8) of the model that made it
     *RECORDED_FIELDS,
+    "phash",  # transforms/phash.py: the pixels' 64-bit perceptual hash, an output beside the identity (None where an
+    # older row has none)
 )
 
 
@@ -277,6 +279,7 @@ def manifest_row(
     identity: ImageIdentity | None = None,
     key: str | None = None,
     crc32c: str | None = None,
+    phash: str | None = None,
 ) -> dict:
     """The manifest row of one image of `task` (an ImageTask): the one builder of manifest-*.jsonl, existing-*.jsonl,
     metadata.jsonl and KEY.json rows, for every sink. The request gives the id, prompt, seed, size, `metadata` (the
@@ -307,6 +310,7 @@ def manifest_row(
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
         "metadata": dict(r.metadata_values()),
         **identity.fields(),
+        "phash": phash,
     }
     if r.reference_images:
         row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in r.reference_entries()]

@@ -94,7 +94,7 @@ def test_options_page_table_matches_help():
     with open(os.path.join(REPO, "README.md")) as fh:
         assert "(docs/options.md)" in fh.read()
     text = flat(format_help())
-    rows = re.findall(r"^\| `(--[a-z_]+)` \| (.*?) \| (.*?) \|$", table, re.M)
+    rows = re.findall(r"^\| `(--[a-z0-9_]+)` \| (.*?) \| (.*?) \|$", table, re.M)
     assert [r[0] for r in rows] == [o.flag for o in OPTIONS]
     for flag, default, description in rows:
         unescaped = lambda cell: cell.replace("\\|", "|").replace("\\*", "*")  # noqa: E731
@@ -135,7 +135,7 @@ def test_unknown_options_exit_2_on_the_command_line(tmp_path):
 @pytest.mark.parametrize("arg, option, value, accepted", [
     ("--height=abc", "--height", "abc", "expected a whole number"),
     ("--dtype=float64", "--dtype", "float64", "expected one of bfloat16, float32"),
-    ("--input_format=xml", "--input_format", "xml", "expected one of auto, jsonl, csv, tsv, parquet, text"),
+    ("--input_format=xml", "--input_format", "xml", "expected one of auto, jsonl, csv, tsv, parquet, text, template"),
     ("--guidance_scale=high", "--guidance_scale", "high", "expected a number"),
     ("--require_accelerator=cuda", "--require_accelerator", "cuda", "expected one of tpu, gpu"),
     ("--direct_num_workers=two", "--direct_num_workers", "two", "expected a whole number"),  # a Beam option's

@@ -53,6 +53,7 @@ class SinkSettings:
     progress_dir: str | None = None
     quantize: str = "none"  # the model's quantization, which the dataset card states
     dtype: str | None = None  # the model's dtype (--dtype), which every image records
+    drop_near_duplicates: int | None = None  # --drop_near_duplicates: the distance of its groups; None: keep all
 
     @property
     def model_identity(self) -> ModelIdentity:
