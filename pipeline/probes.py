@@ -142,12 +142,13 @@ def check_loras(spec, location: str) -> tuple[dict, ...]:
 
 def check_vae(source: str | None, location: str, variant: str | None, cache_dir: str | None) -> str | None:
     """--vae checked against the checkpoint at `location` as its own VAE would be (config, latent channels, every
-    tensor's name and shape from the weights' header: model/loading/vae_swap.py); its content identity, for the model
+    tensor's name and shape from the weights' header: model/engine/vae_check.py); its content identity, for the model
     fingerprint (None without --vae). UsageError naming the key or tensor and the file."""
     if not source:
         return None
     from model.loading.checkpoint import read_config
-    from model.loading.vae_swap import check_vae as check_against, vae_files, vae_identity
+    from model.engine.vae_check import check_vae as check_against
+    from model.loading.vae_swap import vae_files, vae_identity
 
     try:
         files = vae_files(source, cache_dir)

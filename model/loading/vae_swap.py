@@ -138,22 +138,3 @@ def with_vae(root: str, files: VaeFiles) -> str:
     targets = {name: os.path.join(root, name) for name in os.listdir(root) if name != "vae"}
     targets["vae"] = vae_view(files)
     return _links(os.path.join(cache_root(), "vae-checkpoints", _key(root, files.config, *files.weights)), targets)
-
-
-def check_vae(files: VaeFiles, config) -> None:
-    """Check a VAE against the checkpoint it goes with (`config`: its PipelineConfig), from its config and weight
-    headers alone, as the launch checks a checkpoint's own: its config read as a FLUX.2 VAE's, its latent channels
-    the transformer's, every tensor the model needs present with the shape its config gives. ConfigError or
-    CheckpointError naming the key or tensor and the file."""
-    from ..engine.factory import Networks  # JAX: the tensors' names and shapes come from the model's modules
-    from .config import VAEConfig, read_json
-    from .loader import validate_component
-    from ..errors import ConfigError
-
-    vae = VAEConfig.from_dict(read_json(files.config), files.config)
-    if vae.patched_channels != config.transformer.in_channels:
-        raise ConfigError("the VAE's latent_channels x patch area must equal the transformer's in_channels "
-                          f"({config.transformer.in_channels})", path=files.config, key="latent_channels",
-                          value=vae.latent_channels)
-    expected, optional = Networks(dataclasses.replace(config, vae=vae), out_layers=(-1,)).stored_tensors()["vae"]
-    validate_component(vae_view(files), expected=expected, optional=optional)
