@@ -1357,7 +1357,9 @@ def test_docs_build_launch_and_sizing_commands_run(fake_gcloud):
     proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     commands = [" ".join(c["args"][:3]) for c in calls()]
-    assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 2  # TPU and GPU builds
+    # the TPU and GPU builds, and the compile-ahead check build.sh runs for a TPU image with --weights
+    assert sum(c["args"][:2] == ["builds", "submit"] for c in calls()) == 3
+    assert sum("--no-source" in c["args"] for c in calls() if c["args"][:2] == ["builds", "submit"]) == 1
     assert commands.count("dataflow flex-template build") == 2
     runs = [c["args"] for c in calls() if c["args"][:3] == ["dataflow", "flex-template", "run"]]
     assert len(runs) == 4  # v5e and v6e in the first launch block, then klein-9B with a reservation, then GPU
