@@ -17,7 +17,15 @@ RUNTIME_REQUIREMENTS = [
     "google-cloud-storage==3.17.1",
     "gcsfs==2026.10.1",  # lets JAX keep its persistent compilation cache on gs://
     "pyarrow==25.0.1",  # Parquet prompt tables (transforms/inputs/parquet.py); the version Beam 2.77 resolves to
-    "matplotlib==3.11.2",  # the score histograms (transforms/score_views.py), imported only there
+    "pyyaml==6.0.4",  # .template.yaml prompt templates (transforms/inputs/template.py); the version Beam resolves to
+    "matplotlib==3.11.2",  # the dataset card's and the preview's plots and the score histograms (transforms/plots.py,
+    # score_views.py), imported only there
+]
+
+# Optional C2PA signing (--c2pa_cert/--c2pa_key, transforms/c2pa_signing.py): imported only when a certificate is
+# given; the tests sign with a test certificate and read back with its Reader.
+C2PA_REQUIREMENTS = [
+    "c2pa-python==0.38.1",
 ]
 
 # Test-only reference stack: diffusers/transformers on PyTorch CPU give the numbers we must match and build
@@ -44,7 +52,7 @@ HUB_REQUIREMENTS = [
 # TPU hosts: the libtpu that matches the JAX pin (jax[tpu]==0.10.2 resolves to it), for running on the chips.
 TPU_REQUIREMENTS = PREFLIGHT_REQUIREMENTS
 
-TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + HUB_REQUIREMENTS + [
+TEST_REQUIREMENTS = DEMO_REQUIREMENTS + PREFLIGHT_REQUIREMENTS + HUB_REQUIREMENTS + C2PA_REQUIREMENTS + [
     "pytest==9.2.0",
     "pytest-xdist==3.8.0",  # the README's test command runs the suite on 2 processes (CI under 20 minutes on 2 cores)
     "hypothesis==6.170.17",
@@ -71,6 +79,6 @@ setup(
     package_data={"model.loading.presets": ["*/*.json", "*/*/*.json"]},  # the bundled configs (model.loading.presets)
     install_requires=RUNTIME_REQUIREMENTS,
     extras_require={"demo": DEMO_REQUIREMENTS, "preflight": PREFLIGHT_REQUIREMENTS, "tpu": TPU_REQUIREMENTS,
-                    "hub": HUB_REQUIREMENTS,
+                    "hub": HUB_REQUIREMENTS, "c2pa": C2PA_REQUIREMENTS,
                     "test": TEST_REQUIREMENTS},
 )

@@ -20,6 +20,7 @@ import types
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.inputs.readers import WARNING_TAG, _ReadRequestsFn, canonical_path
+from transforms.inputs.template_records import template_request
 from transforms.requests import INVALID_TAG, GenerationRequest, max_images_message
 
 from .errors import UsageError
@@ -67,12 +68,13 @@ def survey_inputs(job) -> InputSurvey:
     for pattern in source.files:
         for metadata in FileSystems.match([pattern])[0].metadata_list:
             paths.setdefault(canonical_path(metadata.path), None)
+    templates = {canonical_path(t.source) for t in job.templates}  # read at launch, expanded below
     fn = _ReadRequestsFn(_plain(source.input_format), job.defaults, source.columns, job.spec.reliability.read_timeout_s)
     fn.setup()
     fold = str.lower if job.case_insensitive_output else (lambda name: name)
     first: dict[str, bytes] = {}  # id -> its first record's parameters (hashed)
     owner: dict[str, str] = {}  # image file name (folded) -> the id that writes it
-    for path in sorted(paths):  # the order of GenerationRequest.position: the first record of an id is kept
+    for path in sorted(p for p in paths if p not in templates):  # GenerationRequest.position's order
         survey.files += 1
         for out in fn.process(_readable(path)):
             tag = getattr(out, "tag", None)
@@ -84,6 +86,15 @@ def survey_inputs(job) -> InputSurvey:
                 survey.invalid[out.value.get("kind") or "error"] += 1
                 continue
             _plan(out, survey, first, owner, fold)
+    for template in job.templates:  # every record, made and validated as the job's ExpandTemplates makes it
+        survey.files += 1
+        for position in range(template.count):
+            survey.records += 1
+            made = template_request(template, position, job.defaults)
+            if isinstance(made, dict):
+                survey.invalid[made.get("kind") or "error"] += 1
+            else:
+                _plan(made, survey, first, owner, fold)
     survey.seconds = time.perf_counter() - started
     return survey
 

@@ -18,9 +18,14 @@ from apache_beam.options.pipeline_options import GoogleCloudOptions
 
 from transforms import layout
 from transforms.generation import Generate
+from transforms.dataset_report import WriteDatasetReport
+from transforms.dataset_stats import DatasetStats
+from transforms.duplicates import NearDuplicateGroups, mark_duplicates, write_groups
 from transforms.inference import Flux2KleinModelHandler
 from transforms.inputs.bigquery import ReadBigQueryRequests, dataset_reference
 from transforms.inputs.readers import WARNING_TAG, ReadRequests
+from transforms.inputs.template import is_template
+from transforms.inputs.template_records import ExpandTemplates
 from transforms.preview import WritePreview
 from transforms.progress import ReportTotal
 from transforms.references import ResolveReferences
@@ -60,11 +65,14 @@ def make_sink(job: JobConfig, progress_dir: str | None) -> sinks.Sink:
     """The sink of --output_format (a row of transforms/sinks/registry.py): the one place the job chooses how its
     images are stored."""
     out = job.spec.output
-    settings = sinks.SinkSettings(out.output, out.encoding, job.model_fingerprint or None, out.skip_existing,
+    encoding = dataclasses.replace(out.encoding, c2pa=job.c2pa) if job.c2pa is not None else out.encoding
+    settings = sinks.SinkSettings(out.output, encoding, job.model_fingerprint or None, out.skip_existing,
                                   job.spec.limits.encode_threads, progress_dir, quantize=job.load.engine.quantize,
                                   dtype=job.load.dtype,
                                   score_names=job.load.scores.names if job.load.scores is not None else (),
-                                  score_rules=job.spec.scores.rules if job.spec.scores is not None else ())
+                                  score_rules=job.spec.scores.rules if job.spec.scores is not None else (),
+                                  drop_near_duplicates=out.near_duplicate_distance if out.drop_near_duplicates
+                                  else None)
     return sink_registry.sink_class(out.output_format).from_options(settings, out)
 
 
@@ -88,16 +96,26 @@ def build_pipeline(p: beam.Pipeline, job: JobConfig, *, started_at: float, progr
     generated = tasks | "Generate" >> Generate(make_handler(job), job.load.engine.batch_size, rules)
     written = {**generated, **placed} | "WriteOutput" >> sink
     manifest, existing, failed = written[sinks.MANIFEST], written[sinks.EXISTING], written[sinks.ERRORS]
+    # Near-duplicate groups across every image of the output (transforms/duplicates.py), and their marks.
+    groups = (((manifest, existing) | "EveryImageHashed" >> beam.Flatten())
+              | "NearDuplicates" >> NearDuplicateGroups(spec.output.near_duplicate_distance))
+    if spec.output.drop_near_duplicates:
+        manifest = mark_duplicates(manifest, groups, "MarkManifestDuplicates")
+        existing = mark_duplicates(existing, groups, "MarkExistingDuplicates")
 
     invalid = (read["invalid"], dedup["invalid"], resolved["invalid"]) | "AllInvalid" >> beam.Flatten()
     errors = (invalid, failed) | "AllErrors" >> beam.Flatten()
-    after = [*_row_files(output, manifest, existing, errors), written[sinks.DONE]]
+    every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
+    # The card's and the preview's statistics: labels per slot, near-duplicate groups, errors by kind.
+    stats = {"rows": every_image, "groups": groups, "errors": errors} | "DatasetStats" >> DatasetStats()
+    report = stats | "DatasetReport" >> WriteDatasetReport(output, spec.output.encoding.extension,
+                                                           written[sinks.DONE])
+    after = [*_row_files(output, manifest, existing, errors), written[sinks.DONE], write_groups(groups, output),
+             report]
     if spec.output.preview:
-        every_image = (manifest, existing) | "EveryImage" >> beam.Flatten()
-        after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview))
+        after.append(every_image | "Preview" >> WritePreview(output, spec.output.preview, stats))
     if job.load.scores is not None:  # a histogram of each score (scores/), which the dataset card shows
-        scored = (manifest, existing) | "EveryScoredImage" >> beam.Flatten()
-        after.append(scored | "ScoreHistograms" >> WriteScoreHistograms(output, job.load.scores.names))
+        after.append(every_image | "ScoreHistograms" >> WriteScoreHistograms(output, job.load.scores.names))
 
     counted = {
         "records_read": (read["requests"], read["invalid"]) | "AllRecords" >> beam.Flatten(),
@@ -172,8 +190,12 @@ def _read_inputs(p: beam.Pipeline, job: JobConfig) -> dict:
     warnings found at launch."""
     source = job.spec.input
     reads = []
-    if source.files:
-        patterns = p | "InputPatterns" >> beam.Create(list(source.files))
+    templates = {t.source for t in job.templates}
+    files = [f for f in source.files if not is_template(f, plain(source.input_format)) and f not in templates]
+    if job.templates:
+        reads.append(p | "ExpandTemplates" >> ExpandTemplates(job.templates, job.defaults))
+    if files:
+        patterns = p | "InputPatterns" >> beam.Create(files)
         reads.append(patterns | "ReadRequests" >> ReadRequests(plain(source.input_format), job.defaults,
                                                                source.columns, job.spec.reliability.read_timeout_s))
     temp_dataset = None

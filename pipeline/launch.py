@@ -87,6 +87,8 @@ class JobConfig:
     # --batch_size N.
     batch_choice: str | None = None
     preflight: dict | None = None  # the TPU preflight's figures (topology, batch, estimate), when it ran
+    templates: tuple = ()  # the --input templates, read and checked (transforms/inputs/template.py)
+    c2pa: object = None  # transforms.c2pa_signing.C2paSigner of --c2pa_cert/--c2pa_key, checked by signing once
 
 
 def resolve_job(options: PipelineOptions) -> JobConfig:
@@ -109,7 +111,9 @@ def resolve_job(options: PipelineOptions) -> JobConfig:
         check_scores(load.scores)
     probes.check_bigquery(spec.input, runner)
     files = probes.match_inputs(spec.input.files)
-    return JobConfig(spec=spec, load=load, defaults=defaults,
+    templates = probes.load_templates(files, spec, defaults)
+    files = [f for f in files if f not in {t.source for t in templates}]
+    return JobConfig(spec=spec, load=load, defaults=defaults, templates=templates, c2pa=probes.c2pa_signer(spec.output),
                      input_warnings=probes.check_inputs(files, spec.input, spec.limits.max_prompt_bytes,
                                                         spec.reliability.read_timeout_s),
                      case_insensitive_output=probes.case_insensitive_output(spec.output.output),

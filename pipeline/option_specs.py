@@ -26,8 +26,10 @@ from transforms.defaults import (
     DEFAULT_INFERENCE_RETRIES, DEFAULT_INFERENCE_TIMEOUT_S, DEFAULT_MAX_METADATA_BYTES, DEFAULT_NUM_IMAGES,
     DEFAULT_PREVIEW, DEFAULT_READ_TIMEOUT_S, DEFAULT_SEED,
 )
+from transforms.defaults import DEFAULT_NEAR_DUPLICATE_DISTANCE
 from transforms.inputs.columns import ColumnMap
 from transforms.inputs.formats import FORMATS
+from transforms.inputs.template import TEMPLATE_FORMAT
 from transforms.layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
 from transforms.shards import DEFAULT_SAMPLES_PER_SHARD
 from transforms.sinks import registry as sink_registry
@@ -37,7 +39,7 @@ from .demo import DEMO_DTYPE, DEMO_SIZE
 DEFAULT_OUTPUT = "./output"
 # --batch_size: the fastest batch per image up to --max_batch_size that fits the TPU chips (the launch picks)
 AUTO_BATCH = "auto"
-INPUT_FORMATS = ("auto",) + FORMATS
+INPUT_FORMATS = ("auto",) + FORMATS + (TEMPLATE_FORMAT,)  # template: transforms/inputs/template.py
 DEFAULT_MAX_IMAGES = 10_000_000
 ACCELERATORS = ("tpu", "gpu")  # JAX platform names that --require_accelerator accepts
 
@@ -163,6 +165,15 @@ OPTIONS = (
                                   "replacing them.", switch=True, default=False),
     Option("no_progress", "output", "Do not print the live progress line (local runners).", switch=True,
            default=False),
+    Option("near_duplicate_distance", "output", "Images whose perceptual hashes differ in at most this many of 64 "
+                                                "bits are one near-duplicate group (duplicates/).", type=int,
+           default=DEFAULT_NEAR_DUPLICATE_DISTANCE, metavar="BITS"),
+    Option("drop_near_duplicates", "output", "Keep one image per near-duplicate group (the smallest id) in "
+                                             "metadata.jsonl; the others are marked duplicate_of.",
+           switch=True, default=False),
+    Option("c2pa_cert", "output", "PEM certificate chain (leaf first) to sign a C2PA manifest into every image "
+                                  "with --c2pa_key (needs the c2pa extra).", metavar="FILE"),
+    Option("c2pa_key", "output", "PEM private key of --c2pa_cert.", metavar="FILE"),
     Option("allow_empty", "output", "Exit 0 even when the run generates no image (no record, or every request "
                                     "invalid or failed).", switch=True, default=False),
     # --- model

@@ -205,6 +205,30 @@ def _kind(path: str) -> str:
         return str(e)
 
 
+def c2pa_signer(output):
+    """The C2PA signer of --c2pa_cert/--c2pa_key (None without them), checked by signing once: UsageError else."""
+    from transforms.c2pa_signing import C2paSettingsError, signer_from_options
+
+    try:
+        return signer_from_options(output.c2pa_cert, output.c2pa_key)
+    except C2paSettingsError as e:
+        raise UsageError(str(e)) from None
+
+
+def load_templates(files: list[str], spec, defaults) -> tuple:
+    """The input files that are prompt templates, read and checked with their vocabularies and held to
+    --max_images (transforms/inputs/template.py); UsageError naming what is wrong."""
+    from transforms.inputs.template import TemplateError, check_total, is_template, load_template
+
+    fmt = getattr(spec.input.input_format, "value", spec.input.input_format)
+    try:
+        templates = tuple(load_template(f) for f in files if is_template(f, fmt))
+        check_total(list(templates), defaults.num_images, spec.limits.max_images)
+    except TemplateError as e:
+        raise UsageError(str(e)) from None
+    return templates
+
+
 def check_inputs(files: list[str], spec: InputSpec, max_prompt_bytes: int,
                  read_timeout_s: float | None = DEFAULT_READ_TIMEOUT_S) -> tuple[str, ...]:
     """Each table's header (and the first JSONL records) must give the prompt column: said now, not in one error

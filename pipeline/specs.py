@@ -20,6 +20,8 @@ from typing import Any
 from model import (DEFAULT_BATCH_SIZE, DEFAULT_SIZE, DTYPE_NAMES, MIN_REFERENCE_SIDE as MIN_SIDE, QUANTIZE_MODES,
                    EngineOptions, LoadSettings, LoraSpec, ScoreSettings, count, is_integer, optional_count,
                    parse_head, parse_labels, validate_variant, with_revision)
+from transforms.defaults import DEFAULT_NEAR_DUPLICATE_DISTANCE
+from transforms.duplicates import check_distance
 from transforms.inputs.bigquery import BigQueryInput, is_table_uri, table_spec
 from transforms.inputs.columns import ColumnMap, parse_column_map
 from transforms.inputs.validation import RequestDefaults
@@ -161,6 +163,10 @@ class OutputSpec:
     overwrite: bool
     no_progress: bool
     allow_empty: bool
+    near_duplicate_distance: int = DEFAULT_NEAR_DUPLICATE_DISTANCE
+    drop_near_duplicates: bool = False
+    c2pa_cert: str | None = None
+    c2pa_key: str | None = None
     encoding: ImageEncoding = dataclasses.field(init=False)  # the three image options, checked together
 
     def __post_init__(self):
@@ -174,6 +180,12 @@ class OutputSpec:
             raise ValueError(f"--output_format={self.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
         check_samples_per_shard(self.samples_per_shard)
         check_preview(self.preview)
+        check_distance(self.near_duplicate_distance)
+        if self.drop_near_duplicates and str(getattr(self.output_format, "value", self.output_format)) != "files":
+            raise ValueError("--drop_near_duplicates works with --output_format files (the WebDataset shards are "
+                             "packed while images are still made); the duplicates/ groups are written either way")
+        if bool(self.c2pa_cert) != bool(self.c2pa_key):
+            raise ValueError("--c2pa_cert and --c2pa_key go together: give both, or neither")
         if self.skip_existing and self.overwrite:
             raise ValueError("--skip_existing keeps the images already written and --overwrite replaces them; "
                              "give one")

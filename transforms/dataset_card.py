@@ -6,6 +6,9 @@
     {output}/README.md      a Hugging Face dataset card whose YAML `configs:` block points `datasets` at the tars
                             (`load_dataset(OUTPUT)` would otherwise pick the json loader: most files are .json),
                             and how to read the shards with webdataset, wids, datasets and open_clip
+
+Every output's card (the files output's too, `files_card`) ends with `stats_section`: the label counts per slot,
+the near-duplicate groups and the errors by kind, with their plots under card/ (transforms/dataset_report.py).
 """
 
 from __future__ import annotations
@@ -88,3 +91,58 @@ ds = datasets.load_dataset("{local}", split="train")
 wids (random access): `wids.ShardListDataset("{base}/{WIDS_INDEX}")`. open_clip:
 `--train-data '{base}/{pattern}' --dataset-type webdataset --train-num-samples {total}` (`sizes.json` has the counts).
 """ + ("\n" + score_views.card_section(score_names) if score_names else "")
+
+
+STATS_MARKER = "<!-- dataset statistics (written after every image) -->"
+PLOTS_DIR = "card"
+LABELS_PLOT = "labels.png"
+ERRORS_PLOT = "errors.png"
+
+
+def files_card(output: str, image_extension: str) -> str:
+    """README.md of a files output: what it holds and how `datasets` reads it (imagefolder, metadata.jsonl)."""
+    return f"""# Generated images (FLUX.2 [klein])
+
+`images/` holds one `.{image_extension}` per image; `metadata.jsonl` has every image's manifest row (`file_name`
+relative to this folder: prompt, seed, size, steps, guidance, model, sha256, phash, and each record's labels under
+`metadata`), which is what Hugging Face `datasets`' imagefolder reads:
+
+```python
+import datasets
+ds = datasets.load_dataset("imagefolder", data_dir="{output.rstrip("/")}", split="train")
+```
+"""
+
+
+def stats_section(stats: dict) -> str:
+    """The card's closing section: label counts per slot, near-duplicate groups, errors by kind (figures and the
+    plots' relative links)."""
+    lines = [STATS_MARKER, "## Labels, near duplicates and errors", ""]
+    labels = stats.get("labels") or {}
+    if labels:
+        slots = ", ".join(f"`{slot}` ({len(values)} values)" for slot, values in labels.items())
+        lines += [f"{stats['images']} images labelled by {slots}.", "",
+                  f"![Images per label]({PLOTS_DIR}/{LABELS_PLOT})", ""]
+    else:
+        lines += [f"{stats['images']} images; their records carry no labels.", ""]
+    groups, largest = stats.get("duplicate_groups", 0), stats.get("largest_group")
+    if groups:
+        lines += [f"{groups} near-duplicate groups (`duplicates/`) hold {stats['images_in_groups']} images; the "
+                  f"largest has {largest['size']} ({', '.join(f'`{i}`' for i in largest['ids'][:5])}"
+                  f"{', ...' if largest['size'] > 5 else ''}).", ""]
+    else:
+        lines += ["No near-duplicate images (`duplicates/` is empty).", ""]
+    errors = stats.get("errors_by_kind") or {}
+    if errors:
+        listed = ", ".join(f"{kind}: {n}" for kind, n in errors.items())
+        lines += [f"{sum(errors.values())} error rows (`errors/`): {listed}.", "",
+                  f"![Errors by kind]({PLOTS_DIR}/{ERRORS_PLOT})", ""]
+    else:
+        lines += ["No error rows.", ""]
+    return "\n".join(lines)
+
+
+def with_stats(card_text: str, stats: dict) -> str:
+    """`card_text` with its statistics section replaced by (or added as) the one of `stats`."""
+    base = card_text.split(STATS_MARKER, 1)[0].rstrip("\n")
+    return f"{base}\n\n{stats_section(stats)}"

@@ -22,3 +22,6 @@ DEFAULT_INFERENCE_TIMEOUT_S = 1800
 # stall, not a file's size (reads are cut into 8 MiB pieces), so far above any healthy store's latency; a whole
 # reference read (at most 4 bytes per --max_reference_pixels pixel plus 1 MiB, retries included) ends within it too.
 DEFAULT_READ_TIMEOUT_S = 120
+# Near-duplicate groups (transforms/duplicates.py): pHash bits apart; benchmarks/phash_distances.py measures why 4.
+DEFAULT_NEAR_DUPLICATE_DISTANCE = 4
+MAX_NEAR_DUPLICATE_DISTANCE = 16

@@ -286,6 +286,14 @@ class GeneratedImage:
     scores: dict | None = None  # {score name: value} with --score_model (model.config.score_settings), else None
     filtered: dict | None = None  # the score filter it breaks (transforms/score_filters.py), else None
 
+    @property
+    def phash(self) -> str:
+        """Its pixels' perceptual hash (transforms/phash.py): an output of this image, like its pixels, never part
+        of its identity (transforms/identity.py); the sink records it in the image's row."""
+        from .phash import phash_pixels
+
+        return phash_pixels(self.pixels)
+
 
 class LoadedGenerator:
     """What `load_model` returns: the generator behind one method, so that a model shared across processes (served

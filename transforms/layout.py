@@ -75,6 +75,8 @@ MANIFEST_FIELDS = (
     # transforms/identity.py: request_fingerprint, model_fingerprint (what --skip_existing compares, without reading
     # the image), dtype and quantize (none | int8) of the model that made it
     *RECORDED_FIELDS,
+    "phash",  # transforms/phash.py: the pixels' 64-bit perceptual hash, an output beside the identity (None where an
+    # older row has none)
 )
 
 
@@ -280,6 +282,7 @@ def manifest_row(
     identity: ImageIdentity | None = None,
     key: str | None = None,
     crc32c: str | None = None,
+    phash: str | None = None,
     scores: dict | None = None,
     filtered: dict | None = None,
 ) -> dict:
@@ -312,6 +315,7 @@ def manifest_row(
         "generation_ms": None if generation_ms is None else round(float(generation_ms), 3),
         "metadata": dict(r.metadata_values()),
         **identity.fields(),
+        "phash": phash,
     }
     if r.reference_images:
         row["reference_images"] = [{"uri": e["uri"], "sha256": e["sha256"]} for e in r.reference_entries()]

@@ -88,7 +88,7 @@ def relative_link(path: str) -> str:
     return "../" + urllib.parse.quote(path, safe="/")
 
 
-def render_html(items: list[dict], *, title: str, total: int | None = None) -> str:
+def render_html(items: list[dict], *, title: str, total: int | None = None, stats: str = "") -> str:
     """`items`: [{id, prompt, seed, width, height, link, thumb (JPEG bytes), member (or None)}] -> the page."""
     e = lambda v: html.escape(str(v), quote=True)  # noqa: E731
     cards = []
@@ -110,11 +110,13 @@ def render_html(items: list[dict], *, title: str, total: int | None = None) -> s
 <style>
 {PAGE_STYLE}
 main {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 12px; }}
+.plot {{ max-width: 100%; display: block; margin: 8px 0; }}
 </style></head>
 <body><h1>{e(title)}</h1>
 <p>The first {shown} images by id. <a href="{CONTACT_SHEET}">Contact sheet</a> &middot;
 <a href="../summary.json">summary.json</a></p>
 {score_views.sort_control(names)}
+{stats}
 <main>
 {chr(10).join(cards)}
 </main>{score_views.SORT_SCRIPT if names else ""}</body></html>
@@ -154,7 +156,7 @@ class _WritePreviewFn(retries.CountingRetriesFn):
     def __init__(self, output: str):
         self._output = output
 
-    def process(self, rows, total):
+    def process(self, rows, total, stats=None):
         from .sinks.writes import write_bytes_atomic
 
         rows = sorted(rows, key=lambda r: (r["id"], r["file_name"]))
@@ -190,7 +192,10 @@ class _WritePreviewFn(retries.CountingRetriesFn):
                           **({"scores": row["scores"], "filtered": row.get("filtered")} if "scores" in row else {})})
         folder = layout.join(self._output, PREVIEW_DIR)
         write_bytes_atomic(layout.join(folder, CONTACT_SHEET), contact_sheet(thumbs), mime_type="image/jpeg")
-        page = render_html(items, title="Generated images: preview", total=total)
+        from .dataset_report import stats_html
+
+        page = render_html(items, title="Generated images: preview", total=total,
+                           stats=stats_html(stats[0] if stats else None))
         write_bytes_atomic(layout.join(folder, INDEX_FILE), page.encode("utf-8"), mime_type="text/html")
         yield len(items)
 
@@ -200,13 +205,16 @@ class WritePreview(beam.PTransform):
     the first `n` by id. Only the n rows are gathered in one place; the images are read back from the output (a
     row whose `uri` is a tar, from that WebDataset shard; else its file)."""
 
-    def __init__(self, output: str, n: int):
+    def __init__(self, output: str, n: int, stats=None):
         super().__init__()
         self._output = output
         self._n = check_preview(n)
+        self._stats = stats  # a PCollection of the one stats dict (transforms/dataset_stats.py), or None
 
     def expand(self, rows):
         first = rows | "FirstById" >> beam.combiners.Top.Of(
             self._n, key=lambda r: (r["id"], r["file_name"]), reverse=True)
         total = rows | "CountAll" >> beam.combiners.Count.Globally()
-        return first | "WritePreview" >> beam.ParDo(_WritePreviewFn(self._output), beam.pvalue.AsSingleton(total))
+        extra = [beam.pvalue.AsList(self._stats)] if self._stats is not None else []
+        return first | "WritePreview" >> beam.ParDo(_WritePreviewFn(self._output), beam.pvalue.AsSingleton(total),
+                                                    *extra)

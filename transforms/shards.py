@@ -211,7 +211,7 @@ def is_complete(stats: dict, planned: int) -> bool:
 # The image's identity record (transforms/identity.py) closes every row.
 SIDECAR_COLUMNS = ("key", "status", "error_message", "id", "file_name", "uri", "prompt", "prompt_truncated", "seed",
                    "height", "width", "num_inference_steps", "guidance_scale", "model", "sha256", "bytes", "crc32c",
-                   "generation_ms", "metadata", "source", "line", *identity.RECORDED_FIELDS)
+                   "generation_ms", "metadata", "source", "line", *identity.RECORDED_FIELDS, "phash")
 
 
 def sidecar_schema():
@@ -221,7 +221,7 @@ def sidecar_schema():
              "uri": "string", "prompt": "string", "prompt_truncated": "bool_", "seed": "int64", "height": "int64",
              "width": "int64", "num_inference_steps": "int64", "guidance_scale": "float64", "model": "string",
              "sha256": "string", "bytes": "int64", "crc32c": "string", "generation_ms": "float64",
-             "metadata": "string", "source": "string", "line": "int64", **identity.ARROW_TYPES}
+             "metadata": "string", "source": "string", "line": "int64", **identity.ARROW_TYPES, "phash": "string"}
     return pa.schema([(name, getattr(pa, types[name])()) for name in SIDECAR_COLUMNS])
 
 

@@ -94,7 +94,7 @@ def test_options_page_table_matches_help():
     with open(os.path.join(REPO, "README.md")) as fh:
         assert "(docs/options.md)" in fh.read()
     text = flat(format_help())
-    rows = re.findall(r"^\| `(--[a-z_]+)` \| (.*?) \| (.*?) \|$", table, re.M)
+    rows = re.findall(r"^\| `(--[a-z0-9_]+)` \| (.*?) \| (.*?) \|$", table, re.M)
     assert [r[0] for r in rows] == [o.flag for o in OPTIONS]
     for flag, default, description in rows:
         unescaped = lambda cell: cell.replace("\\|", "|").replace("\\*", "*")  # noqa: E731
@@ -135,7 +135,7 @@ def test_unknown_options_exit_2_on_the_command_line(tmp_path):
 @pytest.mark.parametrize("arg, option, value, accepted", [
     ("--height=abc", "--height", "abc", "expected a whole number"),
     ("--dtype=float64", "--dtype", "float64", "expected one of bfloat16, float32"),
-    ("--input_format=xml", "--input_format", "xml", "expected one of auto, jsonl, csv, tsv, parquet, text"),
+    ("--input_format=xml", "--input_format", "xml", "expected one of auto, jsonl, csv, tsv, parquet, text, template"),
     ("--guidance_scale=high", "--guidance_scale", "high", "expected a number"),
     ("--require_accelerator=cuda", "--require_accelerator", "cuda", "expected one of tpu, gpu"),
     ("--direct_num_workers=two", "--direct_num_workers", "two", "expected a whole number"),  # a Beam option's
@@ -278,3 +278,14 @@ def test_the_quick_check_says_what_the_full_check_says(args):
         assert (type(quick), str(quick)) == (type(full.value), str(full.value))
     else:
         assert {a.split("=", 1)[0] for a in args} & quick_parser()[1], "the quick check missed an error"
+
+
+def test_drop_near_duplicates_is_refused_for_webdataset_before_any_work(tmp_path, capsys):
+    """The shards are packed while images are still made, before the near-duplicate groups are known: the job
+    refuses --drop_near_duplicates there with one error, and writes nothing."""
+    out = tmp_path / "out"
+    argv = [f"--model={tmp_path / 'no-checkpoint'}", f"--input={tmp_path / 'p.jsonl'}", f"--output={out}",
+            "--output_format=webdataset", "--drop_near_duplicates"]
+    assert main(argv) == 2
+    assert "--drop_near_duplicates works with --output_format files" in capsys.readouterr().err
+    assert not out.exists()

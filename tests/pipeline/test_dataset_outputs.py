@@ -181,7 +181,9 @@ def test_webdataset_on_gcs_reads_back_reproduces_and_resumes(gcs_emulator, gcs_b
     expected = ({f"shards/{s:05d}{ext}" for s in SHARD_COUNTS for ext in (".tar", ".parquet", "_stats.json")}
                 | {"dataset.json", "sizes.json", "README.md", "summary.json", "preview/index.html",
                    "preview/contact_sheet.jpg", "manifest/manifest-00000-of-00001.jsonl",
-                   "manifest/existing-00000-of-00001.jsonl", "errors/errors-00000-of-00001.jsonl"})
+                   "manifest/existing-00000-of-00001.jsonl", "errors/errors-00000-of-00001.jsonl",
+                   "duplicates/duplicates-00000-of-00001.jsonl", "card/stats.json", "card/labels.png",
+                   "card/errors.png"})  # the card's statistics and plots (transforms/dataset_report.py)
     assert first.relnames() == expected  # nothing temporary, nothing half-written left behind
 
     second = JobOutputs(gcs_emulator, f"{b}/out2")

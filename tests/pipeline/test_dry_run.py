@@ -66,3 +66,24 @@ def test_the_estimate_comes_from_the_preflight_and_the_chip_price():
     line = estimate_lines(3600, {"est_seconds_per_image": 0.5, "chips": 4, "chip": "v5e", "topology": "v5e:2x2"})[0]
     assert "0.500 s per image on one v5e:2x2 worker" in line and "0:30:00" in line
     assert "2.00 chip-hours" in line and "$2.40 at $1.20 per v5e chip-hour" in line
+
+
+def test_a_dry_run_expands_templates_as_the_job_does(tmp_path, tiny_ckpt, capsys):
+    """A template is read at launch and its records made and validated as ExpandTemplates makes them (a prompt
+    over --max_prompt_bytes is its error row), never read as a file of records."""
+    from pipeline.run import run
+
+    (tmp_path / "places.txt").write_text("a field\n\na forest\n")
+    template = tmp_path / "pets.template.json"
+    template.write_text(json.dumps({"template": "a {animal} in {place}",
+                                    "slots": {"animal": ["cat", "dog", "x" * 80], "place": {"file": "places.txt"}}}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "p0", "prompt": "a fox", "num_images": 2}) + "\n")
+    out = tmp_path / "out"
+    argv = [f"--model={tiny_ckpt}", f"--input={template}", f"--input={prompts}", f"--output={out}", "--height=32",
+            "--width=32", "--max_prompt_bytes=64", "--dry_run"]
+    assert run(argv) == (None, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert "records 7: 5 request(s) for 6 image(s), 2 invalid row(s) (invalid_record 2), 0 identical repeat(s)" \
+        in lines, lines
+    assert not out.exists()

@@ -97,10 +97,12 @@ def oracle(loaded):
     return {name: expected_png(loaded, t) for name, t in _tasks(GOOD).items()}
 
 
-# The job's own files besides the images: manifest, errors, summary, the imagefolder metadata and the preview.
+# The job's own files besides the images: manifest, errors, summary, the imagefolder metadata, the preview, the
+# near-duplicate groups and the dataset card with its statistics (labels.png only when records have labels).
 JOB_FILES = ("manifest/manifest-00000-of-00001.jsonl", "manifest/existing-00000-of-00001.jsonl",
              "errors/errors-00000-of-00001.jsonl", layout.SUMMARY_FILE, layout.METADATA_FILE,
-             "preview/index.html", "preview/contact_sheet.jpg")
+             "preview/index.html", "preview/contact_sheet.jpg", "duplicates/duplicates-00000-of-00001.jsonl",
+             "README.md", "card/stats.json", "card/errors.png", "card/labels.png")
 
 
 def _check_no_partial_objects(outs: JobOutputs, allowed_images: set[str], killed: bool = False):

@@ -24,7 +24,7 @@ import threading
 from transforms import layout
 from transforms.identity import ModelIdentity
 from transforms.inference import Flux2KleinModelHandler
-from transforms.sinks.encoding import encode_png, png_text
+from transforms.sinks.encoding import png_text
 
 _MODELS: dict = {}
 _MODELS_LOCK = threading.Lock()
@@ -138,11 +138,16 @@ def job_model_fingerprint(model: str, *, dtype: str, max_sequence_length: int) -
 
 def expected_png(loaded, task) -> bytes:
     r = task.request
+    from transforms.provenance import xmp_packet
+    from transforms.sinks.encoding import ImageEncoding
+
     out = loaded.generate_batch([r.prompt], [task.seed], r.height, r.width, r.num_inference_steps, r.guidance_scale)
-    return encode_png(out.images[0], png_text(task, num_inference_steps=out.num_inference_steps,
-                                              guidance_scale=out.guidance_scale, model=out.model,
-                                              prompt_truncated=out.prompt_truncated[0],
-                                              model_identity=_FINGERPRINTS.get(id(loaded))))
+    made_by = ModelIdentity.of(_FINGERPRINTS.get(id(loaded)))
+    text = png_text(task, num_inference_steps=out.num_inference_steps, guidance_scale=out.guidance_scale,
+                    model=out.model, prompt_truncated=out.prompt_truncated[0], model_identity=made_by)
+    xmp = xmp_packet(model=out.model, request_fingerprint=task.request_fingerprint,
+                     model_fingerprint=made_by.model_fingerprint, image_id=r.id)  # the provenance every image carries
+    return ImageEncoding("png").encode(out.images[0], text, xmp=xmp)
 
 
 def fast_gcs_retries(monkeypatch, *, initial=0.02, maximum=0.3, timeout=60.0):

@@ -18,6 +18,7 @@ from transforms.checksums import crc32c
 from transforms.fingerprints import model_fingerprint, request_fingerprint
 from transforms.identity import RECORDED_FIELDS, ModelIdentity
 from transforms.inference import GeneratedImage
+from transforms.provenance import xmp_packet
 from transforms.requests import GenerationRequest, ImageTask
 from transforms.sinks import base as sinks, writes
 from transforms.sinks.encoding import ImageEncoding, encode_png, png_text
@@ -115,10 +116,12 @@ def test_same_fingerprints_skip_without_reading_any_image(tmp_path, image_reads)
     by_name = {r["file_name"]: r for r in got["existing"]}
     for row in rows:
         kept = by_name[row["file_name"]]
+        # the pHash too comes from the earlier row: no image was read (transforms/phash.py)
         assert {k: kept[k] for k in ("sha256", "bytes", "uri", "prompt", "seed", "request_fingerprint",
-                                     "model_fingerprint")} == \
+                                     "model_fingerprint", "phash")} == \
                {k: row[k] for k in ("sha256", "bytes", "uri", "prompt", "seed", "request_fingerprint",
-                                    "model_fingerprint")}
+                                    "model_fingerprint", "phash")}
+        assert len(kept["phash"]) == 16
         assert kept["generation_ms"] is None
 
 
@@ -390,8 +393,11 @@ def test_webdataset_rerun_reuses_the_images_a_killed_run_staged(tmp_path):
     keys = {t.request.id: shards.sample_key(*divmod(i, 4), 4) for i, t in enumerate(tasks)}
     for rid, prompt in (("a", "a fox"), ("b", "a fox"), ("e", "a fox"), ("c", "another prompt")):
         t = task(rid, prompt=prompt, line="abcde".index(rid) + 1)
-        write_bytes_atomic(staged_path(out, keys[rid], "png"), encode_png(_pixels(t), png_text(
-            t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False, model_identity=MODEL)))
+        text = png_text(t, num_inference_steps=4, guidance_scale=1.0, model="m", prompt_truncated=False,
+                        model_identity=MODEL)
+        xmp = xmp_packet(model="m", request_fingerprint=t.request_fingerprint, model_fingerprint=MODEL,
+                         image_id=t.request.id)  # staged as the writer stores it: with its provenance
+        write_bytes_atomic(staged_path(out, keys[rid], "png"), ImageEncoding("png").encode(_pixels(t), text, xmp=xmp))
     got = _wds(out, tasks, skip_existing=True)
     assert got["generated"] == [keys["c"], keys["d"]]  # c's staged image is another request's
     assert got["missing"] == [keys["c"], keys["d"]] and got["damaged"] == []  # no whole shard holds them

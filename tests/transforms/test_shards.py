@@ -90,7 +90,8 @@ def test_stats_completeness_and_sidecar_round_trip():
     row = {"id": "a", "file_name": "000000000.png", "uri": "u", "prompt": "p", "prompt_truncated": False,
            "seed": 1, "height": 32, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "model": "m",
            "sha256": "s", "bytes": 3, "crc32c": "AAAAAA==", "generation_ms": 1.5, "metadata": {"lang": "en"},
-           "source": "f", "line": 2, "key": "000000000", "request_fingerprint": "rfp", "model_fingerprint": "mfp"}
+           "source": "f", "line": 2, "key": "000000000", "request_fingerprint": "rfp", "model_fingerprint": "mfp",
+           "phash": "00ff00ff00ff00ff"}
     data = shards.sidecar_bytes([shards.success_sidecar_row(row)], shards.Digest(10240, "mnG7TA=="))
     back = shards.read_sidecar(data)
     assert back[0] == dict(row, status="success", error_message=None, metadata='{"lang": "en"}',

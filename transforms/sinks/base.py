@@ -55,6 +55,7 @@ class SinkSettings:
     dtype: str | None = None  # the model's dtype (--dtype), which every image records
     score_names: tuple[str, ...] = ()  # --score_model's scores, whose histograms the dataset card shows
     score_rules: tuple = ()  # --min_score / --max_score (transforms/score_filters.py): a resume applies them again
+    drop_near_duplicates: int | None = None  # --drop_near_duplicates: the distance of its groups; None: keep all
 
     @property
     def model_identity(self) -> ModelIdentity:

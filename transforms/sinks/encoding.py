@@ -19,6 +19,7 @@ from .. import layout
 from ..identity import ImageIdentity, ModelIdentity
 # --image_format choices and the encoders' defaults live in layout (light enough for the option table)
 from ..layout import DEFAULT_PNG_COMPRESS_LEVEL, DEFAULT_QUALITY, IMAGE_FORMATS
+from ..provenance import PNG_XMP_KEY
 
 PNG_SOFTWARE = "flux2-klein-beam"
 MIME_TYPES = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
@@ -66,6 +67,16 @@ def generated_text(generated, model_identity: ModelIdentity | str | None = None)
                     prompt_truncated=generated.prompt_truncated, model_identity=model_identity)
 
 
+def image_xmp(generated, model_identity: ModelIdentity | str | None = None) -> str:
+    """The provenance XMP of a GeneratedImage (transforms/provenance.py): AI-made, by its model, and the
+    fingerprints of its identity record (transforms/identity.py), the same the image's text carries."""
+    from ..provenance import xmp_packet
+
+    identity = ImageIdentity.of(generated.task, model_identity)
+    return xmp_packet(model=generated.model, request_fingerprint=identity.request_fingerprint,
+                      model_fingerprint=identity.model.model_fingerprint, image_id=generated.task.request.id)
+
+
 def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,
                compress_level: int | None = None) -> bytes:
     """uint8 [H, W, 3] -> PNG bytes with `text` as iTXt chunks (UTF-8); deterministic for the same input.
@@ -81,6 +92,7 @@ class ImageEncoding:
     format: str = "png"
     png_compress_level: int = DEFAULT_PNG_COMPRESS_LEVEL
     quality: int = DEFAULT_QUALITY
+    c2pa: object = None  # a transforms.c2pa_signing.C2paSigner (--c2pa_cert/--c2pa_key), or None: no C2PA
 
     def __post_init__(self):
         if self.format not in IMAGE_FORMATS:
@@ -104,9 +116,10 @@ class ImageEncoding:
         """A task's file name with this format's extension."""
         return layout.stored_image_name(file_name, self.format)
 
-    def encode(self, pixels: np.ndarray, text: dict[str, str] | None = None) -> bytes:
+    def encode(self, pixels: np.ndarray, text: dict[str, str] | None = None, xmp: str | None = None) -> bytes:
         """uint8 [H, W, 3] -> bytes of this format carrying `text` (PNG: iTXt chunks; WebP/JPEG: EXIF, see
-        `exif_description`); the same input gives the same bytes, whichever thread encodes it."""
+        `exif_description`) and the XMP packet `xmp` (transforms/provenance.py: PNG's XML:com.adobe.xmp iTXt chunk,
+        the WebP/JPEG XMP chunk); the same input gives the same bytes, whichever thread encodes it."""
         from PIL import Image, PngImagePlugin
 
         pixels = np.asarray(pixels)
@@ -118,12 +131,15 @@ class ImageEncoding:
             info = PngImagePlugin.PngInfo()
             for key, value in (text or {}).items():
                 info.add_itxt(key, value)
+            if xmp:
+                info.add_itxt(PNG_XMP_KEY, xmp)
             image.save(buf, format="PNG", pnginfo=info, compress_level=self.png_compress_level)
         else:
             exif = Image.Exif()
             exif[EXIF_IMAGE_DESCRIPTION] = exif_description(text or {}, jpeg=self.format == "jpeg")
             exif[EXIF_SOFTWARE] = PNG_SOFTWARE
-            image.save(buf, format=PIL_FORMATS[self.format], quality=self.quality, exif=exif.tobytes())
+            extra = {"xmp": xmp.encode("utf-8")} if xmp else {}
+            image.save(buf, format=PIL_FORMATS[self.format], quality=self.quality, exif=exif.tobytes(), **extra)
         return buf.getvalue()
 
 

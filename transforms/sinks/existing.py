@@ -26,6 +26,7 @@ from apache_beam.metrics import Metrics
 from .. import layout, retries
 from ..checksums import Stored, crc32c, list_folder, local_digests
 from ..identity import DECISIVE_FIELDS, RECORDED_FIELDS as IDENTITY_FIELDS, ImageIdentity, ModelIdentity
+from ..phash import phash_image
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
 from ..score_filters import first_broken
 from . import writes
@@ -71,6 +72,7 @@ class FoundImage:
     model: str
     made_by: ModelIdentity  # the model identity it records (the job's, when its model fingerprint is the job's)
     crc32c: str | None = None
+    phash: str | None = None
     scores: dict | None = None  # --score_model: what the earlier run scored it (and the filter it broke)
     filtered: dict | None = None
 
@@ -80,8 +82,8 @@ class FoundImage:
             task, file_name=file_name, uri=uri, sha256=self.sha256, num_bytes=self.num_bytes,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             prompt_truncated=self.prompt_truncated, model=self.model, generation_ms=None,
-            identity=ImageIdentity.of(task, self.made_by), key=key, crc32c=self.crc32c, scores=self.scores,
-            filtered=self.filtered)
+            identity=ImageIdentity.of(task, self.made_by), key=key, crc32c=self.crc32c, phash=self.phash,
+            scores=self.scores, filtered=self.filtered)
 
 
 def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = None,
@@ -106,8 +108,8 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
     try:
         with Image.open(io.BytesIO(data)) as im:
             fmt, size, text = im.format, im.size, read_image_text(im)
-            if fmt != "PNG":
-                im.load()  # a truncated WebP/JPEG fails to decode here
+            im.load()  # a truncated WebP/JPEG fails to decode here; the pixels give the pHash
+            phash = phash_image(im)
         if fmt == "PNG":
             with Image.open(io.BytesIO(data)) as im:
                 im.verify()  # every chunk's CRC, through IEND: a truncated or damaged file fails here
@@ -145,7 +147,7 @@ def check_existing_image(task, data: bytes, encoding: ImageEncoding | None = Non
         text.get("model_fingerprint") == identity.model.model_fingerprint else ModelIdentity.recorded_in(text)
     return FoundImage(sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data), num_inference_steps=steps,
                       guidance_scale=guidance, prompt_truncated=truncated, model=text.get("model", ""),
-                      made_by=made_by, crc32c=crc32c(data))
+                      made_by=made_by, crc32c=crc32c(data), phash=phash)
 
 
 def existing_manifest_row(task, data: bytes, uri: str, encoding: ImageEncoding | None = None,
@@ -230,7 +232,7 @@ def move_object(output: str, source: str, target: str) -> None:
 
 # What a skip decision needs of an earlier manifest row (never its prompt or metadata, which can be large).
 RECORDED_FIELDS = ("bytes", "sha256", "crc32c", "model", "prompt_truncated", "num_inference_steps",
-                   "guidance_scale", *IDENTITY_FIELDS, "scores", "filtered")
+                   "guidance_scale", *IDENTITY_FIELDS, "phash", "scores", "filtered")
 
 
 def recorded_rows(readable_file) -> Iterable[tuple[str, dict]]:
@@ -312,7 +314,7 @@ class _DecideExistingFn(_SkipExistingFn):
         self._skipped.inc()
         found = FoundImage(sha256=rec["sha256"], num_bytes=stored.size, num_inference_steps=rec["num_inference_steps"],
                            guidance_scale=rec["guidance_scale"], prompt_truncated=rec["prompt_truncated"],
-                           model=rec["model"], made_by=self._model, crc32c=stored.crc32c,
+                           model=rec["model"], made_by=self._model, crc32c=stored.crc32c, phash=rec.get("phash"),
                            scores=rec.get("scores"), filtered=rec.get("filtered"))
         if found.scores is not None:  # this run's thresholds (none: every image in the dataset) decide
             found, file_name = self._refiltered(task, found, file_name)

@@ -60,8 +60,12 @@ class FilesSink(Sink):
         existing = after(inputs[EXISTING], manifest, "AfterImages")
         # datasets' imagefolder: metadata.jsonl at the output's root, `file_name` relative to it, one row per image
         # of the output (this run's and those a --skip_existing run kept), written once every image is.
-        metadata = ((manifest, existing)
-                    | "EveryImage" >> beam.Flatten()
+        every = (manifest, existing) | "EveryImage" >> beam.Flatten()
+        if s.drop_near_duplicates is not None:  # one image per near-duplicate group (transforms/duplicates.py)
+            from ..duplicates import NearDuplicateGroups, keep_one_per_group
+
+            every = keep_one_per_group(every, every | "NearDuplicates" >> NearDuplicateGroups(s.drop_near_duplicates))
+        metadata = (every
                     | "InDataset" >> beam.Filter(lambda row: not row.get("filtered"))  # score filters: filtered/
                     | "MetadataJson" >> beam.Map(layout.to_json_line)
                     | "WriteMetadata" >> beam.io.WriteToText(layout.metadata_path(s.output), shard_name_template="",

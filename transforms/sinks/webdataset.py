@@ -300,7 +300,8 @@ class _PlanShardFn(retries.CountingRetriesFn):
             task, file_name=row["file_name"], uri=uri, sha256=row["sha256"], num_bytes=row["bytes"],
             num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
             prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
-            identity=ImageIdentity.of(task, self._made_by(row)), key=task.key, crc32c=row.get("crc32c"))
+            identity=ImageIdentity.of(task, self._made_by(row)), key=task.key, crc32c=row.get("crc32c"),
+            phash=row.get("phash"))  # a kept shard's pHashes come from its sidecar
             for task, row in ((task, by_key[task.key]) for task in tasks)]
 
     def _made_by(self, row: dict) -> ModelIdentity:

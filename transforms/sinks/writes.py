@@ -25,7 +25,7 @@ from ..atomic_files import write_local_atomic, write_object_atomic
 from ..checksums import crc32c
 from ..identity import ImageIdentity, ModelIdentity
 from ..metrics import NAMESPACE as METRICS_NAMESPACE
-from .encoding import ImageEncoding, generated_text
+from .encoding import ImageEncoding, generated_text, image_xmp
 
 
 def write_bytes_atomic(path: str, data: bytes, mime_type: str = "application/octet-stream") -> None:
@@ -82,14 +82,21 @@ class StoredImage:
     num_bytes: int
     sha256: str
     crc32c: str
+    phash: str | None = None  # of the pixels (transforms/phash.py)
 
 
 def store_image(generated, place: Placement, encoding: ImageEncoding,
                 model_identity: ModelIdentity | None = None) -> StoredImage:
-    """Encode one GeneratedImage and write it atomically to `place.write_to`; thread-safe (no Beam state touched)."""
-    data = encoding.encode(generated.pixels, generated_text(generated, model_identity))
+    """Encode one GeneratedImage with its provenance (transforms/provenance.py: the XMP names the fingerprints of
+    its identity record; signed when the encoding has a C2PA signer) and write it atomically to `place.write_to`;
+    its pixels' pHash (a per-image output, GeneratedImage.phash) comes back with its figures.
+    Thread-safe (no Beam state touched)."""
+    data = encoding.encode(generated.pixels, generated_text(generated, model_identity),
+                           xmp=image_xmp(generated, model_identity))
+    if encoding.c2pa is not None:
+        data = encoding.c2pa.sign(data, encoding.mime_type, model=generated.model, title=place.file_name)
     write_bytes_atomic(place.write_to, data, mime_type=encoding.mime_type)
-    return StoredImage(len(data), hashlib.sha256(data).hexdigest(), crc32c(data))
+    return StoredImage(len(data), hashlib.sha256(data).hexdigest(), crc32c(data), generated.phash)
 
 
 class StoreImagesFn(retries.CountingRetriesFn):
@@ -189,5 +196,6 @@ class StoreImagesFn(retries.CountingRetriesFn):
             guidance_scale=generated.guidance_scale, prompt_truncated=generated.prompt_truncated,
             model=generated.model, generation_ms=generated.generation_ms,
             identity=ImageIdentity.of(generated.task, self._model), key=place.key, crc32c=stored.crc32c,
-            scores=getattr(generated, "scores", None), filtered=getattr(generated, "filtered", None))
+            phash=stored.phash, scores=getattr(generated, "scores", None),
+            filtered=getattr(generated, "filtered", None))
         return beam_adapter.windowed_value(row, timestamp, window)
