@@ -10,6 +10,7 @@ import pytest
 
 from transforms import layout
 from transforms.fingerprints import request_fingerprint
+from transforms.identity import ImageIdentity
 from transforms.inputs.records import RawRecord
 from transforms.inputs.validation import RequestDefaults, parse_raw, validate_record
 
@@ -25,7 +26,7 @@ def _request(defaults=DEFAULTS, text_values=False, **fields):
 def _row(request):
     return layout.manifest_row(request.tasks()[0], file_name="x.png", uri="x.png", sha256="0", num_bytes=1,
                                num_inference_steps=4, guidance_scale=1.0, prompt_truncated=False, model="m",
-                               generation_ms=1.0, model_fingerprint="f")
+                               generation_ms=1.0, identity=ImageIdentity.of(request.tasks()[0], "f"))
 
 
 def test_a_named_adapter_is_in_the_requests_identity_batch_key_and_manifest_row():
