@@ -117,8 +117,8 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
     """Lower encode, the fused denoise loop and decode for `bucket`, compile them all at once (compile_concurrently),
     and read their figures in `order`; {name: ProgramStats}. With `transient_limit` (bytes per device beyond the
     parameters) the reading stops at the first program that is refused or needs more: the batch cannot fit, and the
-    others' figures would not change that (so `order` puts the likely largest first). All are compiled even so: at
-    once, the others cost about no time beside the largest."""
+    others' figures would not change that (so `order` puts the likely largest first). All are compiled even so (at
+    once: the batch takes its longest program's time, which a refused batch may then wait for too)."""
     tr = config.transformer
     lowered = dict(zip(PROGRAMS, programs.lower(bucket, tr.in_channels, tr.joint_attention_dim,
                                                 tr.attention_head_dim)))
