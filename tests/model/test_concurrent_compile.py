@@ -38,7 +38,7 @@ def test_the_programs_compile_at_once_and_keep_their_own_results():
     spans: dict = {}
     names = ("denoise", "decode", "encode")
     results = compile_concurrently({name: FakeLowered(spans, name) for name in names})
-    assert list(results) and {k: v[:4] for k, v in results.items()} == {
+    assert {k: v[:4] for k, v in results.items()} == {
         name: (f"memory of {name}", {}, f"HloModule {name}", "compiled") for name in names}
     assert max(start for start, _ in spans.values()) < min(end for _, end in spans.values()), spans
 
