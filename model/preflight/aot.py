@@ -72,38 +72,74 @@ def progress_lines(what: str, every_s: float = PROGRESS_EVERY_S):
         done.set()
 
 
+def _compile_one(low) -> tuple:
+    """What compiling the lowered program `low` gave, as _COMPILED keeps it: (memory analysis, cost analysis, text,
+    text source, seconds), or (None, the compiler's refusal, "", "none", seconds) when it runs out of HBM."""
+    start = time.perf_counter()
+    try:
+        compiled = low.compile()
+    except Exception as e:  # noqa: BLE001 - JaxRuntimeError; only running out of HBM is an answer
+        if not is_out_of_hbm(e):
+            raise
+        return None, str(e), "", "none", time.perf_counter() - start
+    return (compiled.memory_analysis(), compiled.cost_analysis(), *program_text(compiled, low),
+            time.perf_counter() - start)
+
+
+def compile_concurrently(lowered: dict) -> dict:
+    """{key: _compile_one(lowered program)} for every {key: lowered program}, all compiled at once on daemon threads
+    (XLA's compile releases the GIL, so the programs take about the longest one's time, not their sum; daemon: a
+    Ctrl-C that ends the process does not wait for them). The first error, in `lowered`'s order, is raised."""
+    results: dict = {}
+
+    def run(key, low):
+        try:
+            results[key] = _compile_one(low)
+        except BaseException as e:  # noqa: BLE001 - raised in the calling thread below
+            results[key] = e
+
+    threads = [threading.Thread(target=run, args=item, name=f"compile-{n}", daemon=True)
+               for n, item in enumerate(lowered.items())]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():  # short joins: the calling thread stays interruptible
+            thread.join(0.2)
+    for key in lowered:
+        if isinstance(results[key], BaseException):
+            raise results[key]
+    return results
+
+
 def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dict, *,
                      dump_dir: str | None = None, transient_limit: float | None = None,
                      order: tuple[str, ...] = PROGRAMS, label: str = "") -> dict:
-    """Lower and compile encode, the fused denoise loop and decode for `bucket`, in `order`; {name: ProgramStats}.
-    With `transient_limit` (bytes per device beyond the parameters) the compiling stops at the first program that is
-    refused or needs more: the batch cannot fit, and the others' figures would not change that (so `order` puts the
-    likely largest first)."""
+    """Lower encode, the fused denoise loop and decode for `bucket`, compile them all at once (compile_concurrently),
+    and read their figures in `order`; {name: ProgramStats}. With `transient_limit` (bytes per device beyond the
+    parameters) the reading stops at the first program that is refused or needs more: the batch cannot fit, and the
+    others' figures would not change that (so `order` puts the likely largest first). All are compiled even so (at
+    once: the batch takes its longest program's time, which a refused batch may then wait for too)."""
     tr = config.transformer
     lowered = dict(zip(PROGRAMS, programs.lower(bucket, tr.in_channels, tr.joint_attention_dim,
                                                 tr.attention_head_dim)))
     params = programs.parameter_bytes_per_device()
     modules = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
+    keys = {name: (programs.mesh.devices.flat[0].device_kind, programs.mesh.devices.shape,
+                   hashlib.sha256(lowered[name].as_text().encode()).hexdigest()) for name in order}
+    # e.g. the same VAE decode for klein-4B and klein-9B on the same mesh is compiled once
+    fresh: dict = {}
+    for name in order:
+        if keys[name] not in _COMPILED:
+            fresh.setdefault(keys[name], lowered[name])
+    if fresh:
+        names = [name for name in order if keys[name] in fresh]
+        what = (f"{len(names)} programs at once ({', '.join(names)})" if len(names) > 1 else
+                f"program {names[0]}")
+        with progress_lines(f"compiling {label or f'batch {bucket.batch}'}: {what}"):
+            _COMPILED.update(compile_concurrently(fresh))
     stats = {}
-    for number, name in enumerate(order, 1):
-        low = lowered[name]
-        key = (programs.mesh.devices.flat[0].device_kind, programs.mesh.devices.shape,
-               hashlib.sha256(low.as_text().encode()).hexdigest())
-        fresh = key not in _COMPILED
-        if fresh:  # e.g. the same VAE decode for klein-4B and klein-9B on the same mesh
-            start = time.perf_counter()
-            try:
-                with progress_lines(f"compiling {label or f'batch {bucket.batch}'}: program {number} of "
-                                    f"{len(order)} ({name})"):
-                    compiled = low.compile()
-            except Exception as e:  # noqa: BLE001 - JaxRuntimeError; only running out of HBM is an answer
-                if not is_out_of_hbm(e):
-                    raise
-                _COMPILED[key] = (None, str(e), "", "none", time.perf_counter() - start)
-            else:
-                _COMPILED[key] = (compiled.memory_analysis(), compiled.cost_analysis(), *program_text(compiled, low),
-                                  time.perf_counter() - start)
-        memory, cost, text, source, seconds = _COMPILED[key]
+    for name in order:
+        memory, cost, text, source, seconds = _COMPILED[keys[name]]
         trips = {"denoise": bucket.steps, "decode": programs.decode_turns(bucket.batch)}.get(name, 1)
         if memory is None:  # `cost` holds the compiler's refusal
             stats[name] = refused_program_stats(name, cost, parameter_bytes=params[modules[name]],
@@ -120,10 +156,11 @@ def compile_programs(programs, config: PipelineConfig, bucket, kernel_flops: dic
                                         loop_trips=trips, compile_s=seconds,
                                         text_source=source)
             logger.info("compiled %s in %.1f s%s", name, seconds,
-                        "" if fresh else " (the same program, compiled earlier)")
+                        "" if keys[name] in fresh else " (the same program, compiled earlier)")
         if transient_limit is not None and (stats[name].compile_error
                                             or stats[name].transient_bytes > transient_limit):
-            logger.info("batch %d: %s alone does not fit; the other programs are not compiled", bucket.batch, name)
+            logger.info("batch %d: %s alone does not fit; the other programs' figures are not read", bucket.batch,
+                        name)
             break
     return {name: stats[name] for name in PROGRAMS if name in stats}
 

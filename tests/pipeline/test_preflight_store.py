@@ -158,7 +158,7 @@ def test_ctrl_c_while_compiling_ends_the_command_at_once_and_stores_nothing(libt
         seen = []
         for line in child.stderr:
             seen.append(line)
-            if "compiling batch 1 for v5e:1x1: program 1 of 3" in line:
+            if "compiling batch 1 for v5e:1x1: 3 programs at once" in line:
                 break
         else:
             pytest.fail("no progress line before the end: " + "".join(seen)[-2000:])
@@ -209,7 +209,7 @@ def test_ctrl_c_at_launch_kills_the_compiling_child(libtpu, tiny_ckpt, tmp_path)
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in launch.stdout:
-            if line.startswith("TPU preflight: compiling batch 1 for v5e:1x1: program 1 of 3"):
+            if line.startswith("TPU preflight: compiling batch 1 for v5e:1x1: 3 programs at once"):
                 break
         else:
             pytest.fail("no progress line from the child: " + launch.stderr.read()[-2000:])
