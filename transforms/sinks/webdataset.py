@@ -46,6 +46,7 @@ from .base import DAMAGED, DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, MIS
     SinkSettings, after, error_rows
 from .encoding import ImageEncoding
 from .existing import ExistingImageMismatch, check_existing_image
+from .shard_drops import dropped_rows
 from .writes import InFiltered, Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
 
 LOGGER = logging.getLogger(__name__)
@@ -280,12 +281,13 @@ class _PlanShardFn(retries.CountingRetriesFn):
                            shard, why)
             return None
         planned = len(tasks)
-        if not shards.is_complete(stats, planned) or len(rows) != planned \
+        dropped = dropped_rows(stats)  # --drop_near_duplicates: samples of the shard left out of its tar
+        if not shards.is_complete(stats, planned - len(dropped)) or len(rows) != planned - len(dropped) \
                 or any(r.get("status") != "success" for r in rows):
             LOGGER.info("--skip_existing: shard %05d is incomplete (%s); generating it again", shard,
                         {k: stats.get(k) for k in ("count", "successes", "failures")})
             return None
-        by_key = {r.get("key"): r for r in rows}
+        by_key = {r.get("key"): r for r in (*rows, *dropped)}
         stale = []
         for task in tasks:
             if task.key not in by_key:
@@ -559,6 +561,12 @@ class WebDatasetSink(Sink):
                   | "PackShards" >> beam.ParDo(_PackShardFn(s)).with_outputs(EXISTING, SHARDS_TAG, main=MANIFEST))
         manifest = (packed[MANIFEST], filtered) | "ShardedAndFiltered" >> beam.Flatten()
         infos = (inputs[KEPT_SHARDS], packed[SHARDS_TAG]) | "AllShardInfos" >> beam.Flatten()
+        if s.drop_near_duplicates is not None:  # one sample per near-duplicate group in the shards
+            from .shard_drops import DropNearDuplicatesFromShards
+
+            every = (manifest, packed[EXISTING], inputs[EXISTING]) | "EveryImage" >> beam.Flatten()
+            infos = {"rows": every, "infos": infos} | "DropNearDuplicates" >> DropNearDuplicatesFromShards(
+                s.output, per_shard, s.drop_near_duplicates)
         indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize,
                                                               s.score_names)
         cleaned = (after(manifest.pipeline | "StagingDir" >> beam.Create([s.output]), packed[SHARDS_TAG],
