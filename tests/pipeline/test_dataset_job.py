@@ -107,8 +107,10 @@ def test_webdataset_job_drops_near_duplicates_from_its_shards(ckpt32, loaded, xl
     assert list(sizes.values()) == [2]
     first = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
 
-    run([*argv, "--skip_existing"])
-    manifest, in_tar, sidecar, sizes = state()
-    assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == first  # the shard is kept as it is
-    assert set(manifest) == {"twin-a", "twin-b", "other-seed"} and manifest["twin-b"]["duplicate_of"] == "twin-a"
-    assert in_tar == sidecar == ["other-seed", "twin-a"] and list(sizes.values()) == [2]
+    # Resumed with and without the flag: the marker's `dropped` rows count twin-b as there, and mark it.
+    for rerun in ([*argv, "--skip_existing"], [a for a in argv if a != "--drop_near_duplicates"] + ["--skip_existing"]):
+        run(rerun)
+        manifest, in_tar, sidecar, sizes = state()
+        assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == first  # the shard is kept as it is
+        assert set(manifest) == {"twin-a", "twin-b", "other-seed"} and manifest["twin-b"]["duplicate_of"] == "twin-a"
+        assert in_tar == sidecar == ["other-seed", "twin-a"] and list(sizes.values()) == [2]

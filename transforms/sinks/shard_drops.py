@@ -37,9 +37,10 @@ def dropped_rows(stats: dict) -> list[dict]:
     return list(stats.get(DROPPED) or ())
 
 
-def key_of(file_name: str) -> str:
-    """A shard sample's key from its manifest `file_name` (KEY.EXT)."""
-    return file_name.split(".", 1)[0]
+def with_duplicate_of(row: dict, kept_id: str | None) -> dict:
+    """A manifest row, with `duplicate_of` when its sample was dropped from the tar as a near duplicate of
+    `kept_id` (None: the row as it is)."""
+    return row if kept_id is None else {**row, "duplicate_of": kept_id}
 
 
 def copy_tar_without(source, target, keys: set[str]) -> None:

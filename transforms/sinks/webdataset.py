@@ -1,5 +1,6 @@
 """`--output_format webdataset`: img2dataset's tar shards (transforms/shards.py), placed by the input alone and
-packed from images the job's one generation stage made.
+packed from images the job's one generation stage made (--drop_near_duplicates: transforms/sinks/shard_drops.py
+packs a shard again without the near duplicates it drops, once the job's groups are known).
 
     plan      tasks -> a shard and an index each, from the input alone (AssignShards); one small group per shard
               (never pixels): a complete shard made for the same requests and model is kept (--skip_existing),
@@ -46,7 +47,7 @@ from .base import DAMAGED, DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, MIS
     SinkSettings, after, error_rows
 from .encoding import ImageEncoding
 from .existing import ExistingImageMismatch, check_existing_image
-from .shard_drops import dropped_rows
+from .shard_drops import dropped_rows, with_duplicate_of
 from .writes import InFiltered, Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
 
 LOGGER = logging.getLogger(__name__)
@@ -245,7 +246,8 @@ class _PlanShardFn(retries.CountingRetriesFn):
             self._kept.inc()
             for row in kept:
                 yield beam.pvalue.TaggedOutput(EXISTING, row)
-            yield beam.pvalue.TaggedOutput(KEPT_SHARDS, {"shard": shard, "nsamples": len(kept), "kept": True})
+            in_tar = sum(1 for row in kept if "duplicate_of" not in row)  # less the near duplicates dropped
+            yield beam.pvalue.TaggedOutput(KEPT_SHARDS, {"shard": shard, "nsamples": in_tar, "kept": True})
             return
         staged = dict(grouped["staged"])
         for task in tasks:
@@ -298,12 +300,13 @@ class _PlanShardFn(retries.CountingRetriesFn):
         if stale:
             return _Stale(tuple(stale))
         uri = shards.shard_path(output, shard)
-        return [layout.manifest_row(
+        gone = {r["key"]: r.get("duplicate_of") for r in dropped}
+        return [with_duplicate_of(layout.manifest_row(
             task, file_name=row["file_name"], uri=uri, sha256=row["sha256"], num_bytes=row["bytes"],
             num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
             prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
             identity=ImageIdentity.of(task, self._made_by(row)), key=task.key, crc32c=row.get("crc32c"),
-            phash=row.get("phash"))  # a kept shard's pHashes come from its sidecar
+            phash=row.get("phash")), gone.get(task.key))  # a kept shard's pHashes come from its sidecar
             for task, row in ((task, by_key[task.key]) for task in tasks)]
 
     def _made_by(self, row: dict) -> ModelIdentity:
