@@ -169,7 +169,7 @@ OPTIONS = (
                                                 "bits are one near-duplicate group (duplicates/).", type=int,
            default=DEFAULT_NEAR_DUPLICATE_DISTANCE, metavar="BITS"),
     Option("drop_near_duplicates", "output", "Keep one image per near-duplicate group (the smallest id) in "
-                                             "metadata.jsonl; the others are marked duplicate_of.",
+                                             "metadata.jsonl or the shards; mark others duplicate_of.",
            switch=True, default=False),
     Option("c2pa_cert", "output", "PEM certificate chain (leaf first) to sign a C2PA manifest into every image "
                                   "with --c2pa_key (needs the c2pa extra).", metavar="FILE"),

@@ -181,9 +181,6 @@ class OutputSpec:
         check_samples_per_shard(self.samples_per_shard)
         check_preview(self.preview)
         check_distance(self.near_duplicate_distance)
-        if self.drop_near_duplicates and str(getattr(self.output_format, "value", self.output_format)) != "files":
-            raise ValueError("--drop_near_duplicates works with --output_format files (the WebDataset shards are "
-                             "packed while images are still made); the duplicates/ groups are written either way")
         if bool(self.c2pa_cert) != bool(self.c2pa_key):
             raise ValueError("--c2pa_cert and --c2pa_key go together: give both, or neither")
         if self.skip_existing and self.overwrite:

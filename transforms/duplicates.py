@@ -11,8 +11,8 @@ duplicates are the exception) are joined into groups (connected components) in o
         {"ids": [...], "file_names": [...], "distances": [...], "phashes": [...]}
         sorted by (id, file name); the first image is the one kept; distances[i]: bits between image i and it
 
-`--drop_near_duplicates` keeps that first image of each group in metadata.jsonl (and, marked `duplicate_of` in the
-manifest, the others point at it); the image files stay.
+`--drop_near_duplicates` keeps that first image of each group in metadata.jsonl, or in the WebDataset shards
+(sinks/shard_drops.py), and, marked `duplicate_of` in the manifest, the others point at it; the image files stay.
 """
 
 from __future__ import annotations

@@ -278,14 +278,3 @@ def test_the_quick_check_says_what_the_full_check_says(args):
         assert (type(quick), str(quick)) == (type(full.value), str(full.value))
     else:
         assert {a.split("=", 1)[0] for a in args} & quick_parser()[1], "the quick check missed an error"
-
-
-def test_drop_near_duplicates_is_refused_for_webdataset_before_any_work(tmp_path, capsys):
-    """The shards are packed while images are still made, before the near-duplicate groups are known: the job
-    refuses --drop_near_duplicates there with one error, and writes nothing."""
-    out = tmp_path / "out"
-    argv = [f"--model={tmp_path / 'no-checkpoint'}", f"--input={tmp_path / 'p.jsonl'}", f"--output={out}",
-            "--output_format=webdataset", "--drop_near_duplicates"]
-    assert main(argv) == 2
-    assert "--drop_near_duplicates works with --output_format files" in capsys.readouterr().err
-    assert not out.exists()

@@ -75,3 +75,42 @@ def test_template_job_groups_near_duplicates_and_labels_images(ckpt32, loaded, x
     card = (out / "README.md").read_text()
     assert "1 near-duplicate groups (`duplicates/`) hold 2 images" in card and (out / "card" / "labels.png").is_file()
     # (A resume takes the hashes from the manifest: tests/transforms/test_resume.py, without a second job here.)
+
+
+def test_webdataset_job_drops_near_duplicates_from_its_shards(ckpt32, loaded, xla_cache, monkeypatch, tmp_path):
+    """--drop_near_duplicates with --output_format webdataset: the shard is packed again without twin-b (its tar,
+    sidecar, sizes.json agree), twin-b's manifest row stays marked `duplicate_of`, and a --skip_existing rerun keeps
+    the repacked shard as complete (nothing generated again, nothing changed)."""
+    import tarfile
+
+    from transforms import shards
+
+    records = tmp_path / "p.jsonl"
+    records.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    out = tmp_path / "out"
+    install_handler(monkeypatch)
+    argv = _argv(ckpt32, [str(records)], out, xla_cache, "--drop_near_duplicates", "--output_format=webdataset")
+    run(argv)
+
+    def state():
+        manifest = {r["id"]: r for f in (out / "manifest").glob("*-*.jsonl") for r in _rows(f)}  # manifest, existing
+        with tarfile.open(out / "shards" / "00000.tar") as tar:
+            in_tar = sorted(json.load(tar.extractfile(m))["id"] for m in tar if m.name.endswith(".json"))
+        sidecar = sorted(r["id"] for r in shards.read_sidecar((out / "shards" / "00000.parquet").read_bytes()))
+        sizes = json.loads((out / "sizes.json").read_text())
+        return manifest, in_tar, sidecar, sizes
+
+    manifest, in_tar, sidecar, sizes = state()
+    assert set(manifest) == {"twin-a", "twin-b", "other-seed"}
+    assert manifest["twin-b"]["duplicate_of"] == "twin-a"
+    assert in_tar == sidecar == ["other-seed", "twin-a"]
+    assert list(sizes.values()) == [2]
+    first = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
+
+    # Resumed with and without the flag: the marker's `dropped` rows count twin-b as there, and mark it.
+    for rerun in ([*argv, "--skip_existing"], [a for a in argv if a != "--drop_near_duplicates"] + ["--skip_existing"]):
+        run(rerun)
+        manifest, in_tar, sidecar, sizes = state()
+        assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == first  # the shard is kept as it is
+        assert set(manifest) == {"twin-a", "twin-b", "other-seed"} and manifest["twin-b"]["duplicate_of"] == "twin-a"
+        assert in_tar == sidecar == ["other-seed", "twin-a"] and list(sizes.values()) == [2]

@@ -1,5 +1,6 @@
 """`--output_format webdataset`: img2dataset's tar shards (transforms/shards.py), placed by the input alone and
-packed from images the job's one generation stage made.
+packed from images the job's one generation stage made (--drop_near_duplicates: transforms/sinks/shard_drops.py
+packs a shard again without the near duplicates it drops, once the job's groups are known).
 
     plan      tasks -> a shard and an index each, from the input alone (AssignShards); one small group per shard
               (never pixels): a complete shard made for the same requests and model is kept (--skip_existing),
@@ -46,6 +47,7 @@ from .base import DAMAGED, DONE, ERRORS, EXISTING, FAILED, IMAGES, MANIFEST, MIS
     SinkSettings, after, error_rows
 from .encoding import ImageEncoding
 from .existing import ExistingImageMismatch, check_existing_image
+from .shard_drops import dropped_rows, with_duplicate_of
 from .writes import InFiltered, Placement, StoreImagesFn, default_encode_threads, read_bytes, write_bytes_atomic
 
 LOGGER = logging.getLogger(__name__)
@@ -244,7 +246,8 @@ class _PlanShardFn(retries.CountingRetriesFn):
             self._kept.inc()
             for row in kept:
                 yield beam.pvalue.TaggedOutput(EXISTING, row)
-            yield beam.pvalue.TaggedOutput(KEPT_SHARDS, {"shard": shard, "nsamples": len(kept), "kept": True})
+            in_tar = sum(1 for row in kept if "duplicate_of" not in row)  # less the near duplicates dropped
+            yield beam.pvalue.TaggedOutput(KEPT_SHARDS, {"shard": shard, "nsamples": in_tar, "kept": True})
             return
         staged = dict(grouped["staged"])
         for task in tasks:
@@ -280,12 +283,13 @@ class _PlanShardFn(retries.CountingRetriesFn):
                            shard, why)
             return None
         planned = len(tasks)
-        if not shards.is_complete(stats, planned) or len(rows) != planned \
+        dropped = dropped_rows(stats)  # --drop_near_duplicates: samples of the shard left out of its tar
+        if not shards.is_complete(stats, planned - len(dropped)) or len(rows) != planned - len(dropped) \
                 or any(r.get("status") != "success" for r in rows):
             LOGGER.info("--skip_existing: shard %05d is incomplete (%s); generating it again", shard,
                         {k: stats.get(k) for k in ("count", "successes", "failures")})
             return None
-        by_key = {r.get("key"): r for r in rows}
+        by_key = {r.get("key"): r for r in (*rows, *dropped)}
         stale = []
         for task in tasks:
             if task.key not in by_key:
@@ -296,12 +300,13 @@ class _PlanShardFn(retries.CountingRetriesFn):
         if stale:
             return _Stale(tuple(stale))
         uri = shards.shard_path(output, shard)
-        return [layout.manifest_row(
+        gone = {r["key"]: r.get("duplicate_of") for r in dropped}
+        return [with_duplicate_of(layout.manifest_row(
             task, file_name=row["file_name"], uri=uri, sha256=row["sha256"], num_bytes=row["bytes"],
             num_inference_steps=row["num_inference_steps"], guidance_scale=row["guidance_scale"],
             prompt_truncated=row["prompt_truncated"], model=row["model"], generation_ms=row["generation_ms"],
             identity=ImageIdentity.of(task, self._made_by(row)), key=task.key, crc32c=row.get("crc32c"),
-            phash=row.get("phash"))  # a kept shard's pHashes come from its sidecar
+            phash=row.get("phash")), gone.get(task.key))  # a kept shard's pHashes come from its sidecar
             for task, row in ((task, by_key[task.key]) for task in tasks)]
 
     def _made_by(self, row: dict) -> ModelIdentity:
@@ -559,6 +564,12 @@ class WebDatasetSink(Sink):
                   | "PackShards" >> beam.ParDo(_PackShardFn(s)).with_outputs(EXISTING, SHARDS_TAG, main=MANIFEST))
         manifest = (packed[MANIFEST], filtered) | "ShardedAndFiltered" >> beam.Flatten()
         infos = (inputs[KEPT_SHARDS], packed[SHARDS_TAG]) | "AllShardInfos" >> beam.Flatten()
+        if s.drop_near_duplicates is not None:  # one sample per near-duplicate group in the shards
+            from .shard_drops import DropNearDuplicatesFromShards
+
+            every = (manifest, packed[EXISTING], inputs[EXISTING]) | "EveryImage" >> beam.Flatten()
+            infos = {"rows": every, "infos": infos} | "DropNearDuplicates" >> DropNearDuplicatesFromShards(
+                s.output, per_shard, s.drop_near_duplicates)
         indexes = infos | "ShardIndexes" >> WriteShardIndexes(s.output, per_shard, s.encoding.extension, s.quantize,
                                                               s.score_names)
         cleaned = (after(manifest.pipeline | "StagingDir" >> beam.Create([s.output]), packed[SHARDS_TAG],
