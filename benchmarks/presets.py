@@ -59,41 +59,33 @@ def ensure_checkpoint(preset: str, *, distilled: bool = True, cache_root: str | 
 
     final = os.path.join(root, f"{preset}-realsize")
     if not os.path.isfile(os.path.join(final, "model_index.json")):
-        import shutil
-        import tempfile
-
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{preset}-", dir=root)
-        try:
-            build_realsize_checkpoint(tmp, entry["realsize"])
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _build_once(final, lambda tmp: build_realsize_checkpoint(tmp, entry["realsize"]))
     return final
+
+
+def _build_once(final: str, build) -> None:
+    """`build(folder)` into a temporary folder beside `final`, renamed into place whole (a killed build leaves none)."""
+    import shutil
+    import tempfile
+
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}-", dir=os.path.dirname(final))
+    try:
+        build(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def ensure_small_decoder_vae(cache_root: str | None = None) -> str:
     """A VAE folder in FLUX.2-small-decoder's shapes (full encoder, decoder widths 96-192-384-384; random bf16
     weights), built on first use (atomically), for `model.load(..., vae=...)` and `--vae`."""
-    import shutil
-    import tempfile
-
     from benchmarks.realsize import build_realsize_vae
 
-    root = cache_root or bench_cache_root()
-    final = os.path.join(root, "small-decoder-vae-realsize")
+    final = os.path.join(cache_root or bench_cache_root(), "small-decoder-vae-realsize")
     if not os.path.isfile(os.path.join(final, "config.json")):
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".small-decoder-", dir=root)
-        try:
-            build_realsize_vae(tmp)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _build_once(final, build_realsize_vae)
     return final

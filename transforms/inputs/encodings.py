@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import codecs
 
-from .files import InputReadError
+from .files import InputReadError, WithHead
 
 # Byte-order marks and the codec that reads the text after them; UTF-32's little-endian mark starts with UTF-16's,
 # so it is looked for first.
@@ -28,10 +28,10 @@ def sniff_text_encoding(raw) -> tuple[object, str | None]:
     for bom, encoding in BOMS:
         if head.startswith(bom):
             return Utf8Recoder(head[len(bom):], raw, encoding), encoding
-    reader = _Prepended(head, raw)
+    reader = WithHead(head, raw)
     if looks_like_utf16(head):
         head += raw.read(_SNIFF_BYTES - len(head))
-        reader = _Prepended(head, raw)
+        reader = WithHead(head, raw)
         if looks_like_utf16(head, len(head)):
             return _Refused(InputReadError(
                 "the file looks like UTF-16 text without a byte-order mark (a NUL byte beside each character); "
@@ -59,22 +59,6 @@ class _Refused:
 
     def read(self, size: int = -1) -> bytes:
         raise self._error
-
-
-class _Prepended:
-    """`raw` with the bytes already read from it put back in front."""
-
-    def __init__(self, head: bytes, raw):
-        self._head, self._raw = head, raw
-
-    def read(self, size: int = -1) -> bytes:
-        if not self._head:
-            return self._raw.read(size)
-        if size is None or size < 0:
-            out, self._head = self._head + self._raw.read(), b""
-            return out
-        out, self._head = self._head[:size], self._head[size:]
-        return out
 
 
 class Utf8Recoder:

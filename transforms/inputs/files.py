@@ -40,6 +40,23 @@ _OUT_CHUNK = 1024 * 1024  # most decompressed bytes produced at a time (a highly
 ZSTD_MAX_WINDOW = 2**27
 
 
+class WithHead:
+    """`raw` with bytes already read from it put back in front (the compression sniff, the byte-order mark)."""
+
+    def __init__(self, head: bytes, raw):
+        self._head = head
+        self._raw = raw
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._raw.read(size)
+        if size is None or size < 0:
+            out, self._head = self._head + self._raw.read(), b""
+            return out
+        out, self._head = self._head[:size], self._head[size:]
+        return out
+
+
 class InputReadError(Exception):
     """An input file that cannot be read to its end: cut short, corrupt, or not in the format its name says."""
 
@@ -116,24 +133,7 @@ def sniff_compression(raw):
     kind = next((k for magic, k in COMPRESSION_BY_MAGIC.items() if head.startswith(magic)), None)
     if kind is None and BZIP2_SIGNATURE.match(head):
         kind = "bzip2"
-    return _WithHead(head, raw), kind
-
-
-class _WithHead:
-    """`raw` with bytes already read from it put back in front."""
-
-    def __init__(self, head: bytes, raw):
-        self._head = head
-        self._raw = raw
-
-    def read(self, size: int = -1) -> bytes:
-        if not self._head:
-            return self._raw.read(size)
-        if size is None or size < 0:
-            out, self._head = self._head + self._raw.read(), b""
-            return out
-        out, self._head = self._head[:size], self._head[size:]
-        return out
+    return WithHead(head, raw), kind
 
 
 def _new_decompressor(kind: str):
