@@ -7,6 +7,7 @@ import pytest
 from google.api_core import exceptions, retry as api_retry
 
 from transforms import beam_adapter
+from flaky_calls import fails_then_works
 
 
 def test_an_options_class_is_registered_and_parsed_by_beam():
@@ -57,18 +58,6 @@ def test_gcs_retry_is_beams_gcs_policy():
     assert all(isinstance(p, api_retry.Retry) for p in beam_adapter.gcs_retry_policies())
 
 
-def _fails_then_works(policy, times: int):
-    calls = []
-
-    def call():
-        calls.append(1)
-        if len(calls) <= times:
-            raise exceptions.ServiceUnavailable("try again")
-        return "ok"
-
-    return policy.with_delay(initial=0.001, maximum=0.002)(call)  # a copy, as Beam's tests and ours make
-
-
 def test_hooked_retries_are_reported_and_the_policys_own_handler_still_runs():
     """The hook runs on each retry, before the policy's own handler, which still sees the retry loop's sleeps in its
     caller's frame (Beam's throttling count reads them there)."""
@@ -83,7 +72,7 @@ def test_hooked_retries_are_reported_and_the_policys_own_handler_still_runs():
                              on_error=own_handler)
     beam_adapter.hook_retries(policy, seen.append)
     beam_adapter.hook_retries(policy, seen.append)  # idempotent: each retry reported once
-    assert _fails_then_works(policy, 2)() == "ok"
+    assert fails_then_works(policy, 2)() == "ok"
     assert [type(e).__name__ for e in seen] == ["ServiceUnavailable"] * 2
     assert inner == [("ServiceUnavailable", True)] * 2
 
@@ -92,7 +81,7 @@ def test_a_policy_without_a_handler_is_hooked():
     seen = []
     policy = api_retry.Retry(predicate=api_retry.if_exception_type(exceptions.ServiceUnavailable), timeout=5)
     beam_adapter.hook_retries(policy, seen.append)
-    assert _fails_then_works(policy, 3)() == "ok" and len(seen) == 3
+    assert fails_then_works(policy, 3)() == "ok" and len(seen) == 3
 
 
 def test_beams_throttling_count_still_reads_its_sleep(monkeypatch):

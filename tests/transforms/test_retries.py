@@ -6,18 +6,7 @@ import logging
 from google.api_core import exceptions
 
 from transforms import beam_adapter, retries
-
-
-def _fails_then_works(policy, times: int):
-    calls = []
-
-    def call():
-        calls.append(1)
-        if len(calls) <= times:
-            raise exceptions.ServiceUnavailable("try again")
-        return "ok"
-
-    return policy.with_delay(initial=0.001, maximum=0.002).with_timeout(5)(call)
+from flaky_calls import fails_then_works
 
 
 def test_gcs_retries_are_counted_once_each():
@@ -25,7 +14,7 @@ def test_gcs_retries_are_counted_once_each():
     retries.install()  # idempotent: each retry counted once
     retries.take_pending()
     for policy in beam_adapter.gcs_retry_policies():
-        assert _fails_then_works(policy, 2)() == "ok"
+        assert fails_then_works(policy, 2, timeout=5)() == "ok"
     assert retries.take_pending() == 4 and retries.take_pending() == 0
 
 
@@ -38,7 +27,7 @@ def test_the_count_does_not_depend_on_the_logs():
     try:
         retries.install()
         retries.take_pending()
-        assert _fails_then_works(beam_adapter.gcs_retry(), 3)() == "ok"
+        assert fails_then_works(beam_adapter.gcs_retry(), 3, timeout=5)() == "ok"
         assert retries.take_pending() == 3
     finally:
         logger.setLevel(level)
@@ -55,5 +44,5 @@ def test_a_policy_replaced_since_is_counted_after_the_next_install(monkeypatch):
     monkeypatch.setattr(gcsio_retry, "DEFAULT_RETRY_WITH_THROTTLING_COUNTER", fresh)
     retries.install()
     retries.take_pending()
-    assert _fails_then_works(beam_adapter.gcs_retry(), 1)() == "ok"
+    assert fails_then_works(beam_adapter.gcs_retry(), 1, timeout=5)() == "ok"
     assert retries.take_pending() == 1
