@@ -173,7 +173,8 @@ class DeviceTransposes:
         quantize = scale_sharding is not None
         layout = jax.jit(_layout_program(tuple(order), quantize, bool(rank)),
                          out_shardings=(sharding, scale_sharding) if quantize else sharding)
-        return layout.lower(*specs).compile()
+        lowered = layout.lower(*specs)
+        return lowered.compile()
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,6 +21,7 @@ PACKAGES = ("model", "transforms", "pipeline", "templates", "tiny_klein")
 COMMIT = re.compile(r"(?<![0-9A-Za-z.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z])")
 DATE = re.compile(r"\b(19|20)\d\d-[01]\d-[0-3]\d\b")
 MACHINE = re.compile(r"\bmachines? [A-Z]\b")
+NAMES = {"ed25519"}  # hex-looking names of standards, not commits
 KINDS = {"commit id": COMMIT, "date": DATE, "machine by letter": MACHINE}
 
 
@@ -33,6 +34,8 @@ def diary_marks(source: str, name: str = "<source>") -> list[str]:
         for offset, line in enumerate(token.string.splitlines()):
             for kind, pattern in KINDS.items():
                 for match in pattern.finditer(line):
+                    if match.group() in NAMES or line[:match.start()].endswith("/"):
+                        continue  # a standard's name (a key algorithm), or a date in a namespace URI's path
                     found.append(f"{name}:{token.start[0] + offset}: {kind} {match.group()!r}")
     return found
 
