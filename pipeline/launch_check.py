@@ -124,6 +124,16 @@ def stored_answer(job, topology: str):
     return store, fields, store.load(fields)
 
 
+def _sourced(answer: dict, store, fields, compiled: bool) -> dict:
+    """The preflight's answer with "answer_source": "compiled" (and kept in the store, where there is one) for one
+    just compiled, else the stored entry's path."""
+    if not compiled:
+        return {**answer, "answer_source": store.path_for(fields)}
+    if store is not None:
+        store.save(fields, answer)
+    return {**answer, "answer_source": "compiled"}
+
+
 def check_fits(job, topology: str) -> dict:
     """The preflight's answer for `job`'s programs on `topology` at its defaults (with --batch_size auto, the fastest
     batch per image up to --max_batch_size that fits): the stored one when the job's compilation cache holds it for
@@ -131,7 +141,8 @@ def check_fits(job, topology: str) -> dict:
     written to the job's compilation cache for the workers) and stored. UsageError naming the shortfall and what
     would fit (a smaller batch first) when they do not fit. The answer's "answer_source" says where it came from."""
     store, fields, answer = stored_answer(job, topology)
-    if answer is None:
+    compiled = answer is None
+    if compiled:
         request = job_request(job, topology)
         logger.info("TPU preflight: compiling %s for %s at %dx%d, batch %s, %s model shard(s) (--skip_preflight "
                     "skips)", request.model, topology, request.height, request.width,
@@ -144,11 +155,7 @@ def check_fits(job, topology: str) -> dict:
         answer, why = _child_preflight(preflight_args(request, cache), {})
         if answer is None:
             raise UsageError(f"TPU preflight for {topology}: {why} (--skip_preflight launches without it)")
-        if store is not None:
-            store.save(fields, answer)
-        answer = {**answer, "answer_source": "compiled"}
-    else:
-        answer = {**answer, "answer_source": store.path_for(fields)}
+    answer = _sourced(answer, store, fields, compiled)
     if not answer["fits"]:
         advice = "; ".join(answer.get("advice") or [])
         raise UsageError(f"TPU preflight for {topology}: {answer.get('shortfall') or 'does not fit'}"
@@ -221,7 +228,8 @@ def pick_local_batch(job, topology: str) -> dict:
     JSON answer ("answer_source": where it came from); UsageError when nothing fits or the preflight cannot run."""
     store, fields, report = stored_answer(job, topology)
     why = "does not fit"
-    if report is None:
+    compiled = report is None
+    if compiled:
         request = job_request(job, topology)
         args = preflight_args(request, job.load.engine.compilation_cache_dir)
         logger.info("TPU preflight: picking the batch for this machine's %s (--batch_size auto; --skip_preflight "
@@ -236,11 +244,7 @@ def pick_local_batch(job, topology: str) -> dict:
         if report is None:
             raise UsageError(f"TPU preflight for this machine's {topology}: {why} (--skip_preflight, or a "
                              f"--batch_size, runs without it)")
-        if store is not None:
-            store.save(fields, report)
-        report = {**report, "answer_source": "compiled"}
-    else:
-        report = {**report, "answer_source": store.path_for(fields)}
+    report = _sourced(report, store, fields, compiled)
     if not report["fits"]:
         advice = "; ".join(report.get("advice") or [])
         raise UsageError(f"TPU preflight for this machine's {topology}: {report.get('shortfall') or why}"
